@@ -1,0 +1,186 @@
+"""From a gRPC request to token ids and sampling parameters, or a clear refusal.
+
+Everything a client can get wrong is checked here, before the request reaches the
+engine, and reported as `InvalidRequest` naming the field; the servicer turns that
+into INVALID_ARGUMENT. Prompts are rendered and encoded exactly as mlx-lm does, so a
+request here and `mlx_lm.stream_generate` on the same text see the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_relay.coordinator.sampling import SamplingParams
+from mlx_relay.protocol import relay_pb2 as pb
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class InvalidRequest(ValueError):
+    """A request the server refuses; the message names the field and says why."""
+
+
+@dataclass
+class Prompt:
+    text: str
+    token_ids: list[int]
+
+
+def _json_field(raw: str, name: str, kind: type) -> Any:
+    if not raw:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError as e:
+        raise InvalidRequest(f"{name} is not valid JSON: {e}") from e
+    if not isinstance(value, kind):
+        raise InvalidRequest(f"{name} must be a JSON {kind.__name__}")
+    return value
+
+
+def _message_dict(i: int, m: pb.ChatMessage) -> dict[str, Any]:
+    if m.role not in ROLES:
+        raise InvalidRequest(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}")
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
+    out["content"] = m.content
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": c.type or "function",
+                "function": {
+                    "name": c.function.name,
+                    "arguments": _tool_arguments(i, c.function.arguments),
+                },
+            }
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name:
+        out["name"] = m.name
+    return out
+
+
+def _tool_arguments(i: int, raw: str) -> Any:
+    """Chat templates iterate over arguments as a mapping; JSON text becomes one."""
+    try:
+        return json.loads(raw) if raw else {}
+    except ValueError as e:
+        raise InvalidRequest(f"messages[{i}].tool_calls arguments are not valid JSON: {e}") from e
+
+
+def chat_messages(messages: list[pb.ChatMessage]) -> list[dict[str, Any]]:
+    return [_message_dict(i, m) for i, m in enumerate(messages)]
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """mlx-lm's rule: add special tokens unless the text already starts with BOS."""
+    bos = tokenizer.bos_token
+    add_special = bos is None or not text.startswith(bos)
+    return list(tokenizer.encode(text, add_special_tokens=add_special))
+
+
+def render_prompt(
+    tokenizer: Any,
+    *,
+    prompt: str | bytes = "",
+    messages: list[pb.ChatMessage] = (),
+    tools_json: str = "",
+    chat_template_kwargs_json: str = "",
+) -> Prompt:
+    if isinstance(prompt, bytes):
+        try:
+            prompt = prompt.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidRequest(f"prompt is not valid UTF-8 ({e.reason} at byte {e.start})") from e
+    if prompt and messages:
+        raise InvalidRequest("give either prompt or messages, not both")
+    if messages:
+        tools = _json_field(tools_json, "tools", list)
+        kwargs = _json_field(chat_template_kwargs_json, "chat_template_kwargs", dict) or {}
+        if tools:
+            kwargs["tools"] = tools
+        try:
+            text = tokenizer.apply_chat_template(
+                chat_messages(messages), tokenize=False, add_generation_prompt=True, **kwargs
+            )
+        except InvalidRequest:
+            raise
+        except Exception as e:  # noqa: BLE001 - template errors are the client's input
+            raise InvalidRequest(f"the model's chat template refused these messages: {e}") from e
+    elif prompt:
+        text = prompt
+    else:
+        raise InvalidRequest("the request has neither a prompt nor messages")
+    token_ids = encode_text(tokenizer, text)
+    if not token_ids:
+        raise InvalidRequest("the prompt encodes to no tokens")
+    return Prompt(text, token_ids)
+
+
+def _finite(value: float, name: str) -> float:
+    if not math.isfinite(value):
+        raise InvalidRequest(f"{name} must be a finite number, got {value}")
+    return value
+
+
+def sampling_params(
+    p: pb.SamplingParams, *, vocab_size: int, default_max_tokens: int
+) -> SamplingParams:
+    if p.HasField("max_tokens") and p.max_tokens < 1:
+        raise InvalidRequest(f"max_tokens must be at least 1, got {p.max_tokens}")
+    temperature = _finite(p.temperature, "temperature") if p.HasField("temperature") else 0.0
+    if temperature < 0:
+        raise InvalidRequest(f"temperature must be >= 0, got {temperature}")
+    if not 0 <= _finite(p.top_p, "top_p") <= 1:
+        raise InvalidRequest(f"top_p must be in [0, 1], got {p.top_p}")
+    if not 0 <= _finite(p.min_p, "min_p") <= 1:
+        raise InvalidRequest(f"min_p must be in [0, 1], got {p.min_p}")
+    if not 0 <= p.top_k < vocab_size:
+        raise InvalidRequest(f"top_k must be in [0, {vocab_size}), got {p.top_k}")
+    if not 0 <= _finite(p.xtc_probability, "xtc_probability") <= 1:
+        raise InvalidRequest(f"xtc_probability must be in [0, 1], got {p.xtc_probability}")
+    xtc_threshold = p.xtc_threshold if p.xtc_threshold else 0.1
+    if not 0 <= _finite(xtc_threshold, "xtc_threshold") <= 0.5:
+        raise InvalidRequest(f"xtc_threshold must be in [0, 0.5], got {p.xtc_threshold}")
+    if len(p.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"stop has {len(p.stop)} strings, at most {MAX_STOP_STRINGS}")
+    if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}")
+    for token_id, bias in p.logit_bias.items():
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequest(
+                f"logit_bias token id {token_id} is outside the vocabulary (0..{vocab_size - 1})"
+            )
+        _finite(bias, f"logit_bias[{token_id}]")
+    penalties = {}
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+        if p.HasField(name):
+            penalties[name] = _finite(getattr(p, name), name)
+    if penalties.get("repetition_penalty", 1.0) < 0:
+        raise InvalidRequest("repetition_penalty must be >= 0")
+    if p.repetition_context_size < 0:
+        raise InvalidRequest("repetition_context_size must be >= 0")
+    return SamplingParams(
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else default_max_tokens,
+        temperature=temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        seed=p.seed if p.HasField("seed") else None,
+        ignore_eos=p.ignore_eos,
+        xtc_probability=p.xtc_probability,
+        xtc_threshold=xtc_threshold,
+        repetition_context_size=p.repetition_context_size or 20,
+        logit_bias={int(k): float(v) for k, v in p.logit_bias.items()},
+        stop=list(p.stop),
+        logprobs=p.logprobs or p.top_logprobs > 0,
+        top_logprobs=p.top_logprobs,
+        **penalties,
+    )

@@ -1,0 +1,91 @@
+"""Per-request sampling that reproduces single-process mlx-lm token for token.
+
+mlx-lm samples with MLX's global random state, which concurrent requests would share.
+Every global draw is `key, sub = split(key)` and then a draw with `sub`, so each
+request here keeps its own key and splits it the same way: a seeded request gives the
+tokens mlx-lm gives after `mx.random.seed(seed)`, whatever else the server is doing.
+The deterministic filters (top-p, min-p, top-k) are mlx-lm's own functions.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens_to_keep: int = 1
+    seed: int | None = None
+    ignore_eos: bool = False
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    repetition_penalty: float | None = None
+    repetition_context_size: int = 20
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stop: list[str] = field(default_factory=list)
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+class Sampler:
+    """One request's sampler chain and random key."""
+
+    def __init__(self, params: SamplingParams, special_token_ids: list[int] | None = None) -> None:
+        self.params = params
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+        self.key = mx.random.key(seed)
+        self.special_token_ids = list(special_token_ids or [])
+        self.processors = make_logits_processors(
+            logit_bias=params.logit_bias or None,
+            repetition_penalty=params.repetition_penalty,
+            repetition_context_size=params.repetition_context_size,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+        )
+
+    def _next_key(self) -> mx.array:
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+    def process(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        """Logits processors see every token so far (prompt included), as in mlx-lm."""
+        for processor in self.processors:
+            logits = processor(tokens, logits)
+        return logits
+
+    def sample(self, logprobs: mx.array) -> mx.array:
+        p = self.params
+        if p.temperature == 0:
+            return mx.argmax(logprobs, axis=-1)
+        if 0 < p.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, p.top_p)
+        if p.min_p != 0.0:
+            logprobs = apply_min_p(logprobs, p.min_p, p.min_tokens_to_keep)
+        if p.xtc_probability > 0.0:
+            logprobs = self._xtc(logprobs)
+        if p.top_k > 0:
+            logprobs = apply_top_k(logprobs, p.top_k)
+        return mx.random.categorical(logprobs * (1.0 / p.temperature), key=self._next_key())
+
+    def _xtc(self, logits: mx.array) -> mx.array:
+        """Exclude Top Choices: with probability xtc_probability drop every token above the
+        threshold except the least likely of them (the same draw order as mlx-lm)."""
+        p = self.params
+        probs = mx.softmax(logits, -1)
+        above = mx.where(probs > p.xtc_threshold, probs, mx.inf).min(axis=-1, keepdims=True)
+        mask = probs > above
+        if self.special_token_ids:
+            mask[..., self.special_token_ids] = False
+        apply = mx.random.uniform(0, 1, key=self._next_key()) <= p.xtc_probability
+        return mx.where(apply, mx.where(mask, -mx.inf, logits), logits)

@@ -1,0 +1,126 @@
+"""`mlx-relay serve`: what every rank runs (under `mlx.launch` or `mlx-relay local`).
+
+Rank 0 becomes the coordinator; every other rank a worker. The side channel's
+address is rank 0's address from the hostfile, or given explicitly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+import mlx.core as mx
+
+from mlx_relay.protocol import control
+
+log = logging.getLogger("mlx_relay.serve")
+
+DEFAULT_GRPC_ADDRESS = "127.0.0.1:50051"
+DEFAULT_CONTROL_PORT = 50151
+
+
+def add_serve_options(p: argparse.ArgumentParser) -> None:
+    """Options shared by `serve` and the launchers that pass them through."""
+    p.add_argument("--model", default="default", help="'default' (embedded SmolLM2) or a path")
+    p.add_argument(
+        "--layers",
+        default="",
+        help="layers per rank, e.g. 10,12,8 (default: even split)",
+    )
+    p.add_argument("--grpc-address", default=DEFAULT_GRPC_ADDRESS, help="rank 0's gRPC address")
+    p.add_argument("--max-active", type=int, default=8, help="sequences decoding at once")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond that")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per step")
+    p.add_argument(
+        "--default-max-tokens", type=int, default=256, help="max_tokens when a request has none"
+    )
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run one rank of a cluster (what mlx.launch starts)")
+    add_serve_options(p)
+    p.add_argument("--backend", default="any", help="mx.distributed backend: any, ring, mpi, jaccl")
+    p.add_argument(
+        "--control-address",
+        default="",
+        help=f"rank 0's side channel, tcp://host:port (default: rank 0's host, port {DEFAULT_CONTROL_PORT})",
+    )
+    p.add_argument("--startup-timeout", type=float, default=120.0)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0)
+    p.add_argument("--log-level", default=os.environ.get("MLX_RELAY_LOG", "INFO"))
+    p.set_defaults(func=run)
+
+
+def _rank0_host() -> str:
+    """Rank 0's address as the backend knows it (ring hostfile or jaccl coordinator)."""
+    hostfile = os.environ.get("MLX_HOSTFILE")
+    if hostfile and os.path.exists(hostfile):
+        with open(hostfile) as f:
+            hosts = json.load(f)
+        if isinstance(hosts, list) and hosts and isinstance(hosts[0], list) and hosts[0]:
+            return hosts[0][0].rsplit(":", 1)[0]
+    coordinator = os.environ.get("MLX_JACCL_COORDINATOR")
+    if coordinator:
+        return coordinator.rsplit(":", 1)[0]
+    return "127.0.0.1"
+
+
+def control_endpoint(args: argparse.Namespace) -> str:
+    return (
+        args.control_address
+        or os.environ.get(control.CONTROL_ENV)
+        or f"tcp://{_rank0_host()}:{DEFAULT_CONTROL_PORT}"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    group = mx.distributed.init(backend=args.backend) if _distributed() else None
+    rank = group.rank() if group else 0
+    size = group.size() if group else 1
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from mlx_relay.launch.hostfile import parse_layers
+    from mlx_relay.ring import Ring
+    from mlx_relay.sidechannel import ControlHub, ControlLink
+
+    ring = Ring(group) if size > 1 else None
+    secret = control.cluster_secret()
+    endpoint = control_endpoint(args)
+    if rank == 0:
+        from mlx_relay import sharding
+        from mlx_relay.coordinator import server
+        from mlx_relay.default_model import resolve_model
+
+        args.layer_counts = None
+        if args.layers:
+            num_layers = sharding.count_layers(sharding.read_config(resolve_model(args.model)))
+            args.layer_counts = parse_layers(args.layers, num_layers, size)
+        hub = ControlHub(endpoint, size, secret) if ring else None
+        log.info("rank 0 of %d; side channel %s", size, endpoint if ring else "(none)")
+        return server.run(args, ring, hub)
+
+    from mlx_relay import memory
+    from mlx_relay.worker.loop import Worker
+
+    link = ControlLink(endpoint, rank, secret, stats=memory.stats)
+    link.hello()
+    try:
+        Worker(ring, link).run()
+    finally:
+        link.close()
+    return 0
+
+
+def _distributed() -> bool:
+    """Started as one of several ranks (mlx.launch, mpirun or mlx-relay local)?"""
+    env = os.environ
+    return any(
+        k in env
+        for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MLX_JACCL_COORDINATOR")
+    )

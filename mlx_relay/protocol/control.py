@@ -1,0 +1,61 @@
+"""Side-channel messages: worker <-> rank 0 over pyzmq, beside the ring.
+
+The ring (mx.distributed) has no timeouts and cannot be polled, so everything that
+must work while a rank is stuck or asleep travels here: hello, heartbeats, error
+details, and the wake-up call that ends an idle worker's sleep. Every message is
+signed with the per-cluster secret so a stranger on the network cannot inject one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+from typing import Any
+
+# Message kinds.
+HELLO = "hello"  # worker -> rank 0: rank, host, pid, free memory
+HEARTBEAT = "heartbeat"  # worker -> rank 0: memory and state, every interval
+ERROR = "error"  # worker -> rank 0: details of a failed step (step_id, message)
+LOADED = "loaded"  # worker -> rank 0: model fingerprint and memory after CMD_LOAD
+WAKE = "wake"  # rank 0 -> worker: leave the idle sleep, steps follow on the ring
+BYE = "bye"  # rank 0 -> worker: rank 0 is gone or stopping; exit
+
+SECRET_ENV = "MLX_RELAY_SECRET"
+CONTROL_ENV = "MLX_RELAY_CONTROL"  # tcp://host:port of rank 0's side channel
+
+
+class BadMessage(ValueError):
+    """A side-channel message that fails its signature or does not parse."""
+
+
+def cluster_secret() -> bytes:
+    """The shared secret; an unset secret is the empty key (local development only)."""
+    return os.environ.get(SECRET_ENV, "").encode()
+
+
+def new_secret() -> str:
+    return os.urandom(24).hex()
+
+
+def encode(kind: str, body: dict[str, Any], secret: bytes) -> list[bytes]:
+    payload = json.dumps({"kind": kind, **body}, separators=(",", ":")).encode()
+    mac = hmac.new(secret, payload, hashlib.sha256).digest()
+    return [payload, mac]
+
+
+def decode(frames: list[bytes], secret: bytes) -> dict[str, Any]:
+    if len(frames) != 2:
+        raise BadMessage(f"expected 2 frames, got {len(frames)}")
+    payload, mac = frames
+    expected = hmac.new(secret, payload, hashlib.sha256).digest()
+    if not hmac.compare_digest(mac, expected):
+        raise BadMessage("signature does not match the cluster secret")
+    try:
+        message = json.loads(payload)
+    except ValueError as e:
+        raise BadMessage(f"not JSON: {e}") from e
+    if not isinstance(message, dict) or not isinstance(message.get("kind"), str):
+        raise BadMessage("message has no kind")
+    return message

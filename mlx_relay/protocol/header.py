@@ -1,0 +1,187 @@
+"""The step header: the one fixed-size message every rank receives before it acts.
+
+Every collective a rank issues is derived from the header alone, so rank 0 and the
+workers can never disagree about what comes next on the ring. The header travels
+0 -> 1 -> ... -> N-1 -> 0 ahead of its payload; when it returns to rank 0 it is also
+the acknowledgement that every rank did the step, with any error flags they set.
+
+Layout (int32, HEADER_LEN entries):
+
+    0  MAGIC            protocol version check: a stranger's bytes are refused
+    1  cmd              CMD_* code
+    2  step_id          increasing per step, for logs and matching errors
+    3  flags            FLAG_* bits
+    4  error_mask       bit r set: rank r failed in this step
+    5  error_code       ERR_* of the first rank that failed
+    6  payload_kind     PAYLOAD_NONE / PAYLOAD_HIDDEN / PAYLOAD_BYTES
+    7  payload_dtype    index into DTYPES
+    8..10              payload shape (batch, tokens, hidden) or (nbytes, 0, 0)
+    11 n_seqs           sequences in this step (<= MAX_SEQS)
+    12..               slots[MAX_SEQS], offsets[MAX_SEQS], lengths[MAX_SEQS]
+
+A sequence *slot* names a KV cache on every rank; *offset* is the position of the
+sequence's first token in this step (0 starts a fresh cache), *length* the number of
+new tokens it contributes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PROTOCOL_VERSION = 1
+MAGIC = 0x4D4C5200 | PROTOCOL_VERSION  # "MLR" + version
+
+MAX_SEQS = 16
+MAX_RANKS = 31  # error_mask is an int32 bitmask
+
+# Commands. Every one is acknowledged by the header coming back to rank 0.
+CMD_FORWARD = 1  # run layers for the announced sequences
+CMD_LOAD = 2  # payload: JSON load spec (model path, layer ranges)
+CMD_UNLOAD = 3  # drop model and caches, keep running
+CMD_FREE = 4  # free the KV caches of the announced slots
+CMD_IDLE = 5  # nothing to do: after forwarding, sleep on the side channel until woken
+CMD_SHUTDOWN = 6  # release everything and leave the loop: the last step a worker takes
+CMD_PING = 7  # no-op round trip (tests, health)
+
+COMMAND_NAMES = {
+    CMD_FORWARD: "FORWARD",
+    CMD_LOAD: "LOAD",
+    CMD_UNLOAD: "UNLOAD",
+    CMD_FREE: "FREE",
+    CMD_IDLE: "IDLE",
+    CMD_SHUTDOWN: "SHUTDOWN",
+    CMD_PING: "PING",
+}
+
+# Flags.
+FLAG_WANT_OUTPUT = 1 << 0  # the last rank sends hidden states back (else header only)
+FLAG_RESET = 1 << 1  # drop the announced slots' caches before the step (fresh sequence)
+
+# Payload kinds.
+PAYLOAD_NONE = 0
+PAYLOAD_HIDDEN = 1  # float array (batch, tokens, hidden)
+PAYLOAD_BYTES = 2  # uint8 array (nbytes,), e.g. a JSON document
+
+DTYPES = ("float32", "float16", "bfloat16", "uint8", "int32")
+
+# Error codes (a worker sets the first one it meets; details go over the side channel).
+ERR_NONE = 0
+ERR_EXCEPTION = 1
+ERR_NO_MODEL = 2
+ERR_LOAD = 3
+ERR_BAD_HEADER = 4
+ERR_OUT_OF_MEMORY = 5
+
+ERROR_NAMES = {
+    ERR_NONE: "none",
+    ERR_EXCEPTION: "exception",
+    ERR_NO_MODEL: "no model loaded",
+    ERR_LOAD: "load failed",
+    ERR_BAD_HEADER: "bad header",
+    ERR_OUT_OF_MEMORY: "out of memory",
+}
+
+_SLOTS = 12
+_OFFSETS = _SLOTS + MAX_SEQS
+_LENGTHS = _OFFSETS + MAX_SEQS
+HEADER_LEN = _LENGTHS + MAX_SEQS
+
+
+class ProtocolError(ValueError):
+    """A header that no rank of this version could have sent."""
+
+
+@dataclass
+class StepHeader:
+    cmd: int
+    step_id: int = 0
+    flags: int = 0
+    error_mask: int = 0
+    error_code: int = ERR_NONE
+    payload_kind: int = PAYLOAD_NONE
+    payload_dtype: str = "float32"
+    payload_shape: tuple[int, int, int] = (0, 0, 0)
+    slots: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+
+    @property
+    def n_seqs(self) -> int:
+        return len(self.slots)
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        return [r for r in range(MAX_RANKS) if self.error_mask >> r & 1]
+
+    def mark_failed(self, rank: int, code: int) -> None:
+        """Record a failure without hiding an earlier rank's error code."""
+        if self.error_mask == 0:
+            self.error_code = code
+        self.error_mask |= 1 << rank
+
+    def describe(self) -> str:
+        name = COMMAND_NAMES.get(self.cmd, str(self.cmd))
+        return f"step {self.step_id} {name} slots={self.slots}"
+
+
+def payload_nbytes_shape(header: StepHeader) -> tuple[int, ...]:
+    """The shape of the payload the header announces (empty tuple for none)."""
+    if header.payload_kind == PAYLOAD_NONE:
+        return ()
+    if header.payload_kind == PAYLOAD_BYTES:
+        return (header.payload_shape[0],)
+    return tuple(header.payload_shape)
+
+
+def encode(header: StepHeader) -> np.ndarray:
+    n = header.n_seqs
+    if n > MAX_SEQS:
+        raise ProtocolError(f"{n} sequences in one step, at most {MAX_SEQS}")
+    if not (len(header.offsets) == len(header.lengths) == n):
+        raise ProtocolError("slots, offsets and lengths must have the same length")
+    out = np.zeros(HEADER_LEN, dtype=np.int32)
+    out[0] = MAGIC
+    out[1] = header.cmd
+    out[2] = header.step_id
+    out[3] = header.flags
+    out[4] = header.error_mask
+    out[5] = header.error_code
+    out[6] = header.payload_kind
+    out[7] = DTYPES.index(header.payload_dtype)
+    out[8:11] = header.payload_shape
+    out[11] = n
+    out[_SLOTS : _SLOTS + n] = header.slots
+    out[_OFFSETS : _OFFSETS + n] = header.offsets
+    out[_LENGTHS : _LENGTHS + n] = header.lengths
+    return out
+
+
+def decode(raw: np.ndarray) -> StepHeader:
+    raw = np.asarray(raw, dtype=np.int32).reshape(-1)
+    if raw.shape[0] != HEADER_LEN:
+        raise ProtocolError(f"header has {raw.shape[0]} entries, expected {HEADER_LEN}")
+    if int(raw[0]) != MAGIC:
+        raise ProtocolError(
+            f"header magic {int(raw[0]):#x} != {MAGIC:#x}: ranks run different mlx-relay versions"
+        )
+    n = int(raw[11])
+    if not 0 <= n <= MAX_SEQS:
+        raise ProtocolError(f"header announces {n} sequences")
+    dtype_index = int(raw[7])
+    if not 0 <= dtype_index < len(DTYPES):
+        raise ProtocolError(f"unknown payload dtype {dtype_index}")
+    return StepHeader(
+        cmd=int(raw[1]),
+        step_id=int(raw[2]),
+        flags=int(raw[3]),
+        error_mask=int(raw[4]),
+        error_code=int(raw[5]),
+        payload_kind=int(raw[6]),
+        payload_dtype=DTYPES[dtype_index],
+        payload_shape=(int(raw[8]), int(raw[9]), int(raw[10])),
+        slots=[int(x) for x in raw[_SLOTS : _SLOTS + n]],
+        offsets=[int(x) for x in raw[_OFFSETS : _OFFSETS + n]],
+        lengths=[int(x) for x in raw[_LENGTHS : _LENGTHS + n]],
+    )

@@ -1,0 +1,143 @@
+"""Split any mlx-lm decoder by layer ranges and run one stage of it.
+
+mlx-lm's own pipeline support (`PipelineMixin`) covers a few families only, and the
+models' `__call__` cannot be reused on a slice of layers (gemma3 rescales whatever it
+is given as embeddings and picks sliding layers by their index in the full list). So a
+stage is run with three small functions that follow the models' own code: `embed`,
+`run_layers` (one mask per layer from that layer's own cache, which is exactly the
+mask the full model would build for it) and `head`. Given the same inputs they give
+bit-identical results to the full model, which the tests check for every family.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load_model
+
+# Families whose embedding output is scaled by sqrt(hidden_size) before the first layer.
+_SCALED_EMBEDDING = ("gemma", "gemma2", "gemma3", "gemma3_text")
+
+
+@dataclass
+class Shard:
+    """One rank's part of the model: layers [start, end), plus embedding and head on rank 0."""
+
+    model: nn.Module
+    config: dict[str, Any]
+    start: int
+    end: int
+    num_layers: int
+    has_ends: bool  # embedding, final norm and LM head live here
+
+    @property
+    def inner(self) -> nn.Module:
+        return inner_model(self.model)
+
+    def make_caches(self) -> list[Any]:
+        return new_caches(self)
+
+
+def inner_model(model: nn.Module) -> nn.Module:
+    """The decoder body that owns `layers` (model.model for mlx-lm's text families)."""
+    for candidate in (getattr(model, "model", None), getattr(model, "language_model", None)):
+        if candidate is not None and hasattr(candidate, "layers"):
+            return candidate
+    raise ValueError(
+        f"model type {type(model).__module__} has no decoder with a 'layers' list; "
+        "mlx-relay shards decoders whose forward loops over model.layers"
+    )
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    with open(Path(path) / "config.json") as f:
+        return json.load(f)
+
+
+def count_layers(config: dict[str, Any]) -> int:
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        if key in config:
+            return int(config[key])
+    text = config.get("text_config") or {}
+    if "num_hidden_layers" in text:
+        return int(text["num_hidden_layers"])
+    raise ValueError("config.json does not say how many layers the model has")
+
+
+def fingerprint(path: Path) -> str:
+    """Config plus weight index: equal on every rank when all ranks hold the same model."""
+    path = Path(path)
+    h = hashlib.sha256()
+    h.update(json.dumps(read_config(path), sort_keys=True).encode())
+    for f in sorted(path.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        h.update(index.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def load_shard(path: Path, start: int, end: int, *, has_ends: bool) -> Shard:
+    """Load only layers [start, end) (plus the ends on rank 0) and evaluate only those.
+
+    The weights are opened lazily; the layers of other ranks are dropped before
+    anything is evaluated, so peak memory is about the shard, not the whole model.
+    """
+    model, config = load_model(Path(path), lazy=True)
+    inner = inner_model(model)
+    num_layers = len(inner.layers)
+    if not 0 <= start < end <= num_layers:
+        raise ValueError(f"layer range [{start}, {end}) outside the model's {num_layers} layers")
+    inner.layers = inner.layers[start:end]
+    if not has_ends:
+        for owner, name in ((inner, "embed_tokens"), (inner, "norm"), (model, "lm_head")):
+            if name in owner:
+                owner.pop(name)
+    mx.eval(model.parameters())
+    return Shard(model, config, start, end, num_layers, has_ends)
+
+
+def new_caches(shard: Shard) -> list[Any]:
+    """Fresh KV caches for the local layers, of the types the model itself would use."""
+    caches = make_prompt_cache(shard.model)
+    local = shard.end - shard.start
+    if len(caches) == shard.num_layers:  # the model builds caches for all its layers
+        caches = caches[shard.start : shard.end]
+    if len(caches) != local:
+        raise ValueError(f"model made {len(caches)} caches for {local} local layers")
+    return caches
+
+
+def embed(shard: Shard, tokens: mx.array) -> mx.array:
+    inner = shard.inner
+    h = inner.embed_tokens(tokens)
+    if shard.config.get("model_type") in _SCALED_EMBEDDING:
+        h = h * mx.array(shard.config["hidden_size"] ** 0.5, mx.bfloat16).astype(h.dtype)
+    return h
+
+
+def run_layers(shard: Shard, h: mx.array, caches: list[Any]) -> mx.array:
+    for layer, cache in zip(shard.inner.layers, caches, strict=True):
+        h = layer(h, create_attention_mask(h, cache), cache)
+    return h
+
+
+def head(shard: Shard, h: mx.array) -> mx.array:
+    """Final norm and LM head (tied embeddings when the model has no lm_head)."""
+    h = shard.inner.norm(h)
+    if "lm_head" in shard.model:
+        logits = shard.model.lm_head(h)
+    else:
+        logits = shard.inner.embed_tokens.as_linear(h)
+    cap = shard.config.get("final_logit_softcapping")
+    if cap:
+        logits = mx.tanh(logits / cap) * cap
+    return logits
