@@ -364,15 +364,14 @@ def _check_ring(hf: Hostfile) -> list[str]:
             problems.append(
                 f"{_label(hf, i)}: ring backend needs 'ips' (the addresses the ring connects over)"
             )
-    counts = {len(h.ips) for h in hosts if h.ips}
-    if len(counts) > 1:
-        for i, h in enumerate(hosts):
-            if h.ips and len(h.ips) != len(hosts[0].ips) and hosts[0].ips:
-                problems.append(
-                    f"{_label(hf, i)}: has {len(h.ips)} ips but {_label(hf, 0)} has "
-                    f"{len(hosts[0].ips)}; the ring backend needs as many connections to the "
-                    "left as to the right, so every host must list the same number of ips"
-                )
+    ref = next((i for i, h in enumerate(hosts) if h.ips), None)
+    for i, h in enumerate(hosts):
+        if ref is not None and h.ips and len(h.ips) != len(hosts[ref].ips):
+            problems.append(
+                f"{_label(hf, i)}: has {len(h.ips)} ips but {_label(hf, ref)} has "
+                f"{len(hosts[ref].ips)}; the ring backend needs as many connections to the "
+                "left as to the right, so every host must list the same number of ips"
+            )
     if n == 1:
         problems.append(
             "ring backend with 1 host: mlx.launch then sets MLX_HOSTFILE to an empty file and "
