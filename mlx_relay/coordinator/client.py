@@ -49,9 +49,7 @@ class Client:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def wait_serving(
-    address: str, timeout: float, *, check: Callable[[], None] | None = None
-) -> None:
+def wait_serving(address: str, timeout: float, *, check: Callable[[], None] | None = None) -> None:
     """Block until the cluster at `address` reports SERVING; `check` may raise to give up."""
     deadline = time.monotonic() + timeout
     with Client(address) as client:
@@ -86,7 +84,9 @@ def response_json(response: pb.GenerateResponse) -> dict[str, Any]:
             "total_tokens": response.usage.total_tokens,
         },
         "timings": json_format.MessageToDict(
-            response.timings, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+            response.timings,
+            preserving_proto_field_name=True,
+            always_print_fields_with_no_presence=True,
         ),
         "request_id": response.request_id,
     }

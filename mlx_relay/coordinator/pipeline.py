@@ -207,4 +207,3 @@ def hub_ready(hub: ControlHub, world_size: int, timeout: float) -> None:
             f"ranks {missing} never reached rank 0's side channel within {timeout:.0f} s"
         )
     log.info("all %d workers said hello", world_size - 1)
-

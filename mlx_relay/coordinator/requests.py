@@ -152,7 +152,9 @@ def sampling_params(
     if len(p.stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"stop has {len(p.stop)} strings, at most {MAX_STOP_STRINGS}")
     if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}")
+        raise InvalidRequest(
+            f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}"
+        )
     for token_id, bias in p.logit_bias.items():
         if not 0 <= token_id < vocab_size:
             raise InvalidRequest(

@@ -104,9 +104,7 @@ def chunk_to_proto(chunk: Chunk, request_id: str) -> pb.GenerateChunk:
                 token=lp.token,
                 token_id=lp.token_id,
                 logprob=lp.logprob,
-                top_logprobs=[
-                    pb.TopLogprob(token_id=t, token=s, logprob=v) for t, s, v in lp.top
-                ],
+                top_logprobs=[pb.TopLogprob(token_id=t, token=s, logprob=v) for t, s, v in lp.top],
             )
         )
     if chunk.usage:

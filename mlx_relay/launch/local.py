@@ -207,8 +207,10 @@ def run(args: argparse.Namespace) -> int:
         failed = cluster.failed_rank()
         if failed:
             rank, code = failed
-            print(f"mlx-relay local: rank {rank} {describe_exit(code)}; stopping the cluster",
-                  file=sys.stderr)
+            print(
+                f"mlx-relay local: rank {rank} {describe_exit(code)}; stopping the cluster",
+                file=sys.stderr,
+            )
             cluster.stop()
             return EXIT_RANK_FAILED
         if all(p.poll() == 0 for p in cluster.procs):

@@ -121,6 +121,5 @@ def _distributed() -> bool:
     """Started as one of several ranks (mlx.launch, mpirun or mlx-relay local)?"""
     env = os.environ
     return any(
-        k in env
-        for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MLX_JACCL_COORDINATOR")
+        k in env for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MLX_JACCL_COORDINATOR")
     )

@@ -169,4 +169,3 @@ class Worker:
                 f"slot {slot} is at position {caches[0].offset}, step says {offset}",
             )
         return caches
-

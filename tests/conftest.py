@@ -1,0 +1,103 @@
+"""Shared fixtures: tiny models made at test time, real clusters of real rank processes."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import make_tiny_model  # noqa: E402
+
+from mlx_relay.coordinator.client import Client  # noqa: E402
+from mlx_relay.launch.local import LocalCluster, free_ports  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """make(family, num_layers, **kw) -> model dir, made once per session per arguments."""
+    made: dict[tuple, Path] = {}
+
+    def make(family: str = "llama", num_layers: int = 5, **kwargs) -> Path:
+        key = (family, num_layers, tuple(sorted(kwargs.items())))
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"{family}-{num_layers}")
+            made[key] = make_tiny_model(out, family, num_layers=num_layers, **kwargs)
+        return made[key]
+
+    return make
+
+
+class RunningCluster:
+    def __init__(self, cluster: LocalCluster, log_dir: Path) -> None:
+        self.cluster = cluster
+        self.log_dir = log_dir
+        self.address = cluster.grpc_address
+        self.client = Client(self.address, timeout=120)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.cluster.procs]
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {f.name}\n{f.read_text(errors='replace')[-4000:]}"
+            for f in sorted(self.log_dir.glob("*.log"))
+        )
+
+    def stop(self) -> list[int | None]:
+        self.client.close()
+        return self.cluster.stop()
+
+
+def start_cluster(
+    model: Path | str,
+    n: int,
+    log_dir: Path,
+    *extra: str,
+    layers: str | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 180,
+) -> RunningCluster:
+    args = ["--model", str(model), *extra]
+    if layers:
+        args += ["--layers", layers]
+    address = f"127.0.0.1:{free_ports(1)[0]}"
+    cluster = LocalCluster(n, args, grpc_address=address, log_dir=log_dir, env=env or {})
+    cluster.start()
+    running = RunningCluster(cluster, log_dir)
+    try:
+        cluster.wait_serving(timeout)
+    except Exception as e:
+        running.stop()
+        raise AssertionError(f"cluster did not start: {e}\n{running.logs()}") from e
+    return running
+
+
+def assert_gone(pids: list[int]) -> None:
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert not alive, f"rank processes left behind: {alive}"
+
+
+@pytest.fixture
+def cluster_factory(tmp_path):
+    """start(model, n, *serve_args, layers=None) -> RunningCluster; all stopped afterwards."""
+    started: list[RunningCluster] = []
+
+    def start(model, n, *extra, **kwargs) -> RunningCluster:
+        running = start_cluster(model, n, tmp_path / f"cluster{len(started)}", *extra, **kwargs)
+        started.append(running)
+        return running
+
+    yield start
+    for running in started:
+        running.stop()
+        assert_gone(running.pids)
+
+
+def pytest_configure(config):
+    os.environ.setdefault("MLX_RELAY_LOG", "INFO")

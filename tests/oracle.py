@@ -1,0 +1,59 @@
+"""The correctness oracle: single-process mlx-lm on the same model and prompt."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm import load, stream_generate
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from mlx_relay.coordinator.requests import encode_text
+
+
+@lru_cache(maxsize=8)
+def _load(path: str):
+    return load(path)
+
+
+def tokenizer_for(path: Path):
+    return _load(str(path))[1]
+
+
+def chat_tokens(path: Path, messages: list[dict], **template_kwargs) -> list[int]:
+    """How mlx-lm's own CLI renders a chat: template to text, then encode."""
+    tokenizer = tokenizer_for(path)
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **template_kwargs
+    )
+    return encode_text(tokenizer, text)
+
+
+def mlx_lm_tokens(
+    path: Path,
+    prompt_tokens: list[int],
+    max_tokens: int,
+    *,
+    seed: int | None = None,
+    sampler: dict | None = None,
+    processors: dict | None = None,
+) -> list[int]:
+    """Tokens `mlx_lm.stream_generate` produces (the EOS token itself not included)."""
+    model, tokenizer = _load(str(path))
+    if seed is not None:
+        mx.random.seed(seed)
+    responses = list(
+        stream_generate(
+            model,
+            tokenizer,
+            mx.array(prompt_tokens),
+            max_tokens=max_tokens,
+            sampler=make_sampler(**(sampler or {})),
+            logits_processors=make_logits_processors(**(processors or {})),
+        )
+    )
+    tokens = [r.token for r in responses]
+    if responses and responses[-1].finish_reason == "stop":
+        tokens = tokens[:-1]
+    return tokens

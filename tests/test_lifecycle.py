@@ -1,0 +1,114 @@
+"""Starting and stopping: Free, shutdown, and the `mlx-relay local` launcher itself."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import psutil
+import pytest
+from conftest import assert_gone
+from oracle import mlx_lm_tokens, tokenizer_for
+
+from mlx_relay.coordinator.client import Client, wait_serving
+from mlx_relay.coordinator.requests import encode_text as encode_prompt
+from mlx_relay.launch.local import free_ports
+from mlx_relay.protocol import relay_pb2 as pb
+
+pytestmark = pytest.mark.cluster
+
+
+def _wait_gone(pids: list[int], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids):
+            return
+        time.sleep(0.1)
+    assert_gone(pids)
+
+
+def test_free_then_load_again_then_shutdown(tiny_model, cluster_factory):
+    model = tiny_model("llama", 5)
+    running = cluster_factory(model, 3)
+    client = running.client
+    reply = client.stub.Free(pb.FreeRequest(), timeout=30)
+    assert "freed" in reply.message
+    assert client.status().state == "unloaded"
+    assert not client.serving()
+    with pytest.raises(grpc.RpcError) as info:
+        client.generate(pb.GenerateRequest(prompt="hello"))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    loaded = client.stub.LoadModel(
+        pb.LoadModelRequest(model=str(model), layers="2,2,1"), timeout=60
+    )
+    assert [(r.layer_start, r.layer_end) for r in loaded.status.ranks] == [(0, 2), (2, 4), (4, 5)]
+    assert client.serving()
+    prompt = encode_prompt(tokenizer_for(model), "Once upon a time")
+    response = client.generate(
+        pb.GenerateRequest(prompt="Once upon a time", params=pb.SamplingParams(max_tokens=12))
+    )
+    assert list(response.token_ids) == mlx_lm_tokens(model, prompt, 12)
+
+    client.stub.Free(pb.FreeRequest(shutdown=True), timeout=30)
+    for p in running.cluster.procs:
+        assert p.wait(30) == 0, running.logs()
+    _wait_gone(running.pids)
+
+
+def test_load_of_a_missing_model_fails_clearly_and_keeps_serving(
+    tiny_model, cluster_factory, tmp_path
+):
+    model = tiny_model("llama", 5)
+    running = cluster_factory(model, 2)
+    with pytest.raises(grpc.RpcError) as info:
+        running.client.stub.LoadModel(pb.LoadModelRequest(model=str(tmp_path / "nope")), timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "nope" in info.value.details()
+    running.client.stub.LoadModel(pb.LoadModelRequest(model=str(model)), timeout=60)
+    assert running.client.generate(
+        pb.GenerateRequest(prompt="hi", params=pb.SamplingParams(max_tokens=2))
+    ).finish_reason
+
+
+def test_local_launcher_stops_cleanly_on_sigterm(tiny_model, tmp_path):
+    model = tiny_model("llama", 5)
+    address = f"127.0.0.1:{free_ports(1)[0]}"
+    log = open(tmp_path / "local.log", "wb")  # noqa: SIM115
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlx_relay",
+            "local",
+            "-n",
+            "2",
+            "--model",
+            str(model),
+            "--grpc-address",
+            address,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_serving(address, 120)
+        with Client(address, timeout=60) as client:
+            assert (
+                client.generate(
+                    pb.GenerateRequest(prompt="hi", params=pb.SamplingParams(max_tokens=3))
+                ).usage.completion_tokens
+                >= 0
+            )
+        ranks = [c.pid for c in psutil.Process(launcher.pid).children()]
+        assert len(ranks) == 2
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(60) == 0, (tmp_path / "local.log").read_text()
+        _wait_gone(ranks)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        log.close()

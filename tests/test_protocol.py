@@ -1,0 +1,58 @@
+"""The wire formats: step header and signed side-channel messages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mlx_relay.protocol import control
+from mlx_relay.protocol import header as hdr
+
+
+def test_header_round_trip_with_several_sequences():
+    h = hdr.StepHeader(
+        cmd=hdr.CMD_FORWARD,
+        step_id=12345,
+        flags=hdr.FLAG_WANT_OUTPUT | hdr.FLAG_RESET,
+        payload_kind=hdr.PAYLOAD_HIDDEN,
+        payload_dtype="bfloat16",
+        payload_shape=(3, 7, 576),
+        slots=[0, 5, 15],
+        offsets=[0, 100, 8191],
+        lengths=[7, 1, 1],
+    )
+    raw = hdr.encode(h)
+    assert raw.dtype == np.int32 and raw.shape == (hdr.HEADER_LEN,)
+    assert hdr.decode(raw) == h
+    assert hdr.payload_nbytes_shape(h) == (3, 7, 576)
+
+
+def test_error_flags_keep_the_first_failure_code():
+    h = hdr.StepHeader(cmd=hdr.CMD_PING)
+    h.mark_failed(2, hdr.ERR_OUT_OF_MEMORY)
+    h.mark_failed(1, hdr.ERR_EXCEPTION)
+    back = hdr.decode(hdr.encode(h))
+    assert back.failed_ranks == [1, 2]
+    assert back.error_code == hdr.ERR_OUT_OF_MEMORY
+
+
+def test_headers_from_another_version_or_garbage_are_refused():
+    raw = hdr.encode(hdr.StepHeader(cmd=hdr.CMD_PING))
+    raw[0] ^= 0xFF
+    with pytest.raises(hdr.ProtocolError, match="different mlx-relay versions"):
+        hdr.decode(raw)
+    with pytest.raises(hdr.ProtocolError):
+        hdr.decode(np.zeros(3, dtype=np.int32))
+    too_many = hdr.StepHeader(cmd=hdr.CMD_FREE, slots=list(range(hdr.MAX_SEQS + 1)))
+    too_many.offsets = too_many.lengths = [0] * too_many.n_seqs
+    with pytest.raises(hdr.ProtocolError):
+        hdr.encode(too_many)
+
+
+def test_side_channel_messages_are_signed():
+    frames = control.encode(control.HELLO, {"rank": 1}, b"secret")
+    assert control.decode(frames, b"secret") == {"kind": "hello", "rank": 1}
+    with pytest.raises(control.BadMessage, match="signature"):
+        control.decode(frames, b"other secret")
+    with pytest.raises(control.BadMessage):
+        control.decode([frames[0]], b"secret")
