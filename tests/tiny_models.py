@@ -1,26 +1,32 @@
 """Tiny random-weight mlx-lm models, made at test time.
 
-Tests need real model directories (config.json, safetensors, tokenizer files)
-that ``mlx_lm.load`` accepts, but no model hub is reachable and real weights
-are far too slow on a 2-core CPU. ``make_tiny_model`` writes one in a few tens
-of milliseconds: a byte-level BPE tokenizer trained on a small embedded corpus,
-a ChatML chat template with tools and thinking, and seeded random float32
-weights scaled so that generation is varied rather than one token repeated.
+Tests need real model directories that ``mlx_lm.load`` accepts, but no model
+hub is reachable and real checkpoints are far too slow on a small CPU.
+``make_tiny_model`` writes one in a few tens of milliseconds: a byte-level BPE
+tokenizer trained on a small embedded corpus, a ChatML chat template with
+tools and thinking, and seeded random float32 weights scaled so that
+generation varies instead of repeating one token.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import pathlib
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.utils import _get_classes
+from mlx_lm.utils import MODEL_REMAPPING
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text", "mistral", "phi3")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text")
+# Also work, but are left out of FAMILIES so that tests parametrised over it
+# stay fast: mistral is llama under another model_type, phi3 fuses qkv_proj
+# and gate_up_proj.
+EXTRA_FAMILIES = ("mistral", "phi3")
 
+# The trainer gives special tokens the ids 0..6 in this order.
 SPECIAL_TOKENS = (
     "<|endoftext|>",
     "<|im_start|>",
@@ -37,7 +43,14 @@ VOCAB_SIZE = 512
 NUM_HEADS = 4
 NUM_KV_HEADS = 2
 DEFAULT_SLIDING_WINDOW = 16
-SLIDING_WINDOW_PATTERN = 3
+DEFAULT_SLIDING_WINDOW_PATTERN = 3
+
+# Weight scales; see _init_weights for why they are what they are.
+INIT_STD = 2.0
+LOGIT_STD = 2.5
+GEMMA_EMBED_RMS = 0.1
+QK_NORM = 4.0
+SPECIAL_TOKEN_SCALE = 0.1
 
 # Varied text so the BPE merges cover words, digits, punctuation, code, chat
 # markup and some multi-byte characters. Edit it and every model changes.
@@ -64,11 +77,17 @@ CORPUS = (
 
 # Qwen2.5/Qwen3-style ChatML. "<tool_call>" together with "tool_call.name" is
 # what makes mlx-lm pick its json_tools parser; "enable_thinking=False" closes
-# an empty think block as Qwen3 does.
+# an empty think block as Qwen3 does. Content may be a string or a list of
+# OpenAI-style parts, of which the text parts are kept.
 CHAT_TEMPLATE = """\
+{%- macro text(content) %}
+{%- if content is string %}{{- content }}
+{%- elif content %}{%- for part in content if part.type == 'text' %}{{- part.text }}{%- endfor %}
+{%- endif %}
+{%- endmacro %}
 {%- if tools %}
 {{- '<|im_start|>system\\n' }}
-{%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+{%- if messages and messages[0].role == 'system' %}{{- text(messages[0].content) + '\\n\\n' }}{%- endif %}
 {{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' }}
 {{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
 {%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
@@ -76,15 +95,15 @@ CHAT_TEMPLATE = """\
 {{- 'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n' }}
 {{- '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
 {%- elif messages and messages[0].role == 'system' %}
-{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{{- '<|im_start|>system\\n' + text(messages[0].content) + '<|im_end|>\\n' }}
 {%- endif %}
 {%- for message in messages %}
 {%- if message.role == 'system' and loop.first %}
 {%- elif message.role == 'user' or message.role == 'system' %}
-{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{{- '<|im_start|>' + message.role + '\\n' + text(message.content) + '<|im_end|>\\n' }}
 {%- elif message.role == 'assistant' %}
 {{- '<|im_start|>assistant' }}
-{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
+{%- if message.content %}{{- '\\n' + text(message.content) }}{%- endif %}
 {%- if message.tool_calls %}
 {%- for tool_call in message.tool_calls %}
 {%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
@@ -97,7 +116,7 @@ CHAT_TEMPLATE = """\
 {{- '<|im_end|>\\n' }}
 {%- elif message.role == 'tool' %}
 {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+{{- '\\n<tool_response>\\n' + text(message.content) + '\\n</tool_response>' }}
 {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
 {%- endif %}
 {%- endfor %}
@@ -108,35 +127,61 @@ CHAT_TEMPLATE = """\
 """
 
 
+# Qwen2's split pattern. transformers 5 loads qwen2 checkpoints through
+# Qwen2Tokenizer, which rebuilds the normaliser and pre-tokenizer with exactly
+# these, so using them everywhere keeps every family (and a plain
+# tokenizers.Tokenizer on tokenizer.json) encoding identically.
+PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
 @functools.cache
 def _tokenizer_json() -> str:
     """Train the byte-level BPE once per process; training is deterministic."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers.trainers import BpeTrainer
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
+    trainer = BpeTrainer(
         vocab_size=VOCAB_SIZE,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(CORPUS, trainer)
+    assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
     return tokenizer.to_str()
 
 
-def tokenizer_files(path: pathlib.Path) -> int:
-    """Write tokenizer.json and tokenizer_config.json into ``path``.
+def _vocab() -> dict[str, int]:
+    return json.loads(_tokenizer_json())["model"]["vocab"]
 
-    Returns the vocabulary size (special tokens included), which the model's
-    embedding must match.
+
+def write_tokenizer(path: pathlib.Path) -> pathlib.Path:
+    """Write tokenizer.json and tokenizer_config.json into ``path``; return it.
+
+    ``tokenizer_class`` is PreTrainedTokenizerFast so transformers builds the
+    tokenizer from tokenizer.json as is (qwen2 gets Qwen2Tokenizer, which
+    rebuilds the same pipeline). ``added_tokens_decoder`` marks the special
+    tokens special, so decoding with skip_special_tokens drops them.
     """
+    path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer_json = _tokenizer_json()
     (path / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-    content = json.loads(tokenizer_json)
-    added = {str(t.pop("id")): t for t in content["added_tokens"]}
+    added = {}
+    for token in json.loads(tokenizer_json)["added_tokens"]:
+        added[str(token.pop("id"))] = token
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
@@ -150,28 +195,25 @@ def tokenizer_files(path: pathlib.Path) -> int:
         "added_tokens_decoder": added,
         "chat_template": CHAT_TEMPLATE,
     }
-    (path / "tokenizer_config.json").write_text(
-        json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8"
-    )
-    return len(content["model"]["vocab"]) + sum(
-        t["content"] not in content["model"]["vocab"] for t in content["added_tokens"]
-    )
+    text = json.dumps(config, indent=2, ensure_ascii=False)
+    (path / "tokenizer_config.json").write_text(text, encoding="utf-8")
+    return path
 
 
 def _config(
     family: str,
-    vocab_size: int,
-    eos_id: int,
     num_layers: int,
     hidden_size: int,
     tie_word_embeddings: bool | None,
     sliding_window: int | None,
+    sliding_window_pattern: int | None,
 ) -> dict:
     """An HF-style config.json for ``family`` with small dimensions."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    if family not in FAMILIES + EXTRA_FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES + EXTRA_FAMILIES}")
     if hidden_size % NUM_HEADS:
         raise ValueError(f"hidden_size must be a multiple of {NUM_HEADS}")
+    vocab = _vocab()
     head_dim = hidden_size // NUM_HEADS
     config = {
         "model_type": family,
@@ -182,16 +224,20 @@ def _config(
         "num_key_value_heads": NUM_KV_HEADS,
         "head_dim": head_dim,
         "rms_norm_eps": 1e-6,
-        "vocab_size": vocab_size,
+        "vocab_size": len(vocab),
         "max_position_embeddings": 2048,
         "rope_theta": 10000.0,
         "tie_word_embeddings": family in ("qwen2", "qwen3", "gemma3_text"),
         "torch_dtype": "float32",
-        "eos_token_id": eos_id,
+        "eos_token_id": vocab[EOS_TOKEN],
+        # transformers reads config.json too and warns about e.g. phi3's
+        # default pad id 32000 being outside the vocabulary.
+        "pad_token_id": vocab[PAD_TOKEN],
     }
     if tie_word_embeddings is not None:
         config["tie_word_embeddings"] = tie_word_embeddings
-    pattern = max(1, min(SLIDING_WINDOW_PATTERN, num_layers))
+    # Full attention on every pattern-th layer (gemma3's rule), at least one.
+    pattern = max(1, min(sliding_window_pattern or DEFAULT_SLIDING_WINDOW_PATTERN, num_layers))
     if family == "gemma3_text":
         config.update(
             sliding_window=sliding_window or DEFAULT_SLIDING_WINDOW,
@@ -201,7 +247,7 @@ def _config(
         )
     elif sliding_window is not None:
         if family not in ("llama", "mistral"):
-            raise ValueError(f"{family} has no sliding-window attention in mlx-lm")
+            raise ValueError(f"mlx-lm's {family} has no sliding-window attention")
         config["sliding_window"] = sliding_window
         config["layer_types"] = [
             "full_attention" if i % pattern == pattern - 1 else "sliding_attention"
@@ -210,32 +256,28 @@ def _config(
     return config
 
 
-INIT_STD = 2.0
-LOGIT_STD = 2.5
-GEMMA_EMBED_RMS = 0.5
-QK_NORM = 3.0
-SPECIAL_TOKEN_SCALE = 0.1
-
-
 def _init_weights(model: nn.Module, seed: int, gemma: bool) -> None:
     """Re-draw every weight from ``seed`` with explicit keys.
 
     Explicit keys make the weights depend on ``seed`` alone (not on how much of
-    mlx's global RNG the constructors used) and leave the caller's RNG alone.
+    mlx's global RNG the constructors used), and the global RNG is not
+    reseeded behind the caller's back.
 
-    The scales matter. Default inits give flat logits (sampling is noise), and
-    tied embeddings that dominate the residual stream make the model echo its
-    input, so greedy decoding repeats one token forever. Hence: matrices at
-    ``INIT_STD / sqrt(fan_in)`` so the layers outweigh the embedding, and
-    embeddings / lm_head scaled so the logits have std ``LOGIT_STD``. Gemma
-    multiplies embeddings by sqrt(hidden) and normalises every layer output,
+    The scales matter; the default init fails in both directions. Flat logits
+    make sampling pure noise, and a tied embedding that dominates the residual
+    stream makes the model echo its input so greedy decoding repeats one
+    token forever. So: matrices at ``INIT_STD / sqrt(fan_in)`` so the layers
+    outweigh the embedding, embedding and lm_head scaled for logits with std
+    ``LOGIT_STD``, and QK-norm weights raised so attention is not uniform.
+    Gemma scales embeddings by sqrt(hidden) and normalises every layer output,
     so there the embedding is kept small and the final norm (gemma norms scale
-    by ``1 + weight``) does the logit scaling.
+    by ``1 + weight``) provides the logit scale. Special tokens get small
+    output rows, so free-running generation rarely stops early at EOS.
     """
     params = tree_flatten(model.parameters())
     keys = mx.random.split(mx.random.key(seed), len(params))
     new = []
-    for (name, w), key in zip(params, keys):
+    for (name, w), key in zip(params, keys, strict=True):
         fan_in = w.shape[-1]
         if "q_norm" in name or "k_norm" in name:
             w = mx.full(w.shape, QK_NORM - 1.0 if gemma else QK_NORM)
@@ -267,24 +309,35 @@ def make_tiny_model(
     seed: int = 0,
     tie_word_embeddings: bool | None = None,
     sliding_window: int | None = None,
+    sliding_window_pattern: int | None = None,
 ) -> pathlib.Path:
-    """Write a tiny random-weight model of ``family`` into ``path``; return it.
+    """Write a tiny random-weight ``family`` model into ``path``; return it.
 
-    The same arguments always give byte-identical files. ``sliding_window``
-    sets gemma3_text's window (default 16) and, for llama/mistral, turns on
-    sliding attention in all but every third layer.
+    The same arguments give byte-identical files. Dimensions: 4 heads, 2 KV
+    heads, head_dim ``hidden_size // 4``, intermediate ``2 * hidden_size``,
+    float32. Embeddings are tied by default for qwen2, qwen3 and gemma3_text,
+    untied for llama.
+
+    gemma3_text always has sliding layers: window ``sliding_window`` (default
+    16) on all but every ``sliding_window_pattern``-th layer (default 3,
+    capped at ``num_layers``). llama and mistral get the same layout through
+    ``layer_types`` when ``sliding_window`` is given; the other families have
+    no sliding attention in mlx-lm and reject it.
+
+    EOS is rarely generated spontaneously (see ``_init_weights``); tests that
+    need a stop can pass ``eos_token_ids`` or a ``model_config`` override.
     """
-    path = pathlib.Path(path)
-    vocab_size = tokenizer_files(path)
-    eos_id = json.loads(_tokenizer_json())["model"]["vocab"][EOS_TOKEN]
+    path = write_tokenizer(path)
     config = _config(
-        family, vocab_size, eos_id, num_layers, hidden_size, tie_word_embeddings, sliding_window
+        family, num_layers, hidden_size, tie_word_embeddings, sliding_window, sliding_window_pattern
     )
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
+    arch = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(family, family)}")
+    model = arch.Model(arch.ModelArgs.from_dict(config))
     _init_weights(model, seed, gemma=family == "gemma3_text")
     weights = dict(tree_flatten(model.parameters()))
     if config["tie_word_embeddings"]:
+        # gemma3_text always builds an lm_head and drops it on load when the
+        # checkpoint has none; the other families build none when tied.
         weights.pop("lm_head.weight", None)
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
