@@ -9,6 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from mlx_relay.doorbell import Doorbell
 from mlx_relay.protocol import header as hdr
 
 _MX_DTYPES = {
@@ -32,8 +33,11 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 
 class Ring:
-    def __init__(self, group: mx.distributed.Group) -> None:
+    """The ring plus its doorbells: every hop rings before it sends."""
+
+    def __init__(self, group: mx.distributed.Group, doorbell: Doorbell) -> None:
         self.group = group
+        self.doorbell = doorbell
         self.rank = group.rank()
         self.size = group.size()
         self.next = (self.rank + 1) % self.size
@@ -41,13 +45,21 @@ class Ring:
 
     def send(self, header: hdr.StepHeader, payload: mx.array | None = None) -> None:
         raw = mx.array(hdr.encode(header))
+        if payload is not None:
+            mx.eval(payload)  # compute first, so the neighbour is woken only when data is ready
+        self.doorbell.ring(header.step_id)
         mx.eval(mx.distributed.send(raw, self.next, group=self.group))
         if hdr.payload_nbytes_shape(header):
             if payload is None:
                 raise hdr.ProtocolError(f"{header.describe()} announces a payload but has none")
             mx.eval(mx.distributed.send(payload, self.next, group=self.group))
 
+    def wait(self, timeout: float | None = None) -> None:
+        """Sleep until the left neighbour rings; DoorbellTimeout after `timeout` seconds."""
+        self.doorbell.wait(timeout)
+
     def recv_header(self) -> hdr.StepHeader:
+        """Receive a header; call after `wait` so that the backend does not spin."""
         raw = mx.distributed.recv((hdr.HEADER_LEN,), mx.int32, self.prev, group=self.group)
         mx.eval(raw)
         return hdr.decode(np.array(raw, copy=False))

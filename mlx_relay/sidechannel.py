@@ -1,7 +1,7 @@
 """The pyzmq side channel between rank 0 (the hub) and every worker (a link).
 
 Rank 0 binds one ROUTER socket. Each worker connects two DEALER sockets: `cmd`, used
-by its main thread (hello, errors, the idle sleep that waits for a wake-up), and
+by its main thread (hello, errors, and rank 0's 'bye' while it waits for a step), and
 `hb`, owned by a heartbeat thread that keeps talking while the main thread is blocked
 inside a collective. Messages are signed (protocol.control); bad ones are dropped and
 logged, never acted on.
@@ -52,7 +52,7 @@ class RankInfo:
 
 
 class ControlHub:
-    """Rank 0's end: tracks every worker, carries wake-ups and collects error details."""
+    """Rank 0's end: tracks every worker's liveness and collects error details."""
 
     def __init__(
         self,
@@ -92,10 +92,6 @@ class ControlHub:
         self._outbox.put((_identity(rank, "cmd"), frames))
         with self._push_lock:
             self._wakeup_push.send(b"")
-
-    def wake(self) -> None:
-        for rank in range(1, self.world_size):
-            self.send(rank, control.WAKE)
 
     def bye(self) -> None:
         for rank in range(1, self.world_size):
@@ -231,7 +227,7 @@ class ControlHub:
 
 
 class ControlLink:
-    """A worker's end: hello, error details, the idle sleep, and heartbeats."""
+    """A worker's end: hello, error details, rank 0's bye, and heartbeats."""
 
     def __init__(
         self,
@@ -271,30 +267,22 @@ class ControlLink:
         self.send(control.HELLO, host=socket.gethostname(), pid=os.getpid(), stats=self._stats())
         self._hb_thread.start()
 
-    def wait_for_wake(self) -> str:
-        """Sleep until rank 0 says what to do; returns WAKE or BYE. Uses no CPU meanwhile."""
-        while True:
-            frames = self._cmd.recv_multipart()
-            try:
-                message = control.decode(frames, self.secret)
-            except control.BadMessage as e:
-                log.warning("side channel: dropped a message: %s", e)
-                continue
-            log.debug("side channel: <- %s", message["kind"])
-            if message["kind"] in (control.WAKE, control.BYE):
-                return message["kind"]
+    @property
+    def socket(self) -> zmq.Socket:
+        """The command socket, for polling beside the doorbell."""
+        return self._cmd
 
-    def drain_wakes(self) -> str | None:
-        """Consume wake-ups that arrived while awake; returns BYE if one is waiting."""
-        result = None
+    def bye_received(self) -> bool:
+        """Consume waiting messages; True if rank 0 said bye."""
+        bye = False
         while self._cmd.poll(0):
             try:
                 message = control.decode(self._cmd.recv_multipart(), self.secret)
-            except control.BadMessage:
+            except control.BadMessage as e:
+                log.warning("side channel: dropped a message: %s", e)
                 continue
-            if message["kind"] == control.BYE:
-                result = control.BYE
-        return result
+            bye = bye or message["kind"] == control.BYE
+        return bye
 
     def close(self) -> None:
         self._stop.set()

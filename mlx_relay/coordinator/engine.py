@@ -22,13 +22,11 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.utils import load_tokenizer
 
-from mlx_relay.coordinator.pipeline import Pipeline, RankFailure
+from mlx_relay.coordinator.pipeline import ClusterFailure, Pipeline, RankFailure
 from mlx_relay.coordinator.sampling import Sampler, SamplingParams
 from mlx_relay.coordinator.textstream import StopStrings
 
 log = logging.getLogger("mlx_relay.engine")
-
-IDLE_GRACE_S = 0.05  # stay awake this long after the last step before the ring sleeps
 
 
 class EngineError(Exception):
@@ -204,17 +202,14 @@ class Engine:
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn())
-                except RankFailure as e:
+                except ClusterFailure as e:
                     future.set_exception(e)
+                    raise
                 except Exception as e:  # noqa: BLE001 - reported to the caller
                     future.set_exception(e)
 
     def _sleep_until_work(self) -> None:
-        with self._cv:
-            self._cv.wait_for(self._has_work, timeout=IDLE_GRACE_S)
-            if self._has_work() or self._stop:
-                return
-        self.pipeline.idle()
+        """Nothing to do: block (workers sleep on their doorbells meanwhile)."""
         with self._cv:
             self._cv.wait_for(lambda: self._has_work() or self._stop)
 
@@ -248,6 +243,8 @@ class Engine:
             return
         try:
             self._advance(seq)
+        except ClusterFailure:
+            raise
         except RankFailure as e:
             log.error("request %s failed: %s", request.request_id, e)
             self._finish(seq, EngineError("internal", str(e)))

@@ -16,12 +16,16 @@ import mlx.core as mx
 
 from mlx_relay import sharding
 from mlx_relay.default_model import resolve_model
+from mlx_relay.doorbell import DoorbellTimeout
 from mlx_relay.launch.hostfile import layer_ranges, split_layers
 from mlx_relay.protocol import header as hdr
 from mlx_relay.ring import Ring, bytes_payload, dtype_name
 from mlx_relay.sidechannel import ControlHub
 
 log = logging.getLogger("mlx_relay.pipeline")
+
+
+WATCH_INTERVAL_S = 0.1
 
 
 class RankFailure(RuntimeError):
@@ -35,6 +39,19 @@ class RankFailure(RuntimeError):
         self.code = code
 
 
+class ClusterFailure(RankFailure):
+    """The ring cannot continue: a rank is gone or a step is overdue. Nothing is in step."""
+
+    def __init__(self, rank: int, host: str, message: str) -> None:
+        RuntimeError.__init__(
+            self,
+            (f"rank {rank}" + (f" ({host})" if host else "") + ": " if rank >= 0 else "") + message,
+        )
+        self.rank = rank
+        self.host = host
+        self.code = hdr.ERR_EXCEPTION
+
+
 @dataclass
 class LoadedModel:
     spec: str
@@ -45,14 +62,22 @@ class LoadedModel:
 
 
 class Pipeline:
-    def __init__(self, ring: Ring | None, hub: ControlHub | None) -> None:
+    def __init__(
+        self,
+        ring: Ring | None,
+        hub: ControlHub | None,
+        *,
+        heartbeat_timeout: float = 3.0,
+        step_timeout: float = 0.0,
+    ) -> None:
         self.ring = ring
         self.hub = hub
+        self.heartbeat_timeout = heartbeat_timeout
+        self.step_timeout = step_timeout
         self.world_size = ring.size if ring else 1
         self.shard: sharding.Shard | None = None
         self.loaded: LoadedModel | None = None
         self.caches: dict[int, list[Any]] = {}
-        self.awake = False
         self._step_id = 0
 
     # --- commands ------------------------------------------------------------------
@@ -95,12 +120,6 @@ class Pipeline:
             self.caches.pop(slot, None)
         if self.world_size > 1 and slots:
             self._command(hdr.CMD_FREE, slots=slots)
-
-    def idle(self) -> None:
-        """Put the workers to sleep on the side channel (they use no CPU until woken)."""
-        if self.world_size > 1 and self.awake:
-            self._command(hdr.CMD_IDLE)
-            self.awake = False
 
     def shutdown(self) -> None:
         """The last step: every worker releases its model and leaves its loop."""
@@ -172,12 +191,10 @@ class Pipeline:
         self, header: hdr.StepHeader, payload: mx.array | None
     ) -> tuple[hdr.StepHeader, mx.array | None]:
         assert self.ring is not None
-        if not self.awake:
-            self.hub.wake()
-            self.awake = True
         self._step_id += 1
         header.step_id = self._step_id
         self.ring.send(header, payload)
+        self._wait_for_return(header)
         back = self.ring.recv_header()
         out = self.ring.recv_payload(back)
         if back.step_id != header.step_id or back.cmd != header.cmd:
@@ -185,6 +202,35 @@ class Pipeline:
         if back.error_mask:
             raise self._failure(back)
         return back, out
+
+    def _wait_for_return(self, header: hdr.StepHeader) -> None:
+        """Sleep until the step comes back, watching every worker's heartbeat meanwhile.
+
+        A worker that died, stopped or lost its link goes silent on the side channel; the
+        step is then abandoned with an error naming it instead of waiting forever.
+        """
+        started = time.monotonic()
+        while True:
+            try:
+                self.ring.wait(timeout=WATCH_INTERVAL_S)
+                return
+            except DoorbellTimeout:
+                pass
+            silent = self.hub.silent_ranks(self.heartbeat_timeout) if self.hub else []
+            if silent:
+                rank = silent[0]
+                info = self.hub.snapshot()[rank]
+                raise ClusterFailure(
+                    rank,
+                    info.host,
+                    f"no heartbeat for {time.monotonic() - info.last_seen:.1f} s "
+                    f"(pid {info.pid}); the rank died, stopped or lost its network",
+                )
+            elapsed = time.monotonic() - started
+            if self.step_timeout and header.cmd == hdr.CMD_FORWARD and elapsed > self.step_timeout:
+                raise ClusterFailure(
+                    -1, "", f"{header.describe()} overdue after {elapsed:.1f} s (--step-timeout)"
+                )
 
     def _failure(self, back: hdr.StepHeader) -> RankFailure:
         rank = back.failed_ranks[0]

@@ -23,7 +23,9 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
 def run(args, ring: Ring | None, hub: ControlHub | None) -> int:
-    pipeline = Pipeline(ring, hub)
+    pipeline = Pipeline(
+        ring, hub, heartbeat_timeout=args.heartbeat_timeout, step_timeout=args.step_timeout
+    )
     engine = Engine(
         pipeline,
         max_active=args.max_active,

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlx_relay.doorbell import DOORBELLS_ENV
 from mlx_relay.launch.serve import DEFAULT_GRPC_ADDRESS, add_serve_options
 from mlx_relay.protocol import control
 
@@ -64,7 +65,7 @@ class LocalCluster:
 
     def start(self) -> LocalCluster:
         workdir = Path(tempfile.mkdtemp(prefix="mlx-relay-"))
-        ports = free_ports(self.n + 1)
+        ports = free_ports(2 * self.n + 1)
         hostfile = workdir / "hostfile.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports[: self.n]]))
         base_env = {
@@ -72,6 +73,7 @@ class LocalCluster:
             **self.env,
             control.SECRET_ENV: control.new_secret(),
             control.CONTROL_ENV: f"tcp://127.0.0.1:{ports[self.n]}",
+            DOORBELLS_ENV: json.dumps([f"tcp://127.0.0.1:{p}" for p in ports[self.n + 1 :]]),
             "PYTHONUNBUFFERED": "1",
         }
         cmd = [sys.executable, "-m", "mlx_relay", "serve", *self.serve_args]

@@ -49,30 +49,43 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"rank 0's side channel, tcp://host:port (default: rank 0's host, port {DEFAULT_CONTROL_PORT})",
     )
     p.add_argument("--startup-timeout", type=float, default=120.0)
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=3.0,
+        help="a rank silent this long on the side channel counts as failed",
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=120.0,
+        help="a forward step not back on rank 0 after this long fails the cluster (0: never)",
+    )
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
     p.add_argument("--log-level", default=os.environ.get("MLX_RELAY_LOG", "INFO"))
     p.set_defaults(func=run)
 
 
-def _rank0_host() -> str:
-    """Rank 0's address as the backend knows it (ring hostfile or jaccl coordinator)."""
+def rank_hosts(size: int) -> list[str]:
+    """Each rank's address as the backend knows it (ring hostfile), else loopback."""
     hostfile = os.environ.get("MLX_HOSTFILE")
     if hostfile and os.path.exists(hostfile):
         with open(hostfile) as f:
-            hosts = json.load(f)
-        if isinstance(hosts, list) and hosts and isinstance(hosts[0], list) and hosts[0]:
-            return hosts[0][0].rsplit(":", 1)[0]
+            text = f.read().strip()
+        hosts = json.loads(text) if text else []
+        if isinstance(hosts, list) and len(hosts) == size and all(hosts):
+            return [entry[0].rsplit(":", 1)[0] for entry in hosts]
     coordinator = os.environ.get("MLX_JACCL_COORDINATOR")
     if coordinator:
-        return coordinator.rsplit(":", 1)[0]
-    return "127.0.0.1"
+        return [coordinator.rsplit(":", 1)[0]] + ["127.0.0.1"] * (size - 1)
+    return ["127.0.0.1"] * size
 
 
-def control_endpoint(args: argparse.Namespace) -> str:
+def control_endpoint(args: argparse.Namespace, hosts: list[str]) -> str:
     return (
         args.control_address
         or os.environ.get(control.CONTROL_ENV)
-        or f"tcp://{_rank0_host()}:{DEFAULT_CONTROL_PORT}"
+        or f"tcp://{hosts[0]}:{DEFAULT_CONTROL_PORT}"
     )
 
 
@@ -85,13 +98,17 @@ def run(args: argparse.Namespace) -> int:
         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    from mlx_relay.doorbell import Doorbell, doorbell_endpoints
     from mlx_relay.launch.hostfile import parse_layers
     from mlx_relay.ring import Ring
     from mlx_relay.sidechannel import ControlHub, ControlLink
 
-    ring = Ring(group) if size > 1 else None
     secret = control.cluster_secret()
-    endpoint = control_endpoint(args)
+    hosts = rank_hosts(size)
+    ring = None
+    if size > 1:
+        ring = Ring(group, Doorbell(rank, size, doorbell_endpoints(size, hosts), secret))
+    endpoint = control_endpoint(args, hosts)
     if rank == 0:
         from mlx_relay import sharding
         from mlx_relay.coordinator import server
@@ -108,7 +125,9 @@ def run(args: argparse.Namespace) -> int:
     from mlx_relay import memory
     from mlx_relay.worker.loop import Worker
 
-    link = ControlLink(endpoint, rank, secret, stats=memory.stats)
+    link = ControlLink(
+        endpoint, rank, secret, rank0_timeout=args.heartbeat_timeout, stats=memory.stats
+    )
     link.hello()
     try:
         Worker(ring, link).run()

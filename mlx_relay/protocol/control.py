@@ -2,7 +2,7 @@
 
 The ring (mx.distributed) has no timeouts and cannot be polled, so everything that
 must work while a rank is stuck or asleep travels here: hello, heartbeats, error
-details, and the wake-up call that ends an idle worker's sleep. Every message is
+details, and rank 0's bye. Every message is
 signed with the per-cluster secret so a stranger on the network cannot inject one.
 """
 
@@ -19,7 +19,6 @@ HELLO = "hello"  # worker -> rank 0: rank, host, pid, free memory
 HEARTBEAT = "heartbeat"  # worker -> rank 0: memory and state, every interval
 ERROR = "error"  # worker -> rank 0: details of a failed step (step_id, message)
 LOADED = "loaded"  # worker -> rank 0: model fingerprint and memory after CMD_LOAD
-WAKE = "wake"  # rank 0 -> worker: leave the idle sleep, steps follow on the ring
 BYE = "bye"  # rank 0 -> worker: rank 0 is gone or stopping; exit
 
 SECRET_ENV = "MLX_RELAY_SECRET"

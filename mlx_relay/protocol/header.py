@@ -41,7 +41,6 @@ CMD_FORWARD = 1  # run layers for the announced sequences
 CMD_LOAD = 2  # payload: JSON load spec (model path, layer ranges)
 CMD_UNLOAD = 3  # drop model and caches, keep running
 CMD_FREE = 4  # free the KV caches of the announced slots
-CMD_IDLE = 5  # nothing to do: after forwarding, sleep on the side channel until woken
 CMD_SHUTDOWN = 6  # release everything and leave the loop: the last step a worker takes
 CMD_PING = 7  # no-op round trip (tests, health)
 
@@ -50,7 +49,6 @@ COMMAND_NAMES = {
     CMD_LOAD: "LOAD",
     CMD_UNLOAD: "UNLOAD",
     CMD_FREE: "FREE",
-    CMD_IDLE: "IDLE",
     CMD_SHUTDOWN: "SHUTDOWN",
     CMD_PING: "PING",
 }

@@ -15,6 +15,7 @@ import traceback
 from typing import Any
 
 import mlx.core as mx
+import zmq
 
 from mlx_relay import memory, sharding
 from mlx_relay.default_model import resolve_model
@@ -42,16 +43,20 @@ class Worker:
         self.caches: dict[int, list[Any]] = {}
 
     def run(self) -> None:
-        """The loop. Starts asleep: rank 0 wakes the ring before its first step."""
-        asleep = True
+        """The loop: sleep until a step's doorbell rings, take the step, pass it on."""
+        poller = zmq.Poller()
+        poller.register(self.ring.doorbell.incoming, zmq.POLLIN)
+        poller.register(self.link.socket, zmq.POLLIN)
         while True:
-            if asleep:
-                self.link.state = "idle"
-                if self.link.wait_for_wake() == control.BYE:
-                    log.info("rank %d: rank 0 said bye", self.rank)
-                    return
-                self.link.state = "busy"
-                asleep = False
+            self.link.state = "waiting"
+            events = dict(poller.poll())
+            if self.link.socket in events and self.link.bye_received():
+                log.info("rank %d: rank 0 said bye", self.rank)
+                return
+            if self.ring.doorbell.incoming not in events:
+                continue
+            self.ring.wait(timeout=0)
+            self.link.state = "busy"
             header = self.ring.recv_header()
             payload = self.ring.recv_payload(header)
             out = self.step(header, payload)
@@ -59,10 +64,6 @@ class Worker:
             if header.cmd == hdr.CMD_SHUTDOWN:
                 log.info("rank %d: shutdown", self.rank)
                 return
-            if header.cmd == hdr.CMD_IDLE:
-                asleep = True
-                if self.link.drain_wakes() == control.BYE:
-                    return
 
     def step(self, header: hdr.StepHeader, payload: mx.array | None) -> mx.array | None:
         """Act on one step; returns the payload to forward (the header is updated in place)."""
@@ -110,7 +111,7 @@ class Worker:
         if cmd in (hdr.CMD_UNLOAD, hdr.CMD_SHUTDOWN):
             self._unload()
             return payload
-        if cmd in (hdr.CMD_IDLE, hdr.CMD_PING):
+        if cmd == hdr.CMD_PING:
             return payload
         raise StepError(hdr.ERR_BAD_HEADER, f"unknown command {cmd}")
 
