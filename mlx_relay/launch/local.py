@@ -22,9 +22,8 @@ from pathlib import Path
 
 from mlx_relay.doorbell import DOORBELLS_ENV
 from mlx_relay.launch.serve import DEFAULT_GRPC_ADDRESS, add_serve_options
+from mlx_relay.launch.supervise import EXIT_RANK_FAILED, describe_exit
 from mlx_relay.protocol import control
-
-EXIT_RANK_FAILED = 4
 
 
 def free_ports(n: int) -> list[int]:
@@ -38,17 +37,6 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-def describe_exit(code: int | None) -> str:
-    if code is None:
-        return "running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 @dataclass
