@@ -13,10 +13,11 @@ def test_header_round_trip_with_several_sequences():
     h = hdr.StepHeader(
         cmd=hdr.CMD_FORWARD,
         step_id=12345,
-        flags=hdr.FLAG_WANT_OUTPUT | hdr.FLAG_RESET,
+        flags=hdr.FLAG_WANT_OUTPUT,
         payload_kind=hdr.PAYLOAD_HIDDEN,
         payload_dtype="bfloat16",
         payload_shape=(3, 7, 576),
+        group=2,
         slots=[0, 5, 15],
         offsets=[0, 100, 8191],
         lengths=[7, 1, 1],

@@ -23,6 +23,7 @@ def aggregate(chunks: Iterable[pb.GenerateChunk]) -> pb.GenerateResponse:
             response.usage.CopyFrom(chunk.usage)
             response.timings.CopyFrom(chunk.timings)
             response.malformed_tool_call = chunk.malformed_tool_call
+            response.unknown_tools.extend(chunk.unknown_tools)
     response.text = "".join(text)
     response.reasoning = "".join(reasoning)
     return response

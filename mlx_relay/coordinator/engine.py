@@ -1,15 +1,23 @@
 """The engine: one thread that owns MLX and the ring, and turns requests into tokens.
 
-gRPC handler threads never touch MLX. They submit a request and read its chunks
-from a queue; commands (load, free, shutdown) are run by the engine thread between
-steps, so every rank always sees one well-ordered sequence of steps. Each step
-advances one sequence by one prefill chunk or one decoded token, round robin.
+gRPC handler threads never touch MLX. They submit a request and read its chunks from
+a queue; commands (load, free, shutdown) run on the engine thread once no step is in
+flight, so every rank always sees one well-ordered sequence of steps.
+
+Scheduling. A new sequence is prefilled alone, one chunk per step (`--prefill-chunk`),
+the way mlx-lm prefills: all prompt tokens but the last in chunks, then the last one
+in the step that yields the first token. It then joins one of several decode groups,
+each decoded as one batch per step. Units of work (a group's next token, a sequence's
+next prefill chunk) take turns, so a long prompt never stalls running streams, and up
+to one step per rank is in flight at once: while rank 1 runs one group's layers,
+rank 0 runs the next group's. Everything that decides — sampling, stop strings, EOS,
+cancellation — happens here, between steps, so a worker never has anything to decide.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -22,9 +30,11 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.utils import load_tokenizer
 
-from mlx_relay.coordinator.pipeline import ClusterFailure, Pipeline, RankFailure
+from mlx_relay.coordinator.pipeline import ClusterFailure, Pipeline, RankFailure, Step
+from mlx_relay.coordinator.postprocess import OutputParser, ToolCall
 from mlx_relay.coordinator.sampling import Sampler, SamplingParams
 from mlx_relay.coordinator.textstream import StopStrings
+from mlx_relay.protocol.header import MAX_SEQS
 
 log = logging.getLogger("mlx_relay.engine")
 
@@ -50,11 +60,15 @@ class Chunk:
     """A piece of one request's output stream; the last one has a finish_reason."""
 
     text: str = ""
+    reasoning: str = ""
     token_ids: list[int] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
     timings: dict[str, float] | None = None
+    malformed_tool_call: bool = False
+    unknown_tools: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -62,6 +76,9 @@ class Request:
     prompt_tokens: list[int]
     params: SamplingParams
     request_id: str = ""
+    tools: list[dict] | None = None
+    parse_tools: bool = True
+    starts_in_reasoning: bool = False
     created: float = field(default_factory=time.perf_counter)
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -89,12 +106,15 @@ class Sequence:
     sampler: Sampler
     detokenizer: Any
     stops: StopStrings
+    parser: OutputParser
+    pending: list[int]  # tokens to feed at the next step(s)
     position: int = 0  # tokens already in the KV cache
-    pending: list[int] = field(default_factory=list)  # fed at the next step
-    context: list[int] = field(default_factory=list)  # prompt + generated (for processors)
+    context: list[int] = field(default_factory=list)  # prompt + generated, for processors
     generated: list[int] = field(default_factory=list)
+    reasoning_tokens: int = 0
+    group: int | None = None
+    in_flight: bool = False
     first_token_at: float | None = None
-    prefill_done_at: float | None = None
 
 
 class Engine:
@@ -112,19 +132,24 @@ class Engine:
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
         self.default_max_tokens = default_max_tokens
+        self.max_in_flight = max(1, pipeline.world_size)
+        n_groups = max(pipeline.world_size, math.ceil(max_active / MAX_SEQS))
         self.tokenizer: Any = None
         self.context_length = 0
         self.state = "starting"
         self.error = ""
+        self.on_state: Callable[[str], None] = lambda state: None
+        self._special_ids: set[int] = set()
         self._waiting: deque[Request] = deque()
         self._active: list[Sequence] = []
+        self._groups: list[list[Sequence]] = [[] for _ in range(n_groups)]
+        self._launched: deque[Step] = deque()
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
         self._cv = threading.Condition()
         self._free_slots = list(range(max_active))
-        self._rr = itertools.count()
+        self._turn = 0
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self.on_state: Callable[[str], None] = lambda state: None
 
     # --- API for other threads -----------------------------------------------------
     def start(self) -> None:
@@ -145,7 +170,7 @@ class Engine:
         return request
 
     def call(self, fn: Callable[[], Any]) -> Future:
-        """Run `fn` on the engine thread between steps."""
+        """Run `fn` on the engine thread once no step is in flight."""
         future: Future = Future()
         with self._cv:
             if self._stop:
@@ -165,6 +190,20 @@ class Engine:
     def free(self, shutdown: bool = False) -> Future:
         return self.call(lambda: self._free(shutdown))
 
+    def drain(self) -> None:
+        """Refuse new requests (UNAVAILABLE) while those already accepted finish."""
+        with self._cv:
+            if self.state == "serving":
+                self._set_state("draining")
+
+    def fail(self, why: str) -> None:
+        """End every request with UNAVAILABLE now, from any thread (rank 0's watchdog).
+
+        The engine thread may be stuck in a collective with a rank that stopped, so
+        it cannot be relied on to notice and answer the clients itself.
+        """
+        self._fail_everything(why)
+
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 
@@ -172,7 +211,7 @@ class Engine:
     def running(self) -> bool:
         return self._thread.is_alive()
 
-    # --- engine thread -------------------------------------------------------------
+    # --- the loop ------------------------------------------------------------------
     def _set_state(self, state: str) -> None:
         self.state = state
         self.on_state(state)
@@ -180,18 +219,36 @@ class Engine:
     def _run(self) -> None:
         try:
             while not self._stop:
-                self._run_commands()
-                if self._stop:
-                    break
-                self._admit()
-                if not self._active:
-                    self._sleep_until_work()
+                if self._commands:
+                    while self._launched:
+                        self._complete_oldest()
+                    self._run_commands()
                     continue
-                seq = self._active[next(self._rr) % len(self._active)]
-                self._advance_or_fail(seq)
+                self._admit()
+                self._reap_cancelled()
+                while len(self._launched) < self.max_in_flight and self._launch_next():
+                    pass
+                if self._launched:
+                    self._complete_oldest()
+                else:
+                    self._sleep_until_work()
         except Exception as e:  # noqa: BLE001 - the ring is broken; say so to everyone
             log.exception("engine stopped: %s", e)
             self._fail_everything(f"cluster failed: {e}")
+
+    def _sleep_until_work(self) -> None:
+        """Nothing to launch: block (the workers sleep on their doorbells meanwhile)."""
+        with self._cv:
+            self._cv.wait_for(
+                lambda: (
+                    self._stop
+                    or self._commands
+                    or (self._waiting and self._free_slots)
+                    or any(s.request.cancelled.is_set() for s in self._active)
+                    or self._launchable()
+                ),
+                timeout=0.5,
+            )
 
     def _run_commands(self) -> None:
         while True:
@@ -199,22 +256,15 @@ class Engine:
                 if not self._commands:
                     return
                 fn, future = self._commands.popleft()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except ClusterFailure as e:
-                    future.set_exception(e)
-                    raise
-                except Exception as e:  # noqa: BLE001 - reported to the caller
-                    future.set_exception(e)
-
-    def _sleep_until_work(self) -> None:
-        """Nothing to do: block (workers sleep on their doorbells meanwhile)."""
-        with self._cv:
-            self._cv.wait_for(lambda: self._has_work() or self._stop)
-
-    def _has_work(self) -> bool:
-        return bool(self._waiting or self._commands or self._active)
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except ClusterFailure as e:
+                future.set_exception(e)
+                raise
+            except Exception as e:  # noqa: BLE001 - reported to the caller
+                future.set_exception(e)
 
     def _admit(self) -> None:
         with self._cv:
@@ -223,8 +273,7 @@ class Engine:
                 if request.cancelled.is_set():
                     request.out.put(Chunk(finish_reason="cancelled"))
                     continue
-                slot = self._free_slots.pop(0)
-                self._active.append(self._new_sequence(request, slot))
+                self._active.append(self._new_sequence(request, self._free_slots.pop(0)))
 
     def _new_sequence(self, request: Request, slot: int) -> Sequence:
         return Sequence(
@@ -233,49 +282,135 @@ class Engine:
             sampler=Sampler(request.params),
             detokenizer=self.tokenizer.detokenizer,
             stops=StopStrings(request.params.stop),
+            parser=OutputParser(
+                self.tokenizer,
+                tools=request.tools,
+                parse_tools=request.parse_tools,
+                starts_in_reasoning=request.starts_in_reasoning,
+            ),
             pending=list(request.prompt_tokens),
         )
 
-    def _advance_or_fail(self, seq: Sequence) -> None:
-        request = seq.request
-        if request.cancelled.is_set():
-            self._finish(seq, Chunk(finish_reason="cancelled"))
-            return
+    def _reap_cancelled(self) -> None:
+        for seq in list(self._active):
+            if seq.request.cancelled.is_set() and not seq.in_flight:
+                self._finish(seq, Chunk(), reason="cancelled")
+
+    # --- launching -----------------------------------------------------------------
+    def _units(self) -> list[tuple[str, Any]]:
+        """Work that can go round the ring now, in a stable order."""
+        units: list[tuple[str, Any]] = [
+            ("group", g)
+            for g, members in enumerate(self._groups)
+            if members and not any(s.in_flight for s in members)
+        ]
+        units += [
+            ("single", s)
+            for s in self._active
+            if s.group is None and not s.in_flight and not s.request.cancelled.is_set()
+        ]
+        return units
+
+    def _launchable(self) -> bool:
+        return bool(self._units())
+
+    def _launch_next(self) -> bool:
+        units = self._units()
+        if not units:
+            return False
+        kind, unit = units[self._turn % len(units)]
+        self._turn += 1
         try:
-            self._advance(seq)
+            if kind == "group":
+                self._launch_group(unit)
+            else:
+                self._launch_single(unit)
+        except RankFailure:
+            raise
+        except Exception as e:  # noqa: BLE001 - rank 0's own stage failed for this unit
+            seqs = self._groups[unit] if kind == "group" else [unit]
+            log.exception("rank 0 failed a step: %s", e)
+            for seq in list(seqs):
+                self._finish(seq, EngineError("internal", f"rank 0: {e}"))
+        return True
+
+    def _launch_single(self, seq: Sequence) -> None:
+        """The next prefill chunk, or the last prompt token (whose logits give token 1)."""
+        want_logits = len(seq.pending) == 1
+        n = 1 if want_logits else min(self.prefill_chunk, len(seq.pending) - 1)
+        tokens, seq.pending = seq.pending[:n], seq.pending[n:]
+        step = self.pipeline.launch_forward(
+            [seq.slot], [seq.position], [tokens], want_logits=want_logits
+        )
+        seq.position += n
+        seq.context.extend(tokens)
+        self._track(step, [seq])
+
+    def _launch_group(self, group: int) -> None:
+        members = list(self._groups[group])
+        tokens = [s.pending for s in members]
+        step = self.pipeline.launch_forward(
+            [s.slot for s in members],
+            [s.position for s in members],
+            tokens,
+            group=group,
+            want_logits=True,
+        )
+        for s in members:
+            s.position += 1
+            s.context.extend(s.pending)
+        self._track(step, members)
+
+    def _track(self, step: Step, seqs: list[Sequence]) -> None:
+        step.tag = seqs
+        for s in seqs:
+            s.in_flight = True
+        self._launched.append(step)
+
+    # --- completing ----------------------------------------------------------------
+    def _complete_oldest(self) -> None:
+        step = self._launched.popleft()
+        seqs: list[Sequence] = step.tag or []
+        for s in seqs:
+            s.in_flight = False
+        try:
+            logits = self.pipeline.complete(step)
         except ClusterFailure:
             raise
         except RankFailure as e:
-            log.error("request %s failed: %s", request.request_id, e)
-            self._finish(seq, EngineError("internal", str(e)))
-
-    def _advance(self, seq: Sequence) -> None:
-        """One step: a prefill chunk, or the step that yields the next token.
-
-        Mirrors mlx-lm's generate_step: the prompt but its last token is prefilled in
-        chunks, then every step feeds one token and samples the next.
-        """
-        if len(seq.pending) > 1:
-            n = min(self.prefill_chunk, len(seq.pending) - 1)
-            chunk, seq.pending = seq.pending[:n], seq.pending[n:]
-            self.pipeline.forward(seq.slot, seq.position, chunk, want_logits=False)
-            seq.position += n
-            seq.context.extend(chunk)
+            log.error("%s failed: %s", step.header.describe(), e)
+            for seq in seqs:
+                if seq in self._active:
+                    self._finish(seq, EngineError("internal", str(e)))
             return
-        inputs = seq.pending
-        logits = self.pipeline.forward(seq.slot, seq.position, inputs, want_logits=True)
-        seq.position += len(inputs)
-        seq.context.extend(inputs)
+        if logits is None:
+            return
+        for i, seq in enumerate(seqs):
+            if seq not in self._active:
+                continue
+            if seq.request.cancelled.is_set():
+                self._finish(seq, Chunk(), reason="cancelled")
+                continue
+            self._sample_and_emit(seq, logits[i : i + 1])
+            if seq in self._active and seq.group is None:
+                self._join_group(seq)
+
+    def _join_group(self, seq: Sequence) -> None:
+        sizes = [len(m) if len(m) < MAX_SEQS else math.inf for m in self._groups]
+        group = sizes.index(min(sizes))
+        seq.group = group
+        self._groups[group].append(seq)
+
+    def _sample_and_emit(self, seq: Sequence, logits: mx.array) -> None:
+        """mlx-lm's step: processors on every token so far, log-softmax, sample."""
         if seq.sampler.processors:
             logits = seq.sampler.process(mx.array(seq.context), logits)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         token_array = seq.sampler.sample(logprobs)
         mx.eval(token_array, logprobs)
-        token = int(token_array.item())
-        now = time.perf_counter()
         if seq.first_token_at is None:
-            seq.first_token_at = now
-        self._emit(seq, token, logprobs[0])
+            seq.first_token_at = time.perf_counter()
+        self._emit(seq, int(token_array.item()), logprobs[0])
 
     def _emit(self, seq: Sequence, token: int, logprobs: mx.array) -> None:
         params = seq.request.params
@@ -287,9 +422,12 @@ class Engine:
         chunk = Chunk(token_ids=[token])
         if params.logprobs:
             chunk.logprobs.append(self._logprob_entry(token, logprobs, params.top_logprobs))
+        was_reasoning = seq.parser.in_reasoning
         if token not in self._special_ids:
             seq.detokenizer.add_token(token)
-            chunk.text = seq.stops.feed(seq.detokenizer.last_segment)
+            self._parse_into(chunk, seq, seq.stops.feed(seq.detokenizer.last_segment))
+        if was_reasoning or seq.parser.in_reasoning:
+            seq.reasoning_tokens += 1
         if seq.stops.stopped:
             self._finish(seq, chunk, reason="stop")
         elif len(seq.generated) >= params.max_tokens:
@@ -299,14 +437,22 @@ class Engine:
         else:
             seq.request.out.put(chunk)
 
+    @staticmethod
+    def _parse_into(chunk: Chunk, seq: Sequence, text: str) -> None:
+        if not text:
+            return
+        delta = seq.parser.feed(text)
+        chunk.text += delta.content
+        chunk.reasoning += delta.reasoning
+        chunk.tool_calls += delta.tool_calls
+
     def _logprob_entry(self, token: int, logprobs: mx.array, top: int) -> TokenLogprob:
         decode = self.tokenizer.decode
         entry = TokenLogprob(token, decode([token]), float(logprobs[token].item()))
         if top > 0:
             ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
             values = logprobs[ids]
-            order = mx.argsort(-values)
-            for i in order.tolist():
+            for i in mx.argsort(-values).tolist():
                 tid = int(ids[i].item())
                 entry.top.append((tid, decode([tid]), float(values[i].item())))
         return entry
@@ -316,25 +462,33 @@ class Engine:
         if isinstance(last, Chunk):
             if reason in ("stop", "length") and not seq.stops.stopped:
                 seq.detokenizer.finalize()
-                last.text += seq.stops.feed(seq.detokenizer.last_segment)
-                last.text += seq.stops.flush()
-            last.finish_reason = reason or last.finish_reason
+                self._parse_into(last, seq, seq.stops.feed(seq.detokenizer.last_segment))
+                self._parse_into(last, seq, seq.stops.flush())
+            final = seq.parser.finish()
+            last.text += final.content
+            last.reasoning += final.reasoning
+            last.tool_calls += final.tool_calls
+            last.malformed_tool_call = final.malformed_tool_call
+            last.unknown_tools = list(final.unknown_tools)
+            if reason == "stop" and seq.parser.saw_tool_calls:
+                reason = "tool_calls"
+            last.finish_reason = reason
             last.usage = {
                 "prompt_tokens": len(request.prompt_tokens),
                 "completion_tokens": len(seq.generated),
+                "reasoning_tokens": seq.reasoning_tokens,
                 "total_tokens": len(request.prompt_tokens) + len(seq.generated),
             }
             last.timings = self._timings(seq)
         request.out.put(last)
         self._active.remove(seq)
-        self._release_slot(seq.slot)
-
-    def _release_slot(self, slot: int) -> None:
-        try:
-            self.pipeline.free([slot])
-        finally:
-            with self._cv:
-                self._free_slots.append(slot)
+        if seq.group is not None:
+            self._groups[seq.group].remove(seq)
+        step = self.pipeline.launch_free([seq.slot])
+        if step is not None:
+            self._launched.append(step)
+        with self._cv:
+            self._free_slots.append(seq.slot)
 
     def _timings(self, seq: Sequence) -> dict[str, float]:
         now = time.perf_counter()
@@ -349,7 +503,7 @@ class Engine:
             "total_s": now - seq.request.created,
         }
 
-    # --- commands (engine thread) --------------------------------------------------
+    # --- commands (engine thread, nothing in flight) ---------------------------------
     def _load(self, spec: str, layers: list[int] | None) -> Any:
         self._cancel_all("the model is being replaced")
         self._set_state("loading")
@@ -362,6 +516,7 @@ class Engine:
         except Exception:
             self._set_state("unloaded")
             raise
+        self.error = ""
         self._set_state("serving")
         return loaded
 
@@ -385,18 +540,20 @@ class Engine:
             request.out.put(EngineError("unavailable", why))
         for seq in list(self._active):
             self._finish(seq, EngineError("unavailable", why))
+        while self._launched:
+            self._complete_oldest()
 
     def _fail_everything(self, why: str) -> None:
-        self.error = why
-        self._set_state("failed")
+        if self.state != "failed":  # the first diagnosis names the rank; keep it
+            self.error = why
+            self._set_state("failed")
         with self._cv:
             self._stop = True
             waiting, self._waiting = list(self._waiting), deque()
             commands, self._commands = list(self._commands), deque()
-        for request in waiting + [s.request for s in self._active]:
+            self._cv.notify_all()
+        for request in waiting + [s.request for s in list(self._active)]:
             request.out.put(EngineError("unavailable", why))
         self._active.clear()
         for _, future in commands:
             future.set_exception(EngineError("unavailable", why))
-
-    _special_ids: set[int] = set()

@@ -1,7 +1,11 @@
 """Rank 0's end of the ring: run its own stage, send a step around, collect the result.
 
 Every call here is one step that every rank takes in the same order, started by a
-header rank 0 wrote. With one rank the ring is empty and the same calls run locally.
+header rank 0 wrote. Steps are *launched* and later *completed* in FIFO order, so
+several can be in flight around the ring at once: while rank 1 works on one decode
+group, rank 0 already runs its layers for the next. Commands (load, unload, shutdown)
+wait until nothing is in flight. With one rank the ring is empty and the same calls
+run locally.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,10 +22,12 @@ import mlx.core as mx
 from mlx_relay import sharding
 from mlx_relay.default_model import resolve_model
 from mlx_relay.doorbell import DoorbellTimeout
+from mlx_relay.kvcache import CacheError, SlotCaches
 from mlx_relay.launch.hostfile import layer_ranges, split_layers
 from mlx_relay.protocol import header as hdr
 from mlx_relay.ring import Ring, bytes_payload, dtype_name
 from mlx_relay.sidechannel import ControlHub
+from mlx_relay.stage import forward_stage
 
 log = logging.getLogger("mlx_relay.pipeline")
 
@@ -53,6 +60,16 @@ class ClusterFailure(RankFailure):
 
 
 @dataclass
+class Step:
+    """A step launched round the ring, completed later in launch order."""
+
+    header: hdr.StepHeader
+    want_logits: bool
+    hidden: mx.array | None = None
+    tag: Any = None  # the engine's own bookkeeping
+
+
+@dataclass
 class LoadedModel:
     spec: str
     path: str
@@ -77,15 +94,18 @@ class Pipeline:
         self.world_size = ring.size if ring else 1
         self.shard: sharding.Shard | None = None
         self.loaded: LoadedModel | None = None
-        self.caches: dict[int, list[Any]] = {}
+        self.caches: SlotCaches | None = None
+        self._in_flight: deque[Step] = deque()
         self._step_id = 0
 
     # --- commands ------------------------------------------------------------------
-    def load(self, spec: str, layers: list[int] | None = None) -> LoadedModel:
+    def load(self, spec: str, layers: list[int] | str | None = None) -> LoadedModel:
         """Load `spec` on every rank, each its own layer range; all ranks or none."""
         self.unload()
         path = resolve_model(spec)
         num_layers = sharding.count_layers(sharding.read_config(path))
+        if layers == AUTO_LAYERS:
+            layers = memory_split(num_layers, self.world_size, self.hub)
         counts = layers or split_layers(num_layers, self.world_size)
         if len(counts) != self.world_size or sum(counts) != num_layers or min(counts) < 1:
             raise ValueError(
@@ -100,6 +120,7 @@ class Pipeline:
                 self._command(hdr.CMD_LOAD, bytes_payload(json.dumps(document).encode()))
             start, end = ranges[0]
             self.shard = sharding.load_shard(path, start, end, has_ends=True)
+            self.caches = SlotCaches(self.shard)
         except Exception:
             if self.world_size > 1:  # the ranks that did load let go again
                 self._command(hdr.CMD_UNLOAD)
@@ -112,22 +133,18 @@ class Pipeline:
             self._command(hdr.CMD_UNLOAD)
         self.shard = None
         self.loaded = None
-        self.caches.clear()
+        self.caches = None
         mx.clear_cache()
-
-    def free(self, slots: list[int]) -> None:
-        for slot in slots:
-            self.caches.pop(slot, None)
-        if self.world_size > 1 and slots:
-            self._command(hdr.CMD_FREE, slots=slots)
 
     def shutdown(self) -> None:
         """The last step: every worker releases its model and leaves its loop."""
         if self.world_size > 1:
+            if self.hub is not None:
+                self.hub.expect_exits()
             self._command(hdr.CMD_SHUTDOWN)
         self.shard = None
         self.loaded = None
-        self.caches.clear()
+        self.caches = None
 
     def ping(self) -> float:
         t0 = time.perf_counter()
@@ -135,48 +152,99 @@ class Pipeline:
             self._command(hdr.CMD_PING)
         return time.perf_counter() - t0
 
-    # --- forward -------------------------------------------------------------------
-    def forward(
-        self, slot: int, offset: int, tokens: list[int], *, want_logits: bool
-    ) -> mx.array | None:
-        """Run `tokens` of one sequence through every rank; logits of the last position.
+    # --- steps in flight -----------------------------------------------------------
+    def launch_forward(
+        self,
+        slots: list[int],
+        offsets: list[int],
+        tokens: list[list[int]],
+        *,
+        group: int = hdr.NO_GROUP,
+        want_logits: bool,
+    ) -> Step:
+        """Run rank 0's layers for one step and send it round the ring.
 
-        offset 0 starts a fresh KV cache for the slot on every rank.
+        A decode group (one token per sequence) runs as one batch; otherwise each
+        sequence (a prefill chunk) runs alone on its own cache.
         """
-        shard = self.shard
-        if shard is None:
+        if self.shard is None or self.caches is None:
             raise RuntimeError("no model loaded")
-        if offset == 0 or slot not in self.caches:
-            if offset != 0:
-                raise RuntimeError(f"slot {slot} has no cache at position {offset}")
-            self.caches[slot] = shard.make_caches()
-        h = sharding.run_layers(
-            shard, sharding.embed(shard, mx.array(tokens)[None]), self.caches[slot]
+        width = max(len(t) for t in tokens)
+        padded = [t + [0] * (width - len(t)) for t in tokens]
+        header = hdr.StepHeader(
+            cmd=hdr.CMD_FORWARD,
+            flags=hdr.FLAG_WANT_OUTPUT if want_logits else 0,
+            group=group,
+            slots=list(slots),
+            offsets=list(offsets),
+            lengths=[len(t) for t in tokens],
         )
-        if self.world_size > 1:
-            header = hdr.StepHeader(
-                cmd=hdr.CMD_FORWARD,
-                flags=(hdr.FLAG_WANT_OUTPUT if want_logits else 0)
-                | (hdr.FLAG_RESET if offset == 0 else 0),
-                payload_kind=hdr.PAYLOAD_HIDDEN,
-                payload_dtype=dtype_name(h.dtype),
-                payload_shape=tuple(h.shape),
-                slots=[slot],
-                offsets=[offset],
-                lengths=[len(tokens)],
-            )
-            back, h = self._round_trip(header, h)
-            if want_logits and h is None:
-                raise RuntimeError(f"{back.describe()} came back without hidden states")
-        if not want_logits:
-            mx.eval([c.state for c in self.caches[slot]])
+        h = sharding.embed(self.shard, mx.array(padded))
+        try:
+            h = forward_stage(self.shard, self.caches, header, h)
+        except CacheError as e:
+            raise RuntimeError(f"rank 0: {e}") from e
+        step = Step(header, want_logits)
+        if self.world_size == 1:
+            step.hidden = h
+            if not want_logits:
+                mx.eval(h)
+            return step
+        header.payload_kind = hdr.PAYLOAD_HIDDEN
+        header.payload_dtype = dtype_name(h.dtype)
+        header.payload_shape = tuple(h.shape)
+        self._launch(step, h)
+        return step
+
+    def launch_free(self, slots: list[int]) -> Step | None:
+        """Drop the slots' caches here now and on every worker when the step reaches it."""
+        if self.caches is not None:
+            self.caches.free(slots)
+        if self.world_size == 1 or not slots or self.shard is None:
             return None
-        return sharding.head(shard, h[:, -1:, :])[:, -1, :]
+        header = hdr.StepHeader(cmd=hdr.CMD_FREE, slots=list(slots))
+        header.offsets = header.lengths = [0] * len(slots)
+        step = Step(header, want_logits=False)
+        self._launch(step, None)
+        return step
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def complete(self, step: Step) -> mx.array | None:
+        """Wait for the oldest step in flight to return; logits (batch, vocab) if asked for."""
+        if self.world_size > 1:
+            if not self._in_flight or self._in_flight[0] is not step:
+                raise RuntimeError("steps must complete in the order they were launched")
+            self._in_flight.popleft()
+            _, step.hidden = self._receive(step.header)
+        if not step.want_logits:
+            return None
+        return sharding.head(self.shard, step.hidden[:, -1:, :])[:, -1, :]
+
+    def complete_all(self) -> None:
+        """Let every step in flight come back (before a command, or when giving up)."""
+        while self._in_flight:
+            step = self._in_flight[0]
+            try:
+                self.complete(step)
+            except RankFailure as e:
+                if isinstance(e, ClusterFailure):
+                    raise
+                log.warning("dropped %s: %s", step.header.describe(), e)
 
     # --- the ring ------------------------------------------------------------------
+    def _launch(self, step: Step, payload: mx.array | None) -> None:
+        self._step_id += 1
+        step.header.step_id = self._step_id
+        self.ring.send(step.header, payload)
+        self._in_flight.append(step)
+
     def _command(
         self, cmd: int, payload: mx.array | None = None, slots: list[int] | None = None
     ) -> hdr.StepHeader:
+        self.complete_all()
         header = hdr.StepHeader(cmd=cmd, slots=list(slots or []))
         header.offsets = [0] * header.n_seqs
         header.lengths = [0] * header.n_seqs
@@ -184,21 +252,20 @@ class Pipeline:
             header.payload_kind = hdr.PAYLOAD_BYTES
             header.payload_dtype = "uint8"
             header.payload_shape = (payload.size, 0, 0)
-        back, _ = self._round_trip(header, payload)
+        step = Step(header, want_logits=False)
+        self._launch(step, payload)
+        self._in_flight.popleft()
+        back, _ = self._receive(header)
         return back
 
-    def _round_trip(
-        self, header: hdr.StepHeader, payload: mx.array | None
-    ) -> tuple[hdr.StepHeader, mx.array | None]:
-        assert self.ring is not None
-        self._step_id += 1
-        header.step_id = self._step_id
-        self.ring.send(header, payload)
+    def _receive(self, header: hdr.StepHeader) -> tuple[hdr.StepHeader, mx.array | None]:
         self._wait_for_return(header)
         back = self.ring.recv_header()
         out = self.ring.recv_payload(back)
         if back.step_id != header.step_id or back.cmd != header.cmd:
-            raise hdr.ProtocolError(f"sent {header.describe()}, got back {back.describe()}")
+            raise ClusterFailure(
+                -1, "", f"ranks out of step: sent {header.describe()}, got {back.describe()}"
+            )
         if back.error_mask:
             raise self._failure(back)
         return back, out
@@ -216,20 +283,17 @@ class Pipeline:
                 return
             except DoorbellTimeout:
                 pass
-            silent = self.hub.silent_ranks(self.heartbeat_timeout) if self.hub else []
-            if silent:
-                rank = silent[0]
-                info = self.hub.snapshot()[rank]
-                raise ClusterFailure(
-                    rank,
-                    info.host,
-                    f"no heartbeat for {time.monotonic() - info.last_seen:.1f} s "
-                    f"(pid {info.pid}); the rank died, stopped or lost its network",
-                )
+            gone = self.hub.failure(self.heartbeat_timeout) if self.hub else None
+            if gone:
+                raise ClusterFailure(gone.rank, gone.host, gone.reason)
             elapsed = time.monotonic() - started
             if self.step_timeout and header.cmd == hdr.CMD_FORWARD and elapsed > self.step_timeout:
+                suspect = self.hub.suspect() if self.hub else None
                 raise ClusterFailure(
-                    -1, "", f"{header.describe()} overdue after {elapsed:.1f} s (--step-timeout)"
+                    suspect.rank if suspect else -1,
+                    suspect.host if suspect else "",
+                    f"{header.describe()} overdue after {elapsed:.1f} s (--step-timeout)"
+                    + (f"; {suspect.reason}" if suspect else ""),
                 )
 
     def _failure(self, back: hdr.StepHeader) -> RankFailure:
@@ -253,3 +317,35 @@ def hub_ready(hub: ControlHub, world_size: int, timeout: float) -> None:
             f"ranks {missing} never reached rank 0's side channel within {timeout:.0f} s"
         )
     log.info("all %d workers said hello", world_size - 1)
+
+
+AUTO_LAYERS = "auto"  # `--layers auto`: split by each rank's memory
+
+
+def memory_split(num_layers: int, world_size: int, hub: ControlHub | None) -> list[int]:
+    """Layer counts in proportion to the memory each rank has for the model.
+
+    A rank's weight is its free memory plus the memory MLX already holds there (the
+    shard and caches being replaced), from rank 0's own figures and each worker's latest
+    side-channel report; a rank that has not reported counts as the average. Every rank
+    gets at least one layer.
+    """
+    from mlx_relay import memory
+
+    def weight(stats: dict) -> float | None:
+        free = stats.get("free_memory")
+        return None if free is None else float(free) + float(stats.get("active_memory", 0))
+
+    snapshot = hub.snapshot() if hub is not None else {}
+    weights = [weight(memory.stats())]
+    weights += [weight(snapshot[r].stats) if r in snapshot else None for r in range(1, world_size)]
+    known = [w for w in weights if w is not None and w > 0]
+    fill = sum(known) / len(known) if known else 1.0
+    filled = [w if w is not None and w > 0 else fill for w in weights]
+    counts = split_layers(num_layers, world_size, filled)
+    log.info(
+        "layers auto: memory per rank %s GB -> layers %s",
+        [round(w / 2**30, 2) for w in filled],
+        counts,
+    )
+    return counts

@@ -457,6 +457,10 @@ class OutputParser:
         self._reasoning_started = False
 
     @property
+    def in_reasoning(self) -> bool:
+        return self._mode == "reasoning"
+
+    @property
     def saw_tool_calls(self) -> bool:
         return bool(self.tool_calls)
 

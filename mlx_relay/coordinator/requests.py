@@ -29,6 +29,7 @@ class InvalidRequest(ValueError):
 class Prompt:
     text: str
     token_ids: list[int]
+    tools: list[dict] | None = None
 
 
 def _json_field(raw: str, name: str, kind: type) -> Any:
@@ -101,19 +102,20 @@ def render_prompt(
             raise InvalidRequest(f"prompt is not valid UTF-8 ({e.reason} at byte {e.start})") from e
     if prompt and messages:
         raise InvalidRequest("give either prompt or messages, not both")
+    tools = None
     if messages:
         tools = _json_field(tools_json, "tools", list)
+        for i, tool in enumerate(tools or []):
+            if not isinstance(tool, dict) or not _tool_name(tool):
+                raise InvalidRequest(f"tools[{i}] has no function name")
         kwargs = _json_field(chat_template_kwargs_json, "chat_template_kwargs", dict) or {}
-        if tools:
-            kwargs["tools"] = tools
-        try:
-            text = tokenizer.apply_chat_template(
-                chat_messages(messages), tokenize=False, add_generation_prompt=True, **kwargs
+        dicts = chat_messages(messages)
+        text = _render(tokenizer, dicts, tools, kwargs)
+        if tools and text == _render(tokenizer, dicts, None, kwargs):
+            raise InvalidRequest(
+                "tools were given but this model's chat template ignores tool definitions; "
+                "the model would never see them"
             )
-        except InvalidRequest:
-            raise
-        except Exception as e:  # noqa: BLE001 - template errors are the client's input
-            raise InvalidRequest(f"the model's chat template refused these messages: {e}") from e
     elif prompt:
         text = prompt
     else:
@@ -121,7 +123,69 @@ def render_prompt(
     token_ids = encode_text(tokenizer, text)
     if not token_ids:
         raise InvalidRequest("the prompt encodes to no tokens")
-    return Prompt(text, token_ids)
+    return Prompt(text, token_ids, tools)
+
+
+def _tool_name(tool: dict) -> str:
+    function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+    name = function.get("name")
+    return name if isinstance(name, str) else ""
+
+
+def _render(
+    tokenizer: Any, messages: list[dict], tools: list[dict] | None, kwargs: dict[str, Any]
+) -> str:
+    """Apply the chat template; merge same-role neighbours if the template wants alternation."""
+    extra = {**kwargs, "tools": tools} if tools else kwargs
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **extra
+        )
+    except Exception as e:  # noqa: BLE001 - template errors are the client's input
+        merged = merge_same_roles(messages)
+        if "alternat" in str(e).lower() and len(merged) < len(messages):
+            return _render(tokenizer, merged, tools, kwargs)
+        raise InvalidRequest(f"the model's chat template refused these messages: {e}") from e
+
+
+def merge_same_roles(messages: list[dict]) -> list[dict]:
+    """Join consecutive messages of the same role (plain text ones) into one."""
+    out: list[dict] = []
+    for m in messages:
+        prev = out[-1] if out else None
+        if (
+            prev is not None
+            and prev["role"] == m["role"]
+            and set(prev) == set(m) == {"role", "content"}
+        ):
+            out[-1] = {"role": m["role"], "content": f"{prev['content']}\n\n{m['content']}"}
+        else:
+            out.append(dict(m))
+    return out
+
+
+def parse_tool_choice(raw: str, tools: list[dict] | None) -> str:
+    """'auto', 'none', 'required', or the name of one of the request's tools."""
+    choice = raw.strip()
+    if choice.startswith("{"):
+        value = _json_field(choice, "tool_choice", dict)
+        choice = _tool_name(value) if value.get("type", "function") == "function" else ""
+        if not choice:
+            raise InvalidRequest("tool_choice object must name a function")
+    if choice in ("", "auto", "none", "required"):
+        return choice or "auto"
+    names = [_tool_name(t) for t in tools or []]
+    if choice not in names:
+        raise InvalidRequest(
+            f"tool_choice {choice!r} is not 'auto', 'none', 'required' or one of the tools "
+            f"given ({', '.join(names) or 'none given'})"
+        )
+    return choice
+
+
+def ends_in_reasoning(text: str, think_start: str) -> bool:
+    """Templates such as Qwen3's open the think block in the prompt itself."""
+    return text.rstrip().endswith(think_start)
 
 
 def _finite(value: float, name: str) -> float:

@@ -23,6 +23,7 @@ from mlx_relay.coordinator import requests
 from mlx_relay.coordinator.aggregate import aggregate
 from mlx_relay.coordinator.engine import Chunk, Engine, EngineError, Request
 from mlx_relay.coordinator.pipeline import RankFailure
+from mlx_relay.coordinator.postprocess import DEFAULT_THINK_MARKERS, think_markers
 from mlx_relay.default_model import resolve_model
 from mlx_relay.launch.hostfile import parse_layers
 from mlx_relay.protocol import relay_pb2 as pb
@@ -94,9 +95,21 @@ def _stream_rpc(fn: Callable) -> Callable:
 def chunk_to_proto(chunk: Chunk, request_id: str) -> pb.GenerateChunk:
     out = pb.GenerateChunk(
         text=chunk.text,
+        reasoning=chunk.reasoning,
         token_ids=chunk.token_ids,
         finish_reason=chunk.finish_reason or "",
         request_id=request_id,
+        malformed_tool_call=chunk.malformed_tool_call,
+        unknown_tools=chunk.unknown_tools,
+        tool_calls=[
+            pb.ToolCall(
+                id=c.id,
+                type="function",
+                index=c.index,
+                function=pb.ToolCallFunction(name=c.name, arguments=c.arguments),
+            )
+            for c in chunk.tool_calls
+        ],
     )
     for lp in chunk.logprobs:
         out.logprobs.append(
@@ -144,10 +157,16 @@ class RelayServicer:
             vocab_size=len(tokenizer),
             default_max_tokens=self.engine.default_max_tokens,
         )
+        tool_choice = requests.parse_tool_choice(request.tool_choice, prompt.tools)
+        think_start, _ = think_markers(tokenizer) or DEFAULT_THINK_MARKERS
         return Request(
             prompt_tokens=prompt.token_ids,
             params=params,
             request_id=request.request_id or uuid.uuid4().hex[:12],
+            tools=prompt.tools,
+            parse_tools=tool_choice != "none",
+            starts_in_reasoning=bool(request.messages)
+            and requests.ends_in_reasoning(prompt.text, think_start),
         )
 
     def _stream(
@@ -189,7 +208,9 @@ class RelayServicer:
         if not request.model:
             raise requests.InvalidRequest("model is required ('default' or a path)")
         layers = None
-        if request.layers:
+        if request.layers.strip() == "auto":
+            layers = "auto"  # by each rank's free memory (pipeline.memory_split)
+        elif request.layers:
             try:
                 layers = parse_layers(request.layers, _num_layers(request.model), self._world())
             except ValueError as e:

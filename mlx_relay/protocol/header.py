@@ -17,11 +17,15 @@ Layout (int32, HEADER_LEN entries):
     7  payload_dtype    index into DTYPES
     8..10              payload shape (batch, tokens, hidden) or (nbytes, 0, 0)
     11 n_seqs           sequences in this step (<= MAX_SEQS)
-    12..               slots[MAX_SEQS], offsets[MAX_SEQS], lengths[MAX_SEQS]
+    12 group            NO_GROUP: each sequence runs alone on its own cache (prefill);
+                        else the id of a decode group: the sequences run as one batch
+    13..               slots[MAX_SEQS], offsets[MAX_SEQS], lengths[MAX_SEQS]
 
 A sequence *slot* names a KV cache on every rank; *offset* is the position of the
 sequence's first token in this step (0 starts a fresh cache), *length* the number of
-new tokens it contributes.
+new tokens it contributes. A decode group's batch cache holds exactly the slots its
+latest step listed, in that order: every rank rebuilds it the same way when the list
+changes (kvcache.SlotCaches), so membership needs no message of its own.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = 0x4D4C5200 | PROTOCOL_VERSION  # "MLR" + version
 
 MAX_SEQS = 16
@@ -55,7 +59,6 @@ COMMAND_NAMES = {
 
 # Flags.
 FLAG_WANT_OUTPUT = 1 << 0  # the last rank sends hidden states back (else header only)
-FLAG_RESET = 1 << 1  # drop the announced slots' caches before the step (fresh sequence)
 
 # Payload kinds.
 PAYLOAD_NONE = 0
@@ -81,7 +84,10 @@ ERROR_NAMES = {
     ERR_OUT_OF_MEMORY: "out of memory",
 }
 
-_SLOTS = 12
+NO_GROUP = -1
+
+_GROUP = 12
+_SLOTS = 13
 _OFFSETS = _SLOTS + MAX_SEQS
 _LENGTHS = _OFFSETS + MAX_SEQS
 HEADER_LEN = _LENGTHS + MAX_SEQS
@@ -101,6 +107,7 @@ class StepHeader:
     payload_kind: int = PAYLOAD_NONE
     payload_dtype: str = "float32"
     payload_shape: tuple[int, int, int] = (0, 0, 0)
+    group: int = NO_GROUP
     slots: list[int] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
@@ -150,6 +157,7 @@ def encode(header: StepHeader) -> np.ndarray:
     out[7] = DTYPES.index(header.payload_dtype)
     out[8:11] = header.payload_shape
     out[11] = n
+    out[_GROUP] = header.group
     out[_SLOTS : _SLOTS + n] = header.slots
     out[_OFFSETS : _OFFSETS + n] = header.offsets
     out[_LENGTHS : _LENGTHS + n] = header.lengths
@@ -179,6 +187,7 @@ def decode(raw: np.ndarray) -> StepHeader:
         payload_kind=int(raw[6]),
         payload_dtype=DTYPES[dtype_index],
         payload_shape=(int(raw[8]), int(raw[9]), int(raw[10])),
+        group=int(raw[_GROUP]),
         slots=[int(x) for x in raw[_SLOTS : _SLOTS + n]],
         offsets=[int(x) for x in raw[_OFFSETS : _OFFSETS + n]],
         lengths=[int(x) for x in raw[_LENGTHS : _LENGTHS + n]],

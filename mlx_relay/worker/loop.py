@@ -11,20 +11,32 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
+import re
+import struct
 import traceback
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import psutil
 import zmq
 
 from mlx_relay import memory, sharding
 from mlx_relay.default_model import resolve_model
+from mlx_relay.doorbell import DoorbellTimeout
+from mlx_relay.kvcache import CacheError, SlotCaches
 from mlx_relay.protocol import control
 from mlx_relay.protocol import header as hdr
 from mlx_relay.ring import Ring, mx_dtype, payload_bytes
 from mlx_relay.sidechannel import ControlLink
+from mlx_relay.stage import forward_stage
 
 log = logging.getLogger("mlx_relay.worker")
+
+MEMORY_LIMIT_ENV = "MLX_RELAY_MEMORY_LIMIT"  # cap on the memory this rank may use, e.g. 8GB
+_LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30}
 
 
 class StepError(Exception):
@@ -40,7 +52,7 @@ class Worker:
         self.rank = ring.rank
         self.is_last = ring.rank == ring.size - 1
         self.shard: sharding.Shard | None = None
-        self.caches: dict[int, list[Any]] = {}
+        self.caches: SlotCaches | None = None
 
     def run(self) -> None:
         """The loop: sleep until a step's doorbell rings, take the step, pass it on."""
@@ -55,7 +67,10 @@ class Worker:
                 return
             if self.ring.doorbell.incoming not in events:
                 continue
-            self.ring.wait(timeout=0)
+            try:
+                self.ring.wait(timeout=0)
+            except DoorbellTimeout:
+                continue  # what arrived was not a signed bell: it was dropped
             self.link.state = "busy"
             header = self.ring.recv_header()
             payload = self.ring.recv_payload(header)
@@ -73,7 +88,7 @@ class Worker:
                 mx.eval(out)
         except Exception as e:  # noqa: BLE001 - every failure must still complete the step
             code = e.code if isinstance(e, StepError) else hdr.ERR_EXCEPTION
-            message = f"{type(e).__name__}: {e}"
+            message = str(e) if isinstance(e, StepError) else f"{type(e).__name__}: {e}"
             log.error("rank %d: %s failed: %s", self.rank, header.describe(), message)
             log.debug("%s", traceback.format_exc())
             header.mark_failed(self.rank, code)
@@ -105,8 +120,8 @@ class Worker:
             self._load(json.loads(payload_bytes(payload)))
             return payload
         if cmd == hdr.CMD_FREE:
-            for slot in header.slots:
-                self.caches.pop(slot, None)
+            if self.caches is not None:
+                self.caches.free(header.slots)
             return payload
         if cmd in (hdr.CMD_UNLOAD, hdr.CMD_SHUTDOWN):
             self._unload()
@@ -124,7 +139,11 @@ class Worker:
                 raise ValueError(
                     f"model at {path} differs from rank 0's (config or weight files differ)"
                 )
+            check_fits(path, start, end)
             self.shard = sharding.load_shard(path, start, end, has_ends=False)
+            self.caches = SlotCaches(self.shard)
+        except StepError:
+            raise
         except Exception as e:
             raise StepError(hdr.ERR_LOAD, str(e)) from e
         log.info("rank %d: loaded layers [%d, %d) of %s", self.rank, start, end, path)
@@ -137,36 +156,70 @@ class Worker:
 
     def _unload(self) -> None:
         self.shard = None
-        self.caches.clear()
+        self.caches = None
         gc.collect()
         mx.clear_cache()
 
     def _forward(self, header: hdr.StepHeader, payload: mx.array | None) -> mx.array:
-        if self.shard is None:
+        if self.shard is None or self.caches is None:
             raise StepError(hdr.ERR_NO_MODEL, "no model loaded on this rank")
         if payload is None or payload.ndim != 3 or payload.shape[0] != header.n_seqs:
             raise StepError(hdr.ERR_BAD_HEADER, f"{header.describe()} has no matching payload")
-        outputs = []
-        for i, (slot, offset, length) in enumerate(
-            zip(header.slots, header.offsets, header.lengths, strict=True)
-        ):
-            caches = self._caches_for(slot, offset, reset=bool(header.flags & hdr.FLAG_RESET))
-            h = sharding.run_layers(self.shard, payload[i : i + 1, :length], caches)
-            if length < payload.shape[1]:
-                pad = mx.zeros((1, payload.shape[1] - length, h.shape[-1]), dtype=h.dtype)
-                h = mx.concatenate([h, pad], axis=1)
-            outputs.append(h)
-        return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
+        try:
+            return forward_stage(self.shard, self.caches, header, payload)
+        except CacheError as e:
+            raise StepError(hdr.ERR_BAD_HEADER, str(e)) from e
 
-    def _caches_for(self, slot: int, offset: int, reset: bool) -> list[Any]:
-        if reset or offset == 0:
-            self.caches[slot] = sharding.new_caches(self.shard)
-        caches = self.caches.get(slot)
-        if caches is None:
-            raise StepError(hdr.ERR_BAD_HEADER, f"slot {slot} has no cache at position {offset}")
-        if caches and caches[0].offset != offset:
-            raise StepError(
-                hdr.ERR_BAD_HEADER,
-                f"slot {slot} is at position {caches[0].offset}, step says {offset}",
-            )
-        return caches
+
+def shard_nbytes(path: Path, start: int, end: int) -> int:
+    """Bytes of layers [start, end), from the safetensors headers: no weight is read."""
+    total = 0
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            tensors = json.loads(fh.read(size))
+        for name, info in tensors.items():
+            match = _LAYER_NAME.search(name)
+            if match and start <= int(match.group(1)) < end:
+                first, last = info["data_offsets"]
+                total += last - first
+    return total
+
+
+def memory_limit() -> int | None:
+    """MLX_RELAY_MEMORY_LIMIT in bytes ('8GB', '512MiB', '1000000'), or None if unset."""
+    raw = os.environ.get(MEMORY_LIMIT_ENV, "").strip().upper().removesuffix("B")
+    if not raw:
+        return None
+    number = raw.rstrip("KMGTI")
+    try:
+        return int(float(number) * _UNITS[raw[len(number) :]])
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"{MEMORY_LIMIT_ENV}={os.environ[MEMORY_LIMIT_ENV]!r} is not a size"
+        ) from None
+
+
+def check_fits(path: Path, start: int, end: int) -> None:
+    """Refuse a shard whose weights exceed what this rank may use, before loading any."""
+    need = shard_nbytes(path, start, end)
+    available = psutil.virtual_memory().available
+    limit = memory_limit()
+    if limit is not None and limit < available:
+        allowed, why = limit, f"{MEMORY_LIMIT_ENV}={os.environ[MEMORY_LIMIT_ENV]}"
+    else:
+        allowed, why = available, "memory available on this machine"
+    if need > allowed:
+        raise StepError(
+            hdr.ERR_OUT_OF_MEMORY,
+            f"layers [{start}, {end}) need {_size(need)} of weights but this rank may use "
+            f"{_size(allowed)} ({why}); use more ranks or a smaller model",
+        )
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"

@@ -1,0 +1,105 @@
+"""KV caches per sequence slot, and per decode group as one batch: the same on every rank.
+
+A sequence is prefilled alone in its own cache (exactly as single-process mlx-lm would),
+then joins a decode group, whose caches are mlx-lm batch caches. Rank 0 and every
+worker apply the same rule when a group's slot list changes (drop the slots that left,
+append the ones that joined), so all ranks hold identical batches without exchanging
+anything beyond the step header.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_relay import sharding
+
+
+class CacheError(ValueError):
+    """A step that does not fit the caches this rank holds: the ranks disagree."""
+
+
+@dataclass
+class _Group:
+    slots: list[int]
+    caches: list[Any]
+
+
+class SlotCaches:
+    def __init__(self, shard: sharding.Shard) -> None:
+        self.shard = shard
+        self.single: dict[int, list[Any]] = {}
+        self.groups: dict[int, _Group] = {}
+
+    def for_sequence(self, slot: int, offset: int) -> list[Any]:
+        """The caches of one sequence outside any group; offset 0 starts afresh."""
+        if offset == 0:
+            self.free([slot])
+            self.single[slot] = sharding.new_caches(self.shard)
+        caches = self.single.get(slot)
+        if caches is None:
+            raise CacheError(f"slot {slot} has no cache at position {offset}")
+        if caches and caches[0].offset != offset:
+            raise CacheError(f"slot {slot} is at position {caches[0].offset}, step says {offset}")
+        return caches
+
+    def for_group(self, group: int, slots: list[int], offsets: list[int]) -> list[Any]:
+        """The batch caches of a decode group holding exactly `slots`, in that order."""
+        current = self.groups.get(group)
+        if current is None or current.slots != slots:
+            current = self._rebuild(group, current, slots)
+        if current.caches:
+            have = current.caches[0].offset.tolist()
+            if have != offsets:
+                raise CacheError(f"group {group} is at positions {have}, step says {offsets}")
+        return current.caches
+
+    def _rebuild(self, group: int, current: _Group | None, slots: list[int]) -> _Group:
+        kept_slots, caches = ([], None) if current is None else (current.slots, current.caches)
+        keep = [i for i, s in enumerate(kept_slots) if s in slots]
+        if caches is not None and len(keep) < len(kept_slots):
+            if keep:
+                for c in caches:
+                    c.filter(mx.array(keep))
+            else:
+                caches = None
+            kept_slots = [kept_slots[i] for i in keep]
+        joining = [s for s in slots if s not in kept_slots]
+        for s in joining:
+            if s not in self.single:
+                raise CacheError(f"slot {s} joins group {group} but was never prefilled")
+        if joining:
+            per_sequence = [self.single.pop(s) for s in joining]
+            merged = [
+                type(layer[0]).merge(list(layer)) for layer in zip(*per_sequence, strict=True)
+            ]
+            if caches is None:
+                caches = merged
+            else:
+                for c, m in zip(caches, merged, strict=True):
+                    c.extend(m)
+            kept_slots = kept_slots + joining
+        if kept_slots != slots:
+            raise CacheError(f"group {group} holds slots {kept_slots}, step lists {slots}")
+        rebuilt = _Group(kept_slots, caches or [])
+        self.groups[group] = rebuilt
+        return rebuilt
+
+    def free(self, slots: list[int]) -> None:
+        for slot in slots:
+            self.single.pop(slot, None)
+        for gid, g in list(self.groups.items()):
+            if any(s in g.slots for s in slots):
+                keep = [i for i, s in enumerate(g.slots) if s not in slots]
+                if not keep:
+                    del self.groups[gid]
+                    continue
+                for c in g.caches:
+                    c.filter(mx.array(keep))
+                g.slots = [g.slots[i] for i in keep]
+
+    def clear(self) -> None:
+        self.single.clear()
+        self.groups.clear()

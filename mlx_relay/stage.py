@@ -1,0 +1,32 @@
+"""One rank's share of one step: the same function on rank 0 and on every worker."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlx_relay import sharding
+from mlx_relay.kvcache import SlotCaches
+from mlx_relay.protocol import header as hdr
+
+
+def forward_stage(
+    shard: sharding.Shard, caches: SlotCaches, header: hdr.StepHeader, h: mx.array
+) -> mx.array:
+    """This rank's layers for one step: a decode group as one batch, else each sequence alone.
+
+    Rank 0 runs the very same function on its embeddings, so every rank treats a step
+    identically.
+    """
+    if header.group != hdr.NO_GROUP:
+        batch = caches.for_group(header.group, header.slots, header.offsets)
+        return sharding.run_layers(shard, h, batch)
+    outputs = []
+    for i, (slot, offset, length) in enumerate(
+        zip(header.slots, header.offsets, header.lengths, strict=True)
+    ):
+        out = sharding.run_layers(shard, h[i : i + 1, :length], caches.for_sequence(slot, offset))
+        if length < h.shape[1]:
+            pad = mx.zeros((1, h.shape[1] - length, out.shape[-1]), dtype=out.dtype)
+            out = mx.concatenate([out, pad], axis=1)
+        outputs.append(out)
+    return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)

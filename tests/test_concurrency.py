@@ -1,0 +1,137 @@
+"""Many requests at once: same tokens as alone, safe cancellation, bounded queue."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import grpc
+import pytest
+from conftest import start_cluster
+from oracle import chat_tokens, mlx_lm_tokens
+
+from mlx_relay.protocol import relay_pb2 as pb
+
+pytestmark = pytest.mark.cluster
+
+
+def _request(i: int) -> pb.GenerateRequest:
+    """A mix: greedy and seeded, short and long outputs, some with stop strings."""
+    params = pb.SamplingParams(max_tokens=8 + (i * 7) % 33)
+    if i % 2:
+        params.temperature = 0.8
+        params.seed = 1000 + i
+        params.top_p = 0.95
+    if i % 4 == 3:
+        params.stop.append("e ")
+    text = f"Request {i}: tell me about item {i * 13 % 97} and its history." + " more" * (i % 5)
+    return pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=text)], params=params)
+
+
+def _collect(client, request, cancel_after: int | None, out: dict, key: int) -> None:
+    tokens: list[int] = []
+    text = []
+    finish = None
+    call = client.stream(request)
+    try:
+        for chunk in call:
+            tokens.extend(chunk.token_ids)
+            text.append(chunk.text)
+            if chunk.finish_reason:
+                finish = chunk.finish_reason
+            if cancel_after is not None and len(tokens) >= cancel_after:
+                call.cancel()
+                break
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.CANCELLED:
+            out[key] = e
+            return
+    out[key] = (tokens, "".join(text), finish)
+
+
+@pytest.fixture(scope="module")
+def busy_cluster(tiny_model, tmp_path_factory):
+    model = tiny_model("llama", 7)
+    running = start_cluster(
+        model,
+        3,
+        tmp_path_factory.mktemp("logs"),
+        "--max-active",
+        "8",
+        "--max-queue",
+        "16",
+        "--prefill-chunk",
+        "16",
+    )
+    yield model, running
+    running.stop()
+
+
+def test_sixteen_concurrent_streams_equal_their_solo_results(busy_cluster):
+    model, running = busy_cluster
+    client = running.client
+    n = 16
+    solo = {}
+    for i in range(n):
+        _collect(client, _request(i), None, solo, i)
+    rng = random.Random(5)
+    cancel = {i: rng.randint(1, 6) for i in rng.sample(range(n), n // 3)}
+    together: dict[int, object] = {}
+    threads = [
+        threading.Thread(target=_collect, args=(client, _request(i), cancel.get(i), together, i))
+        for i in range(n)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not any(t.is_alive() for t in threads), "a stream never finished"
+    for i in range(n):
+        result = together[i]
+        assert not isinstance(result, Exception), f"request {i}: {result}"
+        tokens, text, finish = result
+        if i in cancel:
+            assert tokens == solo[i][0][: len(tokens)], f"cancelled request {i} diverged"
+        else:
+            assert (tokens, text, finish) == solo[i], f"request {i} differs from its solo run"
+    # The ring is still in step: a greedy request equals single-process mlx-lm.
+    messages = [{"role": "user", "content": "And finally, one more question."}]
+    response = client.generate(
+        pb.GenerateRequest(
+            messages=[pb.ChatMessage(**m) for m in messages],
+            params=pb.SamplingParams(max_tokens=20),
+        )
+    )
+    assert list(response.token_ids) == mlx_lm_tokens(model, chat_tokens(model, messages), 20)
+    status = client.status()
+    assert status.active_requests == 0 and status.queued_requests == 0
+
+
+def test_full_queue_is_refused_and_health_answers_while_busy(busy_cluster):
+    model, running = busy_cluster
+    client = running.client
+    long_prompt = pb.GenerateRequest(
+        prompt="word " * 200, params=pb.SamplingParams(max_tokens=30, ignore_eos=True)
+    )
+    results: dict[int, object] = {}
+    threads = [
+        threading.Thread(target=_collect, args=(client, long_prompt, None, results, i))
+        for i in range(8 + 16)
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    assert client.serving()
+    status = client.status()
+    assert time.monotonic() - t0 < 2.0, "health/status blocked behind generation"
+    assert status.active_requests == 8
+    with pytest.raises(grpc.RpcError) as info:
+        client.generate(long_prompt)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "busy" in info.value.details()
+    for t in threads:
+        t.join(600)
+    assert all(not isinstance(r, Exception) for r in results.values()), results
+    assert all(r[2] == "length" and len(r[0]) == 30 for r in results.values())
