@@ -8,7 +8,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     from mlx_relay.coordinator import client_cli
-    from mlx_relay.launch import demo, hostfile_cli, local, serve
+    from mlx_relay.launch import demo, hostfile_cli, local, mlx_launch, serve
 
     parser = argparse.ArgumentParser(
         prog="mlx-relay",
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_parser(sub)
     client_cli.add_parsers(sub)
     hostfile_cli.add_parser(sub)
+    mlx_launch.add_parser(sub)
     demo.add_parser(sub)
     return parser
 

@@ -327,8 +327,8 @@ def memory_split(num_layers: int, world_size: int, hub: ControlHub | None) -> li
 
     A rank's weight is its free memory plus the memory MLX already holds there (the
     shard and caches being replaced), from rank 0's own figures and each worker's latest
-    side-channel report; a rank that has not reported counts as the average. Every rank
-    gets at least one layer.
+    side-channel report; a rank that has not reported counts as the average. Weights
+    within 5% of each other give the even split. Every rank gets at least one layer.
     """
     from mlx_relay import memory
 
@@ -342,7 +342,9 @@ def memory_split(num_layers: int, world_size: int, hub: ControlHub | None) -> li
     known = [w for w in weights if w is not None and w > 0]
     fill = sum(known) / len(known) if known else 1.0
     filled = [w if w is not None and w > 0 else fill for w in weights]
-    counts = split_layers(num_layers, world_size, filled)
+    # Within 5% of each other (ranks sharing a machine, say) is equal: the even split.
+    even = max(filled) <= 1.05 * min(filled)
+    counts = split_layers(num_layers, world_size, None if even else filled)
     log.info(
         "layers auto: memory per rank %s GB -> layers %s",
         [round(w / 2**30, 2) for w in filled],

@@ -28,7 +28,7 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--layers",
         default="",
-        help="layers per rank, e.g. 10,12,8 (default: even split)",
+        help="layers per rank, e.g. 10,12,8, or auto: by each rank's free memory (default: even)",
     )
     p.add_argument("--grpc-address", default=DEFAULT_GRPC_ADDRESS, help="rank 0's gRPC address")
     p.add_argument("--max-active", type=int, default=8, help="sequences decoding at once")
@@ -115,7 +115,9 @@ def run(args: argparse.Namespace) -> int:
         from mlx_relay.default_model import resolve_model
 
         args.layer_counts = None
-        if args.layers:
+        if args.layers.strip() == "auto":
+            args.layer_counts = "auto"  # split by each rank's free memory once all said hello
+        elif args.layers:
             num_layers = sharding.count_layers(sharding.read_config(resolve_model(args.model)))
             args.layer_counts = parse_layers(args.layers, num_layers, size)
         hub = ControlHub(endpoint, size, secret) if ring else None

@@ -1,0 +1,338 @@
+"""`mlx-relay launch` and `mlx.launch`: real clusters from hostfiles, checked against mlx-lm."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import psutil
+import pytest
+from conftest import assert_gone
+from oracle import chat_tokens, mlx_lm_tokens
+
+from mlx_relay.coordinator.client import Client, wait_serving
+from mlx_relay.coordinator.pipeline import memory_split
+from mlx_relay.launch.hostfile import parse_hostfile
+from mlx_relay.launch.mlx_launch import (
+    client_address,
+    kill_script,
+    launch_script,
+    plan_wiring,
+)
+from mlx_relay.protocol import relay_pb2 as pb
+
+MESSAGES = [{"role": "user", "content": "Name three rivers and one café 🙂."}]
+MLX_RELAY = [sys.executable, "-m", "mlx_relay"]
+
+
+def free_port_range(k: int) -> int:
+    """A base port P with P..P+k-1 free on loopback now (ring, side channel, doorbells)."""
+    for _ in range(200):
+        base = random.randrange(20000, 60000 - k)
+        socks = []
+        try:
+            for port in range(base, base + k):
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("127.0.0.1", port))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+def localhost_hostfile(tmp_path: Path, n: int, backend: str = "ring") -> Path:
+    host = {"ssh": "127.0.0.1"} if backend == "mpi" else {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}
+    path = tmp_path / f"localhost-{n}-{backend}.json"
+    path.write_text(json.dumps({"backend": backend, "envs": [], "hosts": [host] * n}))
+    return path
+
+
+def cpu_seconds(pid: int) -> float:
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def rank_pids(launcher: int) -> list[int]:
+    return [p.pid for p in psutil.Process(launcher).children(recursive=True)]
+
+
+class Launched:
+    """`mlx-relay launch` as a subprocess, as a user runs it."""
+
+    def __init__(self, tmp_path: Path, hostfile: Path, serve: list[str], n_ports: int) -> None:
+        self.grpc = f"127.0.0.1:{free_port_range(1)}"
+        self.out = tmp_path / "launch.out"
+        self.err = tmp_path / "launch.err"
+        cmd = [
+            *MLX_RELAY,
+            "launch",
+            "--hostfile",
+            str(hostfile),
+            "-p",
+            str(free_port_range(n_ports)),
+        ]
+        cmd += ["--", *serve, "--grpc-address", self.grpc]
+        with open(self.out, "wb") as out, open(self.err, "wb") as err:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+        self.ranks: list[int] = []
+
+    def logs(self) -> str:
+        return f"--- stdout\n{self.out.read_text()[-3000:]}\n--- stderr\n{self.err.read_text()[-6000:]}"
+
+    def wait_serving(self, timeout: float = 120) -> None:
+        def check() -> None:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"launcher exited {self.proc.returncode}\n{self.logs()}")
+
+        wait_serving(self.grpc, timeout, check=check)
+        self.ranks = rank_pids(self.proc.pid)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            for pid in self.ranks:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+# ---------------------------------------------------------------- unit: what gets run
+
+
+def test_launch_script_is_mlx_launchs_own():
+    launch = pytest.importorskip("mlx._distributed_utils.launch")
+    env = ["A=1", "B=with space's", "C", "bad-name=x", 'J=["tcp://1.2.3.4:5"]']
+    files = {"MLX_HOSTFILE": json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"]])}
+    cmd = [sys.executable, "-m", "mlx_relay", "serve", "--model", "a b"]
+    for cwd in (None, "/some where"):
+        for is_local in (True, False):
+            ours = launch_script(1, cwd, files, env, cmd, is_local)
+            theirs = launch.RemoteProcess.make_launch_script(
+                1, None, cwd, files, env, cmd, is_local
+            )
+            assert ours == theirs
+
+
+def test_launch_script_runs_and_kill_script_signals(tmp_path):
+    script = launch_script(
+        2,
+        str(tmp_path),
+        {"MLX_HOSTFILE": "[]"},
+        ["X=y z"],
+        ["sh", "-c", "echo $X $MLX_RANK $(cat $MLX_HOSTFILE) $PWD; sleep 30"],
+        True,
+    )
+    p = subprocess.Popen(["/bin/bash", "-c", script], stdout=subprocess.PIPE, text=True)
+    pidfile = p.stdout.readline().strip()
+    assert p.stdout.readline().split() == ["y", "z", "2", "[]", str(tmp_path)]
+    assert Path(pidfile).read_text().strip() == str(p.pid)  # exec kept the pid
+    subprocess.run(["/bin/bash", "-c", kill_script(pidfile)], check=True)
+    assert p.wait(10) == -signal.SIGTERM
+    assert not Path(pidfile).exists()
+
+
+def test_wiring_counts_every_port_from_the_starting_port():
+    hf = parse_hostfile([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 3)
+    w = plan_wiring(hf, "ring", 40000)
+    assert w.ring == [["127.0.0.1:40000"], ["127.0.0.1:40001"], ["127.0.0.1:40002"]]
+    assert json.loads(w.files["MLX_HOSTFILE"]) == w.ring
+    assert w.control == "tcp://127.0.0.1:40003"
+    assert w.doorbells == [f"tcp://127.0.0.1:{p}" for p in (40004, 40005, 40006)]
+
+    hf = parse_hostfile([{"ssh": "a", "ips": ["10.0.0.1"]}, {"ssh": "b", "ips": ["10.0.0.2"]}])
+    w = plan_wiring(hf, "ring", 100, connections_per_ip=2)
+    assert w.ring == [["10.0.0.1:100", "10.0.0.1:101"], ["10.0.0.2:102", "10.0.0.2:103"]]
+    assert w.control == "tcp://10.0.0.1:104"
+    assert w.doorbells == ["tcp://10.0.0.1:105", "tcp://10.0.0.2:106"]
+
+    hf = parse_hostfile(
+        [
+            {"ssh": "m1", "ips": ["192.168.1.1"], "rdma": [None, "rdma_en2"]},
+            {"ssh": "m2", "ips": ["192.168.1.2"], "rdma": ["rdma_en2", None]},
+        ]
+    )
+    w = plan_wiring(hf, "jaccl", 500)
+    assert "MLX_JACCL_COORDINATOR=192.168.1.1:500" in w.env
+    assert json.loads(w.files["MLX_IBV_DEVICES"]) == [[None, "rdma_en2"], ["rdma_en2", None]]
+    assert w.control == "tcp://192.168.1.1:501"
+
+    hf = parse_hostfile([{"ssh": "127.0.0.1"}, {"ssh": "127.0.0.1"}])
+    w = plan_wiring(hf, "mpi", 700)
+    assert w.ring is None and w.files == {}
+    assert w.control == "tcp://127.0.0.1:700"
+    assert w.doorbells == ["tcp://127.0.0.1:701", "tcp://127.0.0.1:702"]
+
+
+def test_client_address_reaches_rank_0_where_it_can():
+    assert client_address("127.0.0.1:5", "127.0.0.1", True) == "127.0.0.1:5"
+    assert client_address("127.0.0.1:5", "10.0.0.1", False) is None
+    assert client_address("0.0.0.0:5", "10.0.0.1", False) == "10.0.0.1:5"
+    assert client_address("10.0.0.1:5", "10.0.0.1", False) == "10.0.0.1:5"
+
+
+def test_memory_split_weights_free_memory_and_keeps_a_layer_per_rank(monkeypatch):
+    from mlx_relay import memory
+
+    gb = 2**30
+    monkeypatch.setattr(memory, "stats", lambda: {"free_memory": 30 * gb, "active_memory": 2 * gb})
+
+    def hub(*stats):
+        snap = {r + 1: SimpleNamespace(stats=s) for r, s in enumerate(stats) if s is not None}
+        return SimpleNamespace(snapshot=lambda: snap)
+
+    assert memory_split(30, 3, hub({"free_memory": 16 * gb}, {"free_memory": 48 * gb})) == [
+        10, 5, 15,
+    ]  # fmt: skip
+    assert memory_split(30, 3, hub({"free_memory": 0}, None)) == [10, 10, 10]  # unknown: average
+    assert memory_split(4, 3, hub({"free_memory": gb // 100}, {"free_memory": 100 * gb})) == [
+        1, 1, 2,
+    ]  # fmt: skip
+    assert memory_split(30, 2, hub({"free_memory": int(32.5 * gb)})) == [15, 15]  # within 5%
+
+
+def test_launch_refuses_a_bad_hostfile_naming_the_entry(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}, {"ssh": "127.0.0.1"}]))
+    r = subprocess.run(
+        [*MLX_RELAY, "launch", "--hostfile", str(bad), "--"], capture_output=True, text=True
+    )
+    assert r.returncode == 2
+    assert "hosts[1]" in r.stderr and "ips" in r.stderr
+
+
+# ---------------------------------------------------------------- clusters
+
+
+@pytest.mark.cluster
+def test_launch_three_ranks_equals_mlx_lm_idles_and_stops_cleanly(tiny_model, tmp_path):
+    model = tiny_model("llama", 7)
+    hostfile = localhost_hostfile(tmp_path, 3)
+    launched = Launched(tmp_path, hostfile, ["--model", str(model), "--layers", "auto"], 7)
+    try:
+        launched.wait_serving()
+        assert len(launched.ranks) == 3, launched.ranks
+        with Client(launched.grpc, timeout=120) as client:
+            expected = mlx_lm_tokens(model, chat_tokens(model, MESSAGES), 30)
+            request = pb.GenerateRequest(
+                messages=[pb.ChatMessage(**m) for m in MESSAGES],
+                params=pb.SamplingParams(max_tokens=30),
+            )
+            assert list(client.generate(request).token_ids) == expected
+            status = client.status()
+            spans = [(r.layer_start, r.layer_end) for r in status.ranks]
+            assert spans == [(0, 3), (3, 5), (5, 7)]  # auto on one machine: the even split
+        # The launcher leaves the cores to the ranks: idle, it sleeps.
+        before, t0 = cpu_seconds(launched.proc.pid), time.monotonic()
+        time.sleep(3)
+        share = (cpu_seconds(launched.proc.pid) - before) / (time.monotonic() - t0)
+        assert share < 0.05, f"launcher used {share:.1%} of a core while idle"
+        out = launched.out.read_text() + launched.err.read_text()
+        for rank in range(3):
+            assert f"[rank {rank}] " in out
+        assert "layers auto" in out
+        assert launched.stop() == 0, launched.logs()
+        assert "shutdown" in launched.err.read_text()
+    finally:
+        launched.stop()
+    assert_gone(launched.ranks)
+
+
+@pytest.mark.cluster
+def test_a_failed_rank_stops_the_cluster_and_a_killed_launcher_orphans_none(tiny_model, tmp_path):
+    model = tiny_model("llama", 5)
+    hostfile = localhost_hostfile(tmp_path, 2)
+    (tmp_path / "a").mkdir()
+    launched = Launched(tmp_path / "a", hostfile, ["--model", str(model)], 5)
+    try:
+        launched.wait_serving()
+        os.kill(launched.ranks[1], signal.SIGKILL)
+        assert launched.proc.wait(60) == 4
+        assert "rank 1 (127.0.0.1) killed by SIGKILL" in launched.err.read_text()
+    finally:
+        launched.stop()
+    assert_gone(launched.ranks)
+
+    (tmp_path / "b").mkdir()
+    launched = Launched(tmp_path / "b", hostfile, ["--model", str(model)], 5)
+    try:
+        launched.wait_serving()
+        launched.proc.kill()  # no chance to clean up: PR_SET_PDEATHSIG does it
+        launched.proc.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in launched.ranks):
+            time.sleep(0.2)
+        assert_gone(launched.ranks)
+    finally:
+        launched.stop()
+
+
+@pytest.mark.cluster
+def test_mlx_launch_itself_with_a_localhost_hostfile(tiny_model, tmp_path):
+    """`mlx.launch ... -- python -m mlx_relay serve` as hostfiles/README.md tells users."""
+    model = tiny_model("qwen3", 5)
+    hostfile = localhost_hostfile(tmp_path, 3)
+    base = free_port_range(7)
+    grpc = f"127.0.0.1:{free_port_range(1)}"
+    doorbells = json.dumps([f"tcp://127.0.0.1:{base + 4 + r}" for r in range(3)])
+    mlx_launch = str(Path(sys.executable).parent / "mlx.launch")
+    cmd = [mlx_launch, "--hostfile", str(hostfile), "-p", str(base)]
+    cmd += ["--env", "MLX_RELAY_SECRET=" + os.urandom(8).hex()]
+    cmd += ["--env", f"MLX_RELAY_CONTROL=tcp://127.0.0.1:{base + 3}"]
+    cmd += ["--env", f"MLX_RELAY_DOORBELLS={doorbells}"]
+    cmd += ["--", sys.executable, "-m", "mlx_relay", "serve", "--model", str(model)]
+    cmd += ["--grpc-address", grpc]
+    log = tmp_path / "mlx.launch.log"
+    with open(log, "wb") as out:
+        # Its own session, so that every rank can be found and none outlives the test.
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.PIPE, start_new_session=True
+        )
+    ranks: list[int] = []
+    try:
+
+        def check() -> None:
+            if proc.poll() is not None:
+                raise AssertionError(f"mlx.launch exited\n{log.read_text()[-5000:]}")
+
+        wait_serving(grpc, 120, check=check)
+        ranks = [
+            p.pid for p in psutil.Process(proc.pid).children(recursive=True) if "python" in p.name()
+        ]
+        with Client(grpc, timeout=120) as client:
+            expected = mlx_lm_tokens(model, chat_tokens(model, MESSAGES), 30)
+            request = pb.GenerateRequest(
+                messages=[pb.ChatMessage(**m) for m in MESSAGES],
+                params=pb.SamplingParams(max_tokens=30),
+            )
+            assert list(client.generate(request).token_ids) == expected
+            assert client.status().world_size == 3
+        # SIGTERM to mlx.launch alone would orphan the ranks: stop them through rank 0.
+        rank0 = next(p for p in ranks if psutil.Process(p).environ().get("MLX_RANK") == "0")
+        os.kill(rank0, signal.SIGTERM)
+        proc.wait(60)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert_gone(ranks)
