@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +14,15 @@ from types import SimpleNamespace
 import psutil
 import pytest
 from conftest import assert_gone
+from launching import (
+    MESSAGES,
+    MLX_RELAY,
+    Launched,
+    chat_request,
+    cpu_seconds,
+    free_port_range,
+    localhost_hostfile,
+)
 from oracle import chat_tokens, mlx_lm_tokens
 
 from mlx_relay.coordinator.client import Client, wait_serving
@@ -27,93 +34,6 @@ from mlx_relay.launch.mlx_launch import (
     launch_script,
     plan_wiring,
 )
-from mlx_relay.protocol import relay_pb2 as pb
-
-MESSAGES = [{"role": "user", "content": "Name three rivers and one café 🙂."}]
-MLX_RELAY = [sys.executable, "-m", "mlx_relay"]
-
-
-def free_port_range(k: int) -> int:
-    """A base port P with P..P+k-1 free on loopback now (ring, side channel, doorbells)."""
-    for _ in range(200):
-        base = random.randrange(20000, 60000 - k)
-        socks = []
-        try:
-            for port in range(base, base + k):
-                s = socket.socket()
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind(("127.0.0.1", port))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
-
-
-def localhost_hostfile(tmp_path: Path, n: int, backend: str = "ring") -> Path:
-    host = {"ssh": "127.0.0.1"} if backend == "mpi" else {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}
-    path = tmp_path / f"localhost-{n}-{backend}.json"
-    path.write_text(json.dumps({"backend": backend, "envs": [], "hosts": [host] * n}))
-    return path
-
-
-def cpu_seconds(pid: int) -> float:
-    t = psutil.Process(pid).cpu_times()
-    return t.user + t.system
-
-
-def rank_pids(launcher: int) -> list[int]:
-    return [p.pid for p in psutil.Process(launcher).children(recursive=True)]
-
-
-class Launched:
-    """`mlx-relay launch` as a subprocess, as a user runs it."""
-
-    def __init__(self, tmp_path: Path, hostfile: Path, serve: list[str], n_ports: int) -> None:
-        self.grpc = f"127.0.0.1:{free_port_range(1)}"
-        self.out = tmp_path / "launch.out"
-        self.err = tmp_path / "launch.err"
-        cmd = [
-            *MLX_RELAY,
-            "launch",
-            "--hostfile",
-            str(hostfile),
-            "-p",
-            str(free_port_range(n_ports)),
-        ]
-        cmd += ["--", *serve, "--grpc-address", self.grpc]
-        with open(self.out, "wb") as out, open(self.err, "wb") as err:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
-        self.ranks: list[int] = []
-
-    def logs(self) -> str:
-        return f"--- stdout\n{self.out.read_text()[-3000:]}\n--- stderr\n{self.err.read_text()[-6000:]}"
-
-    def wait_serving(self, timeout: float = 120) -> None:
-        def check() -> None:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"launcher exited {self.proc.returncode}\n{self.logs()}")
-
-        wait_serving(self.grpc, timeout, check=check)
-        self.ranks = rank_pids(self.proc.pid)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(60)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            for pid in self.ranks:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-
 
 # ---------------------------------------------------------------- unit: what gets run
 
@@ -232,11 +152,7 @@ def test_launch_three_ranks_equals_mlx_lm_idles_and_stops_cleanly(tiny_model, tm
         assert len(launched.ranks) == 3, launched.ranks
         with Client(launched.grpc, timeout=120) as client:
             expected = mlx_lm_tokens(model, chat_tokens(model, MESSAGES), 30)
-            request = pb.GenerateRequest(
-                messages=[pb.ChatMessage(**m) for m in MESSAGES],
-                params=pb.SamplingParams(max_tokens=30),
-            )
-            assert list(client.generate(request).token_ids) == expected
+            assert list(client.generate(chat_request(30)).token_ids) == expected
             status = client.status()
             spans = [(r.layer_start, r.layer_end) for r in status.ranks]
             assert spans == [(0, 3), (3, 5), (5, 7)]  # auto on one machine: the even split
@@ -319,11 +235,7 @@ def test_mlx_launch_itself_with_a_localhost_hostfile(tiny_model, tmp_path):
         ]
         with Client(grpc, timeout=120) as client:
             expected = mlx_lm_tokens(model, chat_tokens(model, MESSAGES), 30)
-            request = pb.GenerateRequest(
-                messages=[pb.ChatMessage(**m) for m in MESSAGES],
-                params=pb.SamplingParams(max_tokens=30),
-            )
-            assert list(client.generate(request).token_ids) == expected
+            assert list(client.generate(chat_request(30)).token_ids) == expected
             assert client.status().world_size == 3
         # SIGTERM to mlx.launch alone would orphan the ranks: stop them through rank 0.
         rank0 = next(p for p in ranks if psutil.Process(p).environ().get("MLX_RANK") == "0")

@@ -122,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
             args.layer_counts = parse_layers(args.layers, num_layers, size)
         hub = ControlHub(endpoint, size, secret) if ring else None
         log.info("rank 0 of %d; side channel %s", size, endpoint if ring else "(none)")
-        return server.run(args, ring, hub)
+        code = server.run(args, ring, hub)
+        _mpi_finalize(args.backend, code)
+        return code
 
     from mlx_relay import memory
     from mlx_relay.worker.loop import Worker
@@ -135,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         Worker(ring, link).run()
     finally:
         link.close()
+    _mpi_finalize(args.backend, 0)
     return 0
 
 
@@ -144,3 +147,29 @@ def _distributed() -> bool:
     return any(
         k in env for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MLX_JACCL_COORDINATOR")
     )
+
+def _mpi_finalize(backend: str, code: int) -> None:
+    """After a clean shutdown under mpirun: MPI_Finalize (through mpi4py, the `mpi` extra), exit.
+
+    MLX's mpi backend finalizes only from a C++ static destructor at process exit, which
+    for a serving rank (its threads, grpc, zmq) comes too late for mpirun: it reports the
+    clean exit as a failure. So finalize here, then leave without running destructors
+    (MLX's would finalize a second time, which MPI aborts). mpi4py must not initialise
+    MPI itself: MLX already has.
+    """
+    if backend not in ("mpi", "any") or "OMPI_COMM_WORLD_RANK" not in os.environ:
+        return
+    try:
+        import mpi4py
+
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = False
+        from mpi4py import MPI
+    except ImportError:
+        return
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

