@@ -38,6 +38,7 @@ def mlx_lm_tokens(
     seed: int | None = None,
     sampler: dict | None = None,
     processors: dict | None = None,
+    prefill_step_size: int = 2048,
 ) -> list[int]:
     """Tokens `mlx_lm.stream_generate` produces (the EOS token itself not included)."""
     model, tokenizer = _load(str(path))
@@ -51,6 +52,7 @@ def mlx_lm_tokens(
             max_tokens=max_tokens,
             sampler=make_sampler(**(sampler or {})),
             logits_processors=make_logits_processors(**(processors or {})),
+            prefill_step_size=prefill_step_size,
         )
     )
     tokens = [r.token for r in responses]

@@ -135,3 +135,19 @@ def test_full_queue_is_refused_and_health_answers_while_busy(busy_cluster):
         t.join(600)
     assert all(not isinstance(r, Exception) for r in results.values()), results
     assert all(r[2] == "length" and len(r[0]) == 30 for r in results.values())
+
+
+def test_long_prompt_prefilled_in_pipelined_chunks_equals_mlx_lm(busy_cluster):
+    """Chunks of one prompt travel the ring back to back; mlx-lm prefills with the same chunks."""
+    model, running = busy_cluster
+    messages = [{"role": "user", "content": "Summarise: " + "the quick brown fox jumps. " * 20}]
+    prompt = chat_tokens(model, messages)
+    assert len(prompt) > 5 * 16
+    response = running.client.generate(
+        pb.GenerateRequest(
+            messages=[pb.ChatMessage(**m) for m in messages],
+            params=pb.SamplingParams(max_tokens=16),
+        )
+    )
+    expected = mlx_lm_tokens(model, prompt, 16, prefill_step_size=16)
+    assert list(response.token_ids) == expected

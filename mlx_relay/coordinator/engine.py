@@ -113,8 +113,13 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     reasoning_tokens: int = 0
     group: int | None = None
-    in_flight: bool = False
+    in_flight: int = 0  # steps of this sequence now round the ring
     first_token_at: float | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        """Prompt tokens left to send: known in advance, so several chunks may be in flight."""
+        return not self.generated and self.first_token_at is None and bool(self.pending)
 
 
 class Engine:
@@ -293,7 +298,7 @@ class Engine:
 
     def _reap_cancelled(self) -> None:
         for seq in list(self._active):
-            if seq.request.cancelled.is_set() and not seq.in_flight:
+            if seq.request.cancelled.is_set() and seq.in_flight == 0:
                 self._finish(seq, Chunk(), reason="cancelled")
 
     # --- launching -----------------------------------------------------------------
@@ -307,7 +312,9 @@ class Engine:
         units += [
             ("single", s)
             for s in self._active
-            if s.group is None and not s.in_flight and not s.request.cancelled.is_set()
+            if s.group is None
+            and (s.in_flight == 0 or s.prefilling)
+            and not s.request.cancelled.is_set()
         ]
         return units
 
@@ -364,7 +371,7 @@ class Engine:
     def _track(self, step: Step, seqs: list[Sequence]) -> None:
         step.tag = seqs
         for s in seqs:
-            s.in_flight = True
+            s.in_flight += 1
         self._launched.append(step)
 
     # --- completing ----------------------------------------------------------------
@@ -372,7 +379,7 @@ class Engine:
         step = self._launched.popleft()
         seqs: list[Sequence] = step.tag or []
         for s in seqs:
-            s.in_flight = False
+            s.in_flight -= 1
         try:
             logits = self.pipeline.complete(step)
         except ClusterFailure:
@@ -382,14 +389,15 @@ class Engine:
             for seq in seqs:
                 if seq in self._active:
                     self._finish(seq, EngineError("internal", str(e)))
-            return
-        if logits is None:
-            return
+            return  # its later steps in flight fail too; they find it finished
         for i, seq in enumerate(seqs):
             if seq not in self._active:
                 continue
             if seq.request.cancelled.is_set():
-                self._finish(seq, Chunk(), reason="cancelled")
+                if seq.in_flight == 0:
+                    self._finish(seq, Chunk(), reason="cancelled")
+                continue
+            if logits is None:
                 continue
             self._sample_and_emit(seq, logits[i : i + 1])
             if seq in self._active and seq.group is None:
