@@ -7,12 +7,14 @@ a reason instead of gRPC's generic INTERNAL.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -58,37 +60,36 @@ def _lenient(message_type: Any) -> Callable[[bytes], Any]:
     return deserialize
 
 
-def _rpc(fn: Callable) -> Callable:
+@contextmanager
+def _statuses(request: Any, context: grpc.ServicerContext) -> Iterator[None]:
     """Map the engine's errors to gRPC statuses with the message a person can act on."""
+    if isinstance(request, _Undecodable):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+    try:
+        yield
+    except requests.InvalidRequest as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    except EngineError as e:
+        context.abort(_STATUS[e.kind], str(e))
+    except RankFailure as e:
+        context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
+
+def _rpc(fn: Callable) -> Callable:
+    @functools.wraps(fn)
     def wrapper(self: RelayServicer, request: Any, context: grpc.ServicerContext) -> Any:
-        if isinstance(request, _Undecodable):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
-        try:
+        with _statuses(request, context):
             return fn(self, request, context)
-        except requests.InvalidRequest as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except EngineError as e:
-            context.abort(_STATUS[e.kind], str(e))
-        except RankFailure as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
-    wrapper.__name__ = fn.__name__
     return wrapper
 
 
 def _stream_rpc(fn: Callable) -> Callable:
+    @functools.wraps(fn)
     def wrapper(self: RelayServicer, request: Any, context: grpc.ServicerContext) -> Iterator:
-        if isinstance(request, _Undecodable):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
-        try:
+        with _statuses(request, context):
             yield from fn(self, request, context)
-        except requests.InvalidRequest as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except EngineError as e:
-            context.abort(_STATUS[e.kind], str(e))
 
-    wrapper.__name__ = fn.__name__
     return wrapper
 
 
