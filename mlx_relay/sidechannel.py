@@ -5,6 +5,12 @@ by its main thread (hello, errors, and rank 0's 'bye' while it waits for a step)
 `hb`, owned by a heartbeat thread that keeps talking while the main thread is blocked
 inside a collective. Messages are signed (protocol.control); bad ones are dropped and
 logged, never acted on.
+
+Rank 0 learns that a worker is gone in two ways. A process that dies (crash, kill -9,
+OOM killer) closes its sockets at once: rank 0's next heartbeat to it fails with
+EHOSTUNREACH (ROUTER_MANDATORY), so the rank counts as gone about half a second later
+unless it reconnects. A process that is stopped, hung or cut off keeps its sockets
+open and is found by silence instead: no heartbeat for the heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -25,8 +31,12 @@ from mlx_relay.protocol import control
 
 log = logging.getLogger("mlx_relay.sidechannel")
 
-EXIT_RANK0_SILENT = 75
-SEND_RETRY_S = 5.0  # how long rank 0 keeps trying to reach a worker socket  # a worker exits with this when rank 0 stops talking
+EXIT_RANK0_SILENT = 75  # a worker exits with this when rank 0 stops talking
+EXIT_RING_BROKEN = 76  # a worker whose ring connection broke, once rank 0 said bye
+SEND_RETRY_S = 5.0  # how long rank 0 keeps trying to reach a worker socket
+LINK_GRACE_S = 0.5  # a worker's closed connection counts once it stays closed this long
+RING_BLAME_S = 1.5  # a rank reporting a broken ring is blamed only if nobody is gone by then
+PROBE_INTERVAL_S = 0.1  # how often rank 0 retries a worker whose connection closed
 
 
 def _identity(rank: int, role: str) -> bytes:
@@ -49,6 +59,29 @@ class RankInfo:
     state: str = "starting"
     last_seen: float = field(default_factory=time.monotonic)
     stats: dict[str, Any] = field(default_factory=dict)
+    fingerprint: str = ""
+    done_step: int = 0  # the last step it passed on, as of its last message
+    hb_attached: bool = False  # its heartbeat socket has talked to rank 0
+    unreachable_since: float | None = None  # rank 0's sends to it fail since then
+    gone: str = ""  # why rank 0 counts it as gone ("" while it is there)
+    ring_broken: str = ""  # what its mx.distributed connection reported, if it broke
+    ring_broken_at: float = 0.0
+
+    @property
+    def where(self) -> str:
+        return f"rank {self.rank}" + (f" ({self.host})" if self.host else "")
+
+
+@dataclass
+class LinkFailure:
+    """A worker that rank 0 can no longer count on, and why (for the user)."""
+
+    rank: int
+    host: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}" + (f" ({self.host})" if self.host else "") + f": {self.reason}"
 
 
 class ControlHub:
@@ -66,6 +99,7 @@ class ControlHub:
         self.heartbeat_interval = heartbeat_interval
         self.ranks: dict[int, RankInfo] = {}
         self.rejected = 0
+        self._exits_expected = False
         self._errors: dict[tuple[int, int], str] = {}
         self._cond = threading.Condition()
         self._outbox: queue.SimpleQueue[tuple[bytes, list[bytes]]] = queue.SimpleQueue()
@@ -134,15 +168,76 @@ class ControlHub:
         with self._cond:
             return [r for r, info in self.ranks.items() if now - info.last_seen > timeout]
 
+    def failure(self, heartbeat_timeout: float) -> LinkFailure | None:
+        """The first worker that is gone (its connection closed) or silent too long.
+
+        A worker that only reports a broken ring is usually the neighbour of one that
+        died; it is named only if no rank turns out to be gone within RING_BLAME_S.
+        """
+        now = time.monotonic()
+        with self._cond:
+            for rank, info in sorted(self.ranks.items()):
+                if info.gone and not self._exits_expected:
+                    return LinkFailure(rank, info.host, f"{info.gone} (pid {info.pid})")
+                silent = now - info.last_seen
+                if silent > heartbeat_timeout:
+                    return LinkFailure(
+                        rank,
+                        info.host,
+                        f"no heartbeat for {silent:.1f} s (pid {info.pid}); the rank is "
+                        "stopped, hung or cut off from rank 0",
+                    )
+            for rank, info in sorted(self.ranks.items()):
+                if info.ring_broken and now - info.ring_broken_at > RING_BLAME_S:
+                    return LinkFailure(
+                        rank, info.host, f"its ring connection broke: {info.ring_broken}"
+                    )
+        return None
+
+    def wait_failure(self, heartbeat_timeout: float, timeout: float) -> LinkFailure | None:
+        """`failure()`, waiting up to `timeout` for one to show (after the ring broke)."""
+        deadline = time.monotonic() + timeout
+        while (found := self.failure(heartbeat_timeout)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            with self._cond:
+                self._cond.wait(min(left, 0.05))
+        return found
+
+    def suspect(self, step_id: int) -> LinkFailure | None:
+        """The first rank (in ring order) that has not passed step `step_id` on, and how
+        it looks from here: silent, or alive but not done (slow or hung)."""
+        now = time.monotonic()
+        with self._cond:
+            for rank in sorted(self.ranks):
+                info = self.ranks[rank]
+                if info.done_step >= step_id:
+                    continue
+                silent = now - info.last_seen
+                if silent > 1.5 * self.heartbeat_interval:
+                    how = f"silent for {silent:.1f} s"
+                else:
+                    how = f"alive and {info.state}, but not done with it"
+                return LinkFailure(rank, info.host, f"has not passed the step on ({how})")
+        return None
+
+    def expect_exits(self) -> None:
+        """Workers are being shut down: their closing connections are no failure."""
+        with self._cond:
+            self._exits_expected = True
+
     def snapshot(self) -> dict[int, RankInfo]:
         with self._cond:
             return {r: RankInfo(**vars(info)) for r, info in self.ranks.items()}
 
     def close(self) -> None:
+        """Stop the hub thread; messages already queued (a last bye) are still sent."""
         self._stop.set()
         with self._push_lock:
             self._wakeup_push.send(b"")
         self._thread.join(timeout=2)
+        self._flush()
         for sock in (self._router, self._wakeup_pull, self._wakeup_push):
             sock.close(linger=0)
 
@@ -173,19 +268,59 @@ class ControlHub:
                 while self._router.poll(0):
                     self._receive(self._router.recv_multipart())
             if time.monotonic() >= next_beat:
-                beat = control.encode(control.HEARTBEAT, {}, self.secret)
-                for rank in range(1, self.world_size):
-                    try:
-                        self._router.send_multipart([_identity(rank, "hb"), *beat])
-                    except zmq.ZMQError:
-                        pass  # that worker's heartbeat socket is not connected (yet, or any more)
                 next_beat = time.monotonic() + self.heartbeat_interval
+                if self._beat():
+                    next_beat = min(next_beat, time.monotonic() + PROBE_INTERVAL_S)
+
+    def _flush(self) -> None:
+        """Send what is still queued, once (the hub thread has stopped)."""
+        while True:
+            try:
+                identity, frames = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self._router.send_multipart([identity, *frames], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def _beat(self) -> bool:
+        """Heartbeat every worker; note whose connection closed. True if any is unreachable."""
+        beat = control.encode(control.HEARTBEAT, {}, self.secret)
+        now = time.monotonic()
+        probing = False
+        for rank in range(1, self.world_size):
+            try:
+                self._router.send_multipart([_identity(rank, "hb"), *beat], flags=zmq.NOBLOCK)
+                reachable = True
+            except zmq.Again:
+                reachable = True  # connected, but not reading (stopped?): silence will tell
+            except zmq.ZMQError:
+                reachable = False  # not connected: not yet, or not any more
+            with self._cond:
+                info = self.ranks.get(rank)
+                if info is None or not info.hb_attached:
+                    continue
+                if reachable:
+                    info.unreachable_since = None
+                    continue
+                if info.unreachable_since is None:
+                    info.unreachable_since = now
+                if now - info.unreachable_since < LINK_GRACE_S:
+                    probing = True
+                elif not info.gone:
+                    info.gone = (
+                        "its side-channel connection closed: the process exited or was killed"
+                    )
+                    log.error("side channel: %s: %s", info.where, info.gone)
+                    self._cond.notify_all()
+        return probing
 
     def _send_or_retry(self, deadline: float, identity: bytes, frames: list[bytes]) -> None:
         """A worker's socket may not be attached yet; keep trying for a while, then log."""
         try:
             log.debug("side channel: -> %s", identity.decode())
-            self._router.send_multipart([identity, *frames])
+            self._router.send_multipart([identity, *frames], flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:
             if time.monotonic() < deadline:
                 self._retry.append((deadline, identity, frames))
@@ -202,7 +337,7 @@ class ControlHub:
             self.rejected += 1
             log.warning("side channel: dropped a message from %r: %s", frames[:1], e)
             return
-        rank, _role = sender
+        rank, role = sender
         if not 0 < rank < self.world_size or message.get("rank") != rank:
             self.rejected += 1
             log.warning("side channel: dropped a message claiming rank %r", message.get("rank"))
@@ -211,6 +346,10 @@ class ControlHub:
         with self._cond:
             info = self.ranks.setdefault(rank, RankInfo(rank=rank))
             info.last_seen = time.monotonic()
+            info.unreachable_since = None
+            info.gone = ""
+            if role == "hb":
+                info.hb_attached = True
             if kind == control.HELLO:
                 self._said_hello.add(rank)
                 info.host = str(message.get("host", ""))
@@ -219,7 +358,16 @@ class ControlHub:
             if kind in (control.HELLO, control.HEARTBEAT, control.LOADED):
                 info.stats.update(message.get("stats") or {})
                 info.state = str(message.get("state", info.state))
-            if kind == control.ERROR:
+                info.done_step = int(message.get("done", info.done_step))
+            if kind == control.LOADED:
+                info.fingerprint = str(message.get("fingerprint", ""))
+            if kind == control.ERROR and message.get("ring"):
+                info.ring_broken = str(message.get("message", ""))
+                info.ring_broken_at = time.monotonic()
+                log.error(
+                    "side channel: %s: ring connection broke: %s", info.where, info.ring_broken
+                )
+            elif kind == control.ERROR:
                 self._errors[(int(message.get("step_id", -1)), rank)] = str(
                     message.get("message", "")
                 )
@@ -241,6 +389,7 @@ class ControlLink:
         self.rank = rank
         self.secret = secret
         self.state = "ready"
+        self.done_step = 0  # the worker loop sets it after passing each step on
         self._stats = stats or (lambda: {})
         self._ctx = zmq.Context.instance()
         self._cmd = self._dealer(endpoint, "cmd")
@@ -258,7 +407,7 @@ class ControlLink:
         return sock
 
     def _body(self, **extra: Any) -> dict[str, Any]:
-        return {"rank": self.rank, "state": self.state, **extra}
+        return {"rank": self.rank, "state": self.state, "done": self.done_step, **extra}
 
     def send(self, kind: str, **extra: Any) -> None:
         self._cmd.send_multipart(control.encode(kind, self._body(**extra), self.secret))
@@ -266,6 +415,18 @@ class ControlLink:
     def hello(self) -> None:
         self.send(control.HELLO, host=socket.gethostname(), pid=os.getpid(), stats=self._stats())
         self._hb_thread.start()
+
+    def ring_broken(self, message: str) -> None:
+        """Tell rank 0 this rank's mx.distributed connection broke, then wait for its bye.
+
+        Rank 0 names the rank that is actually gone; this one stays reachable meanwhile
+        (leaving would make it look like the culprit) and exits when told, or when rank
+        0 goes silent.
+        """
+        self.state = "ring-broken"
+        self.send(control.ERROR, step_id=-1, ring=True, message=message)
+        while not self.bye_received():
+            self._cmd.poll(1000)
 
     @property
     def socket(self) -> zmq.Socket:

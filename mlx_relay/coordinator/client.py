@@ -11,15 +11,25 @@ import grpc
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from mlx_relay.coordinator.auth import auth_token, client_channel
 from mlx_relay.protocol import relay_pb2 as pb
 from mlx_relay.protocol import relay_pb2_grpc as pb_grpc
 
 
 class Client:
-    def __init__(self, address: str, *, timeout: float | None = None) -> None:
+    """`token` None reads MLX_RELAY_AUTH_TOKEN; `tls_ca` (PEM path or bytes) turns TLS on."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float | None = None,
+        token: str | None = None,
+        tls_ca: str | bytes | None = None,
+    ) -> None:
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(address)
+        self.channel = client_channel(address, token=auth_token(token), tls_ca=tls_ca)
         self.stub = pb_grpc.RelayStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -49,10 +59,17 @@ class Client:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def wait_serving(address: str, timeout: float, *, check: Callable[[], None] | None = None) -> None:
+def wait_serving(
+    address: str,
+    timeout: float,
+    *,
+    check: Callable[[], None] | None = None,
+    token: str | None = None,
+    tls_ca: str | bytes | None = None,
+) -> None:
     """Block until the cluster at `address` reports SERVING; `check` may raise to give up."""
     deadline = time.monotonic() + timeout
-    with Client(address) as client:
+    with Client(address, token=token, tls_ca=tls_ca) as client:
         while time.monotonic() < deadline:
             if check:
                 check()
@@ -82,6 +99,7 @@ def response_json(response: pb.GenerateResponse) -> dict[str, Any]:
             "prompt_tokens": response.usage.prompt_tokens,
             "completion_tokens": response.usage.completion_tokens,
             "total_tokens": response.usage.total_tokens,
+            "reasoning_tokens": response.usage.reasoning_tokens,
         },
         "timings": json_format.MessageToDict(
             response.timings,
@@ -101,6 +119,10 @@ def response_json(response: pb.GenerateResponse) -> dict[str, Any]:
             }
             for c in response.tool_calls
         ]
+    if response.unknown_tools:
+        out["unknown_tools"] = list(response.unknown_tools)
+    if response.malformed_tool_call:
+        out["malformed_tool_call"] = True
     if response.logprobs:
         out["logprobs"] = [
             {

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import grpc
 
 from mlx_relay.coordinator.aggregate import aggregate
+from mlx_relay.coordinator.auth import AUTH_TOKEN_ENV
 from mlx_relay.coordinator.client import (
     Client,
     chat_request,
@@ -20,8 +22,22 @@ from mlx_relay.launch.serve import DEFAULT_GRPC_ADDRESS
 from mlx_relay.protocol import relay_pb2 as pb
 
 
-def _sampling_options(p: argparse.ArgumentParser) -> None:
+def _connection_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=DEFAULT_GRPC_ADDRESS, help="rank 0's gRPC address")
+    p.add_argument(
+        "--auth-token",
+        default=None,
+        help=f"bearer token (default: ${AUTH_TOKEN_ENV}; prefer the variable, `ps` shows options)",
+    )
+    p.add_argument("--tls-ca", default=None, help="PEM file to verify a TLS server with")
+
+
+def _client(args: argparse.Namespace, timeout: float | None = None) -> Client:
+    return Client(args.address, timeout=timeout, token=args.auth_token, tls_ca=args.tls_ca)
+
+
+def _sampling_options(p: argparse.ArgumentParser) -> None:
+    _connection_options(p)
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--max-tokens", type=int, default=None)
@@ -33,6 +49,50 @@ def _sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
+    p.add_argument("--xtc-probability", type=float, default=0.0)
+    p.add_argument("--xtc-threshold", type=float, default=0.0, help="(server default 0.1)")
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument(
+        "--repetition-context-size",
+        type=int,
+        default=0,
+        help="tokens the repetition penalty looks back over (server default 20)",
+    )
+    p.add_argument("--presence-penalty", type=float, default=None)
+    p.add_argument("--frequency-penalty", type=float, default=None)
+    p.add_argument(
+        "--logit-bias",
+        action="append",
+        default=[],
+        type=_logit_bias,
+        metavar="ID=BIAS",
+        help="add BIAS to token ID's logit (repeatable)",
+    )
+    p.add_argument("--logprobs", action="store_true", help="log-probability of each token")
+    p.add_argument("--top-logprobs", type=int, default=0, metavar="N", help="and the N likeliest")
+    p.add_argument(
+        "--tool-choice", default="", help="auto, none (no tool-call parsing), required or a name"
+    )
+
+
+def _logit_bias(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS, e.g. 42=-5.0, got {text!r}") from None
+
+
+def _chat_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tools", metavar="FILE", help="JSON list of tool definitions (OpenAI shape)")
+    p.add_argument(
+        "--chat-template-kwargs",
+        default="",
+        metavar="JSON",
+        help="JSON object for the chat template, e.g. '{\"enable_thinking\": false}'",
+    )
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -40,6 +100,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     chat.add_argument("message")
     chat.add_argument("--system", default="", help="system message")
     _sampling_options(chat)
+    _chat_options(chat)
     chat.set_defaults(func=run_chat)
 
     gen = sub.add_parser("generate", help="complete a raw prompt (no chat template)")
@@ -48,12 +109,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     gen.set_defaults(func=run_generate)
 
     status = sub.add_parser("status", help="print a cluster's status as JSON")
-    status.add_argument("--address", default=DEFAULT_GRPC_ADDRESS)
+    _connection_options(status)
     status.add_argument("--wait", type=float, default=0.0, help="wait up to SECONDS for SERVING")
     status.set_defaults(func=run_status)
 
     free = sub.add_parser("free", help="free the model on every rank")
-    free.add_argument("--address", default=DEFAULT_GRPC_ADDRESS)
+    _connection_options(free)
     free.add_argument("--shutdown", action="store_true", help="then stop every rank")
     free.set_defaults(func=run_free)
 
@@ -65,6 +126,12 @@ def sampling_params(args: argparse.Namespace) -> pb.SamplingParams:
         min_p=args.min_p,
         ignore_eos=args.ignore_eos,
         stop=args.stop,
+        xtc_probability=args.xtc_probability,
+        xtc_threshold=args.xtc_threshold,
+        repetition_context_size=args.repetition_context_size,
+        logit_bias=dict(args.logit_bias),
+        logprobs=args.logprobs,
+        top_logprobs=args.top_logprobs,
     )
     if args.max_tokens is not None:
         params.max_tokens = args.max_tokens
@@ -72,11 +139,14 @@ def sampling_params(args: argparse.Namespace) -> pb.SamplingParams:
         params.temperature = args.temperature
     if args.seed is not None:
         params.seed = args.seed
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+        if getattr(args, name) is not None:
+            setattr(params, name, getattr(args, name))
     return params
 
 
 def _run(args: argparse.Namespace, request: pb.GenerateRequest) -> int:
-    with Client(args.address, timeout=args.timeout) as client:
+    with _client(args, args.timeout) as client:
         try:
             if args.stream:
                 chunks = []
@@ -96,25 +166,46 @@ def _run(args: argparse.Namespace, request: pb.GenerateRequest) -> int:
         print(json.dumps(response_json(response), ensure_ascii=False))
     elif not args.stream:
         print(response.text)
+    if not args.json:
+        for call in response.tool_calls:
+            print(f"[tool call] {call.function.name} {call.function.arguments}")
     return 0
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    return _run(args, chat_request(args.message, system=args.system, params=sampling_params(args)))
+    tools_json = ""
+    if args.tools:
+        try:
+            tools_json = Path(args.tools).read_text()
+        except OSError as e:
+            print(f"error: --tools: {e}", file=sys.stderr)
+            return 1
+    request = chat_request(
+        args.message,
+        system=args.system,
+        params=sampling_params(args),
+        tools_json=tools_json,
+        tool_choice=args.tool_choice,
+        chat_template_kwargs_json=args.chat_template_kwargs,
+    )
+    return _run(args, request)
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    return _run(args, pb.GenerateRequest(prompt=args.prompt, params=sampling_params(args)))
+    request = pb.GenerateRequest(
+        prompt=args.prompt, params=sampling_params(args), tool_choice=args.tool_choice
+    )
+    return _run(args, request)
 
 
 def run_status(args: argparse.Namespace) -> int:
     if args.wait > 0:
         try:
-            wait_serving(args.address, args.wait)
+            wait_serving(args.address, args.wait, token=args.auth_token, tls_ca=args.tls_ca)
         except TimeoutError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-    with Client(args.address) as client:
+    with _client(args) as client:
         try:
             print(status_json(client.status()))
         except grpc.RpcError as e:
@@ -124,7 +215,7 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def run_free(args: argparse.Namespace) -> int:
-    with Client(args.address) as client:
+    with _client(args) as client:
         try:
             reply = client.stub.Free(pb.FreeRequest(shutdown=args.shutdown), timeout=60)
         except grpc.RpcError as e:

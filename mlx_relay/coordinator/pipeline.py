@@ -33,6 +33,7 @@ log = logging.getLogger("mlx_relay.pipeline")
 
 
 WATCH_INTERVAL_S = 0.1
+RING_BROKEN_WAIT_S = 2.0  # for the side channel to tell which rank broke the ring
 
 
 class RankFailure(RuntimeError):
@@ -238,7 +239,10 @@ class Pipeline:
     def _launch(self, step: Step, payload: mx.array | None) -> None:
         self._step_id += 1
         step.header.step_id = self._step_id
-        self.ring.send(step.header, payload)
+        try:
+            self.ring.send(step.header, payload)
+        except RuntimeError as e:
+            raise self._ring_broken(e, self.ring.next) from e
         self._in_flight.append(step)
 
     def _command(
@@ -260,8 +264,11 @@ class Pipeline:
 
     def _receive(self, header: hdr.StepHeader) -> tuple[hdr.StepHeader, mx.array | None]:
         self._wait_for_return(header)
-        back = self.ring.recv_header()
-        out = self.ring.recv_payload(back)
+        try:
+            back = self.ring.recv_header()
+            out = self.ring.recv_payload(back)
+        except RuntimeError as e:
+            raise self._ring_broken(e, self.ring.prev) from e
         if back.step_id != header.step_id or back.cmd != header.cmd:
             raise ClusterFailure(
                 -1, "", f"ranks out of step: sent {header.describe()}, got {back.describe()}"
@@ -288,13 +295,30 @@ class Pipeline:
                 raise ClusterFailure(gone.rank, gone.host, gone.reason)
             elapsed = time.monotonic() - started
             if self.step_timeout and header.cmd == hdr.CMD_FORWARD and elapsed > self.step_timeout:
-                suspect = self.hub.suspect() if self.hub else None
+                suspect = self.hub.suspect(header.step_id) if self.hub else None
                 raise ClusterFailure(
                     suspect.rank if suspect else -1,
                     suspect.host if suspect else "",
                     f"{header.describe()} overdue after {elapsed:.1f} s (--step-timeout)"
                     + (f"; {suspect.reason}" if suspect else ""),
                 )
+
+    def _ring_broken(self, e: RuntimeError, neighbour: int) -> Exception:
+        """mx.distributed raised: if a rank is gone, the ring broke with it, so name it.
+
+        A compute error inside `send` (it evaluates the payload first) leaves the ring
+        intact and is returned as it is.
+        """
+        gone = (
+            self.hub.wait_failure(self.heartbeat_timeout, RING_BROKEN_WAIT_S) if self.hub else None
+        )
+        if gone is not None:
+            return ClusterFailure(gone.rank, gone.host, gone.reason)
+        if "[ring]" in str(e) or "connection" in str(e).lower():
+            info = self.hub.snapshot().get(neighbour) if self.hub else None
+            host = info.host if info else ""
+            return ClusterFailure(neighbour, host, f"rank 0's ring connection to it broke: {e}")
+        return e
 
     def _failure(self, back: hdr.StepHeader) -> RankFailure:
         rank = back.failed_ranks[0]

@@ -37,10 +37,48 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--default-max-tokens", type=int, default=256, help="max_tokens when a request has none"
     )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=3.0,
+        help="a rank silent this long on the side channel counts as failed (seconds)",
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=120.0,
+        help="a forward step not back on rank 0 after this long fails the cluster (0: never)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long running requests may take to finish (seconds)",
+    )
+    p.add_argument(
+        "--auth-token",
+        default=None,
+        help="require `authorization: Bearer TOKEN` on every RPC (default: "
+        "$MLX_RELAY_AUTH_TOKEN; prefer the variable, `ps` shows options)",
+    )
+    p.add_argument("--tls-cert", default="", help="PEM certificate chain: serve gRPC over TLS")
+    p.add_argument("--tls-key", default="", help="PEM private key for --tls-cert")
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="larger gRPC requests are refused with RESOURCE_EXHAUSTED",
+    )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="run one rank of a cluster (what mlx.launch starts)")
+    p = sub.add_parser(
+        "serve",
+        help="run one rank of a cluster (what mlx.launch starts)",
+        epilog=f"Environment: {control.SECRET_ENV} (side-channel secret, set by the launcher), "
+        "MLX_RELAY_AUTH_TOKEN (gRPC bearer token), MLX_RELAY_MEMORY_LIMIT (cap on the memory "
+        "this rank may use for its shard, e.g. 8GB; default: the memory free at load time).",
+    )
     add_serve_options(p)
     p.add_argument("--backend", default="any", help="mx.distributed backend: any, ring, mpi, jaccl")
     p.add_argument(
@@ -49,18 +87,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"rank 0's side channel, tcp://host:port (default: rank 0's host, port {DEFAULT_CONTROL_PORT})",
     )
     p.add_argument("--startup-timeout", type=float, default=120.0)
-    p.add_argument(
-        "--heartbeat-timeout",
-        type=float,
-        default=3.0,
-        help="a rank silent this long on the side channel counts as failed",
-    )
-    p.add_argument(
-        "--step-timeout",
-        type=float,
-        default=120.0,
-        help="a forward step not back on rank 0 after this long fails the cluster (0: never)",
-    )
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
     p.add_argument("--log-level", default=os.environ.get("MLX_RELAY_LOG", "INFO"))
     p.set_defaults(func=run)
@@ -123,6 +149,11 @@ def run(args: argparse.Namespace) -> int:
         hub = ControlHub(endpoint, size, secret) if ring else None
         log.info("rank 0 of %d; side channel %s", size, endpoint if ring else "(none)")
         code = server.run(args, ring, hub)
+        if code == server.EXIT_CLUSTER_FAILED:
+            # The engine thread may still be stuck in a collective with a dead rank;
+            # nothing is left to clean up, so do not wait for it at exit.
+            logging.shutdown()
+            os._exit(code)
         _mpi_finalize(args.backend, code)
         return code
 
@@ -147,6 +178,7 @@ def _distributed() -> bool:
     return any(
         k in env for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MLX_JACCL_COORDINATOR")
     )
+
 
 def _mpi_finalize(backend: str, code: int) -> None:
     """After a clean shutdown under mpirun: MPI_Finalize (through mpi4py, the `mpi` extra), exit.

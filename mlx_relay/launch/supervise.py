@@ -26,13 +26,15 @@ from dataclasses import dataclass
 EXIT_CLUSTER_FAILED = 3  # rank 0: a worker failed or a step was overdue (server.py)
 EXIT_RANK_FAILED = 4  # a launcher: a rank failed and the cluster was stopped
 EXIT_RANK0_SILENT = 75  # a worker: rank 0 went silent (sidechannel.py)
+EXIT_RING_BROKEN = 76  # a worker: its ring connection broke, a neighbour died (sidechannel.py)
 
 _MEANINGS = {
     EXIT_CLUSTER_FAILED: "the cluster failed",
     EXIT_RANK_FAILED: "a rank failed",
     EXIT_RANK0_SILENT: "rank 0 went silent",
+    EXIT_RING_BROKEN: "its ring connection broke",
 }
-_CONSEQUENCES = (EXIT_CLUSTER_FAILED, EXIT_RANK0_SILENT)
+_CONSEQUENCES = (EXIT_CLUSTER_FAILED, EXIT_RANK0_SILENT, EXIT_RING_BROKEN)
 
 
 def describe_exit(code: int | None) -> str:
@@ -153,38 +155,39 @@ def run_with_restarts(
     start: Callable[[], Supervisor],
     restarts: int,
     *,
+    ready: Callable[[Supervisor], None] | None = None,
     stop_event: threading.Event | None = None,
     report: Callable[[str], None] = print,
     stop_timeout: float = 30.0,
 ) -> int:
     """Start a cluster, watch it, and start it again after a failure, `restarts` times.
 
-    `start` launches the ranks (and may wait for them to serve; raising counts as a
-    failure). Returns 0 when the cluster ended cleanly or `stop_event` was set,
-    EXIT_RANK_FAILED when it failed with no restart left.
+    `start` launches the ranks; `ready` may then wait for them to serve (raising counts
+    as a failure). Returns 0 when the cluster ended cleanly or was stopped through
+    `stop_event`, EXIT_RANK_FAILED when it failed with no restart left.
     """
     stop_event = stop_event or threading.Event()
     attempt = 0
     while True:
-        supervisor: Supervisor | None = None
+        supervisor = start()
         failure: str | None = None
         try:
-            supervisor = start()
+            if ready is not None:
+                ready(supervisor)
             supervisor.wait(stop_event.is_set)
-            found = supervisor.first_failure()
-            failure = str(found) if found else None
-        except Exception as e:  # noqa: BLE001 - a start that fails is a failure like any other
+        except Exception as e:  # noqa: BLE001 - not coming up is a failure like any other
             failure = str(e)
-            if supervisor is not None and supervisor.first_failure() is not None:
-                failure = f"{supervisor.first_failure()}: {e}"
-        if supervisor is not None:
-            codes = supervisor.stop(stop_timeout)
-            if failure is None and stop_event.is_set():
-                bad = [f"rank {r} {describe_exit(c)}" for r, c in enumerate(codes) if c not in (0,)]
-                if bad:
-                    report("stopped, but " + "; ".join(bad))
-                    return EXIT_RANK_FAILED
+        found = supervisor.first_failure()
+        if found is None and stop_event.is_set():
+            failure = None  # stopped while starting: not a failure
+        if found is not None:
+            failure = str(found) if failure is None or str(found) in failure else failure
+        codes = supervisor.stop(stop_timeout)
         if failure is None:
+            bad = [f"rank {r} {describe_exit(c)}" for r, c in enumerate(codes) if c != 0]
+            if bad:  # asked to stop, and some rank did not stop cleanly
+                report("stopped, but " + "; ".join(bad))
+                return EXIT_RANK_FAILED
             return 0
         if stop_event.is_set():
             report(f"{failure}; stopped")

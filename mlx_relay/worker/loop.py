@@ -29,7 +29,7 @@ from mlx_relay.kvcache import CacheError, SlotCaches
 from mlx_relay.protocol import control
 from mlx_relay.protocol import header as hdr
 from mlx_relay.ring import Ring, mx_dtype, payload_bytes
-from mlx_relay.sidechannel import ControlLink
+from mlx_relay.sidechannel import EXIT_RING_BROKEN, ControlLink
 from mlx_relay.stage import forward_stage
 
 log = logging.getLogger("mlx_relay.worker")
@@ -72,10 +72,16 @@ class Worker:
             except DoorbellTimeout:
                 continue  # what arrived was not a signed bell: it was dropped
             self.link.state = "busy"
-            header = self.ring.recv_header()
-            payload = self.ring.recv_payload(header)
-            out = self.step(header, payload)
-            self.ring.send(header, out)
+            try:
+                header = self.ring.recv_header()
+                payload = self.ring.recv_payload(header)
+                out = self.step(header, payload)
+                self.ring.send(header, out)
+            except RuntimeError as e:  # mx.distributed: a neighbour's connection is gone
+                log.error("rank %d: the ring broke: %s; waiting for rank 0's word", self.rank, e)
+                self.link.ring_broken(str(e))
+                raise SystemExit(EXIT_RING_BROKEN) from None
+            self.link.done_step = header.step_id  # rank 0 can tell who holds an overdue step
             if header.cmd == hdr.CMD_SHUTDOWN:
                 log.info("rank %d: shutdown", self.rank)
                 return
