@@ -1,0 +1,534 @@
+"""Rank 0's generation features through real clusters over real gRPC.
+
+Sampling and every logits processor against single-process mlx-lm, logprobs against
+mlx-lm's own logits, stop strings split across tokens on the default model, tools in
+the chat template, bad input, and the tool-call path end to end on a scripted model
+(a tiny model whose weights make greedy decoding spell out a fixed text).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+
+import grpc
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import assert_gone, start_cluster
+from mlx_lm import load
+from mlx_lm.utils import load_tokenizer
+from oracle import chat_tokens, mlx_lm_tokens, tokenizer_for
+from tiny_models import make_tiny_model
+
+from mlx_relay import cli
+from mlx_relay.coordinator.requests import encode_text
+from mlx_relay.protocol import relay_pb2 as pb
+
+pytestmark = pytest.mark.cluster
+
+MESSAGES = [{"role": "user", "content": "Tell me about the weather in Paris today."}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+MAX_TOKENS = 24
+
+
+def _messages(messages=MESSAGES) -> list[pb.ChatMessage]:
+    return [pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+
+
+def _chat(params: pb.SamplingParams | None = None, **kwargs) -> pb.GenerateRequest:
+    return pb.GenerateRequest(messages=_messages(), params=params, **kwargs)
+
+
+def _stop_cluster(running) -> None:
+    running.stop()
+    assert_gone(running.pids)
+
+
+# --- tiny random model, 1 and 3 ranks -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("llama", 6)
+
+
+@pytest.fixture(scope="module", params=[1, 3], ids=lambda n: f"{n}ranks")
+def served(request, model, tmp_path_factory):
+    running = start_cluster(model, request.param, tmp_path_factory.mktemp("logs"))
+    yield running
+    _stop_cluster(running)
+
+
+@cache
+def _oracle(model, seed, sampler, processors) -> list[int]:
+    """mlx-lm's tokens; arguments are hashable (sorted item tuples) for the cache."""
+    processors = dict(processors)
+    if "logit_bias" in processors:
+        processors["logit_bias"] = dict(processors["logit_bias"])
+    prompt = chat_tokens(model, MESSAGES)
+    return mlx_lm_tokens(
+        model, prompt, MAX_TOKENS, seed=seed, sampler=dict(sampler), processors=processors
+    )
+
+
+# (sampler for make_sampler, processors for make_logits_processors). A logit_bias of
+# None is filled in from the greedy answer: its first token banned, two others raised.
+CASES = {
+    "temp": ({"temp": 0.8}, {}),
+    "top_p": ({"temp": 0.7, "top_p": 0.9}, {}),
+    "top_k": ({"temp": 1.0, "top_k": 5}, {}),
+    "min_p": ({"temp": 0.9, "min_p": 0.1}, {}),
+    "xtc": ({"temp": 0.8, "xtc_probability": 0.5, "xtc_threshold": 0.05}, {}),
+    "repetition_penalty": ({}, {"repetition_penalty": 1.3}),
+    "repetition_context_size": ({}, {"repetition_penalty": 1.5, "repetition_context_size": 30}),
+    "presence_penalty": ({}, {"presence_penalty": 1.0}),
+    "frequency_penalty": ({}, {"frequency_penalty": 0.8}),
+    "logit_bias": ({}, {"logit_bias": None}),
+    "everything": (
+        {"temp": 0.7, "top_p": 0.95, "min_p": 0.02, "top_k": 50, "xtc_probability": 0.3},
+        {
+            "repetition_penalty": 1.2,
+            "repetition_context_size": 10,
+            "presence_penalty": 0.5,
+            "frequency_penalty": 0.3,
+            "logit_bias": None,
+        },
+    ),
+}
+SEED = 11
+
+
+def _sampling_params(sampler: dict, processors: dict, seed: int | None) -> pb.SamplingParams:
+    params = pb.SamplingParams(max_tokens=MAX_TOKENS)
+    for name, value in sampler.items():
+        setattr(params, "temperature" if name == "temp" else name, value)
+    if seed is not None:
+        params.seed = seed
+    for name, value in processors.items():
+        if name == "logit_bias":
+            params.logit_bias.update(value)
+        else:
+            setattr(params, name, value)
+    return params
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sampling_and_logits_processors_equal_mlx_lm(served, model, case):
+    sampler, processors = CASES[case]
+    seed = SEED if sampler.get("temp") else None
+    greedy = _oracle(model, None, (), ())
+    if processors.get("logit_bias", 0) is None:
+        processors = {**processors, "logit_bias": {greedy[0]: -100.0, 100: 3.0, 7: 1.5}}
+    key = lambda d: tuple(sorted(d.items()))  # noqa: E731
+    frozen = {k: key(v) if isinstance(v, dict) else v for k, v in processors.items()}
+    expected = _oracle(model, seed, key(sampler), key(frozen))
+    # The setting matters: without it mlx-lm says something else.
+    plain = {"temp": sampler["temp"]} if sampler.get("temp") and case != "temp" else {}
+    assert expected != _oracle(model, seed if plain else None, key(plain), ())
+
+    response = served.client.generate(_chat(_sampling_params(sampler, processors, seed)))
+    assert list(response.token_ids) == expected
+    streamed = list(served.client.stream(_chat(_sampling_params(sampler, processors, seed))))
+    assert [t for c in streamed for t in c.token_ids] == expected
+
+
+def test_logprobs_are_log_softmax_of_mlx_lm_logits(served, model):
+    top_n = 5
+    request = _chat(pb.SamplingParams(max_tokens=12, logprobs=True, top_logprobs=top_n))
+    response = served.client.generate(request)
+    tokens = list(response.token_ids)
+    assert tokens and len(response.logprobs) == len(tokens)
+
+    prompt = chat_tokens(model, MESSAGES)
+    mlx_model, tokenizer = load(str(model))
+    logits = mlx_model(mx.array(prompt + tokens)[None])[0, len(prompt) - 1 : -1]
+    reference = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    for i, (token, entry) in enumerate(zip(tokens, response.logprobs, strict=True)):
+        row = reference[i]
+        assert entry.token_id == token
+        assert entry.token == tokenizer.decode([token])
+        assert entry.logprob == pytest.approx(row[token], abs=1e-4)
+        best = np.argsort(-row)[:top_n]
+        assert [t.token_id for t in entry.top_logprobs] == best.tolist(), f"token {i}"
+        expected = row[best].tolist()
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(expected, abs=1e-4)
+        assert [t.token for t in entry.top_logprobs] == [tokenizer.decode([t]) for t in best]
+        assert entry.top_logprobs[0].token_id == token  # greedy
+
+    # Streamed: each chunk's logprobs are those of its own tokens.
+    chunks = list(served.client.stream(request))
+    assert [lp.token_id for c in chunks for lp in c.logprobs] == tokens
+    for c in chunks:
+        assert [lp.token_id for lp in c.logprobs] == list(c.token_ids)
+    # logprobs alone: no alternatives; neither: no entries at all.
+    alone = served.client.generate(_chat(pb.SamplingParams(max_tokens=3, logprobs=True)))
+    assert len(alone.logprobs) == 3 and not any(lp.top_logprobs for lp in alone.logprobs)
+    assert not served.client.generate(_chat(pb.SamplingParams(max_tokens=3))).logprobs
+
+
+def test_tokenize_shows_tools_in_the_rendered_prompt(served, model):
+    request = pb.TokenizeRequest(messages=_messages(), tools_json=json.dumps(TOOLS))
+    reply = served.client.stub.Tokenize(request, timeout=30)
+    assert "<tools>" in reply.prompt
+    assert '"name": "get_weather"' in reply.prompt
+    assert "Current weather in a city" in reply.prompt
+    assert list(reply.token_ids) == encode_text(tokenizer_for(model), reply.prompt)
+    plain = served.client.stub.Tokenize(pb.TokenizeRequest(messages=_messages()), timeout=30)
+    assert "<tools>" not in plain.prompt and "get_weather" not in plain.prompt
+
+
+def _with(**params) -> pb.GenerateRequest:
+    return _chat(pb.SamplingParams(max_tokens=2, **params))
+
+
+BAD = {
+    "tools not JSON": (_chat(tools_json='[{"type": "function"'), "tools is not valid JSON"),
+    "tools not a list": (_chat(tools_json='{"name": "f"}'), "tools must be a JSON list"),
+    "tool without a name": (_chat(tools_json='[{"type": "function"}]'), "tools[0]"),
+    "top_logprobs 21": (_with(top_logprobs=21), "top_logprobs"),
+    "top_logprobs -1": (_with(top_logprobs=-1), "top_logprobs"),
+    "unknown tool_choice": (
+        _chat(tools_json=json.dumps(TOOLS), tool_choice="launch_rockets"),
+        "tool_choice",
+    ),
+    "tool_choice without tools": (_chat(tool_choice="get_weather"), "tool_choice"),
+    "logit_bias id = vocab size": (_with(logit_bias={512: 1.0}), "logit_bias"),
+    "logit_bias id < 0": (_with(logit_bias={-1: 1.0}), "logit_bias"),
+    "17 stop strings": (_with(stop=[f"s{i}" for i in range(17)]), "stop"),
+    "chat_template_kwargs not an object": (
+        _chat(chat_template_kwargs_json="[1]"),
+        "chat_template_kwargs",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_names_the_field_and_the_cluster_keeps_serving(served, case):
+    request, fragment = BAD[case]
+    for call in (served.client.generate, lambda r: list(served.client.stream(r))):
+        with pytest.raises(grpc.RpcError) as info:
+            call(request)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert fragment in info.value.details()
+    assert served.client.generate(_with()).finish_reason
+
+
+def test_final_chunk_of_a_plain_request(served):
+    chunks = list(served.client.stream(_chat(pb.SamplingParams(max_tokens=5))))
+    last = chunks[-1]
+    assert last.finish_reason == "length"
+    assert all(not c.finish_reason for c in chunks[:-1])
+    assert last.usage.completion_tokens == 5 and last.usage.reasoning_tokens == 0
+    assert last.usage.total_tokens == last.usage.prompt_tokens + 5
+    assert not any(c.tool_calls or c.reasoning for c in chunks)
+    assert not last.malformed_tool_call and not last.unknown_tools
+
+
+# --- the default model (SmolLM2), 2 ranks -----------------------------------------------
+
+QUESTION = "What is the capital of France? Answer in one sentence."
+ANSWER = "The capital of France is Paris."  # its greedy answer
+
+
+@pytest.fixture(scope="module")
+def smollm(tmp_path_factory):
+    running = start_cluster("default", 2, tmp_path_factory.mktemp("logs"))
+    yield running
+    _stop_cluster(running)
+
+
+def _question(**params) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        messages=[pb.ChatMessage(role="user", content=QUESTION)],
+        params=pb.SamplingParams(**{"max_tokens": 24, **params}),
+    )
+
+
+@pytest.fixture(scope="module")
+def smollm_greedy(smollm):
+    response = smollm.client.generate(_question())
+    assert response.text == ANSWER and response.finish_reason == "stop"
+    return response
+
+
+def _spans_a_token_boundary(tokenizer, token_ids: list[int], stop: str) -> bool:
+    ends, text = [], ""
+    for t in token_ids:
+        text += tokenizer.decode([t])
+        ends.append(len(text))
+    start = text.index(stop)
+    return any(start < end < start + len(stop) for end in ends)
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize(
+    "stops, text, reason",
+    [
+        (["ce is P"], "The capital of Fran", "stop"),  # held back over three tokens
+        (["never", "of France i"], "The capital ", "stop"),  # the first one to complete
+        (["ce was"], ANSWER, "stop"),  # held back, then released: ends at EOS
+        (["Paris!"], "The capital of France is Paris.", "stop"),  # prefix held to the end
+    ],
+)
+def test_stop_strings_across_token_boundaries(smollm, smollm_greedy, stops, text, reason):
+    greedy = smollm_greedy
+    tokenizer = tokenizer_for(smollm.client.status().model_path)
+    for stop in stops:
+        if stop in ANSWER:
+            assert _spans_a_token_boundary(tokenizer, list(greedy.token_ids), stop)
+
+    whole = smollm.client.generate(_question(stop=stops))
+    assert whole.text == text
+    assert whole.finish_reason == reason
+    chunks = list(smollm.client.stream(_question(stop=stops)))
+    streamed = "".join(c.text for c in chunks)
+    assert streamed == text
+    assert chunks[-1].finish_reason == reason
+    assert not any(stop in streamed for stop in stops)
+    # The tokens are mlx-lm's, up to the one that completed the stop string.
+    n = len(whole.token_ids)
+    assert list(whole.token_ids) == list(greedy.token_ids)[:n]
+    assert [t for c in chunks for t in c.token_ids] == list(whole.token_ids)
+
+
+@pytest.mark.default_model
+def test_tools_refused_when_the_template_ignores_them(smollm):
+    request = _question()
+    request.tools_json = json.dumps(TOOLS)
+    with pytest.raises(grpc.RpcError) as info:
+        smollm.client.generate(request)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "ignores tool definitions" in info.value.details()
+    tokenize = pb.TokenizeRequest(messages=request.messages, tools_json=request.tools_json)
+    with pytest.raises(grpc.RpcError) as info:
+        smollm.client.stub.Tokenize(tokenize, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert smollm.client.generate(_question(max_tokens=2)).finish_reason == "length"
+
+
+# --- a scripted model: tool calls end to end ----------------------------------------------
+
+# What greedy decoding writes after a chat prompt (which ends in "\n") and after the raw
+# prompt "Q". Argument-less calls, because a bigram model cannot repeat a token and this
+# vocabulary has only six tokens holding a double quote.
+CHAT_SCRIPT = [
+    "<think>",
+    "Weather?",
+    "</think>",
+    "OK",
+    '<tool_call>{"name": "get_weather"}</tool_call>',
+]
+RAW_PROMPT = "Q"
+RAW_SCRIPT = ["<tool_call>{x"]  # never closed, never JSON: malformed
+
+
+def _segment(pieces: dict[int, str], text: str, used: set[int]) -> list[int]:
+    """Token ids spelling `text`, none in `used` and none twice (longest pieces first)."""
+
+    def search(pos: int, chosen: list[int]) -> list[int] | None:
+        if pos == len(text):
+            return chosen
+        fits = [i for i, s in pieces.items() if text.startswith(s, pos)]
+        for i in sorted(fits, key=lambda i: (-len(pieces[i]), i)):
+            if i not in used and i not in chosen:
+                found = search(pos + len(pieces[i]), [*chosen, i])
+                if found is not None:
+                    return found
+        return None
+
+    found = search(0, [])
+    assert found is not None, f"no distinct tokens spell {text!r}"
+    return found
+
+
+def script_model(path, scripts: dict[int, list[str]]) -> dict[int, list[int]]:
+    """Make the tiny llama at `path` continue each start token with its script, then EOS.
+
+    Every layer adds nothing to the residual stream (o_proj and down_proj are zero), so
+    the logits depend on the last token alone: a bigram table, embedded one-hot. Returns
+    each script's token ids.
+    """
+    tokenizer = load_tokenizer(path)
+    pieces = {i: tokenizer.decode([i]) for i in range(len(tokenizer))}
+    pieces = {i: s for i, s in pieces.items() if s and "\ufffd" not in s}
+    eos = tokenizer.eos_token_id
+    used = set(scripts) | {eos}
+    chains = {}
+    for start, parts in scripts.items():
+        ids = [i for part in parts for i in _segment(pieces, part, used)]
+        assert tokenizer.decode(ids) == "".join(parts)
+        used |= set(ids)
+        chains[start] = ids
+    weights = mx.load(str(path / "model.safetensors"))
+    embed = np.zeros(weights["model.embed_tokens.weight"].shape, np.float32)
+    head = np.zeros(weights["lm_head.weight"].shape, np.float32)
+    pairs = [
+        pair
+        for start, ids in chains.items()
+        for pair in zip([start, *ids], [*ids, eos], strict=True)
+    ]
+    assert len(pairs) <= embed.shape[1], "scripts too long for the hidden size"
+    for dim, (current, following) in enumerate(pairs):
+        embed[current, dim] = 1.0
+        head[following, dim] = 1.0
+    for name, w in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = mx.zeros_like(w)
+    weights["model.embed_tokens.weight"] = mx.array(embed)
+    weights["lm_head.weight"] = mx.array(head)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return chains
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp("scripted"), "llama", num_layers=4)
+    tokenizer = load_tokenizer(path)  # not oracle's: that caches the weights too
+    chat = tokenizer.apply_chat_template(
+        MESSAGES, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    chat_end = encode_text(tokenizer, chat)[-1]
+    raw_end = encode_text(tokenizer, RAW_PROMPT)[-1]
+    assert chat_end != raw_end
+    chains = script_model(path, {chat_end: CHAT_SCRIPT, raw_end: RAW_SCRIPT})
+    # Single-process mlx-lm generates the script too, with or without tools.
+    for prompt in (chat_tokens(path, MESSAGES, tools=TOOLS), chat_tokens(path, MESSAGES)):
+        assert mlx_lm_tokens(path, prompt, 40) == chains[chat_end]
+    running = start_cluster(path, 2, tmp_path_factory.mktemp("logs"))
+    yield running, chains[chat_end], chains[raw_end]
+    _stop_cluster(running)
+
+
+def _tool_request(tools=TOOLS, **kwargs) -> pb.GenerateRequest:
+    return _chat(pb.SamplingParams(max_tokens=40), tools_json=json.dumps(tools), **kwargs)
+
+
+def test_tool_call_streamed_end_to_end(scripted):
+    running, chat_ids, _ = scripted
+    chunks = list(running.client.stream(_tool_request()))
+    last = chunks[-1]
+    assert last.finish_reason == "tool_calls"
+    assert [t for c in chunks for t in c.token_ids] == chat_ids
+    assert "".join(c.reasoning for c in chunks) == "Weather?"
+    assert "".join(c.text for c in chunks) == "OK"
+    assert not any("<" in c.text or "{" in c.text for c in chunks)
+    calls = [call for c in chunks for call in c.tool_calls]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {})
+    ]
+    assert calls[0].type == "function" and calls[0].id and calls[0].index == 0
+    # <think>, "Weather", "?", </think>: the markers are reasoning tokens too.
+    assert last.usage.reasoning_tokens == 4
+    assert last.usage.completion_tokens == len(chat_ids)
+    assert not last.malformed_tool_call and not last.unknown_tools
+
+    whole = running.client.generate(_tool_request())
+    assert whole.finish_reason == "tool_calls"
+    assert (whole.text, whole.reasoning) == ("OK", "Weather?")
+    assert [c.function.name for c in whole.tool_calls] == ["get_weather"]
+    assert whole.usage.reasoning_tokens == 4
+
+
+def test_tool_call_to_a_tool_not_offered(scripted):
+    running, _, _ = scripted
+    other = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    response = running.client.generate(_tool_request(tools=other))
+    assert list(response.unknown_tools) == ["get_weather"]
+    assert not response.tool_calls
+    assert response.finish_reason == "stop"
+    assert response.text == "OK"
+
+
+def test_tool_choice_none_leaves_the_markup_as_text(scripted):
+    running, _, _ = scripted
+    response = running.client.generate(_tool_request(tool_choice="none"))
+    assert response.text == 'OK<tool_call>{"name": "get_weather"}</tool_call>'
+    assert response.reasoning == "Weather?"
+    assert not response.tool_calls and response.finish_reason == "stop"
+
+
+def test_malformed_tool_call_is_content_and_flagged(scripted):
+    running, _, raw_ids = scripted
+    request = pb.GenerateRequest(prompt=RAW_PROMPT, params=pb.SamplingParams(max_tokens=40))
+    chunks = list(running.client.stream(request))
+    assert [t for c in chunks for t in c.token_ids] == raw_ids
+    assert "".join(c.text for c in chunks) == RAW_SCRIPT[0]
+    assert chunks[-1].malformed_tool_call and chunks[-1].finish_reason == "stop"
+    assert not any(c.tool_calls for c in chunks)
+
+
+# --- the client CLI -----------------------------------------------------------------------
+
+
+def _cli_json(capsys, *argv: str) -> dict:
+    assert cli.main(list(argv)) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_tool_flags_and_json(scripted, tmp_path, capsys):
+    running, chat_ids, _ = scripted
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    out = _cli_json(
+        capsys, "chat", MESSAGES[0]["content"], "--address", running.address, "--json",
+        "--tools", str(tools), "--tool-choice", "auto", "--logprobs", "--top-logprobs", "2",
+        "--chat-template-kwargs", '{"enable_thinking": true}', "--max-tokens", "40",
+    )  # fmt: skip
+    assert out["finish_reason"] == "tool_calls"
+    assert out["reasoning"] == "Weather?" and out["text"] == "OK"
+    assert out["usage"]["reasoning_tokens"] == 4
+    assert [c["function"]["name"] for c in out["tool_calls"]] == ["get_weather"]
+    assert out["tool_calls"][0]["type"] == "function"
+    assert len(out["logprobs"]) == len(chat_ids)
+    entry = out["logprobs"][0]
+    assert set(entry) == {"token", "logprob", "top_logprobs"}
+    assert entry["token"] == "<think>" and len(entry["top_logprobs"]) == 2
+    assert set(entry["top_logprobs"][0]) == {"token", "logprob"}
+    assert "unknown_tools" not in out and "malformed_tool_call" not in out
+
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps([{"type": "function", "function": {"name": "get_time"}}]))
+    out = _cli_json(
+        capsys, "chat", MESSAGES[0]["content"], "--address", running.address, "--json",
+        "--tools", str(other), "--stream",
+    )  # fmt: skip
+    assert out["unknown_tools"] == ["get_weather"]
+    out = _cli_json(capsys, "generate", RAW_PROMPT, "--address", running.address, "--json")
+    assert out["malformed_tool_call"] is True
+
+
+def test_cli_sampling_flags(served, model, capsys):
+    """Every sampling flag reaches the server: the same tokens as mlx-lm with them."""
+    sampler = {"temp": 0.9, "top_p": 0.95, "top_k": 40, "min_p": 0.02}
+    sampler |= {"xtc_probability": 0.4, "xtc_threshold": 0.1}
+    processors = {"repetition_penalty": 1.2, "repetition_context_size": 12}
+    processors |= {"presence_penalty": 0.4, "frequency_penalty": 0.2}
+    processors |= {"logit_bias": {7: 2.0, 100: -1.5}}
+    expected = mlx_lm_tokens(
+        model, chat_tokens(model, MESSAGES), 16, seed=5, sampler=sampler, processors=processors
+    )
+    out = _cli_json(
+        capsys, "chat", MESSAGES[0]["content"], "--address", served.address, "--json",
+        "--max-tokens", "16", "--seed", "5", "--temperature", "0.9", "--top-p", "0.95",
+        "--top-k", "40", "--min-p", "0.02", "--xtc-probability", "0.4",
+        "--xtc-threshold", "0.1", "--repetition-penalty", "1.2",
+        "--repetition-context-size", "12", "--presence-penalty", "0.4",
+        "--frequency-penalty", "0.2", "--logit-bias", "7=2.0", "--logit-bias", "100=-1.5",
+    )  # fmt: skip
+    assert out["token_ids"] == expected
+    assert "logprobs" not in out and "tool_calls" not in out and "reasoning" not in out
+    assert out["usage"]["reasoning_tokens"] == 0
+
+    with pytest.raises(SystemExit):
+        cli.main(["chat", "hi", "--logit-bias", "seven=2"])
+    assert "expected ID=BIAS" in capsys.readouterr().err
