@@ -82,16 +82,24 @@ def _pid_alive(pid: int) -> bool:
 
 def remove_stale() -> None:
     """Remove namespaces and bridges left by test runs whose process is gone."""
-    dead: set[int] = set()
     for ns in NETNS_DIR.glob("mr*h*") if NETNS_DIR.exists() else []:
         m = NAME_RE.match(ns.name)
         if m and not _pid_alive(int(m.group(1))):
-            dead.add(int(m.group(1)))
+            _kill_inside(ns.name)
             _ip("netns", "del", ns.name, check=False)
     links = _ip("-o", "link", "show", "type", "bridge", check=False).stdout
     for m in re.finditer(r"^\d+: mrb(\d+)[:@]", links, re.M):
         if not _pid_alive(int(m.group(1))):
             _ip("link", "del", f"mrb{m.group(1)}", check=False)
+
+
+def _kill_inside(ns: str) -> None:
+    """SIGKILL every process in namespace `ns` (`ip netns del` would leave them running)."""
+    for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+        try:
+            os.kill(int(pid), 9)
+        except (ProcessLookupError, ValueError):
+            pass
 
 
 def _used_subnets() -> set[int]:
@@ -222,11 +230,7 @@ class NetnsHosts:
         """Remove everything made; kills processes still inside (after the test's own stop)."""
         for ns in self.namespaces:
             if ns in self._created:
-                for pid in _ip("netns", "pids", ns, check=False).stdout.split():
-                    try:
-                        os.kill(int(pid), 9)
-                    except (ProcessLookupError, ValueError):
-                        pass
+                _kill_inside(ns)
                 _ip("netns", "del", ns, check=False)
         if "bridge" in self._created:
             _ip("link", "del", self.bridge, check=False)
