@@ -154,8 +154,8 @@ def test_launch_three_ranks_equals_mlx_lm_idles_and_stops_cleanly(tiny_model, tm
             expected = mlx_lm_tokens(model, chat_tokens(model, MESSAGES), 30)
             assert list(client.generate(chat_request(30)).token_ids) == expected
             status = client.status()
-            spans = [(r.layer_start, r.layer_end) for r in status.ranks]
-            assert spans == [(0, 3), (3, 5), (5, 7)]  # auto on one machine: the even split
+            counts = [r.layer_end - r.layer_start for r in status.ranks]
+            assert sum(counts) == 7 and min(counts) >= 1, counts  # Status shows the auto split
         # The launcher leaves the cores to the ranks: idle, it sleeps.
         before, t0 = cpu_seconds(launched.proc.pid), time.monotonic()
         time.sleep(3)
