@@ -196,6 +196,10 @@ BAD = {
     "tools not JSON": (_chat(tools_json='[{"type": "function"'), "tools is not valid JSON"),
     "tools not a list": (_chat(tools_json='{"name": "f"}'), "tools must be a JSON list"),
     "tool without a name": (_chat(tools_json='[{"type": "function"}]'), "tools[0]"),
+    "tools not JSON, raw prompt": (
+        pb.GenerateRequest(prompt="Hi", tools_json="[{"),
+        "tools is not valid JSON",
+    ),
     "top_logprobs 21": (_with(top_logprobs=21), "top_logprobs"),
     "top_logprobs -1": (_with(top_logprobs=-1), "top_logprobs"),
     "unknown tool_choice": (
@@ -458,7 +462,13 @@ def test_tool_choice_none_leaves_the_markup_as_text(scripted):
 
 def test_malformed_tool_call_is_content_and_flagged(scripted):
     running, _, raw_ids = scripted
-    request = pb.GenerateRequest(prompt=RAW_PROMPT, params=pb.SamplingParams(max_tokens=40))
+    # A raw prompt may carry tools too (for the parser; the client rendered the prompt).
+    request = pb.GenerateRequest(
+        prompt=RAW_PROMPT,
+        params=pb.SamplingParams(max_tokens=40),
+        tools_json=json.dumps(TOOLS),
+        tool_choice="get_weather",
+    )
     chunks = list(running.client.stream(request))
     assert [t for c in chunks for t in c.token_ids] == raw_ids
     assert "".join(c.text for c in chunks) == RAW_SCRIPT[0]

@@ -102,13 +102,13 @@ def render_prompt(
             raise InvalidRequest(f"prompt is not valid UTF-8 ({e.reason} at byte {e.start})") from e
     if prompt and messages:
         raise InvalidRequest("give either prompt or messages, not both")
-    tools = None
+    # Checked for raw prompts too: there the tools still name what the parser accepts.
+    tools = _json_field(tools_json, "tools", list)
+    for i, tool in enumerate(tools or []):
+        if not isinstance(tool, dict) or not _tool_name(tool):
+            raise InvalidRequest(f"tools[{i}] has no function name")
+    kwargs = _json_field(chat_template_kwargs_json, "chat_template_kwargs", dict) or {}
     if messages:
-        tools = _json_field(tools_json, "tools", list)
-        for i, tool in enumerate(tools or []):
-            if not isinstance(tool, dict) or not _tool_name(tool):
-                raise InvalidRequest(f"tools[{i}] has no function name")
-        kwargs = _json_field(chat_template_kwargs_json, "chat_template_kwargs", dict) or {}
         dicts = chat_messages(messages)
         text = _render(tokenizer, dicts, tools, kwargs)
         if tools and text == _render(tokenizer, dicts, None, kwargs):
