@@ -137,6 +137,11 @@ def test_launch_refuses_a_bad_hostfile_naming_the_entry(tmp_path):
     )
     assert r.returncode == 2
     assert "hosts[1]" in r.stderr and "ips" in r.stderr
+    bad.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"]]))
+    r = subprocess.run(
+        [*MLX_RELAY, "launch", "--hostfile", str(bad), "--"], capture_output=True, text=True
+    )
+    assert r.returncode == 2 and "MLX_HOSTFILE address list" in r.stderr
 
 
 # ---------------------------------------------------------------- clusters

@@ -59,6 +59,7 @@ from typing import IO
 from mlx_relay.doorbell import DOORBELLS_ENV
 from mlx_relay.launch.hostfile import (
     DEFAULT_STARTING_PORT,
+    KIND_RING_ENV,
     LOCAL_SSH,
     Hostfile,
     HostfileError,
@@ -600,6 +601,13 @@ def run(args: argparse.Namespace) -> int:
         hf = load_hostfile(args.hostfile)
     except HostfileError as e:
         print(f"mlx-relay launch: {e}", file=sys.stderr)
+        return 2
+    if hf.kind == KIND_RING_ENV:
+        print(
+            f"mlx-relay launch: {args.hostfile} is an MLX_HOSTFILE address list; launch needs "
+            'an mlx.launch hostfile, [{"ssh": ..., "ips": [...]}, ...] (see hostfiles/README.md)',
+            file=sys.stderr,
+        )
         return 2
     problems = check_hostfile(hf, backend=args.backend)
     if problems:
