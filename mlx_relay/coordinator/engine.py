@@ -278,7 +278,15 @@ class Engine:
                 if request.cancelled.is_set():
                     request.out.put(Chunk(finish_reason="cancelled"))
                     continue
-                self._active.append(self._new_sequence(request, self._free_slots.pop(0)))
+                slot = self._free_slots.pop(0)
+                try:
+                    seq = self._new_sequence(request, slot)
+                except Exception as e:  # noqa: BLE001 - one bad request must not stop the engine
+                    log.exception("request %s cannot start: %s", request.request_id, e)
+                    self._free_slots.append(slot)
+                    request.out.put(EngineError("internal", f"the request cannot start: {e}"))
+                    continue
+                self._active.append(seq)
 
     def _new_sequence(self, request: Request, slot: int) -> Sequence:
         return Sequence(

@@ -233,6 +233,8 @@ def sampling_params(
         raise InvalidRequest("repetition_penalty must be >= 0")
     if p.repetition_context_size < 0:
         raise InvalidRequest("repetition_context_size must be >= 0")
+    if p.HasField("seed") and p.seed < 0:
+        raise InvalidRequest(f"seed must be >= 0 (MLX random keys are unsigned), got {p.seed}")
     return SamplingParams(
         max_tokens=p.max_tokens if p.HasField("max_tokens") else default_max_tokens,
         temperature=temperature,
