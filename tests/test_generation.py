@@ -504,6 +504,10 @@ def test_cli_tool_flags_and_json(scripted, tmp_path, capsys):
     assert entry["token"] == "<think>" and len(entry["top_logprobs"]) == 2
     assert set(entry["top_logprobs"][0]) == {"token", "logprob"}
     assert "unknown_tools" not in out and "malformed_tool_call" not in out
+    # Without --json the calls are printed after the text.
+    argv = ["chat", MESSAGES[0]["content"], "--address", running.address, "--tools", str(tools)]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out.splitlines() == ["OK", "[tool call] get_weather {}"]
 
     other = tmp_path / "other.json"
     other.write_text(json.dumps([{"type": "function", "function": {"name": "get_time"}}]))
