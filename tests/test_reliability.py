@@ -182,6 +182,20 @@ def test_restarts_are_bounded_and_reported():
     assert lines[-1] == "rank 0 (h) exited with code 7; the cluster was stopped (no restart left)"
 
 
+def test_a_start_that_raises_is_a_failure_and_is_restarted():
+    lines: list[str] = []
+    attempts: list[int] = []
+
+    def start_one() -> Supervisor:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise RuntimeError("rank 1 (h) never said hello")
+        return Supervisor([_proc("pass")])
+
+    assert run_with_restarts(start_one, 1, report=lines.append, stop_timeout=5) == 0
+    assert lines == ["rank 1 (h) never said hello; the cluster was stopped; restart 1 of 1"]
+
+
 # --- the side channel ----------------------------------------------------------------
 
 

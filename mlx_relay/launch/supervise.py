@@ -162,33 +162,20 @@ def run_with_restarts(
 ) -> int:
     """Start a cluster, watch it, and start it again after a failure, `restarts` times.
 
-    `start` launches the ranks; `ready` may then wait for them to serve (raising counts
-    as a failure). Returns 0 when the cluster ended cleanly or was stopped through
-    `stop_event`, EXIT_RANK_FAILED when it failed with no restart left.
+    `start` launches the ranks (if it raises, that counts as a failure, and it must not
+    leave ranks behind); `ready` may then wait for them to serve (raising counts as a
+    failure too, and the ranks are stopped). Returns 0 when the cluster ended cleanly
+    or was stopped through `stop_event`, EXIT_RANK_FAILED when it failed with no
+    restart left.
     """
     stop_event = stop_event or threading.Event()
     attempt = 0
     while True:
-        supervisor = start()
-        failure: str | None = None
-        try:
-            if ready is not None:
-                ready(supervisor)
-            supervisor.wait(stop_event.is_set)
-        except Exception as e:  # noqa: BLE001 - not coming up is a failure like any other
-            failure = str(e)
-        found = supervisor.first_failure()
-        if found is None and stop_event.is_set():
-            failure = None  # stopped while starting: not a failure
-        if found is not None:
-            failure = str(found) if failure is None or str(found) in failure else failure
-        codes = supervisor.stop(stop_timeout)
+        failure = _run_once(start, ready, stop_event, stop_timeout, report)
         if failure is None:
-            bad = [f"rank {r} {describe_exit(c)}" for r, c in enumerate(codes) if c != 0]
-            if bad:  # asked to stop, and some rank did not stop cleanly
-                report("stopped, but " + "; ".join(bad))
-                return EXIT_RANK_FAILED
             return 0
+        if failure == "":
+            return EXIT_RANK_FAILED  # stopped, but not cleanly (already reported)
         if stop_event.is_set():
             report(f"{failure}; stopped")
             return EXIT_RANK_FAILED
@@ -198,3 +185,36 @@ def run_with_restarts(
             return EXIT_RANK_FAILED
         attempt += 1
         report(f"{failure}; the cluster was stopped; restart {attempt} of {restarts}")
+
+
+def _run_once(
+    start: Callable[[], Supervisor],
+    ready: Callable[[Supervisor], None] | None,
+    stop_event: threading.Event,
+    stop_timeout: float,
+    report: Callable[[str], None],
+) -> str | None:
+    """One life of the cluster: None if it ended cleanly, else what went wrong."""
+    try:
+        supervisor = start()
+    except Exception as e:  # noqa: BLE001 - not coming up is a failure like any other
+        return None if stop_event.is_set() else str(e) or type(e).__name__
+    failure: str | None = None
+    try:
+        if ready is not None:
+            ready(supervisor)
+        supervisor.wait(stop_event.is_set)
+    except Exception as e:  # noqa: BLE001
+        failure = str(e) or type(e).__name__
+    found = supervisor.first_failure()
+    if found is not None:
+        failure = str(found) if failure is None or str(found) in failure else failure
+    elif stop_event.is_set():
+        failure = None  # stopped (maybe while starting): not a failure
+    codes = supervisor.stop(stop_timeout)
+    if failure is None:
+        bad = [f"rank {r} {describe_exit(c)}" for r, c in enumerate(codes) if c != 0]
+        if bad:  # asked to stop, and some rank did not stop cleanly
+            report("stopped, but " + "; ".join(bad))
+            return ""
+    return failure
