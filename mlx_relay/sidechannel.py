@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+import zmq.utils.monitor
 
 from mlx_relay.protocol import control
 
 log = logging.getLogger("mlx_relay.sidechannel")
 
-EXIT_RANK0_SILENT = 75  # a worker exits with this when rank 0 stops talking
+EXIT_RANK0_SILENT = 75  # a worker exits with this when rank 0 is gone or silent
 EXIT_RING_BROKEN = 76  # a worker whose ring connection broke, once rank 0 said bye
 SEND_RETRY_S = 5.0  # how long rank 0 keeps trying to reach a worker socket
 LINK_GRACE_S = 0.5  # a worker's closed connection counts once it stays closed this long
@@ -452,26 +453,54 @@ class ControlLink:
         self._cmd.close(linger=500)
 
     def _heartbeats(self) -> None:
+        """Beat every interval; exit the process when rank 0 is gone or silent.
+
+        Rank 0 counts as gone when its connection closes (its process died) and stays
+        closed for LINK_GRACE_S, or when nothing came from it for `rank0_timeout`.
+        """
         sock = self._dealer(self._hb_endpoint, "hb")
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         last_rank0 = time.monotonic()
+        closed_at: float | None = None
         try:
             while not self._stop.is_set():
                 body = self._body(stats=self._stats())
-                sock.send_multipart(control.encode(control.HEARTBEAT, body, self.secret))
+                try:
+                    sock.send_multipart(
+                        control.encode(control.HEARTBEAT, body, self.secret), flags=zmq.NOBLOCK
+                    )
+                except zmq.Again:
+                    pass  # nobody to take it: silence or the closed link will tell
                 deadline = time.monotonic() + self._interval
+                if closed_at is not None:
+                    deadline = min(deadline, closed_at + LINK_GRACE_S)
                 while (left := deadline - time.monotonic()) > 0 and not self._stop.is_set():
-                    if sock.poll(int(left * 1000) + 1):
+                    events = dict(poller.poll(int(left * 1000) + 1))
+                    if monitor in events:
+                        event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
+                        closed_at = time.monotonic() if event == zmq.EVENT_DISCONNECTED else None
+                    if sock in events:
                         try:
                             control.decode(sock.recv_multipart(), self.secret)
                             last_rank0 = time.monotonic()
                         except control.BadMessage as e:
                             log.warning("side channel: dropped a message: %s", e)
-                if time.monotonic() - last_rank0 > self._rank0_timeout:
-                    log.error(
-                        "rank %d: rank 0 silent for %.1f s; exiting so this machine's memory is freed",
-                        self.rank,
-                        time.monotonic() - last_rank0,
-                    )
-                    os._exit(EXIT_RANK0_SILENT)
+                now = time.monotonic()
+                if closed_at is not None and now - closed_at >= LINK_GRACE_S:
+                    why = "rank 0's side-channel connection closed (its process exited or died)"
+                elif now - last_rank0 > self._rank0_timeout:
+                    why = f"rank 0 silent for {now - last_rank0:.1f} s"
+                else:
+                    continue
+                if self._stop.is_set():
+                    return
+                log.error("rank %d: %s; exiting so this machine's memory is freed", self.rank, why)
+                logging.shutdown()
+                os._exit(EXIT_RANK0_SILENT)
         finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=0)

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 # explain them without importing the coordinator; tests check they stay in sync).
 EXIT_CLUSTER_FAILED = 3  # rank 0: a worker failed or a step was overdue (server.py)
 EXIT_RANK_FAILED = 4  # a launcher: a rank failed and the cluster was stopped
-EXIT_RANK0_SILENT = 75  # a worker: rank 0 went silent (sidechannel.py)
+EXIT_RANK0_SILENT = 75  # a worker: rank 0 is gone or silent (sidechannel.py)
 EXIT_RING_BROKEN = 76  # a worker: its ring connection broke, a neighbour died (sidechannel.py)
 
 _MEANINGS = {
     EXIT_CLUSTER_FAILED: "the cluster failed",
     EXIT_RANK_FAILED: "a rank failed",
-    EXIT_RANK0_SILENT: "rank 0 went silent",
+    EXIT_RANK0_SILENT: "rank 0 is gone or silent",
     EXIT_RING_BROKEN: "its ring connection broke",
 }
 _CONSEQUENCES = (EXIT_CLUSTER_FAILED, EXIT_RANK0_SILENT, EXIT_RING_BROKEN)
