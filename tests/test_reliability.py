@@ -400,7 +400,7 @@ def test_load_checks_name_the_rank_and_the_cluster_can_load_again(model, cluster
     def refused(spec: str) -> str:
         with pytest.raises(grpc.RpcError) as info:
             client.stub.LoadModel(pb.LoadModelRequest(model=spec), timeout=60)
-        assert info.value.code() != grpc.StatusCode.OK
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert client.status().state == "unloaded"
         return info.value.details()
 

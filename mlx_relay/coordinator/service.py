@@ -24,7 +24,7 @@ from mlx_relay import memory, sharding
 from mlx_relay.coordinator import requests
 from mlx_relay.coordinator.aggregate import aggregate
 from mlx_relay.coordinator.engine import Chunk, Engine, EngineError, Request
-from mlx_relay.coordinator.pipeline import RankFailure
+from mlx_relay.coordinator.pipeline import ClusterFailure, RankFailure
 from mlx_relay.coordinator.postprocess import DEFAULT_THINK_MARKERS, think_markers
 from mlx_relay.default_model import resolve_model
 from mlx_relay.launch.hostfile import parse_layers
@@ -40,6 +40,7 @@ _STATUS = {
     "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "internal": grpc.StatusCode.INTERNAL,
     "cancelled": grpc.StatusCode.CANCELLED,
+    "precondition": grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 
@@ -208,6 +209,8 @@ class RelayServicer:
     def LoadModel(self, request, context):  # noqa: N802
         if not request.model:
             raise requests.InvalidRequest("model is required ('default' or a path)")
+        if self.engine.state in ("draining", "stopping", "failed"):
+            raise EngineError("unavailable", f"the cluster is {self.engine.state}")
         layers = None
         if request.layers.strip() == "auto":
             layers = "auto"  # by each rank's free memory (pipeline.memory_split)
@@ -218,7 +221,11 @@ class RelayServicer:
                 raise requests.InvalidRequest(f"layers: {e}") from e
         try:
             self.engine.load(request.model, layers).result()
-        except (EngineError, RankFailure, requests.InvalidRequest):
+        except ClusterFailure:
+            raise
+        except RankFailure as e:  # a worker refused its shard; the cluster still serves
+            raise EngineError("precondition", str(e)) from e
+        except (EngineError, requests.InvalidRequest):
             raise
         except Exception as e:  # noqa: BLE001 - the load failed; say why, keep serving
             raise EngineError("invalid" if isinstance(e, ValueError) else "internal", str(e)) from e
