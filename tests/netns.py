@@ -31,7 +31,7 @@ from pathlib import Path
 
 LOCK = Path(tempfile.gettempdir()) / "mlx-relay-netns.lock"
 NETNS_DIR = Path("/run/netns")
-NAME_RE = re.compile(r"^mr(\d+)h(\d+)$")
+NAME_RE = re.compile(r"^mr(\d+)[a-z]?h(\d+)$")
 
 
 class NetnsUnavailable(RuntimeError):
@@ -88,9 +88,9 @@ def remove_stale() -> None:
             _kill_inside(ns.name)
             _ip("netns", "del", ns.name, check=False)
     links = _ip("-o", "link", "show", "type", "bridge", check=False).stdout
-    for m in re.finditer(r"^\d+: mrb(\d+)[:@]", links, re.M):
-        if not _pid_alive(int(m.group(1))):
-            _ip("link", "del", f"mrb{m.group(1)}", check=False)
+    for m in re.finditer(r"^\d+: (mrb(\d+)[a-z]?)[:@]", links, re.M):
+        if not _pid_alive(int(m.group(2))):
+            _ip("link", "del", m.group(1), check=False)
 
 
 def _kill_inside(ns: str) -> None:
@@ -108,21 +108,26 @@ def _used_subnets() -> set[int]:
 
 
 def _burst_bytes(rate: str) -> int:
-    """tbf needs a bucket of at least rate/HZ and larger than one GSO packet (64 KiB)."""
+    """A bucket of 2 ms of traffic: small enough that a burst cannot hide the cap, and at
+    least 128 KiB, since tbf drops packets larger than its bucket (GSO makes up to 64 KiB)."""
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.lower())
     if not m:
         raise ValueError(f"rate {rate!r}: expected e.g. 1gbit, 100mbit")
     bits = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
-    return max(128 * 1024, int(bits / 8 / 100))  # 10 ms of traffic
+    return max(128 * 1024, int(bits / 8 / 500))
 
 
 class NetnsHosts:
-    """N namespaces `mr<pid>h<i>` on bridge `mrb<pid>`, subnet 10.77.<k>.0/24."""
+    """N namespaces `mr<pid>h<i>` on bridge `mrb<pid>`, subnet 10.77.<k>.0/24.
 
-    def __init__(self, n: int, rate: str | None = None, tag: int | None = None) -> None:
+    `index` (1-25) lets one process hold several sets at once: `mr<pid><letter>h<i>`.
+    """
+
+    def __init__(self, n: int, rate: str | None = None, index: int = 0) -> None:
         self.n = n
         self.rate = rate
-        self.tag = tag if tag is not None else os.getpid()
+        self.index = index
+        self.tag = f"{os.getpid()}{chr(ord('a') + index) if index else ''}"
         self.bridge = f"mrb{self.tag}"
         self.namespaces = [f"mr{self.tag}h{i}" for i in range(n)]
         self.addresses: list[str] = []
@@ -142,7 +147,7 @@ class NetnsHosts:
             free = [k for k in range(1, 250) if k not in _used_subnets()]
             if not free:
                 raise NetnsUnavailable("no free 10.77.k.0/24 subnet left")
-            k = free[self.tag % len(free)]
+            k = free[(os.getpid() + self.index) % len(free)]
             net = ipaddress.ip_network(f"10.77.{k}.0/24")
             self.addresses = [str(net[i + 1]) for i in range(self.n)]
             self.gateway = str(net[254])
