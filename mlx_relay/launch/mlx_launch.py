@@ -52,6 +52,7 @@ import sys
 import tempfile
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -494,13 +495,17 @@ class Launch:
         found = self.supervisor.first_failure() if self.supervisor else None
         return str(found) if found else None
 
-    def wait_serving(self, address: str, timeout: float = 300.0) -> None:
+    def wait_serving(
+        self, address: str, timeout: float = 300.0, stopping: Callable[[], bool] = lambda: False
+    ) -> None:
         from mlx_relay.coordinator.client import wait_serving
 
         def check() -> None:
             failed = self.failure()
             if failed:
                 raise RuntimeError(f"{failed} before the cluster served")
+            if stopping():
+                raise InterruptedError("stopped before the cluster served")
 
         wait_serving(address, timeout, check=check)
 
@@ -649,7 +654,7 @@ def run(args: argparse.Namespace) -> int:
         n = len(hf.hosts)
         if address is not None:
             try:
-                launch.wait_serving(address, args.startup_timeout)
+                launch.wait_serving(address, args.startup_timeout, stop_event.is_set)
             except Exception:
                 if stop_event.is_set():
                     return supervisor
