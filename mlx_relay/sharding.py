@@ -125,8 +125,17 @@ def embed(shard: Shard, tokens: mx.array) -> mx.array:
 
 
 def run_layers(shard: Shard, h: mx.array, caches: list[Any]) -> mx.array:
+    """Each layer gets the mask its own cache implies; caches of one kind share one mask.
+
+    Within a step every cache of a kind (full attention, sliding window) holds the same
+    positions, so their masks are equal: build each once, as the models themselves do.
+    """
+    masks: dict[type, Any] = {}
     for layer, cache in zip(shard.inner.layers, caches, strict=True):
-        h = layer(h, create_attention_mask(h, cache), cache)
+        kind = type(cache)
+        if kind not in masks:
+            masks[kind] = create_attention_mask(h, cache)
+        h = layer(h, masks[kind], cache)
     return h
 
 
