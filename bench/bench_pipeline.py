@@ -5,7 +5,10 @@
 Every configuration runs in this one invocation on the same model and prompt, so the
 printed ratios compare like with like on whatever machine runs it. Each rank is pinned
 to its own core (rank i -> core i mod cores), standing for one machine; the mlx-lm
-baseline runs in a subprocess pinned to one core the same way.
+baseline runs in a subprocess pinned to core 0. The benchmark's own gRPC client is pinned
+to core 0 too: left free, it lands on rank 1's core and takes time from it (measured:
+2 ranks 0.87-0.98 of mlx-lm with the client free, 0.997 with it pinned), so the cost
+of the client falls on rank 0's core, as a client on the coordinator's machine would.
 """
 
 from __future__ import annotations
@@ -104,6 +107,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ranks", default="1,2,3")
     args = ap.parse_args()
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # see the module docstring
 
     from mlx_relay.default_model import resolve_model
 
