@@ -164,11 +164,6 @@ class ControlHub:
                 self._cond.wait(left)
             return True
 
-    def silent_ranks(self, timeout: float) -> list[int]:
-        now = time.monotonic()
-        with self._cond:
-            return [r for r, info in self.ranks.items() if now - info.last_seen > timeout]
-
     def failure(self, heartbeat_timeout: float) -> LinkFailure | None:
         """The first worker that is gone (its connection closed) or silent too long.
 

@@ -119,7 +119,7 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         """Prompt tokens left to send: known in advance, so several chunks may be in flight."""
-        return not self.generated and self.first_token_at is None and bool(self.pending)
+        return self.first_token_at is None and bool(self.pending)
 
 
 class Engine:

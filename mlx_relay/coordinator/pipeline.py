@@ -19,7 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_relay import sharding
+from mlx_relay import memory, sharding
 from mlx_relay.default_model import resolve_model
 from mlx_relay.doorbell import DoorbellTimeout
 from mlx_relay.kvcache import CacheError, SlotCaches
@@ -146,12 +146,6 @@ class Pipeline:
         self.shard = None
         self.loaded = None
         self.caches = None
-
-    def ping(self) -> float:
-        t0 = time.perf_counter()
-        if self.world_size > 1:
-            self._command(hdr.CMD_PING)
-        return time.perf_counter() - t0
 
     # --- steps in flight -----------------------------------------------------------
     def launch_forward(
@@ -315,20 +309,21 @@ class Pipeline:
         if gone is not None:
             return ClusterFailure(gone.rank, gone.host, gone.reason)
         if "[ring]" in str(e) or "connection" in str(e).lower():
-            info = self.hub.snapshot().get(neighbour) if self.hub else None
-            host = info.host if info else ""
-            return ClusterFailure(neighbour, host, f"rank 0's ring connection to it broke: {e}")
+            return ClusterFailure(
+                neighbour, self._host(neighbour), f"rank 0's ring connection to it broke: {e}"
+            )
         return e
 
     def _failure(self, back: hdr.StepHeader) -> RankFailure:
         rank = back.failed_ranks[0]
         message = self.hub.take_error(back.step_id, rank) if self.hub else None
-        host = ""
-        if self.hub is not None:
-            info = self.hub.snapshot().get(rank)
-            host = info.host if info else ""
         reason = hdr.ERROR_NAMES.get(back.error_code, str(back.error_code))
-        return RankFailure(rank, host, message or reason, back.error_code)
+        return RankFailure(rank, self._host(rank), message or reason, back.error_code)
+
+    def _host(self, rank: int) -> str:
+        """The host a worker reported in its hello, for error messages."""
+        info = self.hub.snapshot().get(rank) if self.hub else None
+        return info.host if info else ""
 
     def worker_stats(self) -> dict[int, Any]:
         return self.hub.snapshot() if self.hub else {}
@@ -354,7 +349,6 @@ def memory_split(num_layers: int, world_size: int, hub: ControlHub | None) -> li
     side-channel report; a rank that has not reported counts as the average. Weights
     within 5% of each other give the even split. Every rank gets at least one layer.
     """
-    from mlx_relay import memory
 
     def weight(stats: dict) -> float | None:
         free = stats.get("free_memory")
