@@ -30,6 +30,27 @@ def chat_tokens(path: Path, messages: list[dict], **template_kwargs) -> list[int
     return encode_text(tokenizer, text)
 
 
+def _processors(settings: dict, n_prompt: int, max_tokens: int) -> list:
+    """mlx-lm's processors, with presence and frequency penalties counting generated
+    tokens only (OpenAI's definition) by hiding the prompt from them."""
+    settings = dict(settings)
+    openai = {
+        name: settings.pop(name)
+        for name in ("presence_penalty", "frequency_penalty")
+        if name in settings
+    }
+    processors = make_logits_processors(**settings)
+    if openai:
+        windows = {n.replace("penalty", "context_size"): max_tokens for n in openai}
+        for processor in make_logits_processors(**openai, **windows):
+            processors.append(
+                lambda tokens, logits, p=processor: (
+                    p(tokens[n_prompt:], logits) if len(tokens) > n_prompt else logits
+                )
+            )
+    return processors
+
+
 def mlx_lm_tokens(
     path: Path,
     prompt_tokens: list[int],
@@ -51,7 +72,7 @@ def mlx_lm_tokens(
             mx.array(prompt_tokens),
             max_tokens=max_tokens,
             sampler=make_sampler(**(sampler or {})),
-            logits_processors=make_logits_processors(**(processors or {})),
+            logits_processors=_processors(processors or {}, len(prompt_tokens), max_tokens),
             prefill_step_size=prefill_step_size,
         )
     )

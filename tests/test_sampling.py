@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
@@ -52,3 +53,20 @@ def test_interleaved_requests_do_not_disturb_each_other():
         b.sample(logits)
         mx.random.uniform()  # global state traffic must not matter either
     assert got == expected
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_as_openai_documents():
+    """OpenAI: logit[j] -= c[j] * frequency + (c[j] > 0) * presence, where c[j] counts
+    how often j was sampled so far. The prompt does not count, and there is no window."""
+    vocab = 50
+    logits = mx.random.normal((1, vocab), key=mx.random.key(3))
+    prompt = [1, 2, 3, 4]
+    generated = [5, 6, 5, 7, 5] + [8] * 30  # token 5's repeats lie beyond any 20-token window
+    sampler = Sampler(SamplingParams(max_tokens=64, presence_penalty=0.5, frequency_penalty=0.3))
+    got = np.array(sampler.process(prompt + generated, generated, mx.array(logits)))
+    counts = np.bincount(generated, minlength=vocab)
+    expected = np.array(logits) - counts * 0.3 - (counts > 0) * 0.5
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+    # Nothing generated yet: the prompt alone changes nothing.
+    first = np.array(sampler.process(prompt, [], mx.array(logits)))
+    np.testing.assert_array_equal(first, np.array(logits))

@@ -164,7 +164,8 @@ class Engine:
         with self._cv:
             if self.state != "serving":
                 raise EngineError("unavailable", f"the cluster is not serving ({self.state})")
-            if len(self._waiting) >= self.max_queue:
+            # Requests about to take a free slot are not queued: only those beyond count.
+            if len(self._waiting) - len(self._free_slots) >= self.max_queue:
                 raise EngineError(
                     "exhausted",
                     f"server busy: {len(self._active)} requests running and "
@@ -418,9 +419,9 @@ class Engine:
         self._groups[group].append(seq)
 
     def _sample_and_emit(self, seq: Sequence, logits: mx.array) -> None:
-        """mlx-lm's step: processors on every token so far, log-softmax, sample."""
-        if seq.sampler.processors:
-            logits = seq.sampler.process(mx.array(seq.context), logits)
+        """mlx-lm's step: logits processors, log-softmax, sample."""
+        if seq.sampler.processes:
+            logits = seq.sampler.process(seq.context, seq.generated, logits)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         token_array = seq.sampler.sample(logprobs)
         mx.eval(token_array, logprobs)

@@ -46,22 +46,36 @@ class Sampler:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         self.key = mx.random.key(seed)
         self.special_token_ids = list(special_token_ids or [])
-        self.processors = make_logits_processors(
+        # Bias and repetition penalty as in mlx-lm: over the context, prompt included.
+        self.context_processors = make_logits_processors(
             logit_bias=params.logit_bias or None,
             repetition_penalty=params.repetition_penalty,
             repetition_context_size=params.repetition_context_size,
-            presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty,
         )
+        # Presence and frequency penalties as OpenAI documents them: over every token
+        # generated so far, and nothing of the prompt.
+        window = max(1, params.max_tokens)
+        self.generated_processors = make_logits_processors(
+            presence_penalty=params.presence_penalty,
+            presence_context_size=window,
+            frequency_penalty=params.frequency_penalty,
+            frequency_context_size=window,
+        )
+
+    @property
+    def processes(self) -> bool:
+        return bool(self.context_processors or self.generated_processors)
 
     def _next_key(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
         return sub
 
-    def process(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        """Logits processors see every token so far (prompt included), as in mlx-lm."""
-        for processor in self.processors:
-            logits = processor(tokens, logits)
+    def process(self, context: list[int], generated: list[int], logits: mx.array) -> mx.array:
+        for processor in self.context_processors:
+            logits = processor(mx.array(context), logits)
+        if generated:
+            for processor in self.generated_processors:
+                logits = processor(mx.array(generated), logits)
         return logits
 
     def sample(self, logprobs: mx.array) -> mx.array:
