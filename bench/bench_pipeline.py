@@ -1,9 +1,12 @@
 """Single-stream speed of 1, 2 and 3 ranks against single-process mlx-lm, side by side.
 
-    .venv/bin/python bench/bench_pipeline.py [--model default] [--tokens 128] [--repeats 3]
+    .venv/bin/python bench/bench_pipeline.py [--model default] [--tokens 128] [--rounds 5]
 
 Every configuration runs in this one invocation on the same model and prompt, so the
-printed ratios compare like with like on whatever machine runs it. Each rank is pinned
+printed ratios compare like with like on whatever machine runs it. All of them stay
+loaded and take turns, one request each per round: a slow minute on a shared machine
+then hits every configuration alike instead of one of them (run to run, the old
+one-configuration-after-another order moved the 1-rank ratio between 0.90 and 1.07). Each rank is pinned
 to its own core (rank i -> core i mod cores), standing for one machine; the mlx-lm
 baseline runs in a subprocess pinned to core 0. The benchmark's own gRPC client is pinned
 to core 0 too: left free, it lands on rank 1's core and takes time from it (measured:
@@ -14,6 +17,7 @@ of the client falls on rank 0's core, as a client on the coordinator's machine w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -21,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -36,75 +41,67 @@ import json, os, sys, time
 import mlx.core as mx
 from mlx_lm import load, stream_generate
 os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
-path, n, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+path, n = sys.argv[1], int(sys.argv[2])
 model, tok = load(path)
-text = tok.apply_chat_template([{"role": "user", "content": sys.argv[4]}], tokenize=False,
+text = tok.apply_chat_template([{"role": "user", "content": sys.argv[3]}], tokenize=False,
                                add_generation_prompt=True)
 ids = tok.encode(text, add_special_tokens=False)
-runs = []
-for _ in range(repeats + 1):
+tok.eos_token_ids = set()  # like ignore_eos: always generate n tokens
+print(json.dumps({"prompt_tokens": len(ids)}), flush=True)
+for line in sys.stdin:  # one run per line, so runs interleave with the clusters'
     t0 = time.perf_counter(); first = None; count = 0
-    # mlx-lm stops at EOS; a huge eos-free budget is emulated by dropping EOS ids.
-    tok.eos_token_ids = set()
     for r in stream_generate(model, tok, mx.array(ids), max_tokens=n):
         count += 1
         if first is None:
             first = time.perf_counter()
     end = time.perf_counter()
-    runs.append({"ttft": first - t0, "decode_tps": (count - 1) / (end - first)})
-print(json.dumps({"prompt_tokens": len(ids), "runs": runs[1:]}))
+    print(json.dumps({"ttft": first - t0, "decode_tps": (count - 1) / (end - first)}), flush=True)
 """
 
 
-def baseline(path: Path, tokens: int, repeats: int) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-c", BASELINE, str(path), str(tokens), str(repeats), PROMPT],
-        capture_output=True,
-        text=True,
-        check=True,
+class Baseline:
+    """Single-process mlx-lm kept loaded in a subprocess, one run per request."""
+
+    def __init__(self, path: Path, tokens: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", BASELINE, str(path), str(tokens), PROMPT],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.prompt_tokens = json.loads(self.proc.stdout.readline())["prompt_tokens"]
+
+    def run(self) -> dict:
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+def cluster_run(client: Client, tokens: int) -> dict:
+    request = pb.GenerateRequest(
+        messages=[pb.ChatMessage(role="user", content=PROMPT)],
+        params=pb.SamplingParams(max_tokens=tokens, ignore_eos=True),
     )
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def cluster_runs(model: str, n: int, tokens: int, repeats: int) -> list[dict]:
-    address = f"127.0.0.1:{free_ports(1)[0]}"
-    logs = Path(tempfile.mkdtemp(prefix="bench-logs-"))
-    cluster = LocalCluster(n, ["--model", model], grpc_address=address, log_dir=logs, pin=True)
-    runs = []
-    with cluster:
-        cluster.wait_serving(600)
-        with Client(address, timeout=600) as client:
-            request = pb.GenerateRequest(
-                messages=[pb.ChatMessage(role="user", content=PROMPT)],
-                params=pb.SamplingParams(max_tokens=tokens, ignore_eos=True),
-            )
-            for i in range(repeats + 1):  # the first run warms up
-                t0 = time.perf_counter()
-                first = None
-                count = 0
-                final = None
-                for chunk in client.stream(request):
-                    count += len(chunk.token_ids)
-                    if first is None and chunk.token_ids:
-                        first = time.perf_counter()
-                    final = chunk
-                end = time.perf_counter()
-                if i:
-                    runs.append(
-                        {
-                            "ttft": first - t0,
-                            "decode_tps": (count - 1) / (end - first),
-                            "server_decode_tps": final.timings.decode_tokens_per_s,
-                        }
-                    )
-    return runs
+    t0 = time.perf_counter()
+    first = None
+    count = 0
+    for chunk in client.stream(request):
+        count += len(chunk.token_ids)
+        if first is None and chunk.token_ids:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return {"ttft": first - t0, "decode_tps": (count - 1) / (end - first)}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ranks", default="1,2,3")
     args = ap.parse_args()
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # see the module docstring
@@ -112,22 +109,46 @@ def main() -> int:
     from mlx_relay.default_model import resolve_model
 
     path = resolve_model(args.model)
-    print(f"model {path}  tokens {args.tokens}  repeats {args.repeats}  cores {os.cpu_count()}")
-    base = baseline(path, args.tokens, args.repeats)
-    b_tps = statistics.median(r["decode_tps"] for r in base["runs"])
-    b_ttft = statistics.median(r["ttft"] for r in base["runs"])
-    print(f"prompt {base['prompt_tokens']} tokens")
+    sizes = [int(x) for x in args.ranks.split(",")]
+    print(f"model {path}  tokens {args.tokens}  rounds {args.rounds}  cores {os.cpu_count()}")
+    with contextlib.ExitStack() as stack:
+        runners: dict[str, Callable[[], dict]] = {}
+        base = Baseline(path, args.tokens)
+        stack.callback(base.close)
+        runners["mlx_lm (1 process)"] = base.run
+        for n in sizes:  # every cluster stays up, idle on its doorbells, between its turns
+            address = f"127.0.0.1:{free_ports(1)[0]}"
+            logs = Path(tempfile.mkdtemp(prefix="bench-logs-"))
+            cluster = stack.enter_context(
+                LocalCluster(
+                    n, ["--model", args.model], grpc_address=address, log_dir=logs, pin=True
+                )
+            )
+            cluster.wait_serving(600)
+            client = stack.enter_context(Client(address, timeout=600))
+            label = f"mlx-relay {n} rank{'s' if n > 1 else ''}"
+            runners[label] = lambda c=client: cluster_run(c, args.tokens)
+        for run in runners.values():  # warm-up
+            run()
+        results: dict[str, list[dict]] = {label: [] for label in runners}
+        for i in range(args.rounds):
+            for label, run in runners.items():
+                results[label].append(run())
+            print(f"round {i + 1}/{args.rounds} done", file=sys.stderr)
+    print(f"prompt {base.prompt_tokens} tokens; median of {args.rounds} interleaved rounds")
     print(f"{'config':<22}{'decode tok/s':>14}{'ratio':>8}{'TTFT ms':>10}{'ratio':>8}")
-    print(f"{'mlx_lm (1 process)':<22}{b_tps:>14.2f}{1.0:>8.3f}{b_ttft * 1000:>10.1f}{1.0:>8.3f}")
-    for n in (int(x) for x in args.ranks.split(",")):
-        runs = cluster_runs(args.model, n, args.tokens, args.repeats)
+    reference = results["mlx_lm (1 process)"]
+    for label, runs in results.items():
+        # Ratios are taken within a round (runs seconds apart), then the median over rounds.
         tps = statistics.median(r["decode_tps"] for r in runs)
         ttft = statistics.median(r["ttft"] for r in runs)
-        label = f"mlx-relay {n} rank{'s' if n > 1 else ''}"
-        print(
-            f"{label:<22}{tps:>14.2f}{tps / b_tps:>8.3f}{ttft * 1000:>10.1f}{ttft / b_ttft:>8.3f}"
+        tps_ratio = statistics.median(
+            r["decode_tps"] / b["decode_tps"] for r, b in zip(runs, reference, strict=True)
         )
-        sys.stdout.flush()
+        ttft_ratio = statistics.median(
+            r["ttft"] / b["ttft"] for r, b in zip(runs, reference, strict=True)
+        )
+        print(f"{label:<22}{tps:>14.2f}{tps_ratio:>8.3f}{ttft * 1000:>10.1f}{ttft_ratio:>8.3f}")
     return 0
 
 
