@@ -58,7 +58,8 @@ COMMAND_NAMES = {
 }
 
 # Flags.
-FLAG_WANT_OUTPUT = 1 << 0  # the last rank sends hidden states back (else header only)
+# The last rank sends back each row's last hidden state (else the header only).
+FLAG_WANT_OUTPUT = 1 << 0
 
 # Payload kinds.
 PAYLOAD_NONE = 0
