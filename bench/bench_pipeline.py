@@ -149,6 +149,10 @@ def main() -> int:
             r["ttft"] / b["ttft"] for r, b in zip(runs, reference, strict=True)
         )
         print(f"{label:<22}{tps:>14.2f}{tps_ratio:>8.3f}{ttft * 1000:>10.1f}{ttft_ratio:>8.3f}")
+    print("decode ratio to mlx_lm, round by round:")
+    for label, runs in results.items():
+        ratios = [r["decode_tps"] / b["decode_tps"] for r, b in zip(runs, reference, strict=True)]
+        print(f"  {label:<20}" + " ".join(f"{x:.3f}" for x in ratios))
     return 0
 
 
