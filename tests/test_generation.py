@@ -467,13 +467,70 @@ def test_malformed_tool_call_is_content_and_flagged(scripted):
         prompt=RAW_PROMPT,
         params=pb.SamplingParams(max_tokens=40),
         tools_json=json.dumps(TOOLS),
-        tool_choice="get_weather",
     )
     chunks = list(running.client.stream(request))
     assert [t for c in chunks for t in c.token_ids] == raw_ids
     assert "".join(c.text for c in chunks) == RAW_SCRIPT[0]
     assert chunks[-1].malformed_tool_call and chunks[-1].finish_reason == "stop"
     assert not any(c.tool_calls for c in chunks)
+
+
+TWO_TOOLS = [
+    *TOOLS,
+    {"type": "function", "function": {"name": "get_time", "description": "Current time"}},
+]
+FORCED_SCRIPT = ['{"name": "get_weather"}', "</tool_call>"]
+
+
+@pytest.fixture(scope="module")
+def forced(tmp_path_factory):
+    """A scripted model that writes a call once the prompt has opened one."""
+    path = make_tiny_model(tmp_path_factory.mktemp("forced"), "llama", num_layers=3)
+    tokenizer = load_tokenizer(path)
+    chat = tokenizer.apply_chat_template(
+        MESSAGES, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    end = encode_text(tokenizer, chat + "<tool_call>\n")[-1]
+    chains = script_model(path, {end: FORCED_SCRIPT})
+    running = start_cluster(path, 2, tmp_path_factory.mktemp("logs"))
+    yield running, path, chains[end]
+    _stop_cluster(running)
+
+
+@pytest.mark.parametrize("choice", ["required", "get_weather"])
+def test_tool_choice_forces_a_call_in_the_models_own_markup(forced, choice):
+    running, path, script_ids = forced
+    tools = json.dumps(TWO_TOOLS)
+    shown = running.client.stub.Tokenize(
+        pb.TokenizeRequest(messages=_messages(), tools_json=tools, tool_choice=choice), timeout=30
+    )
+    assert shown.prompt.endswith("<|im_start|>assistant\n<tool_call>\n")
+    assert "get_weather" in shown.prompt
+    assert ("get_time" in shown.prompt) == (choice == "required")  # a named tool is shown alone
+    request = _chat(pb.SamplingParams(max_tokens=20), tools_json=tools, tool_choice=choice)
+    response = running.client.generate(request)
+    assert list(response.token_ids) == script_ids
+    assert script_ids == mlx_lm_tokens(path, list(shown.token_ids), 20)
+    assert response.finish_reason == "tool_calls"
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in response.tool_calls]
+    assert calls == [("get_weather", {})]
+    assert response.text == "" and not response.malformed_tool_call
+    streamed = list(running.client.stream(request))
+    assert [c.function.name for s in streamed for c in s.tool_calls] == ["get_weather"]
+    assert "".join(s.text for s in streamed) == ""
+
+
+def test_tool_choice_that_cannot_be_forced_is_refused(forced):
+    running, _, _ = forced
+    for request, field in [
+        (_chat(tool_choice="required"), "needs tools"),
+        (pb.GenerateRequest(prompt="Q", tools_json=json.dumps(TOOLS), tool_choice="required"),
+         "raw prompt"),
+    ]:  # fmt: skip
+        with pytest.raises(grpc.RpcError) as info:
+            running.client.generate(request)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in info.value.details()
 
 
 # --- the client CLI -----------------------------------------------------------------------

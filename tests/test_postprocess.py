@@ -29,7 +29,10 @@ from mlx_relay.coordinator.postprocess import (  # noqa: E402
     OutputParser,
     ToolCall,
     think_markers,
+    tool_call_marker,
 )
+from mlx_relay.coordinator.requests import render_prompt  # noqa: E402
+from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
 
 ID_RE = re.compile(r"call_[0-9a-f]{12}")
 
@@ -364,6 +367,28 @@ CASES = {
         "",
         [WEATHER_PARIS],
     ),
+    # tool_choice forced a call: the prompt ends with the opening marker.
+    "forced_hermes_then_text": (
+        HERMES_PARIS.removeprefix("<tool_call>") + "\nDone.",
+        {"opens_tool_call": "<tool_call>"},
+        "Done.",
+        "",
+        [WEATHER_PARIS],
+    ),
+    "forced_hermes_then_another": (
+        HERMES_PARIS.removeprefix("<tool_call>") + "\n" + HERMES_ROME,
+        {"opens_tool_call": "<tool_call>"},
+        "",
+        "",
+        [WEATHER_PARIS, ("get_weather", {"city": "Rome"})],
+    ),
+    "forced_tool_code": (
+        '\nget_weather(city="Paris", days=3)\n```',
+        {"opens_tool_call": "```tool_code"},
+        "",
+        "",
+        [WEATHER_PARIS],
+    ),
 }
 
 # (model output, parser kwargs, unknown tools): calls to tools the request did not offer.
@@ -603,3 +628,31 @@ def test_mlx_lm_qwen3_coder_parser(tiny_dir, tmp_path, mode):
     text = "<think>\nconfigure it\n</think>\n\n" + XML_TYPED
     result = run(text, mode, tok, parser_tokenizer=tok)
     check_case(result, "", "configure it", [("configure", XML_TYPED_ARGS)])
+
+
+def test_tool_call_marker_is_the_models_own(tiny_tok, smol_tok, tiny_dir, tmp_path):
+    assert tool_call_marker(tiny_tok) == "<tool_call>"  # mlx-lm's json_tools parser
+    pythonic = tokenizer_with_parser(tiny_dir, tmp_path, "pythonic")
+    assert tool_call_marker(pythonic) == "<|tool_call_start|>"
+    assert tool_call_marker(smol_tok) is None  # SmolLM2's template has no tool calls
+
+
+def test_forced_call_that_does_not_parse_is_content_with_its_marker():
+    result = run("{x", "char", opens_tool_call="<tool_call>")
+    check_case(result, "<tool_call>{x", "", [], malformed=True)
+
+
+def test_forced_call_closes_a_think_block_the_template_opened(tiny_dir, tmp_path):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_dir / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] += "{%- if add_generation_prompt %}<think>\n{% endif %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = load_tokenizer(tmp_path)
+    messages = [pb.ChatMessage(role="user", content="Weather in Paris?")]
+    tools = json.dumps(TOOLS)
+    free = render_prompt(tokenizer, messages=messages, tools_json=tools, tool_choice="auto")
+    assert free.text.endswith("assistant\n<think>\n") and not free.opens_tool_call
+    forced = render_prompt(tokenizer, messages=messages, tools_json=tools, tool_choice="required")
+    assert forced.text == free.text + "</think>\n\n<tool_call>\n"
+    assert forced.opens_tool_call == "<tool_call>"

@@ -71,7 +71,9 @@ def _sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logprobs", action="store_true", help="log-probability of each token")
     p.add_argument("--top-logprobs", type=int, default=0, metavar="N", help="and the N likeliest")
     p.add_argument(
-        "--tool-choice", default="", help="auto, none (no tool-call parsing), required or a name"
+        "--tool-choice",
+        default="",
+        help="auto, none (no tool-call parsing), required or a tool name (forces a call)",
     )
 
 

@@ -79,6 +79,7 @@ class Request:
     tools: list[dict] | None = None
     parse_tools: bool = True
     starts_in_reasoning: bool = False
+    opens_tool_call: str = ""  # tool_choice forced a call: the prompt ends in its marker
     created: float = field(default_factory=time.perf_counter)
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -301,6 +302,7 @@ class Engine:
                 tools=request.tools,
                 parse_tools=request.parse_tools,
                 starts_in_reasoning=request.starts_in_reasoning,
+                opens_tool_call=request.opens_tool_call,
             ),
             pending=list(request.prompt_tokens),
         )

@@ -94,6 +94,20 @@ def _tokenizer_tool_parser(tokenizer: Any) -> tuple[Callable, str, str] | None:
     return parser, start, getattr(tokenizer, "tool_call_end", None) or ""
 
 
+def tool_call_marker(tokenizer: Any) -> str | None:
+    """The markup that opens a tool call for this model: mlx-lm's detected start marker,
+    else the hermes or Gemma marker its chat template writes; None if it has none."""
+    detected = _tokenizer_tool_parser(tokenizer)
+    if detected is not None:
+        return detected[1]
+    template = getattr(tokenizer, "chat_template", None)
+    template = template if isinstance(template, str) else str(template or "")
+    for marker in (TOOL_CALL_START, TOOL_CODE_START):
+        if marker in template:
+            return marker
+    return None
+
+
 def _held_prefix_len(text: str, markers: list[str]) -> int:
     """Length of the longest tail of ``text`` that is a proper prefix of a marker."""
     best = 0
@@ -418,7 +432,10 @@ class OutputParser:
         starts_in_reasoning: bool = False,
         parse_tools: bool = True,
         think_markers: tuple[str, str] | None = None,
+        opens_tool_call: str = "",
     ) -> None:
+        """``opens_tool_call``: the prompt ends with this tool-call marker (``tool_choice``
+        forced a call), so generation starts inside the call's body."""
         markers = think_markers or _declared_think_markers(tokenizer) or DEFAULT_THINK_MARKERS
         self.think_start, self.think_end = markers
         self.tools = tools or None
@@ -447,11 +464,14 @@ class OutputParser:
         self._block_start = ""  # start marker of the open tool-call block
         self._end_search_from = 0  # where to resume looking for its end marker
         self._done = False
+        if opens_tool_call in self._blocks:
+            self._mode = "tool"
+            self._block_start = opens_tool_call
         # Whitespace bookkeeping, see _emit_content and _emit_reasoning.
         self._ws = ""
         self._ws_before_block = ""
         self._content_started = False
-        self._markup_seen = starts_in_reasoning
+        self._markup_seen = starts_in_reasoning or self._mode == "tool"
         self._ws_after_markup = False
         self._reasoning_ws = ""
         self._reasoning_started = False

@@ -13,6 +13,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_relay.coordinator.postprocess import (
+    DEFAULT_THINK_MARKERS,
+    think_markers,
+    tool_call_marker,
+)
 from mlx_relay.coordinator.sampling import SamplingParams
 from mlx_relay.protocol import relay_pb2 as pb
 
@@ -30,6 +35,8 @@ class Prompt:
     text: str
     token_ids: list[int]
     tools: list[dict] | None = None
+    tool_choice: str = "auto"
+    opens_tool_call: str = ""  # the tool-call marker the prompt ends with, if forced
 
 
 def _json_field(raw: str, name: str, kind: type) -> Any:
@@ -94,7 +101,14 @@ def render_prompt(
     messages: list[pb.ChatMessage] = (),
     tools_json: str = "",
     chat_template_kwargs_json: str = "",
+    tool_choice: str = "",
 ) -> Prompt:
+    """The prompt text and tokens of a request.
+
+    ``tool_choice`` 'required' or a tool's name forces a call the way the model itself
+    writes one: the prompt ends with the model's tool-call marker (after closing a think
+    block the template opened), and for a named tool only that tool is shown.
+    """
     if isinstance(prompt, bytes):
         try:
             prompt = prompt.decode("utf-8")
@@ -108,22 +122,44 @@ def render_prompt(
         if not isinstance(tool, dict) or not _tool_name(tool):
             raise InvalidRequest(f"tools[{i}] has no function name")
     kwargs = _json_field(chat_template_kwargs_json, "chat_template_kwargs", dict) or {}
+    choice = parse_tool_choice(tool_choice, tools)
+    forced = choice not in ("auto", "none")
+    opens_tool_call = ""
     if messages:
         dicts = chat_messages(messages)
-        text = _render(tokenizer, dicts, tools, kwargs)
+        named = forced and choice != "required"
+        shown = [t for t in tools if _tool_name(t) == choice] if named else tools
+        text = _render(tokenizer, dicts, shown, kwargs)
         if tools and text == _render(tokenizer, dicts, None, kwargs):
             raise InvalidRequest(
                 "tools were given but this model's chat template ignores tool definitions; "
                 "the model would never see them"
             )
+        if forced:
+            text, opens_tool_call = _open_tool_call(tokenizer, text, choice)
     elif prompt:
+        if forced:
+            raise InvalidRequest(f"tool_choice {choice!r} needs chat messages, not a raw prompt")
         text = prompt
     else:
         raise InvalidRequest("the request has neither a prompt nor messages")
     token_ids = encode_text(tokenizer, text)
     if not token_ids:
         raise InvalidRequest("the prompt encodes to no tokens")
-    return Prompt(text, token_ids, tools)
+    return Prompt(text, token_ids, tools, choice, opens_tool_call)
+
+
+def _open_tool_call(tokenizer: Any, text: str, choice: str) -> tuple[str, str]:
+    marker = tool_call_marker(tokenizer)
+    if marker is None:
+        raise InvalidRequest(
+            f"tool_choice {choice!r} cannot be enforced: this model's chat template has no "
+            "tool-call markup to start a call with; use 'auto'"
+        )
+    think_start, think_end = think_markers(tokenizer) or DEFAULT_THINK_MARKERS
+    if ends_in_reasoning(text, think_start):
+        text = text + think_end + "\n\n"
+    return text + marker + "\n", marker
 
 
 def _tool_name(tool: dict) -> str:
@@ -172,8 +208,12 @@ def parse_tool_choice(raw: str, tools: list[dict] | None) -> str:
         choice = _tool_name(value) if value.get("type", "function") == "function" else ""
         if not choice:
             raise InvalidRequest("tool_choice object must name a function")
-    if choice in ("", "auto", "none", "required"):
+    if choice in ("", "auto", "none"):
         return choice or "auto"
+    if choice == "required" and not tools:
+        raise InvalidRequest("tool_choice 'required' needs tools")
+    if choice == "required":
+        return choice
     names = [_tool_name(t) for t in tools or []]
     if choice not in names:
         raise InvalidRequest(

@@ -148,6 +148,7 @@ class RelayServicer:
             messages=list(request.messages),
             tools_json=request.tools_json,
             chat_template_kwargs_json=request.chat_template_kwargs_json,
+            tool_choice=request.tool_choice,
         )
         context = self.engine.context_length
         if context and len(prompt.token_ids) >= context:
@@ -159,16 +160,16 @@ class RelayServicer:
             vocab_size=len(tokenizer),
             default_max_tokens=self.engine.default_max_tokens,
         )
-        tool_choice = requests.parse_tool_choice(request.tool_choice, prompt.tools)
         think_start, _ = think_markers(tokenizer) or DEFAULT_THINK_MARKERS
         return Request(
             prompt_tokens=prompt.token_ids,
             params=params,
             request_id=request.request_id or uuid.uuid4().hex[:12],
             tools=prompt.tools,
-            parse_tools=tool_choice != "none",
+            parse_tools=prompt.tool_choice != "none",
             starts_in_reasoning=bool(request.messages)
             and requests.ends_in_reasoning(prompt.text, think_start),
+            opens_tool_call=prompt.opens_tool_call,
         )
 
     def _stream(
@@ -198,6 +199,7 @@ class RelayServicer:
             messages=list(request.messages),
             tools_json=request.tools_json,
             chat_template_kwargs_json=request.chat_template_kwargs_json,
+            tool_choice=request.tool_choice,
         )
         return pb.TokenizeResponse(token_ids=prompt.token_ids, prompt=prompt.text)
 

@@ -206,18 +206,20 @@ class GenerateResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ..., malformed_tool_call: _Optional[bool] = ..., unknown_tools: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("text", "messages", "tools_json", "chat_template_kwargs_json", "add_generation_prompt")
+    __slots__ = ("text", "messages", "tools_json", "chat_template_kwargs_json", "add_generation_prompt", "tool_choice")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     text: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     tools_json: str
     chat_template_kwargs_json: str
     add_generation_prompt: bool
-    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools_json: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
+    tool_choice: str
+    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools_json: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., tool_choice: _Optional[str] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("token_ids", "prompt")
