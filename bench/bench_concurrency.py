@@ -113,8 +113,8 @@ def main() -> int:
         "--layers",
         action="append",
         default=[],
-        help="N=a,b,...: the split for N ranks (rank 0 also runs the LM head, so it may "
-        "deserve fewer layers), e.g. --layers 2=11,19 --layers 3=7,11,12",
+        help="N=SPLIT: the --layers of N ranks, e.g. 2=11,19 or 3=auto (default: balanced, "
+        "which gives rank 0 fewer layers for the LM head it also runs)",
     )
     args = ap.parse_args()
     streams = [int(x) for x in args.streams.split(",")]
@@ -124,7 +124,7 @@ def main() -> int:
     splits = dict(item.split("=", 1) for item in args.layers)
     table: dict[tuple[int, int], float] = {}
     for n in ranks:
-        cluster, client = start(args.model, n, splits.get(str(n), ""))
+        cluster, client = start(args.model, n, splits.get(str(n), "balanced"))
         try:
             for c in sorted(
                 set(streams) | {max(1, c // n) for c in streams} if n == 1 else streams

@@ -72,6 +72,31 @@ def count_layers(config: dict[str, Any]) -> int:
     raise ValueError("config.json does not say how many layers the model has")
 
 
+def head_cost_in_layers(config: dict[str, Any]) -> float:
+    """What the LM head costs per decoded token, in decoder layers (0.0 if unknown).
+
+    Decode is matmul-bound, and a matmul's cost follows its weight count: the head has
+    vocab x hidden weights, a layer its attention and MLP projections. Rank 0 runs the
+    head besides its own layers, so a balanced split gives it that many fewer.
+    """
+    c = config.get("text_config") or config
+    try:
+        hidden = int(c["hidden_size"])
+        heads = int(c["num_attention_heads"])
+        kv_heads = int(c.get("num_key_value_heads") or heads)
+        head_dim = int(c.get("head_dim") or hidden // heads)
+        vocab = int(c["vocab_size"])
+        if c.get("num_experts_per_tok") and c.get("moe_intermediate_size"):
+            mlp = int(c["num_experts_per_tok"]) * int(c["moe_intermediate_size"])
+        else:
+            mlp = int(c["intermediate_size"])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return 0.0
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    layer = attention + 3 * hidden * mlp
+    return vocab * hidden / layer if layer > 0 else 0.0
+
+
 def fingerprint(path: Path) -> str:
     """Config plus weight index: equal on every rank when all ranks hold the same model."""
     path = Path(path)

@@ -19,6 +19,7 @@ from mlx_relay.launch import hostfile_cli
 from mlx_relay.launch.hostfile import (
     KIND_RING_ENV,
     HostfileError,
+    balanced_split,
     check_hostfile,
     format_hostfile,
     hostfile_to_json,
@@ -30,6 +31,7 @@ from mlx_relay.launch.hostfile import (
     ring_addresses,
     split_layers,
 )
+from mlx_relay.sharding import head_cost_in_layers
 
 HOSTFILES = Path(__file__).resolve().parent.parent / "hostfiles"
 EXAMPLES = sorted(HOSTFILES.glob("*.json"))
@@ -472,6 +474,29 @@ def test_parse_layers_and_ranges():
             parse_layers(spec, 30, 3)
     assert layer_ranges([10, 12, 8]) == [(0, 10), (10, 22), (22, 30)]
     assert layer_ranges([]) == []
+
+
+SMOLLM2_135M = {  # the default model's config.json, the fields that size its matmuls
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "num_hidden_layers": 30,
+}
+
+
+def test_balanced_split_counts_rank_0s_lm_head():
+    head = head_cost_in_layers(SMOLLM2_135M)
+    assert head == pytest.approx(8.0, abs=0.01)  # 49152 x 576 against 3.54 M per layer
+    assert parse_layers("balanced", 30, 2, head) == [11, 19]
+    assert balanced_split(30, 3, head) in ([4, 13, 13], [5, 13, 12], [5, 12, 13])  # 12.67 each
+    assert balanced_split(30, 3, 0.0) == [10, 10, 10]  # no head cost: the even split
+    assert balanced_split(4, 2, 100.0) == [1, 3]  # a head bigger than a share: 1 layer
+    assert balanced_split(30, 1, head) == [30]
+    moe = {**SMOLLM2_135M, "num_experts_per_tok": 2, "moe_intermediate_size": 768}
+    assert head_cost_in_layers(moe) == pytest.approx(head)  # two experts of half the size
+    assert head_cost_in_layers({"hidden_size": 576}) == 0.0  # unknown: no adjustment
 
 
 # ---------------------------------------------------------------- make_hostfile

@@ -15,8 +15,10 @@ from oracle import mlx_lm_tokens, tokenizer_for
 
 from mlx_relay.coordinator.client import Client, wait_serving
 from mlx_relay.coordinator.requests import encode_text as encode_prompt
+from mlx_relay.launch.hostfile import balanced_split, layer_ranges
 from mlx_relay.launch.local import free_ports
 from mlx_relay.protocol import relay_pb2 as pb
+from mlx_relay.sharding import head_cost_in_layers, read_config
 
 pytestmark = pytest.mark.cluster
 
@@ -52,6 +54,13 @@ def test_free_then_load_again_then_shutdown(tiny_model, cluster_factory):
         pb.GenerateRequest(prompt="Once upon a time", params=pb.SamplingParams(max_tokens=12))
     )
     assert list(response.token_ids) == mlx_lm_tokens(model, prompt, 12)
+
+    # `balanced` gives rank 0 fewer layers for the LM head it also runs.
+    expected = balanced_split(5, 3, head_cost_in_layers(read_config(model)))
+    loaded = client.stub.LoadModel(
+        pb.LoadModelRequest(model=str(model), layers="balanced"), timeout=60
+    )
+    assert [(r.layer_start, r.layer_end) for r in loaded.status.ranks] == layer_ranges(expected)
 
     client.stub.Free(pb.FreeRequest(shutdown=True), timeout=30)
     for p in running.cluster.procs:

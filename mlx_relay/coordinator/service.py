@@ -218,7 +218,13 @@ class RelayServicer:
             layers = "auto"  # by each rank's free memory (pipeline.memory_split)
         elif request.layers:
             try:
-                layers = parse_layers(request.layers, _num_layers(request.model), self._world())
+                config = sharding.read_config(resolve_model(request.model))
+                layers = parse_layers(
+                    request.layers,
+                    sharding.count_layers(config),
+                    self._world(),
+                    sharding.head_cost_in_layers(config),
+                )
             except ValueError as e:
                 raise requests.InvalidRequest(f"layers: {e}") from e
         try:
@@ -295,10 +301,6 @@ def _rank0_status(loaded: Any) -> pb.RankStatus:
         free_memory_bytes=stats["free_memory"],
         state="coordinator",
     )
-
-
-def _num_layers(spec: str) -> int:
-    return sharding.count_layers(sharding.read_config(resolve_model(spec)))
 
 
 def add_to_server(servicer: RelayServicer, server: grpc.Server) -> None:

@@ -683,13 +683,27 @@ def split_layers(num_layers: int, n: int, weights: list[float] | None = None) ->
     return counts
 
 
-def parse_layers(spec: str, num_layers: int, n: int) -> list[int]:
-    """`--layers 10,12,8` -> [10, 12, 8], checked against the model and the ranks."""
+def balanced_split(num_layers: int, n: int, head_layers: float) -> list[int]:
+    """Layer counts that give every rank the same work, rank 0's LM head included.
+
+    Rank 0's share is the average of layers + head minus the head; with the head worth
+    8 layers (SmolLM2-135M's), 30 layers over 2 ranks become 11 and 19.
+    """
+    share = (num_layers + head_layers) / n
+    return split_layers(num_layers, n, [max(0.0, share - head_layers)] + [share] * (n - 1))
+
+
+def parse_layers(spec: str, num_layers: int, n: int, head_layers: float = 0.0) -> list[int]:
+    """`--layers 10,12,8` -> [10, 12, 8], checked against the model and the ranks;
+    `--layers balanced` -> `balanced_split`."""
+    if spec.strip() == "balanced":
+        return balanced_split(num_layers, n, head_layers)
     try:
         counts = [int(x) for x in spec.split(",")]
     except ValueError:
         raise ValueError(
-            f"--layers {spec!r}: expected comma-separated layer counts per rank, e.g. 10,12,8"
+            f"--layers {spec!r}: expected comma-separated layer counts per rank, e.g. "
+            "10,12,8, or auto or balanced"
         ) from None
     if len(counts) != n:
         raise ValueError(f"--layers {spec!r}: {len(counts)} counts for {n} ranks")

@@ -37,7 +37,7 @@ def add_parser(subparsers) -> None:
     c.add_argument("file", help="the hostfile to check")
     c.add_argument("--backend", help=f"check for this backend ({', '.join(BACKENDS)})")
     c.add_argument("--num-layers", type=int, help="the model's layer count")
-    c.add_argument("--layers", help="layer counts per rank, a,b,c (or auto)")
+    c.add_argument("--layers", help="layer counts per rank, a,b,c (or auto, balanced)")
     c.set_defaults(func=run_check)
 
     m = sub.add_parser(
@@ -60,7 +60,7 @@ def run_check(args: argparse.Namespace) -> int:
         print(e)
         return 1
     layers = None
-    if args.layers and args.layers.strip() != "auto":
+    if args.layers and args.layers.strip() not in ("auto", "balanced"):
         try:
             layers = [int(x) for x in args.layers.split(",")]
         except ValueError:

@@ -28,7 +28,8 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--layers",
         default="",
-        help="layers per rank, e.g. 10,12,8, or auto: by each rank's free memory (default: even)",
+        help="layers per rank, e.g. 10,12,8; auto: by each rank's free memory; balanced: "
+        "equal work per rank, counting rank 0's LM head (default: even)",
     )
     p.add_argument("--grpc-address", default=DEFAULT_GRPC_ADDRESS, help="rank 0's gRPC address")
     p.add_argument("--max-active", type=int, default=8, help="sequences decoding at once")
@@ -144,8 +145,13 @@ def run(args: argparse.Namespace) -> int:
         if args.layers.strip() == "auto":
             args.layer_counts = "auto"  # split by each rank's free memory once all said hello
         elif args.layers:
-            num_layers = sharding.count_layers(sharding.read_config(resolve_model(args.model)))
-            args.layer_counts = parse_layers(args.layers, num_layers, size)
+            config = sharding.read_config(resolve_model(args.model))
+            args.layer_counts = parse_layers(
+                args.layers,
+                sharding.count_layers(config),
+                size,
+                sharding.head_cost_in_layers(config),
+            )
         hub = ControlHub(endpoint, size, secret) if ring else None
         log.info("rank 0 of %d; side channel %s", size, endpoint if ring else "(none)")
         code = server.run(args, ring, hub)
