@@ -20,14 +20,13 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from mlx_relay import memory, sharding
+from mlx_relay import memory
 from mlx_relay.coordinator import requests
 from mlx_relay.coordinator.aggregate import aggregate
 from mlx_relay.coordinator.engine import Chunk, Engine, EngineError, Request
 from mlx_relay.coordinator.pipeline import ClusterFailure, RankFailure
 from mlx_relay.coordinator.postprocess import DEFAULT_THINK_MARKERS, think_markers
-from mlx_relay.default_model import resolve_model
-from mlx_relay.launch.hostfile import parse_layers
+from mlx_relay.launch.hostfile import model_layer_split
 from mlx_relay.protocol import relay_pb2 as pb
 
 log = logging.getLogger("mlx_relay.service")
@@ -218,13 +217,7 @@ class RelayServicer:
             layers = "auto"  # by each rank's free memory (pipeline.memory_split)
         elif request.layers:
             try:
-                config = sharding.read_config(resolve_model(request.model))
-                layers = parse_layers(
-                    request.layers,
-                    sharding.count_layers(config),
-                    self._world(),
-                    sharding.head_cost_in_layers(config),
-                )
+                layers = model_layer_split(request.layers, request.model, self._world())
             except ValueError as e:
                 raise requests.InvalidRequest(f"layers: {e}") from e
         try:

@@ -716,6 +716,17 @@ def parse_layers(spec: str, num_layers: int, n: int, head_layers: float = 0.0) -
     return counts
 
 
+def model_layer_split(spec: str, model: str, n: int) -> list[int]:
+    """`--layers` counts or `balanced` for the model `model` ('default' or a path)."""
+    from mlx_relay import sharding
+    from mlx_relay.default_model import resolve_model
+
+    config = sharding.read_config(resolve_model(model))
+    return parse_layers(
+        spec, sharding.count_layers(config), n, sharding.head_cost_in_layers(config)
+    )
+
+
 def layer_ranges(counts: list[int]) -> list[tuple[int, int]]:
     """[10, 12, 8] -> [(0, 10), (10, 22), (22, 30)]: each rank's half-open layer range."""
     out, start = [], 0
