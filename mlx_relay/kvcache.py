@@ -33,14 +33,21 @@ class SlotCaches:
         self.single: dict[int, list[Any]] = {}
         self.groups: dict[int, _Group] = {}
 
-    def for_sequence(self, slot: int, offset: int) -> list[Any]:
-        """The caches of one sequence outside any group; offset 0 starts afresh."""
+    def for_sequence(self, slot: int, offset: int, reuse: bool = False) -> list[Any]:
+        """The caches of one sequence outside any group; offset 0 starts afresh.
+
+        With `reuse`, the slot holds a parked cache that shares the first `offset`
+        positions with the new sequence: cut it back to them.
+        """
         if offset == 0:
             self.free([slot])
             self.single[slot] = sharding.new_caches(self.shard)
         caches = self.single.get(slot)
         if caches is None:
             raise CacheError(f"slot {slot} has no cache at position {offset}")
+        if reuse and caches and caches[0].offset > offset:
+            for c in caches:
+                c.trim(c.offset - offset)
         if caches and caches[0].offset != offset:
             raise CacheError(f"slot {slot} is at position {caches[0].offset}, step says {offset}")
         return caches
@@ -87,9 +94,25 @@ class SlotCaches:
         self.groups[group] = rebuilt
         return rebuilt
 
+    def park(self, slots: list[int]) -> None:
+        """Keep finished sequences' caches for reuse: a slot in a decode group leaves
+        it with its own rows (left padding dropped) as a single sequence's cache."""
+        for slot in slots:
+            for g in self.groups.values():
+                if slot in g.slots:
+                    i = g.slots.index(slot)
+                    own = [c.extract(i) for c in g.caches]
+                    mx.eval([(c.keys, c.values) for c in own])  # let go of the batch arrays
+                    self.single[slot] = own
+        self.free_groups(slots)
+
     def free(self, slots: list[int]) -> None:
         for slot in slots:
             self.single.pop(slot, None)
+        self.free_groups(slots)
+
+    def free_groups(self, slots: list[int]) -> None:
+        """Drop the slots' rows from their decode groups."""
         for gid, g in list(self.groups.items()):
             if any(s in g.slots for s in slots):
                 keep = [i for i, s in enumerate(g.slots) if s not in slots]

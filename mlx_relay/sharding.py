@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import load_model
 
 # Families whose embedding output is scaled by sqrt(hidden_size) before the first layer.
@@ -37,6 +37,9 @@ class Shard:
     end: int
     num_layers: int
     has_ends: bool  # embedding, final norm and LM head live here
+    # Every layer of the whole model keeps a plain KVCache, which can be cut back to
+    # any position: a finished sequence's cache may then serve a later shared prefix.
+    reusable_caches: bool = False
 
     @property
     def inner(self) -> nn.Module:
@@ -121,13 +124,14 @@ def load_shard(path: Path, start: int, end: int, *, has_ends: bool) -> Shard:
     num_layers = len(inner.layers)
     if not 0 <= start < end <= num_layers:
         raise ValueError(f"layer range [{start}, {end}) outside the model's {num_layers} layers")
+    reusable = all(type(c) is KVCache for c in make_prompt_cache(model))  # all layers still here
     inner.layers = inner.layers[start:end]
     if not has_ends:
         for owner, name in ((inner, "embed_tokens"), (inner, "norm"), (model, "lm_head")):
             if name in owner:
                 owner.pop(name)
     mx.eval(model.parameters())
-    return Shard(model, config, start, end, num_layers, has_ends)
+    return Shard(model, config, start, end, num_layers, has_ends, reusable)
 
 
 def new_caches(shard: Shard) -> list[Any]:

@@ -100,6 +100,7 @@ def response_json(response: pb.GenerateResponse) -> dict[str, Any]:
             "completion_tokens": response.usage.completion_tokens,
             "total_tokens": response.usage.total_tokens,
             "reasoning_tokens": response.usage.reasoning_tokens,
+            "cached_tokens": response.usage.cached_tokens,
         },
         "timings": json_format.MessageToDict(
             response.timings,

@@ -21,7 +21,7 @@ import math
 import queue
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -112,6 +112,7 @@ class Sequence:
     position: int = 0  # tokens already in the KV cache
     context: list[int] = field(default_factory=list)  # prompt + generated, for processors
     generated: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens found in a parked cache; the first step reuses it
     reasoning_tokens: int = 0
     group: int | None = None
     in_flight: int = 0  # steps of this sequence now round the ring
@@ -123,6 +124,14 @@ class Sequence:
         return self.first_token_at is None and bool(self.pending)
 
 
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 class Engine:
     def __init__(
         self,
@@ -132,8 +141,10 @@ class Engine:
         max_queue: int = 64,
         prefill_chunk: int = 512,
         default_max_tokens: int = 256,
+        prompt_cache: bool = True,
     ) -> None:
         self.pipeline = pipeline
+        self.prompt_cache = prompt_cache
         self.max_active = max_active
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
@@ -153,6 +164,10 @@ class Engine:
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
         self._cv = threading.Condition()
         self._free_slots = list(range(max_active))
+        # Slots whose caches a finished sequence left on every rank, with the tokens they
+        # hold, least recently parked first: a new prompt sharing a prefix reuses one.
+        self._parked: OrderedDict[int, list[int]] = OrderedDict()
+        self._reuse = False  # prompt_cache, and the model's caches can be cut back
         self._turn = 0
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -166,7 +181,7 @@ class Engine:
             if self.state != "serving":
                 raise EngineError("unavailable", f"the cluster is not serving ({self.state})")
             # Requests about to take a free slot are not queued: only those beyond count.
-            if len(self._waiting) - len(self._free_slots) >= self.max_queue:
+            if len(self._waiting) - self._open_slots() >= self.max_queue:
                 raise EngineError(
                     "exhausted",
                     f"server busy: {len(self._active)} requests running and "
@@ -250,7 +265,7 @@ class Engine:
                 lambda: (
                     self._stop
                     or self._commands
-                    or (self._waiting and self._free_slots)
+                    or (self._waiting and self._open_slots())
                     or any(s.request.cancelled.is_set() for s in self._active)
                     or self._launchable()
                 ),
@@ -275,14 +290,14 @@ class Engine:
 
     def _admit(self) -> None:
         with self._cv:
-            while self._waiting and self._free_slots:
+            while self._waiting and self._open_slots():
                 request = self._waiting.popleft()
                 if request.cancelled.is_set():
                     request.out.put(Chunk(finish_reason="cancelled"))
                     continue
-                slot = self._free_slots.pop(0)
+                slot, cached = self._take_slot(request.prompt_tokens)
                 try:
-                    seq = self._new_sequence(request, slot)
+                    seq = self._new_sequence(request, slot, cached)
                 except Exception as e:  # noqa: BLE001 - one bad request must not stop the engine
                     log.exception("request %s cannot start: %s", request.request_id, e)
                     self._free_slots.append(slot)
@@ -290,7 +305,28 @@ class Engine:
                     continue
                 self._active.append(seq)
 
-    def _new_sequence(self, request: Request, slot: int) -> Sequence:
+    def _open_slots(self) -> int:
+        """Slots a new sequence can take now: empty ones and parked ones (evictable)."""
+        return len(self._free_slots) + len(self._parked)
+
+    def _take_slot(self, prompt: list[int]) -> tuple[int, int]:
+        """A slot for a new sequence, and how many of its prompt tokens the slot's caches
+        hold already: the parked slot sharing the longest prefix, else an empty slot,
+        else the least recently parked one (its caches start afresh)."""
+        best, shared = None, 0
+        for slot, tokens in self._parked.items():
+            n = common_prefix_len(tokens, prompt)
+            if n > shared:
+                best, shared = slot, n
+        if best is not None:
+            del self._parked[best]
+            return best, min(shared, len(prompt) - 1)  # the last one must run for logits
+        if self._free_slots:
+            return self._free_slots.pop(0), 0
+        slot, _ = self._parked.popitem(last=False)
+        return slot, 0
+
+    def _new_sequence(self, request: Request, slot: int, cached: int = 0) -> Sequence:
         return Sequence(
             request=request,
             slot=slot,
@@ -304,7 +340,10 @@ class Engine:
                 starts_in_reasoning=request.starts_in_reasoning,
                 opens_tool_call=request.opens_tool_call,
             ),
-            pending=list(request.prompt_tokens),
+            pending=list(request.prompt_tokens[cached:]),
+            position=cached,
+            context=list(request.prompt_tokens[:cached]),
+            cached_tokens=cached,
         )
 
     def _reap_cancelled(self) -> None:
@@ -358,7 +397,11 @@ class Engine:
         n = 1 if want_logits else min(self.prefill_chunk, len(seq.pending) - 1)
         tokens, seq.pending = seq.pending[:n], seq.pending[n:]
         step = self.pipeline.launch_forward(
-            [seq.slot], [seq.position], [tokens], want_logits=want_logits
+            [seq.slot],
+            [seq.position],
+            [tokens],
+            want_logits=want_logits,
+            reuse=seq.cached_tokens > 0 and seq.position == seq.cached_tokens,
         )
         seq.position += n
         seq.context.extend(tokens)
@@ -497,17 +540,23 @@ class Engine:
                 "completion_tokens": len(seq.generated),
                 "reasoning_tokens": seq.reasoning_tokens,
                 "total_tokens": len(request.prompt_tokens) + len(seq.generated),
+                "cached_tokens": seq.cached_tokens,
             }
             last.timings = self._timings(seq)
         request.out.put(last)
         self._active.remove(seq)
         if seq.group is not None:
             self._groups[seq.group].remove(seq)
-        step = self.pipeline.launch_free([seq.slot])
+        # A sequence that ended normally leaves its caches for a later shared prefix.
+        park = self._reuse and isinstance(last, Chunk) and seq.in_flight == 0 and seq.position
+        step = self.pipeline.launch_free([seq.slot], park=bool(park))
         if step is not None:
             self._launched.append(step)
         with self._cv:
-            self._free_slots.append(seq.slot)
+            if park:
+                self._parked[seq.slot] = seq.context[: seq.position]
+            else:
+                self._free_slots.append(seq.slot)
 
     def _timings(self, seq: Sequence) -> dict[str, float]:
         now = time.perf_counter()
@@ -532,6 +581,8 @@ class Engine:
             self._special_ids = set(self.tokenizer.all_special_ids or [])
             config = self.pipeline.shard.config
             self.context_length = int(config.get("max_position_embeddings") or 0)
+            self._unpark_all()
+            self._reuse = self.prompt_cache and self.pipeline.shard.reusable_caches
         except Exception:
             self._set_state("unloaded")
             raise
@@ -542,6 +593,7 @@ class Engine:
     def _free(self, shutdown: bool) -> str:
         self._cancel_all("the model was freed")
         self.pipeline.unload()
+        self._unpark_all()
         self.tokenizer = None
         self._set_state("unloaded")
         if shutdown:
@@ -551,6 +603,12 @@ class Engine:
                 self._stop = True
             return "model freed; every rank is shutting down"
         return "model freed on every rank"
+
+    def _unpark_all(self) -> None:
+        """The ranks' caches were replaced or dropped: parked slots are empty again."""
+        with self._cv:
+            self._free_slots = sorted(self._free_slots + list(self._parked))
+            self._parked.clear()
 
     def _cancel_all(self, why: str) -> None:
         with self._cv:

@@ -156,11 +156,13 @@ class Pipeline:
         *,
         group: int = hdr.NO_GROUP,
         want_logits: bool,
+        reuse: bool = False,
     ) -> Step:
         """Run rank 0's layers for one step and send it round the ring.
 
         A decode group (one token per sequence) runs as one batch; otherwise each
-        sequence (a prefill chunk) runs alone on its own cache.
+        sequence (a prefill chunk) runs alone on its own cache. `reuse`: the slots'
+        parked caches are cut back to `offsets` first (a shared prompt prefix).
         """
         if self.shard is None or self.caches is None:
             raise RuntimeError("no model loaded")
@@ -168,7 +170,7 @@ class Pipeline:
         padded = [t + [0] * (width - len(t)) for t in tokens]
         header = hdr.StepHeader(
             cmd=hdr.CMD_FORWARD,
-            flags=hdr.FLAG_WANT_OUTPUT if want_logits else 0,
+            flags=(hdr.FLAG_WANT_OUTPUT if want_logits else 0) | (hdr.FLAG_REUSE if reuse else 0),
             group=group,
             slots=list(slots),
             offsets=list(offsets),
@@ -191,13 +193,16 @@ class Pipeline:
         self._launch(step, h)
         return step
 
-    def launch_free(self, slots: list[int]) -> Step | None:
-        """Drop the slots' caches here now and on every worker when the step reaches it."""
+    def launch_free(self, slots: list[int], park: bool = False) -> Step | None:
+        """Drop the slots' caches (or, with `park`, keep each as a single sequence's for
+        a later prefix reuse) here now and on every worker when the step reaches it."""
         if self.caches is not None:
-            self.caches.free(slots)
+            (self.caches.park if park else self.caches.free)(slots)
         if self.world_size == 1 or not slots or self.shard is None:
             return None
-        header = hdr.StepHeader(cmd=hdr.CMD_FREE, slots=list(slots))
+        header = hdr.StepHeader(
+            cmd=hdr.CMD_FREE, flags=hdr.FLAG_PARK if park else 0, slots=list(slots)
+        )
         header.offsets = header.lengths = [0] * len(slots)
         step = Step(header, want_logits=False)
         self._launch(step, None)

@@ -44,6 +44,7 @@ def run(args, ring: Ring | None, hub: ControlHub | None) -> int:
         max_queue=args.max_queue,
         prefill_chunk=args.prefill_chunk,
         default_max_tokens=args.default_max_tokens,
+        prompt_cache=not args.no_prompt_cache,
     )
     health_servicer = health.HealthServicer()
 

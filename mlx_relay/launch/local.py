@@ -163,6 +163,8 @@ def serve_args_from(args: argparse.Namespace) -> list[str]:
     out += ["--max-active", str(args.max_active), "--max-queue", str(args.max_queue)]
     out += ["--prefill-chunk", str(args.prefill_chunk)]
     out += ["--default-max-tokens", str(args.default_max_tokens)]
+    if args.no_prompt_cache:
+        out += ["--no-prompt-cache"]
     out += ["--heartbeat-timeout", str(args.heartbeat_timeout)]
     out += ["--step-timeout", str(args.step_timeout)]
     out += ["--drain-timeout", str(args.drain_timeout)]

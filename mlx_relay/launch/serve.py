@@ -39,6 +39,12 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
         "--default-max-tokens", type=int, default=256, help="max_tokens when a request has none"
     )
     p.add_argument(
+        "--no-prompt-cache",
+        action="store_true",
+        help="drop a finished request's KV caches instead of keeping them for a later "
+        "prompt that starts the same way (kept by default, in the --max-active slots)",
+    )
+    p.add_argument(
         "--heartbeat-timeout",
         type=float,
         default=3.0,
@@ -126,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         stream=sys.stderr,
     )
     from mlx_relay.doorbell import Doorbell, doorbell_endpoints
-    from mlx_relay.launch.hostfile import parse_layers
+    from mlx_relay.launch.hostfile import model_layer_split
     from mlx_relay.ring import Ring
     from mlx_relay.sidechannel import ControlHub, ControlLink
 
@@ -137,21 +143,13 @@ def run(args: argparse.Namespace) -> int:
         ring = Ring(group, Doorbell(rank, size, doorbell_endpoints(size, hosts), secret))
     endpoint = control_endpoint(args, hosts)
     if rank == 0:
-        from mlx_relay import sharding
         from mlx_relay.coordinator import server
-        from mlx_relay.default_model import resolve_model
 
         args.layer_counts = None
         if args.layers.strip() == "auto":
             args.layer_counts = "auto"  # split by each rank's free memory once all said hello
         elif args.layers:
-            config = sharding.read_config(resolve_model(args.model))
-            args.layer_counts = parse_layers(
-                args.layers,
-                sharding.count_layers(config),
-                size,
-                sharding.head_cost_in_layers(config),
-            )
+            args.layer_counts = model_layer_split(args.layers, args.model, size)
         hub = ControlHub(endpoint, size, secret) if ring else None
         log.info("rank 0 of %d; side channel %s", size, endpoint if ring else "(none)")
         code = server.run(args, ring, hub)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAGIC = 0x4D4C5200 | PROTOCOL_VERSION  # "MLR" + version
 
 MAX_SEQS = 16
@@ -60,6 +60,10 @@ COMMAND_NAMES = {
 # Flags.
 # The last rank sends back each row's last hidden state (else the header only).
 FLAG_WANT_OUTPUT = 1 << 0
+# CMD_FREE: keep the slots' caches, each as a single sequence's, for a later prefix reuse.
+FLAG_PARK = 1 << 1
+# CMD_FORWARD of one sequence: first trim the slot's kept cache back to the step's offset.
+FLAG_REUSE = 1 << 2
 
 # Payload kinds.
 PAYLOAD_NONE = 0

@@ -134,7 +134,9 @@ class Worker:
             self._load(json.loads(payload_bytes(payload)))
             return payload
         if cmd == hdr.CMD_FREE:
-            if self.caches is not None:
+            if self.caches is not None and header.flags & hdr.FLAG_PARK:
+                self.caches.park(header.slots)
+            elif self.caches is not None:
                 self.caches.free(header.slots)
             return payload
         if cmd in (hdr.CMD_UNLOAD, hdr.CMD_SHUTDOWN):

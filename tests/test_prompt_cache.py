@@ -1,0 +1,111 @@
+"""Prefix reuse: a finished request's KV caches serve a later prompt that starts the same way.
+
+The oracle is mlx-lm with a prompt cache: generate the first request into a cache, cut
+the cache back to the prefix the second prompt shares with it, and generate the second
+request's remaining tokens from there. The cluster must give exactly those tokens.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm import stream_generate
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from oracle import _load, chat_tokens, mlx_lm_tokens
+
+from mlx_relay.coordinator.engine import common_prefix_len
+from mlx_relay.protocol import relay_pb2 as pb
+
+pytestmark = pytest.mark.cluster
+
+FIRST = [{"role": "user", "content": "Tell me about the sea."}]
+MAX_TOKENS = 10
+
+
+def _generate(model, cache, prompt: list[int], max_tokens: int) -> list[int]:
+    """mlx-lm's tokens (EOS dropped) for `prompt`, continuing `cache`."""
+    model_, tokenizer = _load(str(model))
+    tokens = []
+    for r in stream_generate(
+        model_, tokenizer, mx.array(prompt), max_tokens=max_tokens, prompt_cache=cache
+    ):
+        if r.finish_reason == "stop":
+            break
+        tokens.append(r.token)
+    return tokens
+
+
+def _mlx_lm_second_turn(model, first: list[int], second: list[int]) -> tuple[list[int], int]:
+    """mlx-lm's tokens for `second` after `first` ran into the same cache, and how many
+    of `second`'s tokens that cache held."""
+    cache = make_prompt_cache(_load(str(model))[0])
+    generated = _generate(model, cache, first, MAX_TOKENS)
+    held = (first + generated)[: cache[0].offset]
+    shared = min(common_prefix_len(held, second), len(second) - 1)
+    trim_prompt_cache(cache, cache[0].offset - shared)
+    return _generate(model, cache, second[shared:], MAX_TOKENS), shared
+
+
+def _chat(messages: list[dict]) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        messages=[pb.ChatMessage(**m) for m in messages],
+        params=pb.SamplingParams(max_tokens=MAX_TOKENS),
+    )
+
+
+def test_next_turn_of_a_chat_reuses_the_first_turns_caches(tiny_model, cluster_factory):
+    model = tiny_model("llama", 5)
+    running = cluster_factory(model, 2)
+    first = running.client.generate(_chat(FIRST))
+    assert first.usage.cached_tokens == 0
+    prompt = chat_tokens(model, FIRST)
+    assert list(first.token_ids) == mlx_lm_tokens(model, prompt, MAX_TOKENS)
+
+    turn = [
+        *FIRST,
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "And the mountains?"},
+    ]
+    second = running.client.generate(_chat(turn))
+    expected, shared = _mlx_lm_second_turn(model, prompt, chat_tokens(model, turn))
+    assert shared >= len(prompt)  # at least the whole first prompt
+    assert second.usage.cached_tokens == shared
+    assert list(second.token_ids) == expected
+
+    # The same prompt again: everything but its last token comes from the cache.
+    again = running.client.generate(_chat(FIRST))
+    assert again.usage.cached_tokens == len(prompt) - 1
+    assert again.token_ids == first.token_ids
+
+
+def test_reuse_survives_concurrent_decoding(tiny_model, cluster_factory):
+    """Caches parked out of a batched decode group are the sequence's own rows."""
+    model = tiny_model("qwen3", 4)
+    running = cluster_factory(model, 3)
+    prompts = [
+        [{"role": "user", "content": f"Question {i}: why is the sky blue?"}] for i in range(4)
+    ]
+    calls = [running.client.stream(_chat(p)) for p in prompts]
+    alone = [[t for chunk in call for t in chunk.token_ids] for call in calls]
+    for p, tokens in zip(prompts, alone, strict=True):
+        assert tokens == mlx_lm_tokens(model, chat_tokens(model, p), MAX_TOKENS)
+    again = [running.client.generate(_chat(p)) for p in prompts]
+    for p, reply, tokens in zip(prompts, again, alone, strict=True):
+        assert reply.usage.cached_tokens == len(chat_tokens(model, p)) - 1
+        assert list(reply.token_ids) == tokens
+
+
+@pytest.mark.parametrize(
+    ("family", "extra"),
+    [("gemma3_text", ()), ("llama", ("--no-prompt-cache",))],
+    ids=["sliding-window-caches", "turned-off"],
+)
+def test_no_reuse_where_caches_cannot_be_cut_back_or_when_off(
+    tiny_model, cluster_factory, family, extra
+):
+    model = tiny_model(family, 4)
+    running = cluster_factory(model, 2, *extra)
+    first = running.client.generate(_chat(FIRST))
+    again = running.client.generate(_chat(FIRST))
+    assert again.usage.cached_tokens == 0
+    assert again.token_ids == first.token_ids
