@@ -93,7 +93,9 @@ def idle_cpu(cluster: LocalCluster, seconds: float) -> list[float]:
 def start(model: str, n: int, layers: str) -> tuple[LocalCluster, Client]:
     address = f"127.0.0.1:{free_ports(1)[0]}"
     logs = Path(tempfile.mkdtemp(prefix="bench-logs-"))
-    serve = ["--model", model, "--max-active", "16"] + (["--layers", layers] if layers else [])
+    # Without the prompt cache: the streams repeat one prompt, and this measures scheduling.
+    serve = ["--model", model, "--max-active", "16", "--no-prompt-cache"]
+    serve += ["--layers", layers] if layers else []
     cluster = LocalCluster(n, serve, grpc_address=address, log_dir=logs, pin=True)
     cluster.start()
     cluster.wait_serving(600)
