@@ -46,6 +46,13 @@ def _mlx_lm_second_turn(model, first: list[int], second: list[int]) -> tuple[lis
     return _generate(model, cache, second[shared:], MAX_TOKENS), shared
 
 
+def _held(response: pb.GenerateResponse) -> int:
+    """Tokens a finished request's caches hold: its prompt and every token fed back, which
+    is each generated token but the last one when it ran out of max_tokens."""
+    fed = len(response.token_ids) - (response.finish_reason == "length")
+    return response.usage.prompt_tokens + fed
+
+
 def _chat(messages: list[dict]) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         messages=[pb.ChatMessage(**m) for m in messages],
@@ -76,6 +83,11 @@ def test_next_turn_of_a_chat_reuses_the_first_turns_caches(tiny_model, cluster_f
     again = running.client.generate(_chat(FIRST))
     assert again.usage.cached_tokens == len(prompt) - 1
     assert again.token_ids == first.token_ids
+    # It took the second turn's slot (the longest shared prefix) and cut it back.
+    status = running.client.status()
+    assert (status.cached_prompts, status.cached_prompt_tokens) == (1, _held(again))
+    running.client.stub.Free(pb.FreeRequest(), timeout=30)
+    assert running.client.status().cached_prompts == 0
 
 
 def test_reuse_survives_concurrent_decoding(tiny_model, cluster_factory):

@@ -30,10 +30,10 @@ from mlx_relay.coordinator.requests import encode_text
 from mlx_relay.launch import supervise
 from mlx_relay.launch.local import LocalCluster, free_ports
 from mlx_relay.launch.supervise import Supervisor, describe_exit, run_with_restarts
+from mlx_relay.memory import shard_nbytes
 from mlx_relay.protocol import control
 from mlx_relay.protocol import relay_pb2 as pb
 from mlx_relay.sidechannel import EXIT_RANK0_SILENT, ControlHub
-from mlx_relay.worker.loop import shard_nbytes
 
 pytestmark = pytest.mark.cluster
 
@@ -370,6 +370,24 @@ def test_an_overdue_step_fails_the_cluster_naming_the_rank(model, clusters):
 
 
 # --- load-time checks ----------------------------------------------------------------
+
+
+def test_rank_0_refuses_a_shard_too_big_for_it_before_any_worker_loads(model, clusters, tmp_path):
+    """Rank 0's shard includes the embedding and LM head; it is checked first."""
+    big = make_tiny_model(tmp_path / "big", "llama", num_layers=4, hidden_size=256)
+    small_need = shard_nbytes(model, 0, 2, ends=True)
+    assert shard_nbytes(big, 0, 2, ends=True) > 4 * small_need > shard_nbytes(model, 0, 2) * 4
+    running = clusters(model, 2, rank_env={0: {"MLX_RELAY_MEMORY_LIMIT": str(2 * small_need)}})
+    client = running.client
+    with pytest.raises(grpc.RpcError) as info:
+        client.stub.LoadModel(pb.LoadModelRequest(model=str(big)), timeout=60)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    details = info.value.details()
+    assert f"rank 0 ({HOST})" in details and "MLX_RELAY_MEMORY_LIMIT" in details
+    assert "layers [0, 2) with embedding and head need" in details
+    assert str(big) not in (running.log_dir / "rank1.log").read_text()  # never asked to load
+    loaded = client.stub.LoadModel(pb.LoadModelRequest(model=str(model)), timeout=60)
+    assert loaded.status.state == "serving" and client.serving()
 
 
 def test_load_checks_name_the_rank_and_the_cluster_can_load_again(model, clusters, tmp_path):

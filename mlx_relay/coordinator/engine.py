@@ -206,6 +206,11 @@ class Engine:
         with self._cv:
             return len(self._active), len(self._waiting)
 
+    def cached_prompts(self) -> tuple[int, int]:
+        """Parked slots and the tokens their caches hold."""
+        with self._cv:
+            return len(self._parked), sum(len(t) for t in self._parked.values())
+
     def load(self, spec: str, layers: list[int] | None = None) -> Future:
         return self.call(lambda: self._load(spec, layers))
 

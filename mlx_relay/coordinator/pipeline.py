@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -114,6 +115,10 @@ class Pipeline:
                 f"{self.world_size} ranks with at least one layer each"
             )
         ranges = layer_ranges(counts)
+        try:  # before any worker loads: rank 0 holds the embedding and LM head too
+            memory.check_fits(path, *ranges[0], ends=True)
+        except memory.ShardTooBig as e:
+            raise RankFailure(0, socket.gethostname(), str(e), hdr.ERR_OUT_OF_MEMORY) from e
         fp = sharding.fingerprint(path)
         document = {"model": spec, "ranges": ranges, "fingerprint": fp}
         try:

@@ -245,6 +245,7 @@ class RelayServicer:
         pipeline = engine.pipeline
         loaded = pipeline.loaded
         active, queued = engine.counts()
+        parked, parked_tokens = engine.cached_prompts()
         out = pb.StatusResponse(
             world_size=pipeline.world_size,
             state=engine.state,
@@ -252,6 +253,8 @@ class RelayServicer:
             queued_requests=queued,
             backend=self.backend,
             error=engine.error,
+            cached_prompts=parked,
+            cached_prompt_tokens=parked_tokens,
         )
         if loaded:
             out.model = loaded.spec

@@ -262,7 +262,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., active_memory_bytes: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., free_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("model", "model_path", "world_size", "num_layers", "ranks", "state", "active_requests", "queued_requests", "backend", "error")
+    __slots__ = ("model", "model_path", "world_size", "num_layers", "ranks", "state", "active_requests", "queued_requests", "backend", "error", "cached_prompts", "cached_prompt_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +273,8 @@ class StatusResponse(_message.Message):
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_path: str
     world_size: int
@@ -283,7 +285,9 @@ class StatusResponse(_message.Message):
     queued_requests: int
     backend: str
     error: str
-    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., world_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., state: _Optional[str] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., backend: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    cached_prompts: int
+    cached_prompt_tokens: int
+    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., world_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., state: _Optional[str] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., backend: _Optional[str] = ..., error: _Optional[str] = ..., cached_prompts: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
     __slots__ = ("model", "layers")

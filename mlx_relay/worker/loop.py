@@ -11,15 +11,10 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import os
-import re
-import struct
 import traceback
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import psutil
 import zmq
 
 from mlx_relay import memory, sharding
@@ -33,10 +28,6 @@ from mlx_relay.sidechannel import EXIT_RING_BROKEN, ControlLink
 from mlx_relay.stage import forward_stage
 
 log = logging.getLogger("mlx_relay.worker")
-
-MEMORY_LIMIT_ENV = "MLX_RELAY_MEMORY_LIMIT"  # cap on the memory this rank may use, e.g. 8GB
-_LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30}
 
 
 class StepError(Exception):
@@ -155,11 +146,13 @@ class Worker:
                 raise ValueError(
                     f"model at {path} differs from rank 0's (config or weight files differ)"
                 )
-            check_fits(path, start, end)
+            memory.check_fits(path, start, end)
             self.shard = sharding.load_shard(path, start, end, has_ends=False)
             self.caches = SlotCaches(self.shard)
         except StepError:
             raise
+        except memory.ShardTooBig as e:
+            raise StepError(hdr.ERR_OUT_OF_MEMORY, str(e)) from e
         except Exception as e:
             raise StepError(hdr.ERR_LOAD, str(e)) from e
         log.info("rank %d: loaded layers [%d, %d) of %s", self.rank, start, end, path)
@@ -185,57 +178,3 @@ class Worker:
             return forward_stage(self.shard, self.caches, header, payload)
         except CacheError as e:
             raise StepError(hdr.ERR_BAD_HEADER, str(e)) from e
-
-
-def shard_nbytes(path: Path, start: int, end: int) -> int:
-    """Bytes of layers [start, end), from the safetensors headers: no weight is read."""
-    total = 0
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
-            tensors = json.loads(fh.read(size))
-        for name, info in tensors.items():
-            match = _LAYER_NAME.search(name)
-            if match and start <= int(match.group(1)) < end:
-                first, last = info["data_offsets"]
-                total += last - first
-    return total
-
-
-def memory_limit() -> int | None:
-    """MLX_RELAY_MEMORY_LIMIT in bytes ('8GB', '512MiB', '1000000'), or None if unset."""
-    raw = os.environ.get(MEMORY_LIMIT_ENV, "").strip().upper().removesuffix("B")
-    if not raw:
-        return None
-    number = raw.rstrip("KMGTI")
-    try:
-        return int(float(number) * _UNITS[raw[len(number) :]])
-    except (KeyError, ValueError):
-        raise ValueError(
-            f"{MEMORY_LIMIT_ENV}={os.environ[MEMORY_LIMIT_ENV]!r} is not a size"
-        ) from None
-
-
-def check_fits(path: Path, start: int, end: int) -> None:
-    """Refuse a shard whose weights exceed what this rank may use, before loading any."""
-    need = shard_nbytes(path, start, end)
-    available = psutil.virtual_memory().available
-    limit = memory_limit()
-    if limit is not None and limit < available:
-        allowed, why = limit, f"{MEMORY_LIMIT_ENV}={os.environ[MEMORY_LIMIT_ENV]}"
-    else:
-        allowed, why = available, "memory available on this machine"
-    if need > allowed:
-        raise StepError(
-            hdr.ERR_OUT_OF_MEMORY,
-            f"layers [{start}, {end}) need {_size(need)} of weights but this rank may use "
-            f"{_size(allowed)} ({why}); use more ranks or a smaller model",
-        )
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n:.1f} TB"
