@@ -107,6 +107,21 @@ def test_reuse_survives_concurrent_decoding(tiny_model, cluster_factory):
         assert list(reply.token_ids) == tokens
 
 
+def test_prompt_cache_tokens_bounds_what_is_kept(tiny_model, cluster_factory):
+    model = tiny_model("llama", 5)
+    prompts = [[{"role": "user", "content": f"Tell me about topic number {i}."}] for i in range(3)]
+    budget = len(chat_tokens(model, prompts[0])) + MAX_TOKENS  # room for one finished request
+    running = cluster_factory(model, 2, "--prompt-cache-tokens", str(budget))
+    replies = [running.client.generate(_chat(p)) for p in prompts]
+    status = running.client.status()
+    assert (status.cached_prompts, status.cached_prompt_tokens) == (1, _held(replies[-1]))
+    newest = running.client.generate(_chat(prompts[-1]))
+    assert newest.usage.cached_tokens == len(chat_tokens(model, prompts[-1])) - 1
+    oldest = running.client.generate(_chat(prompts[0]))  # its caches were dropped
+    assert 0 < oldest.usage.cached_tokens < len(chat_tokens(model, prompts[0])) - 1
+    assert oldest.token_ids == replies[0].token_ids
+
+
 @pytest.mark.parametrize(
     ("family", "extra"),
     [("gemma3_text", ()), ("llama", ("--no-prompt-cache",))],

@@ -142,9 +142,11 @@ class Engine:
         prefill_chunk: int = 512,
         default_max_tokens: int = 256,
         prompt_cache: bool = True,
+        prompt_cache_tokens: int = 0,
     ) -> None:
         self.pipeline = pipeline
         self.prompt_cache = prompt_cache
+        self.prompt_cache_tokens = prompt_cache_tokens  # 0: as many as the slots hold
         self.max_active = max_active
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
@@ -562,6 +564,25 @@ class Engine:
                 self._parked[seq.slot] = seq.context[: seq.position]
             else:
                 self._free_slots.append(seq.slot)
+        if park:
+            self._evict_over_budget()
+
+    def _evict_over_budget(self) -> None:
+        """Free the oldest parked caches on every rank while they hold more tokens than
+        --prompt-cache-tokens allows (the newest one always stays)."""
+        if self.prompt_cache_tokens <= 0:
+            return
+        while True:
+            with self._cv:
+                held = sum(len(t) for t in self._parked.values())
+                if held <= self.prompt_cache_tokens or len(self._parked) <= 1:
+                    return
+                slot, _ = self._parked.popitem(last=False)
+            step = self.pipeline.launch_free([slot])
+            if step is not None:
+                self._launched.append(step)
+            with self._cv:
+                self._free_slots.append(slot)
 
     def _timings(self, seq: Sequence) -> dict[str, float]:
         now = time.perf_counter()

@@ -45,6 +45,7 @@ def run(args, ring: Ring | None, hub: ControlHub | None) -> int:
         prefill_chunk=args.prefill_chunk,
         default_max_tokens=args.default_max_tokens,
         prompt_cache=not args.no_prompt_cache,
+        prompt_cache_tokens=args.prompt_cache_tokens,
     )
     health_servicer = health.HealthServicer()
 

@@ -165,6 +165,7 @@ def serve_args_from(args: argparse.Namespace) -> list[str]:
     out += ["--default-max-tokens", str(args.default_max_tokens)]
     if args.no_prompt_cache:
         out += ["--no-prompt-cache"]
+    out += ["--prompt-cache-tokens", str(args.prompt_cache_tokens)]
     out += ["--heartbeat-timeout", str(args.heartbeat_timeout)]
     out += ["--step-timeout", str(args.step_timeout)]
     out += ["--drain-timeout", str(args.drain_timeout)]

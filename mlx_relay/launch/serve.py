@@ -45,6 +45,13 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
         "prompt that starts the same way (kept by default, in the --max-active slots)",
     )
     p.add_argument(
+        "--prompt-cache-tokens",
+        type=int,
+        default=0,
+        help="at most this many tokens in kept caches, oldest dropped first (0: no limit "
+        "beyond the slots); each token costs 2 x layers x KV heads x head dim x dtype bytes",
+    )
+    p.add_argument(
         "--heartbeat-timeout",
         type=float,
         default=3.0,
