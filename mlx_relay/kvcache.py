@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from mlx_relay import sharding
 
@@ -33,19 +34,26 @@ class SlotCaches:
         self.single: dict[int, list[Any]] = {}
         self.groups: dict[int, _Group] = {}
 
-    def for_sequence(self, slot: int, offset: int, reuse: bool = False) -> list[Any]:
+    def for_sequence(self, slot: int, offset: int, source: int | None = None) -> list[Any]:
         """The caches of one sequence outside any group; offset 0 starts afresh.
 
-        With `reuse`, the slot holds a parked cache that shares the first `offset`
-        positions with the new sequence: cut it back to them.
+        With a `source` slot, a parked cache shares the first `offset` positions with the
+        new sequence: the slot's own is cut back to them; another slot's is copied up to
+        them and stays parked.
         """
         if offset == 0:
             self.free([slot])
             self.single[slot] = sharding.new_caches(self.shard)
+        elif source is not None and source != slot:
+            parked = self.single.get(source)
+            if parked is None or not parked or parked[0].offset < offset:
+                raise CacheError(f"slot {source} holds no cache of {offset} positions to copy")
+            self.free([slot])
+            self.single[slot] = [_copy_prefix(c, offset) for c in parked]
         caches = self.single.get(slot)
         if caches is None:
             raise CacheError(f"slot {slot} has no cache at position {offset}")
-        if reuse and caches and caches[0].offset > offset:
+        if source == slot and caches and caches[0].offset > offset:
             for c in caches:
                 c.trim(c.offset - offset)
         if caches and caches[0].offset != offset:
@@ -126,3 +134,13 @@ class SlotCaches:
     def clear(self) -> None:
         self.single.clear()
         self.groups.clear()
+
+
+def _copy_prefix(cache: KVCache, n: int) -> KVCache:
+    """A new plain KV cache holding the first `n` positions of `cache`, in its own memory."""
+    out = KVCache()
+    out.keys = mx.contiguous(cache.keys[..., :n, :])
+    out.values = mx.contiguous(cache.values[..., :n, :])
+    out.offset = n
+    mx.eval(out.keys, out.values)
+    return out

@@ -21,11 +21,11 @@ def forward_stage(
         batch = caches.for_group(header.group, header.slots, header.offsets)
         return sharding.run_layers(shard, h, batch)
     outputs = []
-    reuse = bool(header.flags & hdr.FLAG_REUSE)
+    source = header.source if header.flags & hdr.FLAG_REUSE else None
     for i, (slot, offset, length) in enumerate(
         zip(header.slots, header.offsets, header.lengths, strict=True)
     ):
-        caches_i = caches.for_sequence(slot, offset, reuse)
+        caches_i = caches.for_sequence(slot, offset, source)
         out = sharding.run_layers(shard, h[i : i + 1, :length], caches_i)
         if length < h.shape[1]:
             pad = mx.zeros((1, h.shape[1] - length, out.shape[-1]), dtype=out.dtype)

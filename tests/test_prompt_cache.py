@@ -83,11 +83,42 @@ def test_next_turn_of_a_chat_reuses_the_first_turns_caches(tiny_model, cluster_f
     again = running.client.generate(_chat(FIRST))
     assert again.usage.cached_tokens == len(prompt) - 1
     assert again.token_ids == first.token_ids
-    # It took the second turn's slot (the longest shared prefix) and cut it back.
+    # It started from a copy, so every conversation's caches stay for a next turn; the
+    # second turn took the first one's over only if it kept all of it.
+    kept = [second, again] if shared == _held(first) else [first, second, again]
     status = running.client.status()
-    assert (status.cached_prompts, status.cached_prompt_tokens) == (1, _held(again))
+    assert (status.cached_prompts, status.cached_prompt_tokens) == (
+        len(kept),
+        sum(_held(r) for r in kept),
+    )
     running.client.stub.Free(pb.FreeRequest(), timeout=30)
     assert running.client.status().cached_prompts == 0
+
+
+def test_conversations_sharing_a_system_prompt_keep_their_own_caches(tiny_model, cluster_factory):
+    """The second conversation copies the shared part; the first one's caches stay whole."""
+    model = tiny_model("llama", 5)
+    running = cluster_factory(model, 2)
+    system = {"role": "system", "content": "You are a terse assistant for a ship's crew."}
+    a = [system, {"role": "user", "content": "How deep is the harbour?"}]
+    b = [system, {"role": "user", "content": "When is high tide?"}]
+    first_a = running.client.generate(_chat(a))
+    first_b = running.client.generate(_chat(b))
+    prompt_a, prompt_b = chat_tokens(model, a), chat_tokens(model, b)
+    expected_b, shared = _mlx_lm_second_turn(model, prompt_a, prompt_b)
+    assert 0 < first_b.usage.cached_tokens == shared < len(prompt_b) - 1
+    assert list(first_b.token_ids) == expected_b
+    assert running.client.status().cached_prompts == 2
+
+    next_a = [
+        *a,
+        {"role": "assistant", "content": first_a.text},
+        {"role": "user", "content": "Thanks."},
+    ]
+    reply = running.client.generate(_chat(next_a))
+    expected, shared = _mlx_lm_second_turn(model, prompt_a, chat_tokens(model, next_a))
+    assert reply.usage.cached_tokens == shared >= len(prompt_a)
+    assert list(reply.token_ids) == expected
 
 
 def test_reuse_survives_concurrent_decoding(tiny_model, cluster_factory):

@@ -113,6 +113,7 @@ class Sequence:
     context: list[int] = field(default_factory=list)  # prompt + generated, for processors
     generated: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens found in a parked cache; the first step reuses it
+    cache_source: int | None = None  # the parked slot holding them
     reasoning_tokens: int = 0
     group: int | None = None
     in_flight: int = 0  # steps of this sequence now round the ring
@@ -302,9 +303,9 @@ class Engine:
                 if request.cancelled.is_set():
                     request.out.put(Chunk(finish_reason="cancelled"))
                     continue
-                slot, cached = self._take_slot(request.prompt_tokens)
+                slot, cached, source = self._take_slot(request.prompt_tokens)
                 try:
-                    seq = self._new_sequence(request, slot, cached)
+                    seq = self._new_sequence(request, slot, cached, source)
                 except Exception as e:  # noqa: BLE001 - one bad request must not stop the engine
                     log.exception("request %s cannot start: %s", request.request_id, e)
                     self._free_slots.append(slot)
@@ -316,24 +317,36 @@ class Engine:
         """Slots a new sequence can take now: empty ones and parked ones (evictable)."""
         return len(self._free_slots) + len(self._parked)
 
-    def _take_slot(self, prompt: list[int]) -> tuple[int, int]:
-        """A slot for a new sequence, and how many of its prompt tokens the slot's caches
-        hold already: the parked slot sharing the longest prefix, else an empty slot,
-        else the least recently parked one (its caches start afresh)."""
+    def _take_slot(self, prompt: list[int]) -> tuple[int, int, int | None]:
+        """A slot for a new sequence, how many of its prompt tokens are in parked caches,
+        and the parked slot they are in.
+
+        The parked slot sharing the longest prefix serves: taken over when the new
+        sequence keeps all it holds (the next turn of a chat), else copied into an empty
+        slot when there is one, so that it stays parked (one system prompt, many
+        conversations). Without a shared prefix: an empty slot, else the least recently
+        parked one, whose caches start afresh.
+        """
         best, shared = None, 0
         for slot, tokens in self._parked.items():
             n = common_prefix_len(tokens, prompt)
             if n > shared:
                 best, shared = slot, n
         if best is not None:
+            cached = min(shared, len(prompt) - 1)  # the last token must run for its logits
+            if cached < len(self._parked[best]) and self._free_slots:
+                self._parked.move_to_end(best)  # recently used
+                return self._free_slots.pop(0), cached, best
             del self._parked[best]
-            return best, min(shared, len(prompt) - 1)  # the last one must run for logits
+            return best, cached, best
         if self._free_slots:
-            return self._free_slots.pop(0), 0
+            return self._free_slots.pop(0), 0, None
         slot, _ = self._parked.popitem(last=False)
-        return slot, 0
+        return slot, 0, None
 
-    def _new_sequence(self, request: Request, slot: int, cached: int = 0) -> Sequence:
+    def _new_sequence(
+        self, request: Request, slot: int, cached: int = 0, source: int | None = None
+    ) -> Sequence:
         return Sequence(
             request=request,
             slot=slot,
@@ -351,6 +364,7 @@ class Engine:
             position=cached,
             context=list(request.prompt_tokens[:cached]),
             cached_tokens=cached,
+            cache_source=source if cached else None,
         )
 
     def _reap_cancelled(self) -> None:
@@ -408,7 +422,7 @@ class Engine:
             [seq.position],
             [tokens],
             want_logits=want_logits,
-            reuse=seq.cached_tokens > 0 and seq.position == seq.cached_tokens,
+            reuse_from=seq.cache_source if seq.position == seq.cached_tokens else None,
         )
         seq.position += n
         seq.context.extend(tokens)

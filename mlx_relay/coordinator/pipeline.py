@@ -161,13 +161,13 @@ class Pipeline:
         *,
         group: int = hdr.NO_GROUP,
         want_logits: bool,
-        reuse: bool = False,
+        reuse_from: int | None = None,
     ) -> Step:
         """Run rank 0's layers for one step and send it round the ring.
 
         A decode group (one token per sequence) runs as one batch; otherwise each
-        sequence (a prefill chunk) runs alone on its own cache. `reuse`: the slots'
-        parked caches are cut back to `offsets` first (a shared prompt prefix).
+        sequence (a prefill chunk) runs alone on its own cache. `reuse_from`: the one
+        sequence starts from that slot's parked cache, cut back to its offset.
         """
         if self.shard is None or self.caches is None:
             raise RuntimeError("no model loaded")
@@ -175,11 +175,13 @@ class Pipeline:
         padded = [t + [0] * (width - len(t)) for t in tokens]
         header = hdr.StepHeader(
             cmd=hdr.CMD_FORWARD,
-            flags=(hdr.FLAG_WANT_OUTPUT if want_logits else 0) | (hdr.FLAG_REUSE if reuse else 0),
+            flags=(hdr.FLAG_WANT_OUTPUT if want_logits else 0)
+            | (hdr.FLAG_REUSE if reuse_from is not None else 0),
             group=group,
             slots=list(slots),
             offsets=list(offsets),
             lengths=[len(t) for t in tokens],
+            source=hdr.NO_SOURCE if reuse_from is None else reuse_from,
         )
         h = sharding.embed(self.shard, mx.array(padded))
         try:

@@ -20,6 +20,8 @@ Layout (int32, HEADER_LEN entries):
     12 group            NO_GROUP: each sequence runs alone on its own cache (prefill);
                         else the id of a decode group: the sequences run as one batch
     13..               slots[MAX_SEQS], offsets[MAX_SEQS], lengths[MAX_SEQS]
+    61 source           with FLAG_REUSE: the slot whose kept cache the step's one sequence
+                        starts from (its own slot: cut back in place; another: copied)
 
 A sequence *slot* names a KV cache on every rank; *offset* is the position of the
 sequence's first token in this step (0 starts a fresh cache), *length* the number of
@@ -62,7 +64,8 @@ COMMAND_NAMES = {
 FLAG_WANT_OUTPUT = 1 << 0
 # CMD_FREE: keep the slots' caches, each as a single sequence's, for a later prefix reuse.
 FLAG_PARK = 1 << 1
-# CMD_FORWARD of one sequence: first trim the slot's kept cache back to the step's offset.
+# CMD_FORWARD of one sequence: start from slot `source`'s kept cache, cut back to the
+# step's offset (source == the slot: in place; another slot: a copy, the source stays).
 FLAG_REUSE = 1 << 2
 
 # Payload kinds.
@@ -95,7 +98,9 @@ _GROUP = 12
 _SLOTS = 13
 _OFFSETS = _SLOTS + MAX_SEQS
 _LENGTHS = _OFFSETS + MAX_SEQS
-HEADER_LEN = _LENGTHS + MAX_SEQS
+_SOURCE = _LENGTHS + MAX_SEQS
+HEADER_LEN = _SOURCE + 1
+NO_SOURCE = -1
 
 
 class ProtocolError(ValueError):
@@ -116,6 +121,7 @@ class StepHeader:
     slots: list[int] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
+    source: int = NO_SOURCE
 
     @property
     def n_seqs(self) -> int:
@@ -166,6 +172,7 @@ def encode(header: StepHeader) -> np.ndarray:
     out[_SLOTS : _SLOTS + n] = header.slots
     out[_OFFSETS : _OFFSETS + n] = header.offsets
     out[_LENGTHS : _LENGTHS + n] = header.lengths
+    out[_SOURCE] = header.source
     return out
 
 
@@ -196,4 +203,5 @@ def decode(raw: np.ndarray) -> StepHeader:
         slots=[int(x) for x in raw[_SLOTS : _SLOTS + n]],
         offsets=[int(x) for x in raw[_OFFSETS : _OFFSETS + n]],
         lengths=[int(x) for x in raw[_LENGTHS : _LENGTHS + n]],
+        source=int(raw[_SOURCE]),
     )
