@@ -89,10 +89,8 @@ def head_cost_in_layers(config: dict[str, Any]) -> float:
         kv_heads = int(c.get("num_key_value_heads") or heads)
         head_dim = int(c.get("head_dim") or hidden // heads)
         vocab = int(c["vocab_size"])
-        if c.get("num_experts_per_tok") and c.get("moe_intermediate_size"):
-            mlp = int(c["num_experts_per_tok"]) * int(c["moe_intermediate_size"])
-        else:
-            mlp = int(c["intermediate_size"])
+        experts = int(c.get("num_experts_per_tok") or 1)  # the experts a token runs through
+        mlp = experts * int(c.get("moe_intermediate_size") or c["intermediate_size"])
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return 0.0
     attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim

@@ -13,7 +13,7 @@ from mlx_lm import stream_generate
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from oracle import _load, chat_tokens, mlx_lm_tokens
 
-from mlx_relay.coordinator.engine import common_prefix_len
+from mlx_relay.coordinator.slots import common_prefix_len
 from mlx_relay.protocol import relay_pb2 as pb
 
 pytestmark = pytest.mark.cluster

@@ -21,7 +21,7 @@ import math
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -33,8 +33,9 @@ from mlx_lm.utils import load_tokenizer
 from mlx_relay.coordinator.pipeline import ClusterFailure, Pipeline, RankFailure, Step
 from mlx_relay.coordinator.postprocess import OutputParser, ToolCall
 from mlx_relay.coordinator.sampling import Sampler, SamplingParams
+from mlx_relay.coordinator.slots import SlotTable
 from mlx_relay.coordinator.textstream import StopStrings
-from mlx_relay.protocol.header import MAX_SEQS
+from mlx_relay.protocol import header as hdr
 
 log = logging.getLogger("mlx_relay.engine")
 
@@ -114,6 +115,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens found in a parked cache; the first step reuses it
     cache_source: int | None = None  # the parked slot holding them
+    copies: int | None = None  # a parked slot pinned until the first step copies from it
     reasoning_tokens: int = 0
     group: int | None = None
     in_flight: int = 0  # steps of this sequence now round the ring
@@ -123,14 +125,6 @@ class Sequence:
     def prefilling(self) -> bool:
         """Prompt tokens left to send: known in advance, so several chunks may be in flight."""
         return self.first_token_at is None and bool(self.pending)
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class Engine:
@@ -153,7 +147,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.default_max_tokens = default_max_tokens
         self.max_in_flight = max(1, pipeline.world_size)
-        n_groups = max(pipeline.world_size, math.ceil(max_active / MAX_SEQS))
+        n_groups = max(pipeline.world_size, math.ceil(max_active / hdr.MAX_SEQS))
         self.tokenizer: Any = None
         self.context_length = 0
         self.state = "starting"
@@ -166,10 +160,7 @@ class Engine:
         self._launched: deque[Step] = deque()
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
         self._cv = threading.Condition()
-        self._free_slots = list(range(max_active))
-        # Slots whose caches a finished sequence left on every rank, with the tokens they
-        # hold, least recently parked first: a new prompt sharing a prefix reuses one.
-        self._parked: OrderedDict[int, list[int]] = OrderedDict()
+        self._slots = SlotTable(max_active)
         self._reuse = False  # prompt_cache, and the model's caches can be cut back
         self._turn = 0
         self._stop = False
@@ -184,7 +175,7 @@ class Engine:
             if self.state != "serving":
                 raise EngineError("unavailable", f"the cluster is not serving ({self.state})")
             # Requests about to take a free slot are not queued: only those beyond count.
-            if len(self._waiting) - self._open_slots() >= self.max_queue:
+            if len(self._waiting) - self._slots.open() >= self.max_queue:
                 raise EngineError(
                     "exhausted",
                     f"server busy: {len(self._active)} requests running and "
@@ -212,7 +203,7 @@ class Engine:
     def cached_prompts(self) -> tuple[int, int]:
         """Parked slots and the tokens their caches hold."""
         with self._cv:
-            return len(self._parked), sum(len(t) for t in self._parked.values())
+            return self._slots.stats()
 
     def load(self, spec: str, layers: list[int] | None = None) -> Future:
         return self.call(lambda: self._load(spec, layers))
@@ -273,7 +264,7 @@ class Engine:
                 lambda: (
                     self._stop
                     or self._commands
-                    or (self._waiting and self._open_slots())
+                    or (self._waiting and self._slots.open())
                     or any(s.request.cancelled.is_set() for s in self._active)
                     or self._launchable()
                 ),
@@ -297,52 +288,27 @@ class Engine:
                 future.set_exception(e)
 
     def _admit(self) -> None:
+        failed: list[tuple[int, int | None]] = []  # (slot, parked slot it would copy)
         with self._cv:
-            while self._waiting and self._open_slots():
+            while self._waiting and self._slots.open():
                 request = self._waiting.popleft()
                 if request.cancelled.is_set():
                     request.out.put(Chunk(finish_reason="cancelled"))
                     continue
-                slot, cached, source = self._take_slot(request.prompt_tokens)
+                slot, cached, source = self._slots.take(request.prompt_tokens)
                 try:
                     seq = self._new_sequence(request, slot, cached, source)
                 except Exception as e:  # noqa: BLE001 - one bad request must not stop the engine
                     log.exception("request %s cannot start: %s", request.request_id, e)
-                    self._free_slots.append(slot)
                     request.out.put(EngineError("internal", f"the request cannot start: {e}"))
+                    failed.append((slot, source if source != slot else None))
                     continue
                 self._active.append(seq)
-
-    def _open_slots(self) -> int:
-        """Slots a new sequence can take now: empty ones and parked ones (evictable)."""
-        return len(self._free_slots) + len(self._parked)
-
-    def _take_slot(self, prompt: list[int]) -> tuple[int, int, int | None]:
-        """A slot for a new sequence, how many of its prompt tokens are in parked caches,
-        and the parked slot they are in.
-
-        The parked slot sharing the longest prefix serves: taken over when the new
-        sequence keeps all it holds (the next turn of a chat), else copied into an empty
-        slot when there is one, so that it stays parked (one system prompt, many
-        conversations). Without a shared prefix: an empty slot, else the least recently
-        parked one, whose caches start afresh.
-        """
-        best, shared = None, 0
-        for slot, tokens in self._parked.items():
-            n = common_prefix_len(tokens, prompt)
-            if n > shared:
-                best, shared = slot, n
-        if best is not None:
-            cached = min(shared, len(prompt) - 1)  # the last token must run for its logits
-            if cached < len(self._parked[best]) and self._free_slots:
-                self._parked.move_to_end(best)  # recently used
-                return self._free_slots.pop(0), cached, best
-            del self._parked[best]
-            return best, cached, best
-        if self._free_slots:
-            return self._free_slots.pop(0), 0, None
-        slot, _ = self._parked.popitem(last=False)
-        return slot, 0, None
+        for slot, copies in failed:
+            if copies is not None:
+                with self._cv:
+                    self._slots.unpin(copies)
+            self._free_slot(slot)  # it may hold caches on every rank
 
     def _new_sequence(
         self, request: Request, slot: int, cached: int = 0, source: int | None = None
@@ -365,6 +331,7 @@ class Engine:
             context=list(request.prompt_tokens[:cached]),
             cached_tokens=cached,
             cache_source=source if cached else None,
+            copies=source if source is not None and source != slot else None,
         )
 
     def _reap_cancelled(self) -> None:
@@ -424,6 +391,7 @@ class Engine:
             want_logits=want_logits,
             reuse_from=seq.cache_source if seq.position == seq.cached_tokens else None,
         )
+        self._unpin(seq)  # rank 0 copied at launch; the workers copy before any later step
         seq.position += n
         seq.context.extend(tokens)
         self._track(step, [seq])
@@ -464,6 +432,11 @@ class Engine:
             for seq in seqs:
                 if seq in self._active:
                     self._finish(seq, EngineError("internal", str(e)))
+            if step.header.cmd == hdr.CMD_FREE and step.header.flags & hdr.FLAG_PARK:
+                with self._cv:  # some rank could not keep these caches: nobody may reuse them
+                    lost = self._slots.forget(step.header.slots)
+                for slot in lost:
+                    self._free_slot(slot)
             return  # its later steps in flight fail too; they find it finished
         for i, seq in enumerate(seqs):
             if seq not in self._active:
@@ -479,7 +452,7 @@ class Engine:
                 self._join_group(seq)
 
     def _join_group(self, seq: Sequence) -> None:
-        sizes = [len(m) if len(m) < MAX_SEQS else math.inf for m in self._groups]
+        sizes = [len(m) if len(m) < hdr.MAX_SEQS else math.inf for m in self._groups]
         group = sizes.index(min(sizes))
         seq.group = group
         self._groups[group].append(seq)
@@ -568,35 +541,40 @@ class Engine:
         self._active.remove(seq)
         if seq.group is not None:
             self._groups[seq.group].remove(seq)
-        # A sequence that ended normally leaves its caches for a later shared prefix.
-        park = self._reuse and isinstance(last, Chunk) and seq.in_flight == 0 and seq.position
-        step = self.pipeline.launch_free([seq.slot], park=bool(park))
+        self._unpin(seq)
+        # A sequence that ended normally, after at least one step of its own, leaves its
+        # caches for a later prompt that shares a prefix with it.
+        ran = seq.position > seq.cached_tokens
+        if self._reuse and isinstance(last, Chunk) and seq.in_flight == 0 and ran:
+            self._launch_free([seq.slot], park=True)
+            with self._cv:
+                self._slots.park(seq.slot, seq.context[: seq.position])
+                evicted = (
+                    self._slots.over_budget(self.prompt_cache_tokens)
+                    if self.prompt_cache_tokens > 0
+                    else []
+                )
+            for slot in evicted:  # beyond --prompt-cache-tokens, oldest first
+                self._free_slot(slot)
+        else:
+            self._free_slot(seq.slot)
+
+    def _unpin(self, seq: Sequence) -> None:
+        if seq.copies is not None:
+            with self._cv:
+                self._slots.unpin(seq.copies)
+            seq.copies = None
+
+    def _free_slot(self, slot: int) -> None:
+        """Drop the slot's caches on every rank; it is empty from now on."""
+        self._launch_free([slot])
+        with self._cv:
+            self._slots.release(slot)
+
+    def _launch_free(self, slots: list[int], park: bool = False) -> None:
+        step = self.pipeline.launch_free(slots, park=park)
         if step is not None:
             self._launched.append(step)
-        with self._cv:
-            if park:
-                self._parked[seq.slot] = seq.context[: seq.position]
-            else:
-                self._free_slots.append(seq.slot)
-        if park:
-            self._evict_over_budget()
-
-    def _evict_over_budget(self) -> None:
-        """Free the oldest parked caches on every rank while they hold more tokens than
-        --prompt-cache-tokens allows (the newest one always stays)."""
-        if self.prompt_cache_tokens <= 0:
-            return
-        while True:
-            with self._cv:
-                held = sum(len(t) for t in self._parked.values())
-                if held <= self.prompt_cache_tokens or len(self._parked) <= 1:
-                    return
-                slot, _ = self._parked.popitem(last=False)
-            step = self.pipeline.launch_free([slot])
-            if step is not None:
-                self._launched.append(step)
-            with self._cv:
-                self._free_slots.append(slot)
 
     def _timings(self, seq: Sequence) -> dict[str, float]:
         now = time.perf_counter()
@@ -647,8 +625,7 @@ class Engine:
     def _unpark_all(self) -> None:
         """The ranks' caches were replaced or dropped: parked slots are empty again."""
         with self._cv:
-            self._free_slots = sorted(self._free_slots + list(self._parked))
-            self._parked.clear()
+            self._slots.reset()
 
     def _cancel_all(self, why: str) -> None:
         with self._cv:

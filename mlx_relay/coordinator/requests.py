@@ -15,6 +15,8 @@ from typing import Any
 
 from mlx_relay.coordinator.postprocess import (
     DEFAULT_THINK_MARKERS,
+    TOOL_CALL_START,
+    TOOL_CODE_START,
     think_markers,
     tool_call_marker,
 )
@@ -124,10 +126,10 @@ def render_prompt(
     kwargs = _json_field(chat_template_kwargs_json, "chat_template_kwargs", dict) or {}
     choice = parse_tool_choice(tool_choice, tools)
     forced = choice not in ("auto", "none")
+    named = forced and choice != "required"
     opens_tool_call = ""
     if messages:
         dicts = chat_messages(messages)
-        named = forced and choice != "required"
         shown = [t for t in tools if _tool_name(t) == choice] if named else tools
         text = _render(tokenizer, dicts, shown, kwargs)
         if tools and text == _render(tokenizer, dicts, None, kwargs):
@@ -146,7 +148,9 @@ def render_prompt(
     token_ids = encode_text(tokenizer, text)
     if not token_ids:
         raise InvalidRequest("the prompt encodes to no tokens")
-    return Prompt(text, token_ids, tools, choice, opens_tool_call)
+    # A named tool is the only one shown, and the only one the parser accepts.
+    accepted = [t for t in tools if _tool_name(t) == choice] if named else tools
+    return Prompt(text, token_ids, accepted, choice, opens_tool_call)
 
 
 def _open_tool_call(tokenizer: Any, text: str, choice: str) -> tuple[str, str]:
@@ -159,7 +163,9 @@ def _open_tool_call(tokenizer: Any, text: str, choice: str) -> tuple[str, str]:
     think_start, think_end = think_markers(tokenizer) or DEFAULT_THINK_MARKERS
     if ends_in_reasoning(text, think_start):
         text = text + think_end + "\n\n"
-    return text + marker + "\n", marker
+    # Hermes and Gemma put the call on the next line; other formats run on directly.
+    newline = "\n" if marker in (TOOL_CALL_START, TOOL_CODE_START) else ""
+    return text + marker + newline, marker
 
 
 def _tool_name(tool: dict) -> str:
