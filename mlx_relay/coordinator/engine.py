@@ -33,7 +33,7 @@ from mlx_lm.utils import load_tokenizer
 from mlx_relay.coordinator.pipeline import ClusterFailure, Pipeline, RankFailure, Step
 from mlx_relay.coordinator.postprocess import OutputParser, ToolCall
 from mlx_relay.coordinator.sampling import Sampler, SamplingParams
-from mlx_relay.coordinator.slots import SlotTable
+from mlx_relay.coordinator.slots import SlotTable, Taken
 from mlx_relay.coordinator.textstream import StopStrings
 from mlx_relay.protocol import header as hdr
 
@@ -114,8 +114,7 @@ class Sequence:
     context: list[int] = field(default_factory=list)  # prompt + generated, for processors
     generated: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens found in a parked cache; the first step reuses it
-    cache_source: int | None = None  # the parked slot holding them
-    copies: int | None = None  # a parked slot pinned until the first step copies from it
+    taken: Taken | None = None  # how the slot was taken, until the first step launches
     reasoning_tokens: int = 0
     group: int | None = None
     in_flight: int = 0  # steps of this sequence now round the ring
@@ -295,27 +294,33 @@ class Engine:
                 if request.cancelled.is_set():
                     request.out.put(Chunk(finish_reason="cancelled"))
                     continue
-                slot, cached, source = self._slots.take(request.prompt_tokens)
+                taken = self._slots.take(request.prompt_tokens)
                 try:
-                    seq = self._new_sequence(request, slot, cached, source)
+                    seq = self._new_sequence(request, taken)
                 except Exception as e:  # noqa: BLE001 - one bad request must not stop the engine
                     log.exception("request %s cannot start: %s", request.request_id, e)
                     request.out.put(EngineError("internal", f"the request cannot start: {e}"))
-                    failed.append((slot, source if source != slot else None))
+                    failed.append(taken)
                     continue
                 self._active.append(seq)
-        for slot, copies in failed:
-            if copies is not None:
-                with self._cv:
-                    self._slots.unpin(copies)
-            self._free_slot(slot)  # it may hold caches on every rank
+        for taken in failed:
+            self._give_back(taken)
 
-    def _new_sequence(
-        self, request: Request, slot: int, cached: int = 0, source: int | None = None
-    ) -> Sequence:
+    def _give_back(self, taken: Taken) -> None:
+        """A slot taken for a sequence that never ran a step: no rank touched its caches."""
+        with self._cv:
+            if taken.held is not None:
+                self._slots.park(taken.slot, taken.held)
+                return
+            if taken.source is not None:
+                self._slots.unpin(taken.source)
+        self._free_slot(taken.slot)  # it may hold an evicted cache on every rank
+
+    def _new_sequence(self, request: Request, taken: Taken) -> Sequence:
+        cached = taken.cached
         return Sequence(
             request=request,
-            slot=slot,
+            slot=taken.slot,
             sampler=Sampler(request.params),
             detokenizer=self.tokenizer.detokenizer,
             stops=StopStrings(request.params.stop),
@@ -330,8 +335,7 @@ class Engine:
             position=cached,
             context=list(request.prompt_tokens[:cached]),
             cached_tokens=cached,
-            cache_source=source if cached else None,
-            copies=source if source is not None and source != slot else None,
+            taken=taken,
         )
 
     def _reap_cancelled(self) -> None:
@@ -389,9 +393,9 @@ class Engine:
             [seq.position],
             [tokens],
             want_logits=want_logits,
-            reuse_from=seq.cache_source if seq.position == seq.cached_tokens else None,
+            reuse_from=seq.taken.source if seq.taken and seq.cached_tokens else None,
         )
-        self._unpin(seq)  # rank 0 copied at launch; the workers copy before any later step
+        self._launched_first(seq)
         seq.position += n
         seq.context.extend(tokens)
         self._track(step, [seq])
@@ -433,9 +437,14 @@ class Engine:
                 if seq in self._active:
                     self._finish(seq, EngineError("internal", str(e)))
             if step.header.cmd == hdr.CMD_FREE and step.header.flags & hdr.FLAG_PARK:
-                with self._cv:  # some rank could not keep these caches: nobody may reuse them
-                    lost = self._slots.forget(step.header.slots)
-                for slot in lost:
+                # Some rank could not keep these caches: nobody may reuse them.
+                lost = set(step.header.slots)
+                for seq in self._active:
+                    if seq.taken and seq.cached_tokens and seq.taken.source in lost:
+                        self._restart_prefill(seq)
+                with self._cv:
+                    forgotten = self._slots.forget(step.header.slots)
+                for slot in forgotten:
                     self._free_slot(slot)
             return  # its later steps in flight fail too; they find it finished
         for i, seq in enumerate(seqs):
@@ -541,29 +550,44 @@ class Engine:
         self._active.remove(seq)
         if seq.group is not None:
             self._groups[seq.group].remove(seq)
-        self._unpin(seq)
-        # A sequence that ended normally, after at least one step of its own, leaves its
-        # caches for a later prompt that shares a prefix with it.
-        ran = seq.position > seq.cached_tokens
-        if self._reuse and isinstance(last, Chunk) and seq.in_flight == 0 and ran:
+        if seq.taken is not None and isinstance(last, Chunk):  # ended before any step
+            self._give_back(seq.taken)
+            self._keep_to_budget()
+        elif seq.taken is not None:  # its first step failed on rank 0: reset the slot
+            self._launched_first(seq)
+            self._free_slot(seq.slot)
+        elif self._reuse and isinstance(last, Chunk) and seq.in_flight == 0 and seq.position:
+            # It ended normally: its caches stay for a later prompt sharing a prefix.
             self._launch_free([seq.slot], park=True)
             with self._cv:
                 self._slots.park(seq.slot, seq.context[: seq.position])
-                evicted = (
-                    self._slots.over_budget(self.prompt_cache_tokens)
-                    if self.prompt_cache_tokens > 0
-                    else []
-                )
-            for slot in evicted:  # beyond --prompt-cache-tokens, oldest first
-                self._free_slot(slot)
+            self._keep_to_budget()
         else:
             self._free_slot(seq.slot)
 
-    def _unpin(self, seq: Sequence) -> None:
-        if seq.copies is not None:
+    def _launched_first(self, seq: Sequence) -> None:
+        """Rank 0 copied or cut back at launch, and every worker does so before any later
+        step: a copy source may be taken or evicted again."""
+        taken, seq.taken = seq.taken, None
+        if taken is not None and taken.source not in (None, taken.slot):
             with self._cv:
-                self._slots.unpin(seq.copies)
-            seq.copies = None
+                self._slots.unpin(taken.source)
+            self._keep_to_budget()
+
+    def _keep_to_budget(self) -> None:
+        """Free the oldest parked caches beyond --prompt-cache-tokens on every rank."""
+        if self.prompt_cache_tokens <= 0:
+            return
+        with self._cv:
+            evicted = self._slots.over_budget(self.prompt_cache_tokens)
+        for slot in evicted:
+            self._free_slot(slot)
+
+    def _restart_prefill(self, seq: Sequence) -> None:
+        """Its parked source is gone before its first step: prefill the whole prompt."""
+        self._launched_first(seq)  # unpins
+        prompt = seq.request.prompt_tokens
+        seq.pending, seq.position, seq.context, seq.cached_tokens = list(prompt), 0, [], 0
 
     def _free_slot(self, slot: int) -> None:
         """Drop the slot's caches on every rank; it is empty from now on."""

@@ -9,6 +9,7 @@ hold on every rank.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from dataclasses import dataclass
 
 # Shorter shared prefixes (a BOS token, the first words of a chat template) are not worth
 # a parked cache: a new prompt then starts afresh instead of displacing one.
@@ -23,6 +24,14 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return n
 
 
+@dataclass
+class Taken:
+    slot: int
+    cached: int = 0  # prompt tokens already in parked caches
+    source: int | None = None  # the parked slot holding them (== slot: taken over)
+    held: list[int] | None = None  # a taken-over slot's tokens, to park it again unused
+
+
 class SlotTable:
     def __init__(self, n: int) -> None:
         self.free: list[int] = list(range(n))  # no caches worth keeping
@@ -33,8 +42,8 @@ class SlotTable:
         """Slots a new sequence can take now: empty ones and unpinned parked ones."""
         return len(self.free) + sum(1 for s in self.parked if not self.pinned[s])
 
-    def take(self, prompt: list[int]) -> tuple[int, int, int | None]:
-        """(slot, prompt tokens already in parked caches, the parked slot holding them).
+    def take(self, prompt: list[int]) -> Taken:
+        """A slot for a new sequence, and what of its prompt parked caches already hold.
 
         The parked slot sharing the longest prefix serves: taken over when the new
         sequence keeps all it holds (the next turn of a chat), else copied into an empty
@@ -50,18 +59,17 @@ class SlotTable:
                 best, shared = slot, n
         cached = min(shared, len(prompt) - 1)  # the last prompt token must run for logits
         if best is not None and (cached >= MIN_SHARED or cached == len(prompt) - 1 > 0):
-            if cached < len(self.parked[best]) and self.free:
+            if self.free and (cached < len(self.parked[best]) or self.pinned[best]):
                 self.parked.move_to_end(best)
                 self.pinned[best] += 1
-                return self.free.pop(0), cached, best
+                return Taken(self.free.pop(0), cached, best)
             if not self.pinned[best]:
-                del self.parked[best]
-                return best, cached, best
+                return Taken(best, cached, best, self.parked.pop(best))
         if self.free:
-            return self.free.pop(0), 0, None
+            return Taken(self.free.pop(0))
         slot = next(s for s in self.parked if not self.pinned[s])
         del self.parked[slot]
-        return slot, 0, None
+        return Taken(slot)
 
     def unpin(self, slot: int) -> None:
         self.pinned[slot] -= 1
@@ -80,8 +88,8 @@ class SlotTable:
         (the newest stays); the caller frees them on every rank, then releases them."""
         out = []
         held = sum(len(t) for t in self.parked.values())
-        for slot in list(self.parked):
-            if held <= max_tokens or len(self.parked) <= 1:
+        for slot in list(self.parked)[:-1]:
+            if held <= max_tokens:
                 break
             if self.pinned[slot]:
                 continue
