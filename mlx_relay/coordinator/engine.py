@@ -287,7 +287,7 @@ class Engine:
                 future.set_exception(e)
 
     def _admit(self) -> None:
-        failed: list[tuple[int, int | None]] = []  # (slot, parked slot it would copy)
+        failed: list[Taken] = []
         with self._cv:
             while self._waiting and self._slots.open():
                 request = self._waiting.popleft()
@@ -312,7 +312,7 @@ class Engine:
             if taken.held is not None:
                 self._slots.park(taken.slot, taken.held)
                 return
-            if taken.source is not None:
+            if taken.source is not None:  # a copy source, pinned for this sequence
                 self._slots.unpin(taken.source)
         self._free_slot(taken.slot)  # it may hold an evicted cache on every rank
 
