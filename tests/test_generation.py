@@ -210,6 +210,8 @@ BAD = {
     "logit_bias id = vocab size": (_with(logit_bias={512: 1.0}), "logit_bias"),
     "logit_bias id < 0": (_with(logit_bias={-1: 1.0}), "logit_bias"),
     "17 stop strings": (_with(stop=[f"s{i}" for i in range(17)]), "stop"),
+    "presence_penalty 2.5": (_with(presence_penalty=2.5), "presence_penalty must be in [-2, 2]"),
+    "frequency_penalty -3": (_with(frequency_penalty=-3), "frequency_penalty must be in [-2, 2]"),
     "chat_template_kwargs not an object": (
         _chat(chat_template_kwargs_json="[1]"),
         "chat_template_kwargs",

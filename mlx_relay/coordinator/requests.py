@@ -277,6 +277,9 @@ def sampling_params(
             penalties[name] = _finite(getattr(p, name), name)
     if penalties.get("repetition_penalty", 1.0) < 0:
         raise InvalidRequest("repetition_penalty must be >= 0")
+    for name in ("presence_penalty", "frequency_penalty"):  # OpenAI's range
+        if not -2 <= penalties.get(name, 0.0) <= 2:
+            raise InvalidRequest(f"{name} must be in [-2, 2], got {penalties[name]}")
     if p.repetition_context_size < 0:
         raise InvalidRequest("repetition_context_size must be >= 0")
     if p.HasField("seed") and p.seed < 0:
