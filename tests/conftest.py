@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -62,12 +63,15 @@ def start_cluster(
     layers: str | None = None,
     env: dict[str, str] | None = None,
     timeout: float = 180,
+    **options: Any,
 ) -> RunningCluster:
+    """A cluster serving `model`, or an AssertionError with the ranks' logs; `options` go
+    to LocalCluster (per-rank environments, auth token, TLS CA)."""
     args = ["--model", str(model), *extra]
     if layers:
         args += ["--layers", layers]
     address = f"127.0.0.1:{free_ports(1)[0]}"
-    cluster = LocalCluster(n, args, grpc_address=address, log_dir=log_dir, env=env or {})
+    cluster = LocalCluster(n, args, grpc_address=address, log_dir=log_dir, env=env or {}, **options)
     cluster.start()
     running = RunningCluster(cluster, log_dir)
     try:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import RunningCluster, assert_gone
+from conftest import RunningCluster, assert_gone, start_cluster
 from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -24,7 +24,6 @@ from tiny_models import make_tiny_model
 
 from mlx_relay.coordinator.client import Client
 from mlx_relay.coordinator.requests import ROLES
-from mlx_relay.launch.local import LocalCluster, free_ports
 from mlx_relay.protocol import relay_pb2 as pb
 
 pytestmark = pytest.mark.cluster
@@ -82,19 +81,11 @@ def secured(tmp_path_factory):
     cert, key = _self_signed(tmp_path_factory.mktemp("tls"))
     token = secrets.token_urlsafe(24)
     log_dir = tmp_path_factory.mktemp("fuzz-logs")
-    address = f"127.0.0.1:{free_ports(1)[0]}"
-    serve_args = ["--model", str(model), "--tls-cert", str(cert), "--tls-key", str(key)]
+    serve_args = ["--tls-cert", str(cert), "--tls-key", str(key)]
     serve_args += ["--max-request-bytes", str(MAX_REQUEST_BYTES), "--default-max-tokens", "4"]
-    cluster = LocalCluster(
-        2, serve_args, grpc_address=address, log_dir=log_dir, auth_token=token, tls_ca=str(cert)
+    running = start_cluster(
+        model, 2, log_dir, *serve_args, timeout=120, auth_token=token, tls_ca=str(cert)
     )
-    cluster.start()
-    running = RunningCluster(cluster, log_dir)
-    try:
-        cluster.wait_serving(120)
-    except Exception as e:
-        running.stop()
-        raise AssertionError(f"cluster did not start: {e}\n{running.logs()}") from e
     out = Secured(model, running, token, cert)
     yield out
     out.client.close()

@@ -20,7 +20,7 @@ import grpc
 import psutil
 import pytest
 import zmq
-from conftest import RunningCluster, assert_gone
+from conftest import RunningCluster, assert_gone, start_cluster
 from oracle import mlx_lm_tokens, tokenizer_for
 from tiny_models import make_tiny_model
 
@@ -28,7 +28,7 @@ from mlx_relay.coordinator import server as server_module
 from mlx_relay.coordinator.client import Client, wait_serving
 from mlx_relay.coordinator.requests import encode_text
 from mlx_relay.launch import supervise
-from mlx_relay.launch.local import LocalCluster, free_ports
+from mlx_relay.launch.local import free_ports
 from mlx_relay.launch.supervise import Supervisor, describe_exit, run_with_restarts
 from mlx_relay.memory import shard_nbytes
 from mlx_relay.protocol import control
@@ -42,28 +42,13 @@ HOST = socket.gethostname()
 LONG = pb.SamplingParams(max_tokens=100_000, ignore_eos=True)  # runs until something breaks
 
 
-def start(model: Path, n: int, log_dir: Path, *extra: str, **cluster: object) -> RunningCluster:
-    """conftest.start_cluster, plus LocalCluster options (per-rank environments)."""
-    address = f"127.0.0.1:{free_ports(1)[0]}"
-    local = LocalCluster(
-        n, ["--model", str(model), *extra], grpc_address=address, log_dir=log_dir, **cluster
-    )
-    local.start()
-    running = RunningCluster(local, log_dir)
-    try:
-        local.wait_serving(120)
-    except Exception as e:
-        running.stop()
-        raise AssertionError(f"cluster did not start: {e}\n{running.logs()}") from e
-    return running
-
-
 @pytest.fixture
 def clusters(tmp_path):
     started: list[RunningCluster] = []
 
     def make(model: Path, n: int, *extra: str, **cluster: object) -> RunningCluster:
-        running = start(model, n, tmp_path / f"cluster{len(started)}", *extra, **cluster)
+        log_dir = tmp_path / f"cluster{len(started)}"
+        running = start_cluster(model, n, log_dir, *extra, timeout=120, **cluster)
         started.append(running)
         return running
 
