@@ -1,13 +1,15 @@
 """Concurrent load: aggregate decode throughput, pipelining efficiency, TTFT under load, idle CPU.
 
-    .venv/bin/python bench/bench_concurrency.py [--model default] [--tokens 48]
-        [--streams 1,2,4,8] [--ranks 1,2,3] [--idle-seconds 30]
+    .venv/bin/python bench/bench_concurrency.py [--model default | --shape NAME] [--tokens 48]
+        [--streams 1,2,4,8] [--ranks 1,2,3] [--idle-seconds 30] [--gpus G]
 
 Each rank is pinned to its own core (rank i -> core i mod cores) and stands for one
 machine. Throughput is measured in the steady state: from the moment every stream has
 its first token to the moment the first stream ends, counting every token produced in
 that window. Pipelining efficiency compares C streams on N ranks with N times one rank
-serving C/N streams, so batching alone does not count.
+serving C/N streams, so batching alone does not count; the speed-up over one rank
+serving the same C streams is printed too. `--shape` and `--gpus` are as in
+bench_pipeline.py (a random-weight model of a real shape; rank r on GPU r mod G).
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import shapes  # noqa: E402
+from bench_pipeline import gpu_env  # noqa: E402
 
 from mlx_relay.coordinator.client import Client  # noqa: E402
 from mlx_relay.launch.local import LocalCluster, free_ports  # noqa: E402
@@ -90,13 +96,22 @@ def idle_cpu(cluster: LocalCluster, seconds: float) -> list[float]:
     return [(a - b) / seconds * 100 for a, b in zip(after, before, strict=True)]
 
 
-def start(model: str, n: int, layers: str) -> tuple[LocalCluster, Client]:
+def start(
+    model: str, n: int, layers: str, gpus: int, max_active: int
+) -> tuple[LocalCluster, Client]:
     address = f"127.0.0.1:{free_ports(1)[0]}"
     logs = Path(tempfile.mkdtemp(prefix="bench-logs-"))
     # Without the prompt cache: the streams repeat one prompt, and this measures scheduling.
-    serve = ["--model", model, "--max-active", "16", "--no-prompt-cache"]
+    serve = ["--model", model, "--max-active", str(max_active), "--no-prompt-cache"]
     serve += ["--layers", layers] if layers else []
-    cluster = LocalCluster(n, serve, grpc_address=address, log_dir=logs, pin=True)
+    cluster = LocalCluster(
+        n,
+        serve,
+        grpc_address=address,
+        log_dir=logs,
+        pin=gpus == 0,
+        rank_env={r: gpu_env(r, gpus) for r in range(n)},
+    )
     cluster.start()
     cluster.wait_serving(600)
     client = Client(address, timeout=900)
@@ -118,7 +133,12 @@ def main() -> int:
         help="N=SPLIT: the --layers of N ranks, e.g. 2=11,19 or 3=auto (default: balanced, "
         "which gives rank 0 fewer layers for the LM head it also runs)",
     )
+    ap.add_argument("--shape", choices=shapes.NAMES, help="a random-weight model of this shape")
+    ap.add_argument("--gpus", type=int, default=0, help="CUDA: rank r runs on GPU r mod G")
+    ap.add_argument("--max-active", type=int, default=16)
     args = ap.parse_args()
+    if args.shape:
+        args.model = str(shapes.make_shape(args.shape, shapes.cache_dir() / args.shape))
     streams = [int(x) for x in args.streams.split(",")]
     ranks = [int(x) for x in args.ranks.split(",")]
     print(f"model {args.model}  tokens/stream {args.tokens}  cores {psutil.cpu_count()}")
@@ -126,7 +146,9 @@ def main() -> int:
     splits = dict(item.split("=", 1) for item in args.layers)
     table: dict[tuple[int, int], float] = {}
     for n in ranks:
-        cluster, client = start(args.model, n, splits.get(str(n), "balanced"))
+        cluster, client = start(
+            args.model, n, splits.get(str(n), "balanced"), args.gpus, args.max_active
+        )
         try:
             for c in sorted(
                 set(streams) | {max(1, c // n) for c in streams} if n == 1 else streams
@@ -161,6 +183,12 @@ def main() -> int:
         for c in streams:
             base = table.get((1, max(1, c // n)))
             cells.append(table[(n, c)] / (n * base) if base and c >= n else float("nan"))
+        print(f"{n:>5} " + "".join(f"{v:>10.2f}" for v in cells))
+    print("\nspeed-up over 1 rank serving the same C streams")
+    for n in ranks:
+        cells = [
+            table[(n, c)] / table[(1, c)] if (1, c) in table else float("nan") for c in streams
+        ]
         print(f"{n:>5} " + "".join(f"{v:>10.2f}" for v in cells))
     return 0
 

@@ -1,6 +1,7 @@
 """Single-stream speed of 1, 2 and 3 ranks against single-process mlx-lm, side by side.
 
-    .venv/bin/python bench/bench_pipeline.py [--model default] [--tokens 128] [--rounds 5]
+    .venv/bin/python bench/bench_pipeline.py [--model default | --shape tiny] [--tokens 128]
+        [--rounds 5] [--ranks 1,2,3] [--gpus G]
 
 Every configuration runs in this one invocation on the same model and prompt, so the
 printed ratios compare like with like on whatever machine runs it. All of them stay
@@ -12,6 +13,10 @@ baseline runs in a subprocess pinned to core 0. The benchmark's own gRPC client 
 to core 0 too: left free, it lands on rank 1's core and takes time from it (measured:
 2 ranks 0.87-0.98 of mlx-lm with the client free, 0.997 with it pinned), so the cost
 of the client falls on rank 0's core, as a client on the coordinator's machine would.
+
+`--shape` builds a random-weight model of a real shape (bench/shapes.py): `tiny` shows
+the engine's per-step costs on a CPU. `--gpus G` runs on CUDA: rank r gets GPU r mod G
+(one GPU stands for one machine), the baseline GPU 0, and nothing is pinned to cores.
 """
 
 from __future__ import annotations
@@ -29,18 +34,29 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import shapes  # noqa: E402
 
 from mlx_relay.coordinator.client import Client  # noqa: E402
 from mlx_relay.launch.local import LocalCluster, free_ports  # noqa: E402
 from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+FILLER = "The lighthouse stood on the rocks, and every night its lamp swept the sea. "
+
+
+def make_prompt(tokens: int) -> str:
+    """The story prompt, after about `tokens` tokens of filler when a long one is wanted."""
+    return FILLER * max(0, tokens // 16) + PROMPT
+
 
 BASELINE = r"""
 import json, os, sys, time
 import mlx.core as mx
 from mlx_lm import load, stream_generate
-os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+if os.environ.get("BENCH_PIN") == "1":
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
 path, n = sys.argv[1], int(sys.argv[2])
 model, tok = load(path)
 text = tok.apply_chat_template([{"role": "user", "content": sys.argv[3]}], tokenize=False,
@@ -62,12 +78,13 @@ for line in sys.stdin:  # one run per line, so runs interleave with the clusters
 class Baseline:
     """Single-process mlx-lm kept loaded in a subprocess, one run per request."""
 
-    def __init__(self, path: Path, tokens: int) -> None:
+    def __init__(self, path: Path, tokens: int, prompt: str, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", BASELINE, str(path), str(tokens), PROMPT],
+            [sys.executable, "-c", BASELINE, str(path), str(tokens), prompt],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            env={**os.environ, **env},
         )
         self.prompt_tokens = json.loads(self.proc.stdout.readline())["prompt_tokens"]
 
@@ -81,9 +98,13 @@ class Baseline:
         self.proc.wait(30)
 
 
-def cluster_run(client: Client, tokens: int) -> dict:
+def gpu_env(rank: int, gpus: int) -> dict[str, str]:
+    return {"CUDA_VISIBLE_DEVICES": str(rank % gpus)} if gpus else {}
+
+
+def cluster_run(client: Client, tokens: int, prompt: str) -> dict:
     request = pb.GenerateRequest(
-        messages=[pb.ChatMessage(role="user", content=PROMPT)],
+        messages=[pb.ChatMessage(role="user", content=prompt)],
         params=pb.SamplingParams(max_tokens=tokens, ignore_eos=True),
     )
     t0 = time.perf_counter()
@@ -103,17 +124,26 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ranks", default="1,2,3")
+    ap.add_argument("--shape", choices=shapes.NAMES, help="a random-weight model of this shape")
+    ap.add_argument("--gpus", type=int, default=0, help="CUDA: rank r runs on GPU r mod G")
+    ap.add_argument("--serve-args", default="", help="extra options for every cluster")
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="lengthen the prompt to about N")
     args = ap.parse_args()
-    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # see the module docstring
+    pin = args.gpus == 0
+    if pin:
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # see the module docstring
 
     from mlx_relay.default_model import resolve_model
 
+    if args.shape:
+        args.model = str(shapes.make_shape(args.shape, shapes.cache_dir() / args.shape))
     path = resolve_model(args.model)
     sizes = [int(x) for x in args.ranks.split(",")]
     print(f"model {path}  tokens {args.tokens}  rounds {args.rounds}  cores {os.cpu_count()}")
     with contextlib.ExitStack() as stack:
         runners: dict[str, Callable[[], dict]] = {}
-        base = Baseline(path, args.tokens)
+        prompt = make_prompt(args.prompt_tokens)
+        base = Baseline(path, args.tokens, prompt, gpu_env(0, args.gpus) or {"BENCH_PIN": "1"})
         stack.callback(base.close)
         runners["mlx_lm (1 process)"] = base.run
         for n in sizes:  # every cluster stays up, idle on its doorbells, between its turns
@@ -121,13 +151,18 @@ def main() -> int:
             logs = Path(tempfile.mkdtemp(prefix="bench-logs-"))
             cluster = stack.enter_context(
                 LocalCluster(
-                    n, ["--model", args.model], grpc_address=address, log_dir=logs, pin=True
+                    n,
+                    ["--model", args.model, *args.serve_args.split()],
+                    grpc_address=address,
+                    log_dir=logs,
+                    pin=pin,
+                    rank_env={r: gpu_env(r, args.gpus) for r in range(n)},
                 )
             )
             cluster.wait_serving(600)
             client = stack.enter_context(Client(address, timeout=600))
             label = f"mlx-relay {n} rank{'s' if n > 1 else ''}"
-            runners[label] = lambda c=client: cluster_run(c, args.tokens)
+            runners[label] = lambda c=client: cluster_run(c, args.tokens, prompt)
         for run in runners.values():  # warm-up
             run()
         results: dict[str, list[dict]] = {label: [] for label in runners}

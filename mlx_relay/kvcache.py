@@ -26,6 +26,9 @@ class CacheError(ValueError):
 class _Group:
     slots: list[int]
     caches: list[Any]
+    # Each row's position, kept on the host: the caches' own offsets live on the
+    # device, and reading them would wait for the step before.
+    positions: list[int]
 
 
 class SlotCaches:
@@ -61,18 +64,24 @@ class SlotCaches:
         return caches
 
     def for_group(self, group: int, slots: list[int], offsets: list[int]) -> list[Any]:
-        """The batch caches of a decode group holding exactly `slots`, in that order."""
+        """The batch caches of a decode group holding exactly `slots`, in that order,
+        for a step of one token per row (they move on by one position)."""
         current = self.groups.get(group)
         if current is None or current.slots != slots:
             current = self._rebuild(group, current, slots)
-        if current.caches:
-            have = current.caches[0].offset.tolist()
-            if have != offsets:
-                raise CacheError(f"group {group} is at positions {have}, step says {offsets}")
+        if current.positions != offsets:
+            raise CacheError(
+                f"group {group} is at positions {current.positions}, step says {offsets}"
+            )
+        current.positions = [p + 1 for p in offsets]
         return current.caches
 
     def _rebuild(self, group: int, current: _Group | None, slots: list[int]) -> _Group:
-        kept_slots, caches = ([], None) if current is None else (current.slots, current.caches)
+        kept_slots, caches, positions = (
+            ([], None, [])
+            if current is None
+            else (current.slots, current.caches, current.positions)
+        )
         keep = [i for i, s in enumerate(kept_slots) if s in slots]
         if caches is not None and len(keep) < len(kept_slots):
             if keep:
@@ -81,12 +90,14 @@ class SlotCaches:
             else:
                 caches = None
             kept_slots = [kept_slots[i] for i in keep]
+            positions = [positions[i] for i in keep]
         joining = [s for s in slots if s not in kept_slots]
         for s in joining:
             if s not in self.single:
                 raise CacheError(f"slot {s} joins group {group} but was never prefilled")
         if joining:
             per_sequence = [self.single.pop(s) for s in joining]
+            positions = positions + [layers[0].offset if layers else 0 for layers in per_sequence]
             merged = [
                 type(layer[0]).merge(list(layer)) for layer in zip(*per_sequence, strict=True)
             ]
@@ -98,7 +109,7 @@ class SlotCaches:
             kept_slots = kept_slots + joining
         if kept_slots != slots:
             raise CacheError(f"group {group} holds slots {kept_slots}, step lists {slots}")
-        rebuilt = _Group(kept_slots, caches or [])
+        rebuilt = _Group(kept_slots, caches or [], positions)
         self.groups[group] = rebuilt
         return rebuilt
 
@@ -110,7 +121,8 @@ class SlotCaches:
                 if slot in g.slots:
                     i = g.slots.index(slot)
                     own = [c.extract(i) for c in g.caches]
-                    mx.eval([(c.keys, c.values) for c in own])  # let go of the batch arrays
+                    # Computed in the background; then the batch arrays can go.
+                    mx.async_eval([(c.keys, c.values) for c in own])
                     self.single[slot] = own
         self.free_groups(slots)
 
@@ -130,6 +142,7 @@ class SlotCaches:
                 for c in g.caches:
                     c.filter(mx.array(keep))
                 g.slots = [g.slots[i] for i in keep]
+                g.positions = [g.positions[i] for i in keep]
 
     def clear(self) -> None:
         self.single.clear()

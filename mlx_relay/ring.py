@@ -33,7 +33,16 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 
 class Ring:
-    """The ring plus its doorbells: every hop rings before it sends."""
+    """The ring plus its doorbells: every hop rings as it is posted.
+
+    Sends and receives are *posted*: queued on the device's streams with
+    `mx.async_eval`, never waited for here, so a rank builds its next graph while its
+    device computes and the link carries the last one. The streams run posted
+    operations in the order they were posted, which is what keeps every rank's sends
+    and receives paired. The doorbell rings when a send is posted, before its data is
+    ready: a sleeping neighbour wakes while the data is still being computed, so the
+    wake-up costs nothing on the critical path.
+    """
 
     def __init__(self, group: mx.distributed.Group, doorbell: Doorbell) -> None:
         self.group = group
@@ -43,35 +52,45 @@ class Ring:
         self.next = (self.rank + 1) % self.size
         self.prev = (self.rank - 1) % self.size
 
-    def send(self, header: hdr.StepHeader, payload: mx.array | None = None) -> None:
-        raw = mx.array(hdr.encode(header))
-        if payload is not None:
-            mx.eval(payload)  # compute first, so the neighbour is woken only when data is ready
+    def send(self, header: hdr.StepHeader, payload: mx.array | None = None) -> list[mx.array]:
+        """Post the header, then the payload it announces; returns the posted sends.
+
+        Errors in building `payload` were raised before this is called, so what is
+        posted always matches the header.
+        """
+        shape = hdr.payload_nbytes_shape(header)
+        if shape and payload is None:
+            raise hdr.ProtocolError(f"{header.describe()} announces a payload but has none")
+        # One post each: within one evaluation independent sends may run in any order.
+        sent = [mx.distributed.send(mx.array(hdr.encode(header)), self.next, group=self.group)]
+        mx.async_eval(sent[0])
+        if shape:
+            sent.append(mx.distributed.send(payload, self.next, group=self.group))
+            mx.async_eval(sent[1])
         self.doorbell.ring(header.step_id)
-        mx.eval(mx.distributed.send(raw, self.next, group=self.group))
-        if hdr.payload_nbytes_shape(header):
-            if payload is None:
-                raise hdr.ProtocolError(f"{header.describe()} announces a payload but has none")
-            mx.eval(mx.distributed.send(payload, self.next, group=self.group))
+        return sent
 
     def wait(self, timeout: float | None = None) -> None:
         """Sleep until the left neighbour rings; DoorbellTimeout after `timeout` seconds."""
         self.doorbell.wait(timeout)
 
     def recv_header(self) -> hdr.StepHeader:
-        """Receive a header; call after `wait` so that the backend does not spin."""
-        raw = mx.distributed.recv((hdr.HEADER_LEN,), mx.int32, self.prev, group=self.group)
+        """Receive a header and read it: the one wait a worker has per hop."""
+        raw = self.post_recv_header()
         mx.eval(raw)
         return hdr.decode(np.array(raw, copy=False))
 
-    def recv_payload(self, header: hdr.StepHeader) -> mx.array | None:
-        shape = hdr.payload_nbytes_shape(header)
+    def post_recv_header(self) -> mx.array:
+        raw = mx.distributed.recv((hdr.HEADER_LEN,), mx.int32, self.prev, group=self.group)
+        mx.async_eval(raw)
+        return raw
+
+    def post_recv_payload(self, shape: tuple[int, ...], dtype: str) -> mx.array | None:
+        """Post the receive of a payload of known shape (None for no payload)."""
         if not shape:
             return None
-        payload = mx.distributed.recv(
-            shape, mx_dtype(header.payload_dtype), self.prev, group=self.group
-        )
-        mx.eval(payload)
+        payload = mx.distributed.recv(shape, mx_dtype(dtype), self.prev, group=self.group)
+        mx.async_eval(payload)
         return payload
 
 

@@ -47,9 +47,11 @@ def _mlx_lm_second_turn(model, first: list[int], second: list[int]) -> tuple[lis
 
 
 def _held(response: pb.GenerateResponse) -> int:
-    """Tokens a finished request's caches hold: its prompt and every token fed back, which
-    is each generated token but the last one when it ran out of max_tokens."""
-    fed = len(response.token_ids) - (response.finish_reason == "length")
+    """Tokens a finished request's caches hold: its prompt and every token it sampled, the
+    last one (and an end-of-sequence token) included: the step that feeds a token back
+    goes out before the host reads it, so the host learns the sequence has ended only
+    after that step was launched."""
+    fed = len(response.token_ids) + (response.finish_reason == "stop")
     return response.usage.prompt_tokens + fed
 
 

@@ -100,6 +100,15 @@ class Request:
 
 
 @dataclass
+class Sampled:
+    """One step's sampled tokens, computed or not yet, for the sequences it served."""
+
+    seqs: list[Sequence]
+    tokens: mx.array  # (len(seqs),)
+    logprobs: list[mx.array | None]  # a row's log-probabilities where its request wants them
+
+
+@dataclass
 class Sequence:
     """Engine-thread state of one active request."""
 
@@ -109,10 +118,12 @@ class Sequence:
     detokenizer: Any
     stops: StopStrings
     parser: OutputParser
-    pending: list[int]  # tokens to feed at the next step(s)
-    position: int = 0  # tokens already in the KV cache
-    context: list[int] = field(default_factory=list)  # prompt + generated, for processors
+    pending: list[int]  # prompt tokens still to prefill
+    position: int = 0  # tokens fed to the KV caches (sent round the ring)
+    context: list[int] = field(default_factory=list)  # prompt + sampled tokens read so far
     generated: list[int] = field(default_factory=list)
+    # The token sampled last, still on the device: the next decode step's input.
+    next_input: mx.array | None = None
     cached_tokens: int = 0  # prompt tokens found in a parked cache; the first step reuses it
     taken: Taken | None = None  # how the slot was taken, until the first step launches
     reasoning_tokens: int = 0
@@ -246,8 +257,7 @@ class Engine:
                     continue
                 self._admit()
                 self._reap_cancelled()
-                while len(self._launched) < self.max_in_flight and self._launch_next():
-                    pass
+                self._launch_ready()
                 if self._launched:
                     self._complete_oldest()
                 else:
@@ -339,8 +349,11 @@ class Engine:
         )
 
     def _reap_cancelled(self) -> None:
+        """End cancelled sequences now: steps of theirs still in flight run to their end
+        on every rank before the freeing step that follows them (steps keep their order),
+        and what they return is ignored."""
         for seq in list(self._active):
-            if seq.request.cancelled.is_set() and seq.in_flight == 0:
+            if seq.request.cancelled.is_set():
                 self._finish(seq, Chunk(), reason="cancelled")
 
     # --- launching -----------------------------------------------------------------
@@ -349,14 +362,12 @@ class Engine:
         units: list[tuple[str, Any]] = [
             ("group", g)
             for g, members in enumerate(self._groups)
-            if members and not any(s.in_flight for s in members)
+            if members and all(s.next_input is not None for s in members)
         ]
         units += [
             ("single", s)
             for s in self._active
-            if s.group is None
-            and (s.in_flight == 0 or s.prefilling)
-            and not s.request.cancelled.is_set()
+            if s.group is None and s.prefilling and not s.request.cancelled.is_set()
         ]
         return units
 
@@ -391,7 +402,8 @@ class Engine:
         step = self.pipeline.launch_forward(
             [seq.slot],
             [seq.position],
-            [tokens],
+            mx.array([tokens]),
+            [n],
             want_logits=want_logits,
             reuse_from=seq.taken.source if seq.taken and seq.cached_tokens else None,
         )
@@ -401,18 +413,22 @@ class Engine:
         self._track(step, [seq])
 
     def _launch_group(self, group: int) -> None:
+        """One decode step of the group, fed the tokens its members sampled last, which
+        may not be computed yet: the step goes out before the host has read them."""
         members = list(self._groups[group])
-        tokens = [s.pending for s in members]
+        tokens = mx.concatenate([s.next_input for s in members])[:, None]
+        for s in members:
+            s.next_input = None
         step = self.pipeline.launch_forward(
             [s.slot for s in members],
             [s.position for s in members],
             tokens,
+            [1] * len(members),
             group=group,
             want_logits=True,
         )
         for s in members:
             s.position += 1
-            s.context.extend(s.pending)
         self._track(step, members)
 
     def _track(self, step: Step, seqs: list[Sequence]) -> None:
@@ -423,42 +439,55 @@ class Engine:
 
     # --- completing ----------------------------------------------------------------
     def _complete_oldest(self) -> None:
+        """Take the oldest step back, and overlap: its tokens are sampled as a graph, the
+        next steps are launched on them, and only then does the host wait to read them
+        (as mlx-lm's generator does), so the device and the ring are never idle while
+        the host detokenizes, parses and streams."""
         step = self._launched.popleft()
         seqs: list[Sequence] = step.tag or []
         for s in seqs:
             s.in_flight -= 1
+        sampled: Sampled | None = None
         try:
             logits = self.pipeline.complete(step)
+            for seq in seqs:
+                if seq in self._active and seq.request.cancelled.is_set():
+                    self._finish(seq, Chunk(), reason="cancelled")
+            rows = [(i, s) for i, s in enumerate(seqs) if s in self._active]
+            if logits is not None and rows:
+                sampled = self._sample(rows, logits)
+                self._launch_ready()
+            self.pipeline.check(step)
         except ClusterFailure:
             raise
         except RankFailure as e:
-            log.error("%s failed: %s", step.header.describe(), e)
-            for seq in seqs:
-                if seq in self._active:
-                    self._finish(seq, EngineError("internal", str(e)))
-            if step.header.cmd == hdr.CMD_FREE and step.header.flags & hdr.FLAG_PARK:
-                # Some rank could not keep these caches: nobody may reuse them.
-                lost = set(step.header.slots)
-                for seq in self._active:
-                    if seq.taken and seq.cached_tokens and seq.taken.source in lost:
-                        self._restart_prefill(seq)
-                with self._cv:
-                    forgotten = self._slots.forget(step.header.slots)
-                for slot in forgotten:
-                    self._free_slot(slot)
-            return  # its later steps in flight fail too; they find it finished
-        for i, seq in enumerate(seqs):
-            if seq not in self._active:
-                continue
-            if seq.request.cancelled.is_set():
-                if seq.in_flight == 0:
-                    self._finish(seq, Chunk(), reason="cancelled")
-                continue
-            if logits is None:
-                continue
-            self._sample_and_emit(seq, logits[i : i + 1])
-            if seq in self._active and seq.group is None:
-                self._join_group(seq)
+            self._step_failed(step, seqs, e)
+            return
+        if sampled is not None:
+            self._emit_sampled(sampled)
+
+    def _step_failed(self, step: Step, seqs: list[Sequence], e: RankFailure) -> None:
+        log.error("%s failed: %s", step.header.describe(), e)
+        for seq in seqs:
+            if seq in self._active:
+                self._finish(seq, EngineError("internal", str(e)))
+        if step.header.cmd == hdr.CMD_FREE and step.header.flags & hdr.FLAG_PARK:
+            # Some rank could not keep these caches: nobody may reuse them.
+            lost = set(step.header.slots)
+            for seq in self._active:
+                if seq.taken and seq.cached_tokens and seq.taken.source in lost:
+                    self._restart_prefill(seq)
+            with self._cv:
+                forgotten = self._slots.forget(step.header.slots)
+            for slot in forgotten:
+                self._free_slot(slot)
+        # Its later steps in flight fail too; they find the sequences finished.
+
+    def _launch_ready(self) -> None:
+        if self._commands:  # a command waits for the ring to empty: launch nothing new
+            return
+        while len(self._launched) < self.max_in_flight and self._launch_next():
+            pass
 
     def _join_group(self, seq: Sequence) -> None:
         sizes = [len(m) if len(m) < hdr.MAX_SEQS else math.inf for m in self._groups]
@@ -466,26 +495,60 @@ class Engine:
         seq.group = group
         self._groups[group].append(seq)
 
-    def _sample_and_emit(self, seq: Sequence, logits: mx.array) -> None:
-        """mlx-lm's step: logits processors, log-softmax, sample."""
-        if seq.sampler.processes:
-            logits = seq.sampler.process(seq.context, seq.generated, logits)
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        token_array = seq.sampler.sample(logprobs)
-        mx.eval(token_array, logprobs)
-        if seq.first_token_at is None:
-            seq.first_token_at = time.perf_counter()
-        self._emit(seq, int(token_array.item()), logprobs[0])
+    def _sample(self, rows: list[tuple[int, Sequence]], logits: mx.array) -> Sampled:
+        """mlx-lm's step for each row (logits processors, log-softmax, sample), built as
+        one graph and started, not waited for; each sequence's next input is its row.
 
-    def _emit(self, seq: Sequence, token: int, logprobs: mx.array) -> None:
+        Rows that take the plain greedy token share one argmax; only requests that need
+        their own work (a seed, penalties, logprobs) get a row of their own.
+        """
+        if len(rows) < logits.shape[0]:
+            logits = logits[mx.array([i for i, _ in rows])]
+        seqs = [s for _, s in rows]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        own_rows = [s.sampler.processes or s.sampler.params.temperature != 0 for s in seqs]
+        wanted: list[mx.array | None] = [None] * len(seqs)
+        if not any(own_rows):
+            tokens = mx.argmax(logprobs, axis=-1)
+        else:
+            picked = []
+            for j, seq in enumerate(seqs):
+                row = logprobs[j : j + 1]
+                if seq.sampler.processes:
+                    row = seq.sampler.process(seq.context, seq.generated, logits[j : j + 1])
+                    row = row - mx.logsumexp(row, keepdims=True)
+                picked.append(seq.sampler.sample(row))
+                wanted[j] = row[0]
+            tokens = mx.concatenate(picked)
+        for j, seq in enumerate(seqs):
+            if seq.request.params.logprobs and wanted[j] is None:
+                wanted[j] = logprobs[j]
+            seq.next_input = tokens[j : j + 1]
+            if seq.group is None:
+                self._join_group(seq)
+        mx.async_eval(tokens)
+        return Sampled(seqs, tokens, wanted)
+
+    def _emit_sampled(self, sampled: Sampled) -> None:
+        """The one wait for the device per step: read the sampled tokens, then stream."""
+        values = sampled.tokens.tolist()
+        now = time.perf_counter()
+        for seq, token, logprobs in zip(sampled.seqs, values, sampled.logprobs, strict=True):
+            if seq not in self._active:
+                continue
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+            seq.context.append(token)
+            self._emit(seq, token, logprobs)
+
+    def _emit(self, seq: Sequence, token: int, logprobs: mx.array | None) -> None:
         params = seq.request.params
         if token in self.tokenizer.eos_token_ids and not params.ignore_eos:
             self._finish(seq, Chunk(), reason="stop")
             return
         seq.generated.append(token)
-        seq.pending = [token]
         chunk = Chunk(token_ids=[token])
-        if params.logprobs:
+        if params.logprobs and logprobs is not None:
             chunk.logprobs.append(self._logprob_entry(token, logprobs, params.top_logprobs))
         was_reasoning = seq.parser.in_reasoning
         if token not in self._special_ids:
@@ -497,7 +560,7 @@ class Engine:
             self._finish(seq, chunk, reason="stop")
         elif len(seq.generated) >= params.max_tokens:
             self._finish(seq, chunk, reason="length")
-        elif self.context_length and seq.position + 1 >= self.context_length:
+        elif self.context_length and len(seq.context) >= self.context_length:
             self._finish(seq, chunk, reason="length")
         else:
             seq.request.out.put(chunk)
@@ -556,8 +619,9 @@ class Engine:
         elif seq.taken is not None:  # its first step failed on rank 0: reset the slot
             self._launched_first(seq)
             self._free_slot(seq.slot)
-        elif self._reuse and isinstance(last, Chunk) and seq.in_flight == 0 and seq.position:
-            # It ended normally: its caches stay for a later prompt sharing a prefix.
+        elif self._reuse and isinstance(last, Chunk) and seq.position:
+            # It ended normally: its caches stay for a later prompt sharing a prefix
+            # (after its steps still in flight: the park step follows them everywhere).
             self._launch_free([seq.slot], park=True)
             with self._cv:
                 self._slots.park(seq.slot, seq.context[: seq.position])

@@ -15,10 +15,11 @@ import logging
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_relay import memory, sharding
 from mlx_relay.default_model import resolve_model
@@ -63,11 +64,19 @@ class ClusterFailure(RankFailure):
 
 @dataclass
 class Step:
-    """A step launched round the ring, completed later in launch order."""
+    """A step launched round the ring, completed later in launch order.
+
+    Launching posts rank 0's part and the sends; completing posts the receive of what
+    comes back and gives the logits as a graph still to be computed; only `check`
+    waits, for the header that came back, once the caller has posted what depends on
+    the step (the next step's graph), so the device never idles while the host waits.
+    """
 
     header: hdr.StepHeader
     want_logits: bool
     hidden: mx.array | None = None
+    returned: mx.array | None = None  # the header that came back, as it came
+    posted: list[mx.array] = field(default_factory=list)  # sends in flight, kept alive
     tag: Any = None  # the engine's own bookkeeping
 
 
@@ -157,22 +166,23 @@ class Pipeline:
         self,
         slots: list[int],
         offsets: list[int],
-        tokens: list[list[int]],
+        tokens: mx.array,
+        lengths: list[int],
         *,
         group: int = hdr.NO_GROUP,
         want_logits: bool,
         reuse_from: int | None = None,
     ) -> Step:
-        """Run rank 0's layers for one step and send it round the ring.
+        """Post rank 0's layers for one step and send it round the ring.
 
-        A decode group (one token per sequence) runs as one batch; otherwise each
-        sequence (a prefill chunk) runs alone on its own cache. `reuse_from`: the one
-        sequence starts from that slot's parked cache, cut back to its offset.
+        `tokens` (batch, width) may still be on its way (the sampled tokens of the step
+        before): nothing here waits for it. A decode group (one token per sequence)
+        runs as one batch; otherwise each sequence (a prefill chunk, right-padded to
+        the widest) runs alone on its own cache. `reuse_from`: the one sequence starts
+        from that slot's parked cache, cut back to its offset.
         """
         if self.shard is None or self.caches is None:
             raise RuntimeError("no model loaded")
-        width = max(len(t) for t in tokens)
-        padded = [t + [0] * (width - len(t)) for t in tokens]
         header = hdr.StepHeader(
             cmd=hdr.CMD_FORWARD,
             flags=(hdr.FLAG_WANT_OUTPUT if want_logits else 0)
@@ -180,19 +190,18 @@ class Pipeline:
             group=group,
             slots=list(slots),
             offsets=list(offsets),
-            lengths=[len(t) for t in tokens],
+            lengths=list(lengths),
             source=hdr.NO_SOURCE if reuse_from is None else reuse_from,
         )
-        h = sharding.embed(self.shard, mx.array(padded))
+        h = sharding.embed(self.shard, tokens)
         try:
             h = forward_stage(self.shard, self.caches, header, h)
         except CacheError as e:
             raise RuntimeError(f"rank 0: {e}") from e
         step = Step(header, want_logits)
         if self.world_size == 1:
-            step.hidden = h
-            if not want_logits:
-                mx.eval(h)
+            step.hidden = h[:, -1:, :] if want_logits else h
+            mx.async_eval(step.hidden)
             return step
         header.payload_kind = hdr.PAYLOAD_HIDDEN
         header.payload_dtype = dtype_name(h.dtype)
@@ -220,15 +229,42 @@ class Pipeline:
         return len(self._in_flight)
 
     def complete(self, step: Step) -> mx.array | None:
-        """Wait for the oldest step in flight to return; logits (batch, vocab) if asked for."""
+        """Post the receive of the oldest step in flight; its logits (batch, vocab) as a
+        graph still to be computed, if it asked for them. Call `check` before trusting
+        them."""
         if self.world_size > 1:
             if not self._in_flight or self._in_flight[0] is not step:
                 raise RuntimeError("steps must complete in the order they were launched")
             self._in_flight.popleft()
-            _, step.hidden = self._receive(step.header)
+            self._wait_for_return(step.header)
+            try:
+                step.returned = self.ring.post_recv_header()
+                step.hidden = self.ring.post_recv_payload(
+                    self._returned_shape(step.header), step.header.payload_dtype
+                )
+            except RuntimeError as e:
+                raise self._ring_broken(e, self.ring.prev) from e
         if not step.want_logits:
             return None
-        return sharding.head(self.shard, step.hidden[:, -1:, :])[:, -1, :]
+        return sharding.head(self.shard, step.hidden)[:, -1, :]
+
+    def check(self, step: Step) -> None:
+        """Wait for the step's header to come back; RankFailure if a rank failed it."""
+        step.posted = []
+        if step.returned is None:
+            return
+        try:
+            mx.eval(step.returned)
+        except RuntimeError as e:
+            raise self._ring_broken(e, self.ring.prev) from e
+        back = hdr.decode(np.array(step.returned, copy=False))
+        header = step.header
+        if back.step_id != header.step_id or back.cmd != header.cmd:
+            raise ClusterFailure(
+                -1, "", f"ranks out of step: sent {header.describe()}, got {back.describe()}"
+            )
+        if back.error_mask:
+            raise self._failure(back)
 
     def complete_all(self) -> None:
         """Let every step in flight come back (before a command, or when giving up)."""
@@ -236,17 +272,26 @@ class Pipeline:
             step = self._in_flight[0]
             try:
                 self.complete(step)
+                self.check(step)
             except RankFailure as e:
                 if isinstance(e, ClusterFailure):
                     raise
                 log.warning("dropped %s: %s", step.header.describe(), e)
+
+    @staticmethod
+    def _returned_shape(header: hdr.StepHeader) -> tuple[int, ...]:
+        """What the last rank sends back: each row's last hidden state if asked for,
+        else nothing (workers keep to this even when they fail)."""
+        if header.cmd == hdr.CMD_FORWARD and header.flags & hdr.FLAG_WANT_OUTPUT:
+            return (header.n_seqs, 1, header.payload_shape[2])
+        return ()
 
     # --- the ring ------------------------------------------------------------------
     def _launch(self, step: Step, payload: mx.array | None) -> None:
         self._step_id += 1
         step.header.step_id = self._step_id
         try:
-            self.ring.send(step.header, payload)
+            step.posted = self.ring.send(step.header, payload)
         except RuntimeError as e:
             raise self._ring_broken(e, self.ring.next) from e
         self._in_flight.append(step)
@@ -265,14 +310,12 @@ class Pipeline:
         step = Step(header, want_logits=False)
         self._launch(step, payload)
         self._in_flight.popleft()
-        back, _ = self._receive(header)
-        return back
-
-    def _receive(self, header: hdr.StepHeader) -> tuple[hdr.StepHeader, mx.array | None]:
         self._wait_for_return(header)
         try:
             back = self.ring.recv_header()
-            out = self.ring.recv_payload(back)
+            out = self.ring.post_recv_payload(hdr.payload_nbytes_shape(back), back.payload_dtype)
+            if out is not None:
+                mx.eval(out)
         except RuntimeError as e:
             raise self._ring_broken(e, self.ring.prev) from e
         if back.step_id != header.step_id or back.cmd != header.cmd:
@@ -281,7 +324,7 @@ class Pipeline:
             )
         if back.error_mask:
             raise self._failure(back)
-        return back, out
+        return back
 
     def _wait_for_return(self, header: hdr.StepHeader) -> None:
         """Sleep until the step comes back, watching every worker's heartbeat meanwhile.

@@ -44,6 +44,7 @@ class Worker:
         self.is_last = ring.rank == ring.size - 1
         self.shard: sharding.Shard | None = None
         self.caches: SlotCaches | None = None
+        self._posted: list[mx.array] = []  # the last step's sends, alive until they ran
 
     def run(self) -> None:
         """The loop: sleep until a step's doorbell rings, take the step, pass it on."""
@@ -65,9 +66,11 @@ class Worker:
             self.link.state = "busy"
             try:
                 header = self.ring.recv_header()
-                payload = self.ring.recv_payload(header)
+                payload = self.ring.post_recv_payload(
+                    hdr.payload_nbytes_shape(header), header.payload_dtype
+                )
                 out = self.step(header, payload)
-                self.ring.send(header, out)
+                self._posted = self.ring.send(header, out)
             except RuntimeError as e:  # mx.distributed: a neighbour's connection is gone
                 log.error("rank %d: the ring broke: %s; waiting for rank 0's word", self.rank, e)
                 self.link.ring_broken(str(e))
@@ -78,11 +81,15 @@ class Worker:
                 return
 
     def step(self, header: hdr.StepHeader, payload: mx.array | None) -> mx.array | None:
-        """Act on one step; returns the payload to forward (the header is updated in place)."""
+        """Act on one step; returns the payload to forward (the header is updated in place).
+
+        A forward step is only built here, not waited for: the ring posts it and the
+        device runs it while this loop already waits for the next header. Whatever
+        fails while building (a cache that does not fit the header, a bad shape) is
+        caught before anything is sent, so the failure still travels in the header.
+        """
         try:
             out = self._act(header, payload)
-            if out is not None:
-                mx.eval(out)
         except Exception as e:  # noqa: BLE001 - every failure must still complete the step
             code = e.code if isinstance(e, StepError) else hdr.ERR_EXCEPTION
             message = str(e) if isinstance(e, StepError) else f"{type(e).__name__}: {e}"
@@ -104,7 +111,7 @@ class Worker:
             and header.flags & hdr.FLAG_WANT_OUTPUT
             and out is not None
         ):
-            out = out[:, -1:, :]
+            out = out[:, -1:, :].astype(mx_dtype(header.payload_dtype))
             header.payload_shape = tuple(out.shape)
             return out
         header.payload_kind = hdr.PAYLOAD_NONE
