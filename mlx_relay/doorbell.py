@@ -1,13 +1,19 @@
-"""Doorbells: a rank sleeps until its left neighbour says a step is on its way.
+"""Doorbells: each hop's header travels here, and a rank sleeps until one arrives.
 
 The ring backend's `recv` busy-polls a core for as long as it waits. Measured on the
 2-vCPU machines this project is tested on, one spinning process slows a computing
 process on the other vCPU by almost half (53 s -> 98 s for the same matmuls), and on a
 laptop-class Mac an idle-but-spinning cluster is heat and battery for nothing. So each
-hop is announced first over a zmq PUSH/PULL pair between ring neighbours; the receiver
-blocks in zmq (no CPU) until the doorbell rings, and only then enters `recv`, which
-finds the data there or moments away. Waiting in zmq also gives rank 0 a timeout:
-`mx.distributed` has none.
+step's header goes over a zmq PUSH/PULL pair between ring neighbours, and only the
+payload over the ring: the receiver blocks in zmq (no CPU) until a header arrives,
+then posts the ring receive the header announces. Waiting in zmq also gives rank 0 a
+timeout, which `mx.distributed` has not.
+
+The header is sent the moment a step is decided, before its payload is computed, and
+it does not queue behind the device's work as a ring message would: the next rank
+builds its part of the step while this one computes, so on an accelerator, where
+building a step's graph and launching its kernels cost as much as running them, every
+rank's host work overlaps the device work of the ranks before it.
 """
 
 from __future__ import annotations
@@ -49,18 +55,17 @@ class Doorbell:
         self.outgoing.setsockopt(zmq.SNDTIMEO, 5000)
         self.outgoing.connect(endpoints[(rank + 1) % size])
 
-    def ring(self, step_id: int) -> None:
-        self.outgoing.send_multipart(control.encode("bell", {"step": step_id}, self.secret))
+    def ring(self, message: bytes) -> None:
+        self.outgoing.send_multipart(control.sign(message, self.secret))
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until the left neighbour rings (forever if timeout is None)."""
+    def wait(self, timeout: float | None = None) -> bytes:
+        """The next message from the left neighbour (waiting forever if timeout is None)."""
         while True:
             if timeout is not None and not self.incoming.poll(int(timeout * 1000)):
                 raise DoorbellTimeout(f"no step arrived within {timeout:.1f} s")
             frames = self.incoming.recv_multipart()
             try:
-                control.decode(frames, self.secret)
-                return
+                return control.verify(frames, self.secret)
             except control.BadMessage:
                 continue  # not from our neighbour: keep waiting
 

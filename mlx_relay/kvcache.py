@@ -67,6 +67,10 @@ class SlotCaches:
         """The batch caches of a decode group holding exactly `slots`, in that order,
         for a step of one token per row (they move on by one position)."""
         current = self.groups.get(group)
+        if current is None and len(slots) == 1:
+            # A group of one decodes on the sequence's own cache, as single-process
+            # mlx-lm does: no batch padding, masks or offset arrays to compute per step.
+            return self._own(slots[0], offsets[0])
         if current is None or current.slots != slots:
             current = self._rebuild(group, current, slots)
         if current.positions != offsets:
@@ -75,6 +79,14 @@ class SlotCaches:
             )
         current.positions = [p + 1 for p in offsets]
         return current.caches
+
+    def _own(self, slot: int, offset: int) -> list[Any]:
+        caches = self.single.get(slot)
+        if caches is None:
+            raise CacheError(f"slot {slot} decodes but was never prefilled")
+        if caches and caches[0].offset != offset:
+            raise CacheError(f"slot {slot} is at position {caches[0].offset}, step says {offset}")
+        return caches
 
     def _rebuild(self, group: int, current: _Group | None, slots: list[int]) -> _Group:
         kept_slots, caches, positions = (

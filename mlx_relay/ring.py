@@ -33,15 +33,20 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 
 class Ring:
-    """The ring plus its doorbells: every hop rings as it is posted.
+    """One hop: the header over the doorbell, the payload over the ring.
 
-    Sends and receives are *posted*: queued on the device's streams with
+    Payload sends and receives are *posted*: queued on the device's streams with
     `mx.async_eval`, never waited for here, so a rank builds its next graph while its
     device computes and the link carries the last one. The streams run posted
-    operations in the order they were posted, which is what keeps every rank's sends
-    and receives paired. The doorbell rings when a send is posted, before its data is
-    ready: a sleeping neighbour wakes while the data is still being computed, so the
-    wake-up costs nothing on the critical path.
+    operations in the order they were posted, which keeps every rank's payload sends
+    and receives paired. Headers go ahead on the doorbell (see doorbell.py).
+
+    When they go depends on the device. On a GPU a header goes out before its payload is
+    computed, so the next rank builds its graph and launches its kernels meanwhile, and
+    its receive waits on a CPU thread that has nothing else to do. On a CPU the same
+    early receive would busy-poll a core the rank computes on (the ring backend spins
+    while it waits), so there the payload is computed first and the header then says
+    it is ready: a receive is posted only when its data is there.
     """
 
     def __init__(self, group: mx.distributed.Group, doorbell: Doorbell) -> None:
@@ -51,39 +56,32 @@ class Ring:
         self.size = group.size()
         self.next = (self.rank + 1) % self.size
         self.prev = (self.rank - 1) % self.size
+        self.announce_early = mx.default_device() == mx.gpu
 
-    def send(self, header: hdr.StepHeader, payload: mx.array | None = None) -> list[mx.array]:
-        """Post the header, then the payload it announces; returns the posted sends.
+    def send_header(self, header: hdr.StepHeader) -> None:
+        """Announce a step to the right neighbour, before its payload is computed."""
+        self.doorbell.ring(hdr.encode(header).tobytes())
 
-        Errors in building `payload` were raised before this is called, so what is
-        posted always matches the header.
-        """
+    def send_payload(self, header: hdr.StepHeader, payload: mx.array | None) -> mx.array | None:
+        """Post the payload the header announced; returns the posted send (or None)."""
         shape = hdr.payload_nbytes_shape(header)
-        if shape and payload is None:
-            raise hdr.ProtocolError(f"{header.describe()} announces a payload but has none")
-        # One post each: within one evaluation independent sends may run in any order.
-        sent = [mx.distributed.send(mx.array(hdr.encode(header)), self.next, group=self.group)]
-        mx.async_eval(sent[0])
-        if shape:
-            sent.append(mx.distributed.send(payload, self.next, group=self.group))
-            mx.async_eval(sent[1])
-        self.doorbell.ring(header.step_id)
+        if not shape:
+            return None
+        if payload is None or tuple(payload.shape) != shape:
+            raise hdr.ProtocolError(f"{header.describe()} announces a payload of shape {shape}")
+        sent = mx.distributed.send(payload, self.next, group=self.group)
+        mx.async_eval(sent)
         return sent
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Sleep until the left neighbour rings; DoorbellTimeout after `timeout` seconds."""
-        self.doorbell.wait(timeout)
+    def send(self, header: hdr.StepHeader, payload: mx.array | None = None) -> mx.array | None:
+        if payload is not None and not self.announce_early:
+            mx.eval(payload)
+        self.send_header(header)
+        return self.send_payload(header, payload)
 
-    def recv_header(self) -> hdr.StepHeader:
-        """Receive a header and read it: the one wait a worker has per hop."""
-        raw = self.post_recv_header()
-        mx.eval(raw)
-        return hdr.decode(np.array(raw, copy=False))
-
-    def post_recv_header(self) -> mx.array:
-        raw = mx.distributed.recv((hdr.HEADER_LEN,), mx.int32, self.prev, group=self.group)
-        mx.async_eval(raw)
-        return raw
+    def recv_header(self, timeout: float | None = None) -> hdr.StepHeader:
+        """The next header from the left neighbour; DoorbellTimeout after `timeout` s."""
+        return hdr.decode(np.frombuffer(self.doorbell.wait(timeout), dtype=np.int32))
 
     def post_recv_payload(self, shape: tuple[int, ...], dtype: str) -> mx.array | None:
         """Post the receive of a payload of known shape (None for no payload)."""

@@ -103,6 +103,7 @@ class Request:
 class Sampled:
     """One step's sampled tokens, computed or not yet, for the sequences it served."""
 
+    step: Step
     seqs: list[Sequence]
     tokens: mx.array  # (len(seqs),)
     logprobs: list[mx.array | None]  # a row's log-probabilities where its request wants them
@@ -455,14 +456,16 @@ class Engine:
                     self._finish(seq, Chunk(), reason="cancelled")
             rows = [(i, s) for i, s in enumerate(seqs) if s in self._active]
             if logits is not None and rows:
-                sampled = self._sample(rows, logits)
+                sampled = self._sample(step, rows, logits)
                 self._launch_ready()
-            self.pipeline.check(step)
         except ClusterFailure:
             raise
         except RankFailure as e:
             self._step_failed(step, seqs, e)
             return
+        finally:
+            if sampled is None:  # nothing will read this step's results
+                self.pipeline.done(step)
         if sampled is not None:
             self._emit_sampled(sampled)
 
@@ -495,7 +498,7 @@ class Engine:
         seq.group = group
         self._groups[group].append(seq)
 
-    def _sample(self, rows: list[tuple[int, Sequence]], logits: mx.array) -> Sampled:
+    def _sample(self, step: Step, rows: list[tuple[int, Sequence]], logits: mx.array) -> Sampled:
         """mlx-lm's step for each row (logits processors, log-softmax, sample), built as
         one graph and started, not waited for; each sequence's next input is its row.
 
@@ -527,11 +530,12 @@ class Engine:
             if seq.group is None:
                 self._join_group(seq)
         mx.async_eval(tokens)
-        return Sampled(seqs, tokens, wanted)
+        return Sampled(step, seqs, tokens, wanted)
 
     def _emit_sampled(self, sampled: Sampled) -> None:
         """The one wait for the device per step: read the sampled tokens, then stream."""
         values = sampled.tokens.tolist()
+        self.pipeline.done(sampled.step)
         now = time.perf_counter()
         for seq, token, logprobs in zip(sampled.seqs, values, sampled.logprobs, strict=True):
             if seq not in self._active:

@@ -15,11 +15,10 @@ import logging
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from mlx_relay import memory, sharding
 from mlx_relay.default_model import resolve_model
@@ -66,17 +65,17 @@ class ClusterFailure(RankFailure):
 class Step:
     """A step launched round the ring, completed later in launch order.
 
-    Launching posts rank 0's part and the sends; completing posts the receive of what
-    comes back and gives the logits as a graph still to be computed; only `check`
-    waits, for the header that came back, once the caller has posted what depends on
-    the step (the next step's graph), so the device never idles while the host waits.
+    Launching posts rank 0's part and sends the header ahead; completing takes the
+    header back and posts the receive of the payload, giving the logits as a graph still
+    to be computed: the caller posts what depends on them (the next step) before it
+    reads them, so the device never idles while the host waits.
     """
 
     header: hdr.StepHeader
     want_logits: bool
     hidden: mx.array | None = None
-    returned: mx.array | None = None  # the header that came back, as it came
-    posted: list[mx.array] = field(default_factory=list)  # sends in flight, kept alive
+    posted: mx.array | None = None  # the payload's send in flight, kept alive
+    launched_at: float = 0.0
     tag: Any = None  # the engine's own bookkeeping
 
 
@@ -108,6 +107,9 @@ class Pipeline:
         self.caches: SlotCaches | None = None
         self._in_flight: deque[Step] = deque()
         self._step_id = 0
+        # Launched and not yet done with (header back, and any payload read), oldest
+        # first: what the step timeout watches.
+        self._outstanding: dict[int, Step] = {}
 
     # --- commands ------------------------------------------------------------------
     def load(self, spec: str, layers: list[int] | str | None = None) -> LoadedModel:
@@ -229,42 +231,17 @@ class Pipeline:
         return len(self._in_flight)
 
     def complete(self, step: Step) -> mx.array | None:
-        """Post the receive of the oldest step in flight; its logits (batch, vocab) as a
-        graph still to be computed, if it asked for them. Call `check` before trusting
-        them."""
+        """Take the oldest step in flight back: its logits (batch, vocab) if it asked for
+        them, as a graph still to be computed. RankFailure if a rank failed it."""
         if self.world_size > 1:
             if not self._in_flight or self._in_flight[0] is not step:
                 raise RuntimeError("steps must complete in the order they were launched")
             self._in_flight.popleft()
-            self._wait_for_return(step.header)
-            try:
-                step.returned = self.ring.post_recv_header()
-                step.hidden = self.ring.post_recv_payload(
-                    self._returned_shape(step.header), step.header.payload_dtype
-                )
-            except RuntimeError as e:
-                raise self._ring_broken(e, self.ring.prev) from e
+            step.posted = None
+            _, step.hidden = self._receive(step.header)
         if not step.want_logits:
             return None
         return sharding.head(self.shard, step.hidden)[:, -1, :]
-
-    def check(self, step: Step) -> None:
-        """Wait for the step's header to come back; RankFailure if a rank failed it."""
-        step.posted = []
-        if step.returned is None:
-            return
-        try:
-            mx.eval(step.returned)
-        except RuntimeError as e:
-            raise self._ring_broken(e, self.ring.prev) from e
-        back = hdr.decode(np.array(step.returned, copy=False))
-        header = step.header
-        if back.step_id != header.step_id or back.cmd != header.cmd:
-            raise ClusterFailure(
-                -1, "", f"ranks out of step: sent {header.describe()}, got {back.describe()}"
-            )
-        if back.error_mask:
-            raise self._failure(back)
 
     def complete_all(self) -> None:
         """Let every step in flight come back (before a command, or when giving up)."""
@@ -272,24 +249,19 @@ class Pipeline:
             step = self._in_flight[0]
             try:
                 self.complete(step)
-                self.check(step)
             except RankFailure as e:
                 if isinstance(e, ClusterFailure):
                     raise
                 log.warning("dropped %s: %s", step.header.describe(), e)
-
-    @staticmethod
-    def _returned_shape(header: hdr.StepHeader) -> tuple[int, ...]:
-        """What the last rank sends back: each row's last hidden state if asked for,
-        else nothing (workers keep to this even when they fail)."""
-        if header.cmd == hdr.CMD_FORWARD and header.flags & hdr.FLAG_WANT_OUTPUT:
-            return (header.n_seqs, 1, header.payload_shape[2])
-        return ()
+            finally:
+                self.done(step)
 
     # --- the ring ------------------------------------------------------------------
     def _launch(self, step: Step, payload: mx.array | None) -> None:
         self._step_id += 1
         step.header.step_id = self._step_id
+        step.launched_at = time.monotonic()
+        self._outstanding[step.header.step_id] = step
         try:
             step.posted = self.ring.send(step.header, payload)
         except RuntimeError as e:
@@ -310,24 +282,30 @@ class Pipeline:
         step = Step(header, want_logits=False)
         self._launch(step, payload)
         self._in_flight.popleft()
-        self._wait_for_return(header)
-        try:
-            back = self.ring.recv_header()
-            out = self.ring.post_recv_payload(hdr.payload_nbytes_shape(back), back.payload_dtype)
-            if out is not None:
-                mx.eval(out)
-        except RuntimeError as e:
-            raise self._ring_broken(e, self.ring.prev) from e
+        back, out = self._receive(header)
+        if out is not None:
+            mx.eval(out)
+        self.done(step)
+        return back
+
+    def _receive(self, header: hdr.StepHeader) -> tuple[hdr.StepHeader, mx.array | None]:
+        """The header that came back, and the receive of its payload, posted. A failed
+        step's payload (zeros) is received all the same, so the ring stays in step."""
+        back = self._wait_for_return(header)
         if back.step_id != header.step_id or back.cmd != header.cmd:
             raise ClusterFailure(
                 -1, "", f"ranks out of step: sent {header.describe()}, got {back.describe()}"
             )
+        try:
+            out = self.ring.post_recv_payload(hdr.payload_nbytes_shape(back), back.payload_dtype)
+        except RuntimeError as e:
+            raise self._ring_broken(e, self.ring.prev) from e
         if back.error_mask:
             raise self._failure(back)
-        return back
+        return back, out
 
-    def _wait_for_return(self, header: hdr.StepHeader) -> None:
-        """Sleep until the step comes back, watching every worker's heartbeat meanwhile.
+    def _wait_for_return(self, header: hdr.StepHeader) -> hdr.StepHeader:
+        """Sleep until the step's header comes back, watching every worker's heartbeat.
 
         A worker that died, stopped or lost its link goes silent on the side channel; the
         step is then abandoned with an error naming it instead of waiting forever.
@@ -335,22 +313,44 @@ class Pipeline:
         started = time.monotonic()
         while True:
             try:
-                self.ring.wait(timeout=WATCH_INTERVAL_S)
-                return
+                return self.ring.recv_header(timeout=WATCH_INTERVAL_S)
             except DoorbellTimeout:
                 pass
             gone = self.hub.failure(self.heartbeat_timeout) if self.hub else None
             if gone:
                 raise ClusterFailure(gone.rank, gone.host, gone.reason)
-            elapsed = time.monotonic() - started
-            if self.step_timeout and header.cmd == hdr.CMD_FORWARD and elapsed > self.step_timeout:
-                suspect = self.hub.suspect(header.step_id) if self.hub else None
-                raise ClusterFailure(
-                    suspect.rank if suspect else -1,
-                    suspect.host if suspect else "",
-                    f"{header.describe()} overdue after {elapsed:.1f} s (--step-timeout)"
-                    + (f"; {suspect.reason}" if suspect else ""),
-                )
+            overdue = self._overdue(header, time.monotonic() - started)
+            if overdue:
+                raise overdue
+
+    def done(self, step: Step) -> None:
+        """The caller has what it wanted of `step` (its results were read)."""
+        self._outstanding.pop(step.header.step_id, None)
+
+    def overdue(self) -> ClusterFailure | None:
+        """For a watchdog thread: the oldest step not done with, if overdue. Once a
+        step's header is back the host waits inside MLX (reading its results, or posting
+        work queued behind it), where no timeout of ours can reach."""
+        try:
+            step = next(iter(self._outstanding.values()), None)
+        except RuntimeError:  # changed under us by the engine thread: look next time
+            return None
+        if step is None:
+            return None
+        return self._overdue(step.header, time.monotonic() - step.launched_at)
+
+    def _overdue(self, header: hdr.StepHeader, elapsed: float) -> ClusterFailure | None:
+        if not (self.step_timeout and header.cmd == hdr.CMD_FORWARD):
+            return None
+        if elapsed <= self.step_timeout:
+            return None
+        suspect = self.hub.suspect(header.step_id) if self.hub else None
+        return ClusterFailure(
+            suspect.rank if suspect else -1,
+            suspect.host if suspect else "",
+            f"{header.describe()} overdue after {elapsed:.1f} s (--step-timeout)"
+            + (f"; {suspect.reason}" if suspect else ""),
+        )
 
     def _ring_broken(self, e: RuntimeError, neighbour: int) -> Exception:
         """mx.distributed raised: if a rank is gone, the ring broke with it, so name it.

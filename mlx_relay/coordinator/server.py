@@ -167,14 +167,15 @@ def _grpc_server(args, engine: Engine, health_servicer) -> grpc.Server | None:
 
 
 def _watchdog(engine: Engine, hub: ControlHub, heartbeat_timeout: float) -> None:
-    """Fail the cluster as soon as a worker is gone or silent, whatever the engine does."""
+    """Fail the cluster as soon as a worker is gone or silent, or the step the engine
+    waits for inside MLX is overdue (--step-timeout), whatever the engine does."""
     while True:
         time.sleep(WATCHDOG_INTERVAL_S)
         if engine.state == "failed" or not engine.running:
             return
         if engine.state == "stopping":
             continue
-        failure = hub.failure(heartbeat_timeout)
+        failure = hub.failure(heartbeat_timeout) or engine.pipeline.overdue()
         if failure is not None:
             log.error("watchdog: %s", failure)
             engine.fail(f"cluster failed: {failure}")

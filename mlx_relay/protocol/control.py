@@ -38,19 +38,28 @@ def new_secret() -> str:
     return os.urandom(24).hex()
 
 
-def encode(kind: str, body: dict[str, Any], secret: bytes) -> list[bytes]:
-    payload = json.dumps({"kind": kind, **body}, separators=(",", ":")).encode()
-    mac = hmac.new(secret, payload, hashlib.sha256).digest()
-    return [payload, mac]
+def sign(payload: bytes, secret: bytes) -> list[bytes]:
+    """The frames of a signed message: the payload, then its HMAC."""
+    return [payload, hmac.new(secret, payload, hashlib.sha256).digest()]
 
 
-def decode(frames: list[bytes], secret: bytes) -> dict[str, Any]:
+def verify(frames: list[bytes], secret: bytes) -> bytes:
+    """The payload of a signed message; BadMessage if it is not one of ours."""
     if len(frames) != 2:
         raise BadMessage(f"expected 2 frames, got {len(frames)}")
     payload, mac = frames
     expected = hmac.new(secret, payload, hashlib.sha256).digest()
     if not hmac.compare_digest(mac, expected):
         raise BadMessage("signature does not match the cluster secret")
+    return payload
+
+
+def encode(kind: str, body: dict[str, Any], secret: bytes) -> list[bytes]:
+    return sign(json.dumps({"kind": kind, **body}, separators=(",", ":")).encode(), secret)
+
+
+def decode(frames: list[bytes], secret: bytes) -> dict[str, Any]:
+    payload = verify(frames, secret)
     try:
         message = json.loads(payload)
     except ValueError as e:

@@ -44,7 +44,7 @@ class Worker:
         self.is_last = ring.rank == ring.size - 1
         self.shard: sharding.Shard | None = None
         self.caches: SlotCaches | None = None
-        self._posted: list[mx.array] = []  # the last step's sends, alive until they ran
+        self._posted: mx.array | None = None  # the last step's send, alive until it ran
 
     def run(self) -> None:
         """The loop: sleep until a step's doorbell rings, take the step, pass it on."""
@@ -60,12 +60,11 @@ class Worker:
             if self.ring.doorbell.incoming not in events:
                 continue
             try:
-                self.ring.wait(timeout=0)
+                header = self.ring.recv_header(timeout=0)
             except DoorbellTimeout:
-                continue  # what arrived was not a signed bell: it was dropped
+                continue  # what arrived was not a signed header: it was dropped
             self.link.state = "busy"
             try:
-                header = self.ring.recv_header()
                 payload = self.ring.post_recv_payload(
                     hdr.payload_nbytes_shape(header), header.payload_dtype
                 )
@@ -104,6 +103,8 @@ class Worker:
         """The last rank returns hidden states only when rank 0 asked for them, and then
         only each row's last position: all the LM head needs, so the return hop of a
         512-token prefill chunk carries one position instead of 512."""
+        if out is not None and out.dtype != mx_dtype(header.payload_dtype):
+            out = out.astype(mx_dtype(header.payload_dtype))
         if not self.is_last:
             return out
         if (
@@ -111,7 +112,7 @@ class Worker:
             and header.flags & hdr.FLAG_WANT_OUTPUT
             and out is not None
         ):
-            out = out[:, -1:, :].astype(mx_dtype(header.payload_dtype))
+            out = out[:, -1:, :]
             header.payload_shape = tuple(out.shape)
             return out
         header.payload_kind = hdr.PAYLOAD_NONE
