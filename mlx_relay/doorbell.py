@@ -9,11 +9,9 @@ payload over the ring: the receiver blocks in zmq (no CPU) until a header arrive
 then posts the ring receive the header announces. Waiting in zmq also gives rank 0 a
 timeout, which `mx.distributed` has not.
 
-The header is sent the moment a step is decided, before its payload is computed, and
-it does not queue behind the device's work as a ring message would: the next rank
-builds its part of the step while this one computes, so on an accelerator, where
-building a step's graph and launching its kernels cost as much as running them, every
-rank's host work overlaps the device work of the ranks before it.
+A header goes out once the payload it announces is computed (ring.py says why not
+sooner), and as a zmq message it does not queue behind the device's work as a ring
+message would: one message per hop tells the next rank everything, and wakes it.
 """
 
 from __future__ import annotations

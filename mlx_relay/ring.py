@@ -39,14 +39,13 @@ class Ring:
     `mx.async_eval`, never waited for here, so a rank builds its next graph while its
     device computes and the link carries the last one. The streams run posted
     operations in the order they were posted, which keeps every rank's payload sends
-    and receives paired. Headers go ahead on the doorbell (see doorbell.py).
-
-    When they go depends on the device. On a GPU a header goes out before its payload is
-    computed, so the next rank builds its graph and launches its kernels meanwhile, and
-    its receive waits on a CPU thread that has nothing else to do. On a CPU the same
-    early receive would busy-poll a core the rank computes on (the ring backend spins
-    while it waits), so there the payload is computed first and the header then says
-    it is ready: a receive is posted only when its data is there.
+    and receives paired. Headers travel on the doorbell (see doorbell.py), once the
+    payload they announce is computed: a receive is posted only when its data is
+    there. An earlier header (sent when the step is decided) would let the next rank
+    build its graph sooner, but its receive then waits inside the device's streams: on
+    a CPU the ring backend busy-polls the core the rank computes on, and on CUDA the
+    receiving kernels spin on the GPU; with two ranks sharing one H200 that stalled the
+    first decode step for good.
     """
 
     def __init__(self, group: mx.distributed.Group, doorbell: Doorbell) -> None:
@@ -56,7 +55,6 @@ class Ring:
         self.size = group.size()
         self.next = (self.rank + 1) % self.size
         self.prev = (self.rank - 1) % self.size
-        self.announce_early = mx.default_device() == mx.gpu
 
     def send_header(self, header: hdr.StepHeader) -> None:
         """Announce a step to the right neighbour, before its payload is computed."""
@@ -74,7 +72,8 @@ class Ring:
         return sent
 
     def send(self, header: hdr.StepHeader, payload: mx.array | None = None) -> mx.array | None:
-        if payload is not None and not self.announce_early:
+        """Wait for the payload, announce it, and post its send."""
+        if payload is not None:
             mx.eval(payload)
         self.send_header(header)
         return self.send_payload(header, payload)

@@ -468,6 +468,7 @@ class Engine:
                 self.pipeline.done(step)
         if sampled is not None:
             self._emit_sampled(sampled)
+        self.pipeline.announce()
 
     def _step_failed(self, step: Step, seqs: list[Sequence], e: RankFailure) -> None:
         log.error("%s failed: %s", step.header.describe(), e)

@@ -110,6 +110,7 @@ class Pipeline:
         # Launched and not yet done with (header back, and any payload read), oldest
         # first: what the step timeout watches.
         self._outstanding: dict[int, Step] = {}
+        self._unannounced: deque[tuple[Step, mx.array | None]] = deque()
 
     # --- commands ------------------------------------------------------------------
     def load(self, spec: str, layers: list[int] | str | None = None) -> LoadedModel:
@@ -237,6 +238,7 @@ class Pipeline:
             if not self._in_flight or self._in_flight[0] is not step:
                 raise RuntimeError("steps must complete in the order they were launched")
             self._in_flight.popleft()
+            self.announce()
             step.posted = None
             _, step.hidden = self._receive(step.header)
         if not step.want_logits:
@@ -258,15 +260,26 @@ class Pipeline:
 
     # --- the ring ------------------------------------------------------------------
     def _launch(self, step: Step, payload: mx.array | None) -> None:
+        """Post rank 0's part of the step; `announce` sends it on once it is computed."""
         self._step_id += 1
         step.header.step_id = self._step_id
         step.launched_at = time.monotonic()
         self._outstanding[step.header.step_id] = step
-        try:
-            step.posted = self.ring.send(step.header, payload)
-        except RuntimeError as e:
-            raise self._ring_broken(e, self.ring.next) from e
+        if payload is not None:
+            mx.async_eval(payload)
+        self._unannounced.append((step, payload))
         self._in_flight.append(step)
+
+    def announce(self) -> None:
+        """Send on every launched step, in launch order, each once its payload is
+        computed. The engine calls this after it has streamed the tokens it had, so that
+        work overlaps the device's; nothing comes back before its step was announced."""
+        while self._unannounced:
+            step, payload = self._unannounced.popleft()
+            try:
+                step.posted = self.ring.send(step.header, payload)
+            except RuntimeError as e:
+                raise self._ring_broken(e, self.ring.next) from e
 
     def _command(
         self, cmd: int, payload: mx.array | None = None, slots: list[int] | None = None
@@ -282,6 +295,7 @@ class Pipeline:
         step = Step(header, want_logits=False)
         self._launch(step, payload)
         self._in_flight.popleft()
+        self.announce()
         back, out = self._receive(header)
         if out is not None:
             mx.eval(out)
