@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mlx_relay.errors import add_log_level, run_command
+
 
 def build_parser() -> argparse.ArgumentParser:
     from mlx_relay.coordinator import client_cli
@@ -21,12 +23,15 @@ def build_parser() -> argparse.ArgumentParser:
     hostfile_cli.add_parser(sub)
     mlx_launch.add_parser(sub)
     demo.add_parser(sub)
+    for command in sub.choices.values():
+        if command.get_default("log_level") is None:  # serve and local define their own
+            add_log_level(command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    return run_command(args.command, args.func, args)
 
 
 if __name__ == "__main__":
