@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from mlx_relay.errors import add_log_level, run_command
@@ -30,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # gRPC's C core logs failed TLS handshakes and the like on stderr at INFO; the
+    # commands say what went wrong themselves. GRPC_VERBOSITY=INFO brings them back.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     args = build_parser().parse_args(argv)
     return run_command(args.command, args.func, args)
 

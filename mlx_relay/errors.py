@@ -26,6 +26,10 @@ class UserError(Exception):
     exit_code = EXIT_USER_ERROR
 
 
+class ModelError(UserError, ValueError):
+    """The model named cannot be served: missing, not a model, incomplete, not supported."""
+
+
 class CommandFailed(UserError):
     """The command could not do its job, for a reason one line can name (a cluster that
     cannot be reached, a token it refuses, a request it rejects)."""

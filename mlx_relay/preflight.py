@@ -16,13 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlx_relay.errors import UserError
+from mlx_relay.errors import ModelError, UserError
 
 AUTO = "auto"  # --layers auto: split by each rank's free memory, known only once ranks run
-
-
-class ModelError(UserError, ValueError):
-    """The model named cannot be served: not a model, incomplete, or not supported."""
 
 
 @dataclass(frozen=True)

@@ -304,10 +304,10 @@ def preflight_checks(model: str, n: int, layers: str, grpc_address: str) -> None
     split, the gRPC address. Raises UserError naming the problem."""
     if n < 1:
         raise UserError("-n must be at least 1")
-    preflight.check_listen(grpc_address)
     if model:
         facts = preflight.check_model(model)
         preflight.check_split(facts, n, layers)
+    preflight.check_listen(grpc_address)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -621,10 +621,10 @@ def preflight_checks(serve_opts: argparse.Namespace, n: int) -> None:
 
     Ranks on other machines check their own model when they start (`serve`).
     """
-    preflight.check_listen(serve_opts.grpc_address)
     if serve_opts.model:
         facts = preflight.check_model(serve_opts.model)
         preflight.check_split(facts, n, serve_opts.layers)
+    preflight.check_listen(serve_opts.grpc_address)
 
 
 def client_address(grpc_address: str, rank0: str, rank0_local: bool) -> str | None:
