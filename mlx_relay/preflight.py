@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import socket
+import ssl
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +103,21 @@ def check_listen(address: str) -> None:
                 f"{address}` stops it); choose another with --grpc-address"
             ) from None
         raise UserError(f"cannot listen on {address}: {e.strerror or e}") from None
+
+
+def check_tls(cert: str, key: str) -> None:
+    """--tls-cert and --tls-key come together and make a certificate with its key."""
+    if not cert and not key:
+        return
+    if not (cert and key):
+        raise UserError("TLS needs both --tls-cert and --tls-key")
+    for option, path in (("--tls-cert", cert), ("--tls-key", key)):
+        if not Path(path).is_file():
+            raise UserError(f"{option} {path}: no such file")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as e:
+        raise UserError(f"TLS: --tls-cert {cert} with --tls-key {key}: {e}") from None
 
 
 def _read_config(path: Path) -> dict[str, Any]:

@@ -24,10 +24,11 @@ from launching import MLX_RELAY, free_port_range, localhost_hostfile
 from tiny_models import make_tiny_model
 
 from mlx_relay.coordinator.client import Client, wait_serving
+from mlx_relay.errors import UserError
 from mlx_relay.launch import supervise
 from mlx_relay.launch.local import free_ports
 from mlx_relay.launch.supervise import LastWords, Supervisor, fatal_line, run_with_restarts
-from mlx_relay.preflight import ModelError, check_listen, check_model
+from mlx_relay.preflight import ModelError, check_listen, check_model, check_tls
 
 QUICK_S = 10.0  # a refusal the launcher can make by itself takes about a second here
 
@@ -191,6 +192,22 @@ def test_check_listen_refuses_an_address_in_use():
         with pytest.raises(Exception, match="is in use"):
             check_listen(address)
     check_listen(address)  # closed again: free
+
+
+def test_check_tls_wants_a_certificate_with_its_key(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    cert, key = self_signed_cert(tmp_path / "a")
+    _, other_key = self_signed_cert(tmp_path / "b")
+    check_tls(str(cert), str(key))
+    check_tls("", "")
+    for bad_cert, bad_key, words in [
+        (str(cert), "", "needs both"),
+        (str(cert), str(tmp_path / "nope.pem"), "nope.pem: no such file"),
+        (str(cert), str(other_key), "with --tls-key"),
+    ]:
+        with pytest.raises(UserError, match=words):
+            check_tls(bad_cert, bad_key)
 
 
 def test_last_words_wait_for_the_output_of_a_rank_that_ended():

@@ -140,6 +140,8 @@ class Client:
             return False, self.explain(e)
         if status.state == "failed":
             raise CommandFailed(f"the cluster at {self.address} failed: {status.error}")
+        if status.state == "unloaded" and status.error:  # the model given at start
+            raise CommandFailed(f"the cluster at {self.address} failed to start: {status.error}")
         if status.state == "unloaded":
             return False, "it is up but serves no model (`mlx-relay load` loads one)"
         return False, f"it is up, {status.state}" + (f": {status.error}" if status.error else "")

@@ -119,8 +119,8 @@ def _load_at_start(engine: Engine, spec: str, layers: list[int] | str | None) ->
     try:
         loaded = engine.load(spec, layers).result()
     except Exception as e:  # noqa: BLE001 - any reason is the user's to read
-        engine.error = f"load failed: {e}"
-        report_fatal(0, f"cannot load {spec}: {e}")
+        engine.error = f"cannot load {spec}: {e}"
+        report_fatal(0, engine.error)
         return False
     log.info("serving %s: layers %s", loaded.path, loaded.ranges)
     return True

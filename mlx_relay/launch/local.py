@@ -299,19 +299,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def preflight_checks(model: str, n: int, layers: str, grpc_address: str) -> None:
+def preflight_checks(args: argparse.Namespace) -> None:
     """What can be wrong before any rank starts: the model, the number of ranks, the
-    split, the gRPC address. Raises UserError naming the problem."""
-    if n < 1:
+    split, TLS files, the gRPC address. Raises UserError naming the problem."""
+    if args.num_ranks < 1:
         raise UserError("-n must be at least 1")
-    if model:
-        facts = preflight.check_model(model)
-        preflight.check_split(facts, n, layers)
-    preflight.check_listen(grpc_address)
+    if args.model:
+        facts = preflight.check_model(args.model)
+        preflight.check_split(facts, args.num_ranks, args.layers)
+    preflight.check_tls(args.tls_cert, args.tls_key)
+    preflight.check_listen(args.grpc_address)
 
 
 def run(args: argparse.Namespace) -> int:
-    preflight_checks(args.model, args.num_ranks, args.layers, args.grpc_address)
+    preflight_checks(args)
     token = auth_token(args.auth_token)
     cluster = LocalCluster(
         args.num_ranks,

@@ -617,13 +617,15 @@ def _serve_options(argv: list[str]) -> argparse.Namespace:
 
 def preflight_checks(serve_opts: argparse.Namespace, n: int) -> None:
     """With rank 0 on this machine, what its launcher can check before any rank starts:
-    the model (rank 0 holds it too), the number of ranks, the split, the gRPC address.
+    the model (rank 0 holds it too), the number of ranks, the split, TLS files, the gRPC
+    address.
 
     Ranks on other machines check their own model when they start (`serve`).
     """
     if serve_opts.model:
         facts = preflight.check_model(serve_opts.model)
         preflight.check_split(facts, n, serve_opts.layers)
+    preflight.check_tls(serve_opts.tls_cert, serve_opts.tls_key)
     preflight.check_listen(serve_opts.grpc_address)
 
 
