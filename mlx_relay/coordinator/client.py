@@ -13,7 +13,7 @@ import socket
 import ssl
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from google.protobuf import json_format
@@ -24,10 +24,11 @@ from mlx_relay.errors import CommandFailed
 from mlx_relay.protocol import relay_pb2 as pb
 from mlx_relay.protocol import relay_pb2_grpc as pb_grpc
 
-NOTHING_LISTENING = (
-    "nothing is listening at {address}: is the cluster running? "
-    "(`mlx-relay local` starts one; --address says where to look)"
-)
+
+class Readiness(NamedTuple):
+    serving: bool
+    answered: bool  # rank 0 answered (it is up, if not serving yet)
+    seen: str  # what stands in the way, in words
 
 
 class Client:
@@ -103,7 +104,10 @@ class Client:
     def _connection_problem(self, details: str) -> tuple[str, bool] | None:
         """Why the connection failed, when C-core's details say (or a probe tells)."""
         if "Connection refused" in details:
-            return NOTHING_LISTENING.format(address=self.address), False
+            return (
+                f"nothing is listening at {self.address}: is the cluster running? "
+                "(`mlx-relay local` starts one; --address says where to look)"
+            ), False
         if "CERTIFICATE_VERIFY_FAILED" in details:
             return (
                 f"the TLS certificate of {self.address} is not one --tls-ca trusts: give the "
@@ -122,29 +126,30 @@ class Client:
             return f"no answer from {self.address} (a firewall, or the wrong host?)", False
         return None
 
-    def readiness(self) -> tuple[bool, str]:
-        """(serving?, what is known otherwise), for waiting; raises CommandFailed when
-        waiting cannot help: a token or TLS mismatch, or a cluster that failed."""
+    def readiness(self) -> Readiness:
+        """Where the cluster is on its way to SERVING; raises CommandFailed when waiting
+        cannot help: a token or TLS mismatch, or a cluster that failed."""
         try:
             reply = self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
         except grpc.RpcError as e:
             why, final = self.diagnose(e)
             if final:
                 raise CommandFailed(why) from None
-            return False, why
+            return Readiness(False, False, why)
         if reply.status == health_pb2.HealthCheckResponse.SERVING:
-            return True, "serving"
+            return Readiness(True, True, "serving")
         try:
             status = self.stub.Status(pb.StatusRequest(), timeout=2)
         except grpc.RpcError as e:
-            return False, self.explain(e)
+            return Readiness(False, True, self.explain(e))
         if status.state == "failed":
             raise CommandFailed(f"the cluster at {self.address} failed: {status.error}")
         if status.state == "unloaded" and status.error:  # the model given at start
             raise CommandFailed(f"the cluster at {self.address} failed to start: {status.error}")
         if status.state == "unloaded":
-            return False, "it is up but serves no model (`mlx-relay load` loads one)"
-        return False, f"it is up, {status.state}" + (f": {status.error}" if status.error else "")
+            return Readiness(False, True, "it is up but serves no model (`mlx-relay load`)")
+        error = f": {status.error}" if status.error else ""
+        return Readiness(False, True, f"it is up, {status.state}{error}")
 
 
 class NotServing(CommandFailed, TimeoutError):
@@ -191,15 +196,15 @@ def wait_serving(
         while time.monotonic() < deadline:
             if check:
                 check()
-            serving, seen = client.readiness()
-            if serving:
+            ready = client.readiness()
+            if ready.serving:
                 return
-            listening = seen != NOTHING_LISTENING.format(address=address)
-            if was_up and not listening and check is None:
+            if was_up and not ready.answered and check is None:
                 raise CommandFailed(
                     f"the cluster at {address} stopped before it served (its launcher says why)"
                 )
-            was_up = was_up or listening
+            was_up = was_up or ready.answered
+            seen = ready.seen
             time.sleep(0.2)
     raise NotServing(f"no cluster serving at {address} after {timeout:.0f} s: {seen}")
 

@@ -85,6 +85,7 @@ class LocalCluster:
         self.last_words = LastWords()
 
     def start(self) -> LocalCluster:
+        self._tidy()  # after a restart: what the last life of the cluster left
         self.procs = []
         self._pumps = []
         self.last_words = LastWords()
@@ -158,10 +159,11 @@ class LocalCluster:
 
     def _pump(self, rank: int, stream: IO[bytes]) -> None:
         """Copy one rank's output line by line to its log (or stderr), hearing its last words."""
+        stderr = getattr(sys.stderr, "buffer", sys.__stderr__.buffer)
         sink: IO[bytes] = (
             open(self.log_dir / f"rank{rank}.log", "ab")  # noqa: SIM115 - closed by the pump
             if self.log_dir is not None
-            else sys.stderr.buffer
+            else stderr
         )
         self.last_words.opened(rank)
 
@@ -176,7 +178,7 @@ class LocalCluster:
                 pass  # our own stderr went away: nothing to copy to
             finally:
                 stream.close()
-                if sink is not sys.stderr.buffer:
+                if sink is not stderr:
                     sink.close()
                 self.last_words.closed(rank)
 
