@@ -168,14 +168,12 @@ class LocalCluster:
         self.last_words.opened(rank)
 
         def run() -> None:
+            copying = True
             try:
-                for line in iter(stream.readline, b""):
+                for line in iter(stream.readline, b""):  # to the end, so the rank never blocks
                     self.last_words.hear(line)
-                    with self._output_lock:
-                        sink.write(line)
-                        sink.flush()
-            except (OSError, ValueError):
-                pass  # our own stderr went away: nothing to copy to
+                    if copying:
+                        copying = self._copy(sink, line)
             finally:
                 stream.close()
                 if sink is not stderr:
@@ -185,6 +183,16 @@ class LocalCluster:
         thread = threading.Thread(target=run, name=f"rank{rank}-output", daemon=True)
         thread.start()
         self._pumps.append(thread)
+
+    def _copy(self, sink: IO[bytes], line: bytes) -> bool:
+        """Write one line; False once the sink is gone (a closed terminal)."""
+        try:
+            with self._output_lock:
+                sink.write(line)
+                sink.flush()
+            return True
+        except (OSError, ValueError):
+            return False
 
     def failed_rank(self) -> tuple[int, int] | None:
         """The first rank that exited abnormally, with its return code."""
