@@ -409,6 +409,8 @@ def test_client_and_demo_mistakes_are_one_line(not_models):
     one_line(result, 2, "the stop is not valid UTF-8")
     result, _ = mlx_relay("chat", "hi", "--tls-ca", "/nowhere.pem", "--address", "127.0.0.1:1")
     one_line(result, 2, "--tls-ca /nowhere.pem", "No such file")
+    result, _ = mlx_relay("chat", "hi", "--address", "127.0.0.1:1", "--log-level", "DEBUG")
+    assert result.returncode == 1 and "Traceback" in result.stderr  # behind DEBUG only
     path, word = not_models["missing"]
     result, took = mlx_relay("demo", "--model", str(path))  # checked before any port is used
     one_line(result, 2, "mlx-relay demo: ", word)
