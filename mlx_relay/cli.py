@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+from mlx_relay.errors import add_log_level, run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,12 +24,18 @@ def build_parser() -> argparse.ArgumentParser:
     hostfile_cli.add_parser(sub)
     mlx_launch.add_parser(sub)
     demo.add_parser(sub)
+    for command in sub.choices.values():
+        if command.get_default("log_level") is None:  # serve and local define their own
+            add_log_level(command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    # gRPC's C core logs failed TLS handshakes and the like on stderr at INFO; the
+    # commands say what went wrong themselves. GRPC_VERBOSITY=INFO brings them back.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    return run_command(args.command, args.func, args)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ import mlx.core as mx
 import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from mlx_relay.errors import ModelError
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIASES = ("default", "smollm2", DEFAULT_MODEL_NAME)
 
@@ -71,7 +73,7 @@ _LAYER_NAMES = {
 }
 
 
-class ModelNotFoundError(ValueError):
+class ModelNotFoundError(ModelError):
     """The requested model is neither the built-in default nor a local MLX model directory."""
 
 

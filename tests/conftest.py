@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,21 @@ def start_cluster(
         running.stop()
         raise AssertionError(f"cluster did not start: {e}\n{running.logs()}") from e
     return running
+
+
+def self_signed_cert(directory: Path) -> tuple[Path, Path]:
+    """A certificate (for 127.0.0.1 and localhost) and its key, as PEM files."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-nodes", "-days", "1", "-subj", "/CN=localhost"]
+        + ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"]
+        + ["-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"]
+        + ["-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+    return cert, key
 
 
 def assert_gone(pids: list[int]) -> None:

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import secrets
-import subprocess
 from pathlib import Path
 
 import grpc
 import pytest
-from conftest import RunningCluster, assert_gone, start_cluster
+from conftest import RunningCluster, assert_gone, self_signed_cert, start_cluster
 from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -38,20 +37,6 @@ SETTINGS = settings(
     database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-
-
-def _self_signed(directory: Path) -> tuple[Path, Path]:
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-nodes", "-days", "1", "-subj", "/CN=localhost"]
-        + ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"]
-        + ["-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"]
-        + ["-keyout", str(key), "-out", str(cert)],
-        check=True,
-        capture_output=True,
-        timeout=30,
-    )
-    return cert, key
 
 
 class Secured:
@@ -78,7 +63,7 @@ class Secured:
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
     model = make_tiny_model(tmp_path_factory.mktemp("llama-fuzz"), "llama", num_layers=4)
-    cert, key = _self_signed(tmp_path_factory.mktemp("tls"))
+    cert, key = self_signed_cert(tmp_path_factory.mktemp("tls"))
     token = secrets.token_urlsafe(24)
     log_dir = tmp_path_factory.mktemp("fuzz-logs")
     serve_args = ["--tls-cert", str(cert), "--tls-key", str(key)]

@@ -1,11 +1,19 @@
-"""Client commands: `chat`, `generate`, `status`, `free`."""
+"""Client commands: `chat`, `generate`, `status`, `load`, `free`.
+
+Every failure is one line on stderr (through `errors.run_command`): a refused request
+with its status and reason, a cluster that cannot be reached with why (nothing
+listening, TLS, token). Ctrl-C cancels the request on the cluster and ends quietly.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TextIO
 
 import grpc
 
@@ -18,6 +26,7 @@ from mlx_relay.coordinator.client import (
     status_json,
     wait_serving,
 )
+from mlx_relay.errors import CommandFailed, UserError
 from mlx_relay.launch.serve import DEFAULT_GRPC_ADDRESS
 from mlx_relay.protocol import relay_pb2 as pb
 
@@ -33,7 +42,37 @@ def _connection_options(p: argparse.ArgumentParser) -> None:
 
 
 def _client(args: argparse.Namespace, timeout: float | None = None) -> Client:
-    return Client(args.address, timeout=timeout, token=args.auth_token, tls_ca=args.tls_ca)
+    try:
+        return Client(args.address, timeout=timeout, token=args.auth_token, tls_ca=args.tls_ca)
+    except OSError as e:
+        raise UserError(f"--tls-ca {args.tls_ca}: {e.strerror or e}") from None
+
+
+@contextmanager
+def _explained(client: Client) -> Iterator[None]:
+    """A failed RPC becomes one line saying what is wrong (CommandFailed)."""
+    try:
+        yield
+    except grpc.RpcError as e:
+        raise CommandFailed(client.explain(e)) from None
+
+
+def _check_utf8(args: argparse.Namespace) -> None:
+    """Arguments the terminal passed as bytes that are not UTF-8 (Python keeps them as
+    lone surrogates) cannot be sent; say which one, rather than fail deep in protobuf."""
+    for name, value in vars(args).items():
+        for text in value if isinstance(value, list) else [value]:
+            if not isinstance(text, str):
+                continue
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raw = text.encode("utf-8", "surrogateescape")[e.start : e.start + 1]
+                where = name.replace("_", "-") if name not in ("message", "prompt") else name
+                raise UserError(
+                    f"the {where} is not valid UTF-8 (byte 0x{raw.hex()} at position "
+                    f"{e.start}): check the terminal's encoding (LANG, LC_ALL)"
+                ) from None
 
 
 def _sampling_options(p: argparse.ArgumentParser) -> None:
@@ -115,6 +154,24 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     status.add_argument("--wait", type=float, default=0.0, help="wait up to SECONDS for SERVING")
     status.set_defaults(func=run_status)
 
+    load = sub.add_parser(
+        "load", help="load a model on every rank (again, after `free`), without a restart"
+    )
+    _connection_options(load)
+    load.add_argument(
+        "--model",
+        default="",
+        help="'default' or a path present on every rank (default: the model loaded last)",
+    )
+    load.add_argument(
+        "--layers",
+        default="",
+        help="layers per rank, e.g. 10,12,8, or auto or balanced (default: as last loaded "
+        "when --model is not given, else even)",
+    )
+    load.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
+    load.set_defaults(func=run_load)
+
     free = sub.add_parser("free", help="free the model on every rank")
     _connection_options(free)
     free.add_argument("--shutdown", action="store_true", help="then stop every rank")
@@ -148,22 +205,13 @@ def sampling_params(args: argparse.Namespace) -> pb.SamplingParams:
 
 
 def _run(args: argparse.Namespace, request: pb.GenerateRequest) -> int:
-    with _client(args, args.timeout) as client:
-        try:
-            if args.stream:
-                chunks = []
-                for chunk in client.stream(request):
-                    chunks.append(chunk)
-                    out = sys.stderr if args.json else sys.stdout
-                    print(chunk.text, end="", file=out, flush=True)
-                if not args.json:
-                    print()
-                response = aggregate(chunks)
-            else:
-                response = client.generate(request)
-        except grpc.RpcError as e:
-            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
+    with _client(args, args.timeout) as client, _explained(client):
+        if args.stream:
+            response = _stream(client, request, sys.stderr if args.json else sys.stdout)
+            if not args.json:
+                print()
+        else:
+            response = _generate(client, request)
     if args.json:
         print(json.dumps(response_json(response), ensure_ascii=False))
     elif not args.stream:
@@ -174,14 +222,38 @@ def _run(args: argparse.Namespace, request: pb.GenerateRequest) -> int:
     return 0
 
 
+def _stream(client: Client, request: pb.GenerateRequest, out: TextIO) -> pb.GenerateResponse:
+    """Print text as it comes; Ctrl-C cancels the request on the cluster."""
+    call = client.stream(request)
+    chunks = []
+    try:
+        for chunk in call:
+            chunks.append(chunk)
+            print(chunk.text, end="", file=out, flush=True)
+    except KeyboardInterrupt:
+        call.cancel()
+        raise
+    return aggregate(chunks)
+
+
+def _generate(client: Client, request: pb.GenerateRequest) -> pb.GenerateResponse:
+    """One response; Ctrl-C cancels the request on the cluster."""
+    call = client.stub.Generate.future(request, timeout=client.timeout)
+    try:
+        return call.result()
+    except KeyboardInterrupt:
+        call.cancel()
+        raise
+
+
 def run_chat(args: argparse.Namespace) -> int:
+    _check_utf8(args)
     tools_json = ""
     if args.tools:
         try:
             tools_json = Path(args.tools).read_text()
-        except OSError as e:
-            print(f"error: --tools: {e}", file=sys.stderr)
-            return 1
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--tools {args.tools}: {getattr(e, 'strerror', None) or e}") from None
     request = chat_request(
         args.message,
         system=args.system,
@@ -194,6 +266,7 @@ def run_chat(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    _check_utf8(args)
     request = pb.GenerateRequest(
         prompt=args.prompt, params=sampling_params(args), tool_choice=args.tool_choice
     )
@@ -202,26 +275,24 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_status(args: argparse.Namespace) -> int:
     if args.wait > 0:
-        try:
-            wait_serving(args.address, args.wait, token=args.auth_token, tls_ca=args.tls_ca)
-        except TimeoutError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-    with _client(args) as client:
-        try:
-            print(status_json(client.status()))
-        except grpc.RpcError as e:
-            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
+        wait_serving(args.address, args.wait, token=args.auth_token, tls_ca=args.tls_ca)
+    with _client(args) as client, _explained(client):
+        print(status_json(client.status()))
+    return 0
+
+
+def run_load(args: argparse.Namespace) -> int:
+    request = pb.LoadModelRequest(model=args.model, layers=args.layers)
+    with _client(args) as client, _explained(client):
+        status = client.stub.LoadModel(request, timeout=args.timeout).status
+    ranges = ", ".join(f"[{r.layer_start}, {r.layer_end})" for r in status.ranks)
+    print(f"serving {status.model_path} on {status.world_size} rank(s), layers {ranges}")
     return 0
 
 
 def run_free(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        try:
-            reply = client.stub.Free(pb.FreeRequest(shutdown=args.shutdown), timeout=60)
-        except grpc.RpcError as e:
-            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
-    print(reply.message)
+    with _client(args) as client, _explained(client):
+        reply = client.stub.Free(pb.FreeRequest(shutdown=args.shutdown), timeout=60)
+    hint = "" if args.shutdown else " (`mlx-relay load` loads it again)"
+    print(reply.message + hint)
     return 0

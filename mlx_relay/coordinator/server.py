@@ -23,7 +23,7 @@ from mlx_relay.coordinator.auth import TokenAuth, auth_token, server_credentials
 from mlx_relay.coordinator.engine import Engine
 from mlx_relay.coordinator.pipeline import Pipeline, hub_ready
 from mlx_relay.coordinator.service import SERVICE_NAME, RelayServicer, add_to_server
-from mlx_relay.launch.supervise import EXIT_CLUSTER_FAILED
+from mlx_relay.launch.supervise import EXIT_CLUSTER_FAILED, EXIT_LOAD_FAILED, report_fatal
 from mlx_relay.ring import Ring
 from mlx_relay.sidechannel import ControlHub
 
@@ -88,14 +88,9 @@ def run(args, ring: Ring | None, hub: ControlHub | None) -> int:
             daemon=True,
         ).start()
     engine.start()
-    if args.model:
-        load = engine.load(args.model, args.layer_counts)
-        try:
-            loaded = load.result()
-            log.info("serving %s: layers %s", loaded.path, loaded.ranges)
-        except Exception as e:  # noqa: BLE001 - stay up so a client can load again
-            engine.error = f"load failed: {e}"
-            log.error("loading %s failed: %s", args.model, e)
+    if args.model and not _load_at_start(engine, args.model, args.layer_counts):
+        if engine.state != "failed":
+            return _stop_after_failed_load(engine, server, hub, args.shutdown_timeout)
 
     while not stop.wait(0.1):
         if not engine.running or engine.state == "failed":
@@ -119,6 +114,34 @@ def run(args, ring: Ring | None, hub: ControlHub | None) -> int:
     return _close(server, hub, code)
 
 
+def _load_at_start(engine: Engine, spec: str, layers: list[int] | str | None) -> bool:
+    """Load the model named at start; on failure say why, as this rank's last words."""
+    try:
+        loaded = engine.load(spec, layers).result()
+    except Exception as e:  # noqa: BLE001 - any reason is the user's to read
+        engine.error = f"cannot load {spec}: {e}"
+        report_fatal(0, engine.error)
+        return False
+    log.info("serving %s: layers %s", loaded.path, loaded.ranges)
+    return True
+
+
+def _stop_after_failed_load(
+    engine: Engine, server: grpc.Server, hub: ControlHub | None, timeout: float
+) -> int:
+    """The model given at start did not load: a start that cannot serve ends at once.
+
+    (A LoadModel call that fails later leaves the cluster up, to load something else.)
+    Every worker is shut down cleanly, so rank 0's exit code carries the one cause.
+    """
+    try:
+        engine.free(shutdown=True).result(timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - the workers end anyway once rank 0 is silent
+        log.warning("shutting the workers down after the failed load: %s", e)
+    engine.join(timeout=5)
+    return _close(server, hub, EXIT_LOAD_FAILED)
+
+
 def _grpc_server(args, engine: Engine, health_servicer) -> grpc.Server | None:
     token = auth_token(args.auth_token)
     threads = max(64, args.max_active + args.max_queue + 16)
@@ -128,27 +151,22 @@ def _grpc_server(args, engine: Engine, health_servicer) -> grpc.Server | None:
         options=[
             ("grpc.max_receive_message_length", args.max_request_bytes),
             ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
+            # gRPC sets SO_REUSEPORT by default: a second cluster on the same port would
+            # start, and clients would reach one of the two at random. Refuse instead.
+            ("grpc.so_reuseport", 0),
         ],
         # Beyond this, RPCs fail at once with RESOURCE_EXHAUSTED instead of queueing
         # for a thread (streams hold one each) where health checks would starve.
         maximum_concurrent_rpcs=threads,
     )
-    add_to_server(RelayServicer(engine, backend=args.backend), server)
+    servicer = RelayServicer(engine, backend=args.backend, model=args.model, layers=args.layers)
+    add_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = args.grpc_address
-    if bool(args.tls_cert) != bool(args.tls_key):
-        log.error("TLS needs both --tls-cert and --tls-key")
-        return None
     try:
-        if args.tls_cert:
-            port = server.add_secure_port(address, server_credentials(args.tls_cert, args.tls_key))
-        else:
-            port = server.add_insecure_port(address)
-    except (OSError, RuntimeError) as e:
-        log.error("cannot listen on %s: %s", address, e)
-        return None
-    if port == 0:
-        log.error("cannot listen on %s", address)
+        _listen(server, address, args.tls_cert, args.tls_key)
+    except ListenError as e:
+        report_fatal(0, str(e))
         return None
     if not address.startswith(LOOPBACK) and not token:
         log.warning(
@@ -164,6 +182,33 @@ def _grpc_server(args, engine: Engine, health_servicer) -> grpc.Server | None:
         ", bearer token required" if token else "",
     )
     return server
+
+
+class ListenError(Exception):
+    """Rank 0 cannot serve gRPC where it was told to."""
+
+
+def _listen(server: grpc.Server, address: str, cert: str, key: str) -> int:
+    """Add the gRPC port, with TLS when a certificate is given; the port, or ListenError."""
+    if bool(cert) != bool(key):
+        raise ListenError("TLS needs both --tls-cert and --tls-key")
+    try:
+        credentials = server_credentials(cert, key) if cert else None
+    except OSError as e:
+        raise ListenError(f"cannot read the TLS certificate or key: {e}") from None
+    try:
+        if credentials is not None:
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_insecure_port(address)
+    except (OSError, RuntimeError):
+        port = 0
+    if port == 0:
+        raise ListenError(
+            f"cannot listen on {address}: in use (another cluster? `mlx-relay free --shutdown "
+            f"--address {address}` stops it) or not an address of this machine"
+        )
+    return port
 
 
 def _watchdog(engine: Engine, hub: ControlHub, heartbeat_timeout: float) -> None:

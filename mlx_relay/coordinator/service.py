@@ -129,14 +129,21 @@ def chunk_to_proto(chunk: Chunk, request_id: str) -> pb.GenerateChunk:
 
 
 class RelayServicer:
-    def __init__(self, engine: Engine, *, backend: str = "") -> None:
+    """`model` and `layers`: what rank 0 was started with, what LoadModel loads again
+    when it names no model (after a Free, say); a successful LoadModel replaces them."""
+
+    def __init__(
+        self, engine: Engine, *, backend: str = "", model: str = "", layers: str = ""
+    ) -> None:
         self.engine = engine
         self.backend = backend
+        self.last_model = model
+        self.last_layers = layers
 
     def _tokenizer(self) -> Any:
         tokenizer = self.engine.tokenizer
         if tokenizer is None or self.engine.state != "serving":
-            raise EngineError("unavailable", f"no model is being served ({self.engine.state})")
+            raise EngineError("unavailable", _not_serving(self.engine.state, self.engine.error))
         return tokenizer
 
     def _build(self, request: pb.GenerateRequest) -> Request:
@@ -208,20 +215,15 @@ class RelayServicer:
 
     @_rpc
     def LoadModel(self, request, context):  # noqa: N802
-        if not request.model:
+        model = request.model or self.last_model
+        layers_spec = request.layers if request.model or request.layers else self.last_layers
+        if not model:
             raise requests.InvalidRequest("model is required ('default' or a path)")
         if self.engine.state in ("draining", "stopping", "failed"):
             raise EngineError("unavailable", f"the cluster is {self.engine.state}")
-        layers = None
-        if request.layers.strip() == "auto":
-            layers = "auto"  # by each rank's free memory (pipeline.memory_split)
-        elif request.layers:
-            try:
-                layers = model_layer_split(request.layers, request.model, self._world())
-            except ValueError as e:
-                raise requests.InvalidRequest(f"layers: {e}") from e
+        layers = self._layers(layers_spec, model)
         try:
-            self.engine.load(request.model, layers).result()
+            self.engine.load(model, layers).result()
         except ClusterFailure:
             raise
         except RankFailure as e:  # a worker refused its shard; the cluster still serves
@@ -230,7 +232,19 @@ class RelayServicer:
             raise
         except Exception as e:  # noqa: BLE001 - the load failed; say why, keep serving
             raise EngineError("invalid" if isinstance(e, ValueError) else "internal", str(e)) from e
+        self.last_model, self.last_layers = model, layers_spec
         return pb.LoadModelResponse(status=self.status())
+
+    def _layers(self, spec: str, model: str) -> list[int] | str | None:
+        """LoadModel's `layers` for this model over this cluster's ranks."""
+        if spec.strip() == "auto":
+            return "auto"  # by each rank's free memory (pipeline.memory_split)
+        if not spec:
+            return None
+        try:
+            return model_layer_split(spec, model, self._world())
+        except ValueError as e:
+            raise requests.InvalidRequest(f"layers: {e}") from e
 
     @_rpc
     def Free(self, request, context):  # noqa: N802
@@ -280,6 +294,18 @@ class RelayServicer:
                 )
             )
         return out
+
+
+def _not_serving(state: str, error: str) -> str:
+    """Why no request can run now, and what would change that."""
+    if state == "unloaded":
+        return (
+            "no model is loaded (unloaded): `mlx-relay load` loads the last one again, "
+            "`mlx-relay load --model PATH` another (the LoadModel RPC)"
+        )
+    if state in ("starting", "loading"):
+        return f"no model is being served yet ({state}): `mlx-relay status --wait 60` waits"
+    return f"no model is being served ({state}{': ' + error if error else ''})"
 
 
 def _rank0_status(loaded: Any) -> pb.RankStatus:

@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from mlx_relay import preflight
 from mlx_relay.coordinator.client import Client, chat_request
 from mlx_relay.launch.local import LocalCluster, free_ports
 from mlx_relay.protocol import relay_pb2 as pb
@@ -22,9 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mlx_relay.default_model import resolve_model
-
-    resolve_model(args.model)  # convert the default model once, with progress, before the ranks
+    # Converts the default model once, with progress, before the ranks start.
+    preflight.check_ranks(preflight.check_model(args.model), args.num_ranks)
     address = f"127.0.0.1:{free_ports(1)[0]}"
     print(f"mlx-relay demo: starting {args.num_ranks} ranks on {args.model} ...", flush=True)
     t0 = time.perf_counter()

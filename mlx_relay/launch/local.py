@@ -2,8 +2,11 @@
 
 Ranks talk over the ring backend on loopback (fresh free ports every time: the ring
 backend sets SO_REUSEPORT, so two clusters on the same ports could wire into each
-other). The launcher stays in the foreground, waits until the cluster serves, and on
-Ctrl-C or SIGTERM asks rank 0 to shut every rank down, leaving no process behind.
+other). The launcher checks the model and the split first (`preflight`), starts the
+ranks, stays in the foreground, and waits until the cluster serves; a rank that fails
+ends the start at once, with its cause. On Ctrl-C, SIGTERM or SIGHUP it asks rank 0 to
+shut every rank down; if the launcher dies any other way (kill -9), its ranks get SIGTERM
+(`lifeline`). Either way no process or temporary file is left behind.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,11 +24,15 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
+from mlx_relay import preflight
 from mlx_relay.coordinator.auth import AUTH_TOKEN_ENV, auth_token
 from mlx_relay.doorbell import DOORBELLS_ENV
+from mlx_relay.errors import UserError, add_log_level
+from mlx_relay.launch.lifeline import Lifeline, child_setup
 from mlx_relay.launch.serve import DEFAULT_GRPC_ADDRESS, add_serve_options
-from mlx_relay.launch.supervise import Supervisor, run_with_restarts
+from mlx_relay.launch.supervise import LastWords, RankFailed, Supervisor, run_with_restarts
 from mlx_relay.protocol import control
 
 
@@ -49,6 +57,12 @@ class LocalCluster:
     different environments: HOME, memory caps). `auth_token` reaches rank 0 through
     the environment, never the command line; `tls_ca` is what this process trusts
     when it checks health over TLS.
+
+    Each rank's output (stdout and stderr, line by line) goes to `log_dir/rankN.log`,
+    else to this process's stderr; on the way, a rank's last words (why it stopped)
+    are kept for the failure report. The ranks die with this process however it ends
+    (`lifeline`), and the temporary directory holding the ring's hostfile is removed
+    once every rank has read it (when the cluster serves) or when it stops.
     """
 
     n: int
@@ -63,48 +77,122 @@ class LocalCluster:
     procs: list[subprocess.Popen] = field(default_factory=list)
     control_endpoint: str = ""
 
+    def __post_init__(self) -> None:
+        self._workdir: Path | None = None
+        self._lifeline: Lifeline | None = None
+        self._pumps: list[threading.Thread] = []
+        self._output_lock = threading.Lock()
+        self.last_words = LastWords()
+
     def start(self) -> LocalCluster:
+        self._tidy()  # after a restart: what the last life of the cluster left
         self.procs = []
-        workdir = Path(tempfile.mkdtemp(prefix="mlx-relay-"))
+        self._pumps = []
+        self.last_words = LastWords()
+        self._lifeline = Lifeline()
+        self._workdir = Path(tempfile.mkdtemp(prefix="mlx-relay-"))
+        try:
+            self._start_ranks(self._rank_env_base())
+        except BaseException:
+            self.kill()  # never leave a half-started cluster behind
+            self.procs = []
+            raise
+        self.supervisor = Supervisor(self.procs, ["127.0.0.1"] * self.n, self.last_words)
+        return self
+
+    def _rank_env_base(self) -> dict[str, str]:
+        """What every rank's environment holds: the wiring on fresh ports, the secret."""
+        assert self._workdir is not None and self._lifeline is not None
         ports = free_ports(2 * self.n + 1)
-        hostfile = workdir / "hostfile.json"
+        hostfile = self._workdir / "hostfile.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports[: self.n]]))
         self.control_endpoint = f"tcp://127.0.0.1:{ports[self.n]}"
-        base_env = {
+        env = {
             **os.environ,
             **self.env,
+            **self._lifeline.env,
             control.SECRET_ENV: control.new_secret(),
             control.CONTROL_ENV: self.control_endpoint,
             DOORBELLS_ENV: json.dumps([f"tcp://127.0.0.1:{p}" for p in ports[self.n + 1 :]]),
             "PYTHONUNBUFFERED": "1",
         }
+        if self.n > 1:
+            env["MLX_HOSTFILE"] = str(hostfile)
         if self.auth_token:
-            base_env[AUTH_TOKEN_ENV] = self.auth_token
+            env[AUTH_TOKEN_ENV] = self.auth_token
+        return env
+
+    def _start_ranks(self, base_env: dict[str, str]) -> None:
+        assert self._lifeline is not None
         cmd = [sys.executable, "-m", "mlx_relay", "serve", *self.serve_args]
         cmd += ["--grpc-address", self.grpc_address]
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
         for rank in range(self.n):
             env = {**base_env, **self.rank_env.get(rank, {})}
             if self.n > 1:
-                env.update(MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
-            out = None
-            if self.log_dir is not None:
-                self.log_dir.mkdir(parents=True, exist_ok=True)
-                out = open(self.log_dir / f"rank{rank}.log", "ab")  # noqa: SIM115
-            self.procs.append(
-                subprocess.Popen(
-                    cmd,
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT if out else None,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,  # Ctrl-C reaches the launcher, which stops ranks in order
-                    preexec_fn=_pin_to_core(rank) if self.pin else None,
-                )
+                env["MLX_RANK"] = str(rank)
+            proc = subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=self._child_setup(rank),
+                pass_fds=self._lifeline.pass_fds,
             )
-            if out is not None:
-                out.close()
-        self.supervisor = Supervisor(self.procs, ["127.0.0.1"] * self.n)
-        return self
+            self.procs.append(proc)
+            self._pump(rank, proc.stdout)
+
+    def _child_setup(self, rank: int) -> Callable[[], None]:
+        """Own session (Ctrl-C reaches the launcher, which stops ranks in order), death
+        with the launcher, and with --pin a core of its own."""
+        setup = child_setup()
+        pin = _pin_to_core(rank) if self.pin else None
+
+        def run() -> None:
+            setup()
+            if pin is not None:
+                pin()
+
+        return run
+
+    def _pump(self, rank: int, stream: IO[bytes]) -> None:
+        """Copy one rank's output line by line to its log (or stderr), hearing its last words."""
+        stderr = getattr(sys.stderr, "buffer", sys.__stderr__.buffer)
+        sink: IO[bytes] = (
+            open(self.log_dir / f"rank{rank}.log", "ab")  # noqa: SIM115 - closed by the pump
+            if self.log_dir is not None
+            else stderr
+        )
+        self.last_words.opened(rank)
+
+        def run() -> None:
+            copying = True
+            try:
+                for line in iter(stream.readline, b""):  # to the end, so the rank never blocks
+                    self.last_words.hear(line)
+                    if copying:
+                        copying = self._copy(sink, line)
+            finally:
+                stream.close()
+                if sink is not stderr:
+                    sink.close()
+                self.last_words.closed(rank)
+
+        thread = threading.Thread(target=run, name=f"rank{rank}-output", daemon=True)
+        thread.start()
+        self._pumps.append(thread)
+
+    def _copy(self, sink: IO[bytes], line: bytes) -> bool:
+        """Write one line; False once the sink is gone (a closed terminal)."""
+        try:
+            with self._output_lock:
+                sink.write(line)
+                sink.flush()
+            return True
+        except (OSError, ValueError):
+            return False
 
     def failed_rank(self) -> tuple[int, int] | None:
         """The first rank that exited abnormally, with its return code."""
@@ -119,19 +207,23 @@ class LocalCluster:
         def check() -> None:
             failure = self.supervisor.first_failure()
             if failure:
-                raise RuntimeError(f"{failure} before the cluster served")
+                raise RankFailed(str(failure))
             if give_up():
                 raise InterruptedError("stopped before the cluster served")
 
         wait_serving(
             self.grpc_address, timeout, check=check, token=self.auth_token, tls_ca=self.tls_ca
         )
+        self._remove_workdir()  # every rank has read the hostfile by now
 
     def stop(self, timeout: float = 30.0) -> list[int | None]:
         """SIGTERM rank 0 (it drains, then shuts the ring down); then the rest; then kill."""
         if not self.procs:
+            self._tidy()
             return []
-        return self.supervisor.stop(timeout)
+        codes = self.supervisor.stop(timeout)
+        self._tidy()
+        return codes
 
     def kill(self) -> None:
         for p in self.procs:
@@ -139,6 +231,21 @@ class LocalCluster:
                 p.kill()
         for p in self.procs:
             p.wait()
+        self._tidy()
+
+    def _tidy(self) -> None:
+        """After the ranks are gone: finish copying their output, remove what we made."""
+        for thread in self._pumps:
+            thread.join(timeout=2)
+        if self._lifeline is not None:
+            self._lifeline.close()
+            self._lifeline = None
+        self._remove_workdir()
+
+    def _remove_workdir(self) -> None:
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
 
     def __enter__(self) -> LocalCluster:
         return self.start()
@@ -170,6 +277,7 @@ def serve_args_from(args: argparse.Namespace) -> list[str]:
     out += ["--step-timeout", str(args.step_timeout)]
     out += ["--drain-timeout", str(args.drain_timeout)]
     out += ["--max-request-bytes", str(args.max_request_bytes)]
+    out += ["--log-level", args.log_level]
     if args.tls_cert or args.tls_key:
         out += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
     return out  # the auth token travels in the environment, not on command lines
@@ -179,8 +287,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("local", help="start an N-rank cluster on this machine and serve it")
     p.add_argument("-n", "--num-ranks", type=int, default=2, help="number of ranks")
     add_serve_options(p)
+    add_log_level(p)
     p.add_argument("--pin", action="store_true", help="pin each rank to its own core")
-    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="give up if the cluster does not serve within this many seconds (a rank "
+        "that fails ends the start at once)",
+    )
     p.add_argument(
         "--restart",
         type=int,
@@ -194,10 +309,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def preflight_checks(args: argparse.Namespace) -> None:
+    """What can be wrong before any rank starts: the model, the number of ranks, the
+    split, TLS files, the gRPC address. Raises UserError naming the problem."""
     if args.num_ranks < 1:
-        print("mlx-relay local: -n must be at least 1", file=sys.stderr)
-        return 2
+        raise UserError("-n must be at least 1")
+    if args.model:
+        facts = preflight.check_model(args.model)
+        preflight.check_split(facts, args.num_ranks, args.layers)
+    preflight.check_tls(args.tls_cert, args.tls_key)
+    preflight.check_listen(args.grpc_address)
+
+
+def run(args: argparse.Namespace) -> int:
+    preflight_checks(args)
     token = auth_token(args.auth_token)
     cluster = LocalCluster(
         args.num_ranks,
@@ -212,8 +337,8 @@ def run(args: argparse.Namespace) -> int:
     def on_signal(*_: object) -> None:
         stopping.set()
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal closed
+        signal.signal(sig, on_signal)
 
     def report(message: str) -> None:
         print(f"mlx-relay local: {message}", file=sys.stderr, flush=True)
@@ -227,11 +352,14 @@ def run(args: argparse.Namespace) -> int:
             f"{args.num_ranks} rank(s) serving {args.model} on {args.grpc_address} (Ctrl-C to stop)"
         )
 
-    return run_with_restarts(
-        start,
-        args.restart,
-        ready=ready,
-        stop_event=stopping,
-        report=report,
-        stop_timeout=args.drain_timeout + 30,
-    )
+    try:
+        return run_with_restarts(
+            start,
+            args.restart,
+            ready=ready,
+            stop_event=stopping,
+            report=report,
+            stop_timeout=args.drain_timeout + 30,
+        )
+    finally:
+        cluster.stop()  # already stopped: this only tidies up

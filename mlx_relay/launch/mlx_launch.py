@@ -22,8 +22,8 @@ psutil cpu_times of the launcher over 6 s while two ranks sleep):
 So the ranks get the machine's cores, each rank's output is prefixed with its rank
 (`mlx.launch` merges them), and each rank is a process handle the supervisor
 (`launch/supervise.py`) can watch and stop: SIGTERM to rank 0 first (it shuts the ring
-down with CMD_SHUTDOWN), then the rest, then SIGKILL. A rank is never orphaned: every
-child gets PR_SET_PDEATHSIG (SIGTERM when this launcher dies, even by SIGKILL); a remote
+down with CMD_SHUTDOWN), then the rest, then SIGKILL. A rank is never orphaned: a local
+rank gets SIGTERM when this launcher dies, even by SIGKILL (`lifeline`); a remote
 rank is signalled through its pidfile (as `mlx.launch` does), and dies of SIGHUP when its
 `ssh -tt` connection closes. `mpirun` (idle at 0% here) kills its ranks when it is
 signalled.
@@ -39,7 +39,6 @@ the process list of the launching host while ranks run, as it would be with `mlx
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import re
@@ -57,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from mlx_relay import preflight
 from mlx_relay.doorbell import DOORBELLS_ENV
 from mlx_relay.launch.hostfile import (
     DEFAULT_STARTING_PORT,
@@ -69,9 +69,12 @@ from mlx_relay.launch.hostfile import (
     load_hostfile,
     ring_addresses,
 )
+from mlx_relay.launch.lifeline import Lifeline, child_setup
 from mlx_relay.launch.serve import DEFAULT_GRPC_ADDRESS
 from mlx_relay.launch.supervise import (
     EXIT_RANK_FAILED,
+    LastWords,
+    RankFailed,
     Supervisor,
     describe_exit,
     run_with_restarts,
@@ -79,7 +82,6 @@ from mlx_relay.launch.supervise import (
 from mlx_relay.protocol import control
 
 LAUNCH_BACKENDS = ("ring", "jaccl", "jaccl-ring", "mpi")
-_PR_SET_PDEATHSIG = 1
 _MPI_TAG = re.compile(rb"^\[\d+,(\d+)\]<(stdout|stderr)>: ?(.*)$", re.S)
 
 
@@ -136,17 +138,6 @@ def kill_script(pidfile: str, sig: int = signal.SIGTERM) -> str:
 def ssh_command(host: str, script: str) -> list[str]:
     """`mlx.launch`'s `ssh -tt -o LogLevel=QUIET host script` (a remote tty: SIGHUP on close)."""
     return ["ssh", "-tt", "-o", "LogLevel=QUIET", host, script]
-
-
-def _set_pdeathsig() -> None:
-    """In the child before exec: get SIGTERM when the launcher dies, however it dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-
-
-def _new_session_with_pdeathsig() -> None:
-    os.setsid()  # Ctrl-C in the terminal reaches the launcher only, which stops ranks in order
-    _set_pdeathsig()
 
 
 # ------------------------------------------------------------------ the cluster's wiring
@@ -238,19 +229,30 @@ class RankProcess(subprocess.Popen):
     `mlx.launch`'s terminate; killing the ssh client also ends it (SIGHUP on its tty).
     """
 
-    def __init__(self, rank: int, host: str, argv: list[str], *, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        rank: int,
+        host: str,
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        lifeline: Lifeline | None = None,
+    ) -> None:
         self.rank = rank
         self.host = host
         self.is_local = host == LOCAL_SSH
         self.pidfile: str | None = None
         self._env = env
+        if lifeline is not None and self.is_local:  # a remote rank has its ssh tty instead
+            env = {**env, **lifeline.env}
         super().__init__(
             argv,
             env=env,
             stdin=subprocess.PIPE,  # never written and never closed while the rank runs
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            preexec_fn=_new_session_with_pdeathsig,
+            preexec_fn=child_setup(),
+            pass_fds=lifeline.pass_fds if lifeline is not None and self.is_local else (),
         )
 
     def send_signal(self, sig: int) -> None:
@@ -287,7 +289,7 @@ class MpiRunProcess(subprocess.Popen):
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            preexec_fn=_new_session_with_pdeathsig,
+            preexec_fn=child_setup(),
         )
 
     def local_rank_pids(self) -> dict[int, int]:
@@ -352,6 +354,8 @@ class Launch:
         self._pumps: list[threading.Thread] = []
         self._logs: dict[int, IO[bytes]] = {}
         self._tmp: list[str] = []
+        self._lifeline: Lifeline | None = None
+        self.last_words = LastWords()
 
     @property
     def command(self) -> list[str]:
@@ -388,18 +392,20 @@ class Launch:
             self.procs = [proc]
             self._pump(proc, proc.stdout, False, mpi=True)
             self._pump(proc, proc.stderr, True, mpi=True)
-            self.supervisor = Supervisor(self.procs, ["mpirun"])
+            self.supervisor = Supervisor(self.procs, ["mpirun"], self.last_words)
             return self.supervisor
         env = self.rank_env()
+        self._lifeline = Lifeline()
         for rank, host in enumerate(self.hostfile.hosts):
             is_local = host.ssh == LOCAL_SSH
             script = launch_script(rank, self.cwd, self.wiring.files, env, self.command, is_local)
             argv = ["/bin/bash", "-c", script] if is_local else ssh_command(host.ssh, script)
-            proc = RankProcess(rank, host.ssh, argv, env=base)
+            proc = RankProcess(rank, host.ssh, argv, env=base, lifeline=self._lifeline)
             self.procs.append(proc)
             self._pump(proc, proc.stdout, False, pidfile_first=True)
             self._pump(proc, proc.stderr, True)
-        self.supervisor = Supervisor(self.procs, [h.ssh for h in self.hostfile.hosts])
+        hosts = [h.ssh for h in self.hostfile.hosts]
+        self.supervisor = Supervisor(self.procs, hosts, self.last_words)
         return self.supervisor
 
     def _start_mpi(self, base: dict[str, str]) -> MpiRunProcess:
@@ -449,6 +455,7 @@ class Launch:
 
     def _emit(self, rank: int, line: bytes, is_err: bool) -> None:
         label = b"[mpirun] " if rank < 0 else b"[rank %d] " % rank
+        self.last_words.hear(line)
         with self._lock:
             sink = self._sink(rank)
             if sink is not None:
@@ -468,7 +475,16 @@ class Launch:
         pidfile_first: bool = False,
         mpi: bool = False,
     ) -> None:
+        index = self.procs.index(proc)
+        self.last_words.opened(index)
+
         def run() -> None:
+            try:
+                copy()
+            finally:
+                self.last_words.closed(index)
+
+        def copy() -> None:
             first = pidfile_first
             for raw in iter(stream.readline, b""):
                 line = raw.rstrip(b"\r\n")
@@ -496,18 +512,24 @@ class Launch:
         return str(found) if found else None
 
     def wait_serving(
-        self, address: str, timeout: float = 300.0, stopping: Callable[[], bool] = lambda: False
+        self,
+        address: str,
+        timeout: float = 300.0,
+        stopping: Callable[[], bool] = lambda: False,
+        *,
+        token: str | None = None,
+        tls_ca: str | None = None,
     ) -> None:
         from mlx_relay.coordinator.client import wait_serving
 
         def check() -> None:
             failed = self.failure()
             if failed:
-                raise RuntimeError(f"{failed} before the cluster served")
+                raise RankFailed(failed)
             if stopping():
                 raise InterruptedError("stopped before the cluster served")
 
-        wait_serving(address, timeout, check=check)
+        wait_serving(address, timeout, check=check, token=token, tls_ca=tls_ca)
 
     def stop(self, timeout: float = 30.0) -> list[int]:
         codes = self.supervisor.stop(timeout) if self.supervisor else []
@@ -523,6 +545,9 @@ class Launch:
         self._logs.clear()
         for path in self._tmp:
             Path(path).unlink(missing_ok=True)
+        if self._lifeline is not None:
+            self._lifeline.close()
+            self._lifeline = None
         return codes
 
     @property
@@ -570,7 +595,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mpi-arg", action="append", default=[], help="passed to mpirun")
     p.add_argument("--log-dir", type=Path, help="also write each rank's output to DIR/rankN.log")
     p.add_argument("--restarts", type=int, default=0, help="restart the cluster after a failure")
-    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="give up if the cluster does not serve within this many seconds (a rank "
+        "that fails ends the start at once)",
+    )
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then serve options")
     p.set_defaults(func=run)
 
@@ -582,6 +613,20 @@ def _serve_options(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="mlx-relay launch ... --", add_help=False)
     serve.add_parser(parser.add_subparsers(dest="command"))
     return parser.parse_args(["serve", *argv])
+
+
+def preflight_checks(serve_opts: argparse.Namespace, n: int) -> None:
+    """With rank 0 on this machine, what its launcher can check before any rank starts:
+    the model (rank 0 holds it too), the number of ranks, the split, TLS files, the gRPC
+    address.
+
+    Ranks on other machines check their own model when they start (`serve`).
+    """
+    if serve_opts.model:
+        facts = preflight.check_model(serve_opts.model)
+        preflight.check_split(facts, n, serve_opts.layers)
+    preflight.check_tls(serve_opts.tls_cert, serve_opts.tls_key)
+    preflight.check_listen(serve_opts.grpc_address)
 
 
 def client_address(grpc_address: str, rank0: str, rank0_local: bool) -> str | None:
@@ -619,6 +664,8 @@ def run(args: argparse.Namespace) -> int:
         for problem in problems:
             print(f"mlx-relay launch: {args.hostfile}: {problem}", file=sys.stderr)
         return 2
+    if hf.hosts[0].ssh == LOCAL_SSH:
+        preflight_checks(serve_opts, len(hf.hosts))
 
     stop_event = threading.Event()
 
@@ -632,6 +679,9 @@ def run(args: argparse.Namespace) -> int:
     address = client_address(
         serve_opts.grpc_address or DEFAULT_GRPC_ADDRESS, host_address(rank0), rank0.ssh == LOCAL_SSH
     )
+    tls_ca = serve_opts.tls_cert or None
+    if tls_ca is not None and not Path(tls_ca).is_file():
+        address = None  # rank 0's certificate is on rank 0's machine: cannot check from here
 
     def report(message: str) -> None:
         print(f"mlx-relay launch: {message}", file=sys.stderr, flush=True)
@@ -654,7 +704,13 @@ def run(args: argparse.Namespace) -> int:
         n = len(hf.hosts)
         if address is not None:
             try:
-                launch.wait_serving(address, args.startup_timeout, stop_event.is_set)
+                launch.wait_serving(
+                    address,
+                    args.startup_timeout,
+                    stop_event.is_set,
+                    token=serve_opts.auth_token,
+                    tls_ca=tls_ca,
+                )
             except Exception:
                 if stop_event.is_set():
                     return supervisor

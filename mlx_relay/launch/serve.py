@@ -11,10 +11,18 @@ import json
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from mlx_relay import preflight
+from mlx_relay.errors import UserError, add_log_level, debugging
+from mlx_relay.launch.lifeline import watch_launcher
+from mlx_relay.launch.supervise import EXIT_USAGE, report_fatal
 from mlx_relay.protocol import control
+
+if TYPE_CHECKING:
+    from mlx_relay.ring import Ring
 
 log = logging.getLogger("mlx_relay.serve")
 
@@ -100,9 +108,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="",
         help=f"rank 0's side channel, tcp://host:port (default: rank 0's host, port {DEFAULT_CONTROL_PORT})",
     )
-    p.add_argument("--startup-timeout", type=float, default=120.0)
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=120.0,
+        help="rank 0: how long every worker may take to say hello (seconds)",
+    )
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
-    p.add_argument("--log-level", default=os.environ.get("MLX_RELAY_LOG", "INFO"))
+    add_log_level(p)
     p.set_defaults(func=run)
 
 
@@ -130,6 +143,27 @@ def control_endpoint(args: argparse.Namespace, hosts: list[str]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """One rank, from start to exit; anything unexpected is its last line, not a traceback."""
+    watch_launcher()  # a rank never outlives the launcher that started it
+    try:
+        return _serve(args)
+    except Exception as e:  # noqa: BLE001 - a rank's last words, for its launcher
+        log.debug("rank failed", exc_info=True)
+        report_fatal(_rank_before_init(), f"{type(e).__name__}: {e}")
+        if debugging(args):
+            raise
+        return 1
+
+
+def _serve(args: argparse.Namespace) -> int:
+    facts = None
+    if args.model:
+        # Before joining the ring: a rank without the model leaves at once, and its
+        # launcher stops the rest, instead of every rank waiting for it.
+        try:
+            facts = preflight.check_model(args.model)
+        except UserError as e:
+            return _fatal(_rank_before_init(), e)
     group = mx.distributed.init(backend=args.backend) if _distributed() else None
     rank = group.rank() if group else 0
     size = group.size() if group else 1
@@ -138,10 +172,15 @@ def run(args: argparse.Namespace) -> int:
         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    layer_counts = None
+    if facts is not None:
+        try:
+            layer_counts = preflight.check_split(facts, size, args.layers)
+        except UserError as e:
+            return _fatal(rank, e)
+
     from mlx_relay.doorbell import Doorbell, doorbell_endpoints
-    from mlx_relay.launch.hostfile import model_layer_split
     from mlx_relay.ring import Ring
-    from mlx_relay.sidechannel import ControlHub, ControlLink
 
     secret = control.cluster_secret()
     hosts = rank_hosts(size)
@@ -150,25 +189,39 @@ def run(args: argparse.Namespace) -> int:
         ring = Ring(group, Doorbell(rank, size, doorbell_endpoints(size, hosts), secret))
     endpoint = control_endpoint(args, hosts)
     if rank == 0:
-        from mlx_relay.coordinator import server
+        return _run_rank0(args, ring, endpoint, secret, layer_counts)
+    return _run_worker(args, ring, endpoint, secret, rank)
 
-        args.layer_counts = None
-        if args.layers.strip() == "auto":
-            args.layer_counts = "auto"  # split by each rank's free memory once all said hello
-        elif args.layers:
-            args.layer_counts = model_layer_split(args.layers, args.model, size)
-        hub = ControlHub(endpoint, size, secret) if ring else None
-        log.info("rank 0 of %d; side channel %s", size, endpoint if ring else "(none)")
-        code = server.run(args, ring, hub)
-        if code == server.EXIT_CLUSTER_FAILED:
-            # The engine thread may still be stuck in a collective with a dead rank;
-            # nothing is left to clean up, so do not wait for it at exit.
-            logging.shutdown()
-            os._exit(code)
-        _mpi_finalize(args.backend, code)
-        return code
 
+def _run_rank0(
+    args: argparse.Namespace,
+    ring: Ring | None,
+    endpoint: str,
+    secret: bytes,
+    layer_counts: list[int] | str | None,
+) -> int:
+    from mlx_relay.coordinator import server
+    from mlx_relay.sidechannel import ControlHub
+
+    args.layer_counts = layer_counts  # "auto": by each rank's free memory, once all said hello
+    size = ring.size if ring else 1
+    hub = ControlHub(endpoint, size, secret) if ring else None
+    log.info("rank 0 of %d; side channel %s", size, endpoint if ring else "(none)")
+    code = server.run(args, ring, hub)
+    if code == server.EXIT_CLUSTER_FAILED:
+        # The engine thread may still be stuck in a collective with a dead rank;
+        # nothing is left to clean up, so do not wait for it at exit.
+        logging.shutdown()
+        os._exit(code)
+    _mpi_finalize(args.backend, code)
+    return code
+
+
+def _run_worker(
+    args: argparse.Namespace, ring: Ring | None, endpoint: str, secret: bytes, rank: int
+) -> int:
     from mlx_relay import memory
+    from mlx_relay.sidechannel import ControlLink
     from mlx_relay.worker.loop import Worker
 
     link = ControlLink(
@@ -181,6 +234,21 @@ def run(args: argparse.Namespace) -> int:
         link.close()
     _mpi_finalize(args.backend, 0)
     return 0
+
+
+def _fatal(rank: int | str, error: Exception) -> int:
+    """Stop before serving for a reason the user can fix: one line, the launcher's to repeat."""
+    report_fatal(rank, str(error))
+    return EXIT_USAGE
+
+
+def _rank_before_init() -> int | str:
+    """This rank's number as its launcher set it, before mx.distributed says so."""
+    for name in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0 if not _distributed() else "?"
 
 
 def _distributed() -> bool:

@@ -10,31 +10,101 @@ When one rank dies, others follow on purpose (rank 0 exits EXIT_CLUSTER_FAILED a
 answering its clients, workers exit EXIT_RANK0_SILENT when rank 0 goes quiet), so the
 cause is the rank seen ending first; among ranks seen ending at the same poll, one
 that ended for its own reasons is preferred to one that only followed.
+
+A rank that stops for a reason it can name (a model it cannot load, a split that does
+not fit) says so in one last line, `mlx-relay serve: rank N: CAUSE` (`fatal_line`).
+Launchers read every rank's output as it passes (`LastWords`), so the failure they
+report ends with that cause, and they do not restart a cluster that would fail the
+same way again (`PERMANENT_EXITS`).
 """
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mlx_relay.errors import CommandFailed
+
 # Exit codes with a meaning across the project (kept here so that a launcher can
 # explain them without importing the coordinator; tests check they stay in sync).
+EXIT_USAGE = 2  # a rank: its options or model cannot work (serve.py); as argparse's
 EXIT_CLUSTER_FAILED = 3  # rank 0: a worker failed or a step was overdue (server.py)
 EXIT_RANK_FAILED = 4  # a launcher: a rank failed and the cluster was stopped
+EXIT_LOAD_FAILED = 5  # rank 0: the model given at start did not load on some rank (server.py)
 EXIT_RANK0_SILENT = 75  # a worker: rank 0 is gone or silent (sidechannel.py)
 EXIT_RING_BROKEN = 76  # a worker: its ring connection broke, a neighbour died (sidechannel.py)
 
 _MEANINGS = {
+    EXIT_USAGE: "bad options or model",
     EXIT_CLUSTER_FAILED: "the cluster failed",
     EXIT_RANK_FAILED: "a rank failed",
+    EXIT_LOAD_FAILED: "the model did not load",
     EXIT_RANK0_SILENT: "rank 0 is gone or silent",
     EXIT_RING_BROKEN: "its ring connection broke",
 }
 _CONSEQUENCES = (EXIT_CLUSTER_FAILED, EXIT_RANK0_SILENT, EXIT_RING_BROKEN)
+# Starting again would fail the same way: the options or the model must change first.
+PERMANENT_EXITS = (EXIT_USAGE, EXIT_LOAD_FAILED)
+
+_FATAL = re.compile(r"^mlx-relay serve: rank (\d+|\?): (.+)$")
+
+
+def fatal_line(rank: int | str, cause: str) -> str:
+    """The last line a rank writes when it stops for a reason it can name."""
+    return f"mlx-relay serve: rank {rank}: {' '.join(cause.split())}"
+
+
+def report_fatal(rank: int | str, cause: str) -> None:
+    """Write `fatal_line` to stderr, where launchers look for it."""
+    print(fatal_line(rank, cause), file=sys.stderr, flush=True)
+
+
+class LastWords:
+    """The causes ranks gave for stopping, read from their output as launchers pass it on.
+
+    Output arrives on reader threads, a little after the supervisor may have seen the
+    process end; `cause` waits (briefly) for the process's streams to be read to the end
+    so that its last line is not missed.
+    """
+
+    def __init__(self) -> None:
+        self._causes: dict[int, str] = {}
+        self._open: dict[int, int] = {}  # streams still being read, by process index
+        self._cv = threading.Condition()
+
+    def opened(self, proc: int) -> None:
+        with self._cv:
+            self._open[proc] = self._open.get(proc, 0) + 1
+
+    def closed(self, proc: int) -> None:
+        with self._cv:
+            self._open[proc] -= 1
+            self._cv.notify_all()
+
+    def hear(self, line: bytes | str) -> None:
+        """Look at one line of a rank's output; keep it if it is a rank's fatal line."""
+        text = line.decode(errors="replace") if isinstance(line, bytes) else line
+        match = _FATAL.match(text.strip())
+        if match:
+            rank = int(match.group(1)) if match.group(1).isdigit() else -1
+            with self._cv:
+                self._causes.setdefault(rank, match.group(2))
+
+    def cause(self, rank: int, proc: int | None = None, wait: float = 2.0) -> str:
+        """Rank `rank`'s cause, else the first any rank gave, else ''.
+
+        `proc`: the index of the process whose output must be read to the end first.
+        """
+        proc = rank if proc is None else proc
+        with self._cv:
+            self._cv.wait_for(lambda: self._open.get(proc, 0) <= 0, timeout=wait)
+            return self._causes.get(rank) or next(iter(self._causes.values()), "")
 
 
 def describe_exit(code: int | None) -> str:
@@ -50,6 +120,10 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}" + (f" ({meaning})" if meaning else "")
 
 
+class RankFailed(CommandFailed, RuntimeError):
+    """A rank ended before the cluster served (the message names it, and why)."""
+
+
 @dataclass
 class Failure:
     """The first rank that ended abnormally."""
@@ -58,6 +132,7 @@ class Failure:
     host: str
     code: int
     after_s: float  # seconds since supervision started
+    cause: str = ""  # what a rank said about it (LastWords), if anything
 
     @property
     def signal_name(self) -> str | None:
@@ -70,15 +145,26 @@ class Failure:
 
     def __str__(self) -> str:
         where = f"rank {self.rank}" + (f" ({self.host})" if self.host else "")
-        return f"{where} {describe_exit(self.code)}"
+        return f"{where} {describe_exit(self.code)}" + (f": {self.cause}" if self.cause else "")
+
+    @property
+    def permanent(self) -> bool:
+        """Starting again would fail the same way."""
+        return self.code in PERMANENT_EXITS
 
 
 class Supervisor:
     """Watch one cluster's rank processes (rank i is procs[i])."""
 
-    def __init__(self, procs: list[subprocess.Popen], hosts: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        procs: list[subprocess.Popen],
+        hosts: list[str] | None = None,
+        last_words: LastWords | None = None,
+    ) -> None:
         self.procs = procs
         self.hosts = hosts or [""] * len(procs)
+        self.last_words = last_words
         self.started = time.monotonic()
         self._exited_at: dict[int, float] = {}
         self._failure: Failure | None = None
@@ -102,7 +188,8 @@ class Supervisor:
             if bad:
                 at, _, rank = min(bad)
                 code = self.procs[rank].returncode
-                self._failure = Failure(rank, self.hosts[rank], code, at - self.started)
+                cause = self.last_words.cause(rank) if self.last_words else ""
+                self._failure = Failure(rank, self.hosts[rank], code, at - self.started, cause)
         return self._failure
 
     def all_exited_cleanly(self) -> bool:
@@ -164,9 +251,10 @@ def run_with_restarts(
 
     `start` launches the ranks (if it raises, that counts as a failure, and it must not
     leave ranks behind); `ready` may then wait for them to serve (raising counts as a
-    failure too, and the ranks are stopped). Returns 0 when the cluster ended cleanly
-    or was stopped through `stop_event`, EXIT_RANK_FAILED when it failed with no
-    restart left.
+    failure too, and the ranks are stopped). A failure that would repeat (bad options,
+    a model that does not load) is not restarted. Returns 0 when the cluster ended
+    cleanly or was stopped through `stop_event`, EXIT_RANK_FAILED when it failed with
+    no restart left.
     """
     stop_event = stop_event or threading.Event()
     attempt = 0
@@ -174,17 +262,29 @@ def run_with_restarts(
         failure = _run_once(start, ready, stop_event, stop_timeout, report)
         if failure is None:
             return 0
-        if failure == "":
+        if not failure.message:
             return EXIT_RANK_FAILED  # stopped, but not cleanly (already reported)
         if stop_event.is_set():
-            report(f"{failure}; stopped")
+            report(f"{failure.message}; stopped")
+            return EXIT_RANK_FAILED
+        if failure.permanent:
+            left = "; not restarted: it would fail the same way" if restarts else ""
+            report(f"{failure.message}; the cluster was stopped{left}")
             return EXIT_RANK_FAILED
         if attempt >= restarts:
             left = " (no restart left)" if restarts else ""
-            report(f"{failure}; the cluster was stopped{left}")
+            report(f"{failure.message}; the cluster was stopped{left}")
             return EXIT_RANK_FAILED
         attempt += 1
-        report(f"{failure}; the cluster was stopped; restart {attempt} of {restarts}")
+        report(f"{failure.message}; the cluster was stopped; restart {attempt} of {restarts}")
+
+
+@dataclass
+class _Outcome:
+    """How one life of a cluster went wrong ('' once already reported)."""
+
+    message: str
+    permanent: bool = False
 
 
 def _run_once(
@@ -193,22 +293,24 @@ def _run_once(
     stop_event: threading.Event,
     stop_timeout: float,
     report: Callable[[str], None],
-) -> str | None:
+) -> _Outcome | None:
     """One life of the cluster: None if it ended cleanly, else what went wrong."""
     try:
         supervisor = start()
     except Exception as e:  # noqa: BLE001 - not coming up is a failure like any other
-        return None if stop_event.is_set() else str(e) or type(e).__name__
-    failure: str | None = None
+        return None if stop_event.is_set() else _Outcome(str(e) or type(e).__name__)
+    failure: _Outcome | None = None
     try:
         if ready is not None:
             ready(supervisor)
         supervisor.wait(stop_event.is_set)
     except Exception as e:  # noqa: BLE001
-        failure = str(e) or type(e).__name__
+        failure = _Outcome(str(e) or type(e).__name__)
     found = supervisor.first_failure()
     if found is not None:
-        failure = str(found) if failure is None or str(found) in failure else failure
+        if failure is None or str(found) not in failure.message:
+            failure = _Outcome(str(found))
+        failure.permanent = found.permanent
     elif stop_event.is_set():
         failure = None  # stopped (maybe while starting): not a failure
     codes = supervisor.stop(stop_timeout)
@@ -216,5 +318,5 @@ def _run_once(
         bad = [f"rank {r} {describe_exit(c)}" for r, c in enumerate(codes) if c != 0]
         if bad:  # asked to stop, and some rank did not stop cleanly
             report("stopped, but " + "; ".join(bad))
-            return ""
+            return _Outcome("")
     return failure
