@@ -168,3 +168,44 @@ def test_long_prompt_prefilled_in_pipelined_chunks_equals_mlx_lm(busy_cluster):
     )
     expected = mlx_lm_tokens(model, prompt, 16, prefill_step_size=16)
     assert list(response.token_ids) == expected
+
+
+def test_a_long_prompt_does_not_stall_running_streams(tiny_model, cluster_factory):
+    """While a stream decodes, a long prompt is prefilled in chunks sized by measured time,
+    so the stream keeps its pace (one fixed 1024-token chunk here took about 1 s, two
+    hundred of its decode steps)."""
+    model = tiny_model("llama", 4, hidden_size=256)
+    running = cluster_factory(model, 1, "--prefill-chunk", "1024")
+    stamps: list[float] = []
+
+    def decode() -> None:
+        request = pb.GenerateRequest(
+            prompt="hi", params=pb.SamplingParams(max_tokens=1500, ignore_eos=True)
+        )
+        for chunk in running.client.stream(request):
+            stamps.extend([time.perf_counter()] * len(chunk.token_ids))
+            if long_done.is_set():
+                break
+
+    long_done = threading.Event()
+    thread = threading.Thread(target=decode)
+    thread.start()
+    while len(stamps) < 50:
+        time.sleep(0.01)
+    started = time.perf_counter()
+    long = running.client.generate(
+        pb.GenerateRequest(prompt="w " * 1800, params=pb.SamplingParams(max_tokens=1))
+    )
+    finished = time.perf_counter()
+    long_done.set()
+    thread.join(60)
+    assert long.usage.prompt_tokens > 1500
+    before = [b - a for a, b in zip(stamps, stamps[1:]) if b < started]
+    during = [b - a for a, b in zip(stamps, stamps[1:]) if started < b <= finished]
+    step = sorted(before)[len(before) // 2]
+    print(
+        f"\ndecode step {step * 1000:.1f} ms; during the long prefill ({finished - started:.2f} s)"
+        f" the longest gap was {max(during) * 1000:.1f} ms over {len(during)} tokens"
+    )
+    assert len(during) > 10  # the stream went on while the prompt was prefilled
+    assert max(during) < max(20 * step, 0.4)

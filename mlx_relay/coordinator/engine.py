@@ -4,9 +4,11 @@ gRPC handler threads never touch MLX. They submit a request and read its chunks 
 a queue; commands (load, free, shutdown) run on the engine thread once no step is in
 flight, so every rank always sees one well-ordered sequence of steps.
 
-Scheduling. A new sequence is prefilled alone, one chunk per step (`--prefill-chunk`),
-the way mlx-lm prefills: all prompt tokens but the last in chunks, then the last one
-in the step that yields the first token. It then joins one of several decode groups,
+Scheduling. A new sequence is prefilled alone, one chunk per step, the way mlx-lm
+prefills: all prompt tokens but the last in chunks, then the last one in the step that
+yields the first token. A chunk is `--prefill-chunk` tokens while nothing else decodes;
+while streams run, it is sized by measured time to cost about STALL_STEPS decode steps,
+so a long prompt delays each running stream by no more than that per token. It then joins one of several decode groups,
 each decoded as one batch per step. Units of work (a group's next token, a sequence's
 next prefill chunk) take turns, so a long prompt never stalls running streams, and up
 to one step per rank is in flight at once: while rank 1 runs one group's layers,
@@ -38,6 +40,11 @@ from mlx_relay.coordinator.textstream import StopStrings
 from mlx_relay.protocol import header as hdr
 
 log = logging.getLogger("mlx_relay.engine")
+
+STALL_STEPS = 4  # a prefill chunk beside running streams costs about this many decode steps
+MIN_CHUNK = 8  # tokens: below this a chunk's fixed costs dominate
+PROBE_CHUNK = 32  # a chunk's size before any prefill was timed
+EMA = 0.3  # weight of the newest measurement in the step-time averages
 
 
 class EngineError(Exception):
@@ -175,6 +182,8 @@ class Engine:
         self._reuse = False  # prompt_cache, and the model's caches can be cut back
         self._turn = 0
         self._stop = False
+        self._decode_step_s = 0.0  # moving average of a decode group's step, launch to read
+        self._prefill_token_s = 0.0  # moving average of a prompt token's share of a chunk
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     # --- API for other threads -----------------------------------------------------
@@ -398,7 +407,7 @@ class Engine:
     def _launch_single(self, seq: Sequence) -> None:
         """The next prefill chunk, or the last prompt token (whose logits give token 1)."""
         want_logits = len(seq.pending) == 1
-        n = 1 if want_logits else min(self.prefill_chunk, len(seq.pending) - 1)
+        n = 1 if want_logits else min(self._chunk_size(), len(seq.pending) - 1)
         tokens, seq.pending = seq.pending[:n], seq.pending[n:]
         step = self.pipeline.launch_forward(
             [seq.slot],
@@ -412,6 +421,28 @@ class Engine:
         seq.position += n
         seq.context.extend(tokens)
         self._track(step, [seq])
+
+    def _chunk_size(self) -> int:
+        """`--prefill-chunk`, or while streams decode, what costs STALL_STEPS of their steps."""
+        if not any(self._groups) or not self._decode_step_s:
+            return self.prefill_chunk
+        if not self._prefill_token_s:
+            return min(self.prefill_chunk, PROBE_CHUNK)
+        fits = int(STALL_STEPS * self._decode_step_s / self._prefill_token_s)
+        return max(MIN_CHUNK, min(self.prefill_chunk, fits))
+
+    def _timed(self, step: Step) -> None:
+        """Fold a finished step's duration into the averages the chunk size comes from."""
+        elapsed = time.monotonic() - step.launched_at
+        header = step.header
+        if header.cmd != hdr.CMD_FORWARD:
+            return
+        if header.group != hdr.NO_GROUP:
+            # Only steps with no prefill beside them: the pace a stream keeps undisturbed.
+            if not any(s.prefilling for s in self._active):
+                self._decode_step_s = _average(self._decode_step_s, elapsed)
+        elif not step.want_logits and header.lengths[0] >= MIN_CHUNK:
+            self._prefill_token_s = _average(self._prefill_token_s, elapsed / header.lengths[0])
 
     def _launch_group(self, group: int) -> None:
         """One decode step of the group, fed the tokens its members sampled last, which
@@ -468,6 +499,7 @@ class Engine:
                 self.pipeline.done(step)
         if sampled is not None:
             self._emit_sampled(sampled)
+        self._timed(step)
         self.pipeline.announce()
 
     def _step_failed(self, step: Step, seqs: list[Sequence], e: RankFailure) -> None:
@@ -744,3 +776,7 @@ class Engine:
         self._active.clear()
         for _, future in commands:
             future.set_exception(EngineError("unavailable", why))
+
+
+def _average(old: float, new: float) -> float:
+    return new if not old else (1 - EMA) * old + EMA * new

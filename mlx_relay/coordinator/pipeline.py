@@ -15,7 +15,7 @@ import logging
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -75,7 +75,7 @@ class Step:
     want_logits: bool
     hidden: mx.array | None = None
     posted: mx.array | None = None  # the payload's send in flight, kept alive
-    launched_at: float = 0.0
+    launched_at: float = field(default_factory=time.monotonic)
     tag: Any = None  # the engine's own bookkeeping
 
 
@@ -242,6 +242,8 @@ class Pipeline:
             step.posted = None
             _, step.hidden = self._receive(step.header)
         if not step.want_logits:
+            if self.world_size == 1:
+                mx.eval(step.hidden)  # done when it returns, as on a ring: it is timed
             return None
         return sharding.head(self.shard, step.hidden)[:, -1, :]
 
@@ -263,7 +265,6 @@ class Pipeline:
         """Post rank 0's part of the step; `announce` sends it on once it is computed."""
         self._step_id += 1
         step.header.step_id = self._step_id
-        step.launched_at = time.monotonic()
         self._outstanding[step.header.step_id] = step
         if payload is not None:
             mx.async_eval(payload)
