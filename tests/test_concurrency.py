@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 import time
@@ -200,8 +201,9 @@ def test_a_long_prompt_does_not_stall_running_streams(tiny_model, cluster_factor
     long_done.set()
     thread.join(60)
     assert long.usage.prompt_tokens > 1500
-    before = [b - a for a, b in zip(stamps, stamps[1:]) if b < started]
-    during = [b - a for a, b in zip(stamps, stamps[1:]) if started < b <= finished]
+    gaps = [(b - a, b) for a, b in itertools.pairwise(stamps)]
+    before = [gap for gap, at in gaps if at < started]
+    during = [gap for gap, at in gaps if started < at <= finished]
     step = sorted(before)[len(before) // 2]
     print(
         f"\ndecode step {step * 1000:.1f} ms; during the long prefill ({finished - started:.2f} s)"
