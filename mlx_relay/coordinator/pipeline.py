@@ -24,7 +24,7 @@ from mlx_relay import memory, sharding
 from mlx_relay.default_model import resolve_model
 from mlx_relay.doorbell import DoorbellTimeout
 from mlx_relay.kvcache import CacheError, SlotCaches
-from mlx_relay.launch.hostfile import layer_ranges, split_layers
+from mlx_relay.launch.hostfile import balanced_split, layer_ranges, split_layers
 from mlx_relay.protocol import header as hdr
 from mlx_relay.ring import Ring, bytes_payload, dtype_name
 from mlx_relay.sidechannel import ControlHub
@@ -120,7 +120,11 @@ class Pipeline:
         num_layers = sharding.count_layers(sharding.read_config(path))
         if layers == AUTO_LAYERS:
             layers = memory_split(num_layers, self.world_size, self.hub)
-        counts = layers or split_layers(num_layers, self.world_size)
+        # The default: equal work per rank, rank 0's LM head counted (the fastest split
+        # under load in bench_concurrency; single-stream speed does not depend on it).
+        counts = layers or balanced_split(
+            num_layers, self.world_size, sharding.head_cost_in_layers(sharding.read_config(path))
+        )
         if len(counts) != self.world_size or sum(counts) != num_layers or min(counts) < 1:
             raise ValueError(
                 f"layer split {counts} does not cover {num_layers} layers over "

@@ -698,12 +698,14 @@ def parse_layers(spec: str, num_layers: int, n: int, head_layers: float = 0.0) -
     `--layers balanced` -> `balanced_split`."""
     if spec.strip() == "balanced":
         return balanced_split(num_layers, n, head_layers)
+    if spec.strip() == "even":
+        return split_layers(num_layers, n)
     try:
         counts = [int(x) for x in spec.split(",")]
     except ValueError:
         raise ValueError(
             f"--layers {spec!r}: expected comma-separated layer counts per rank, e.g. "
-            "10,12,8, or auto or balanced"
+            "10,12,8, or auto, balanced or even"
         ) from None
     if len(counts) != n:
         raise ValueError(f"--layers {spec!r}: {len(counts)} counts for {n} ranks")

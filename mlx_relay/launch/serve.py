@@ -37,7 +37,7 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
         "--layers",
         default="",
         help="layers per rank, e.g. 10,12,8; auto: by each rank's free memory; balanced: "
-        "equal work per rank, counting rank 0's LM head (default: even)",
+        "equal work per rank, counting rank 0's LM head (the default); even: the same count each",
     )
     p.add_argument("--grpc-address", default=DEFAULT_GRPC_ADDRESS, help="rank 0's gRPC address")
     p.add_argument("--max-active", type=int, default=8, help="sequences decoding at once")
