@@ -14,6 +14,9 @@ to core 0 too: left free, it lands on rank 1's core and takes time from it (meas
 2 ranks 0.87-0.98 of mlx-lm with the client free, 0.997 with it pinned), so the cost
 of the client falls on rank 0's core, as a client on the coordinator's machine would.
 
+Clusters run without the prompt cache: every round repeats the prompt, which the cache
+would serve from memory, while the baseline prefills it each time.
+
 `--shape` builds a random-weight model of a real shape (bench/shapes.py): `tiny` shows
 the engine's per-step costs on a CPU. `--gpus G` runs on CUDA: rank r gets GPU r mod G
 (one GPU stands for one machine), the baseline GPU 0, and nothing is pinned to cores.
@@ -152,7 +155,7 @@ def main() -> int:
             cluster = stack.enter_context(
                 LocalCluster(
                     n,
-                    ["--model", args.model, *args.serve_args.split()],
+                    ["--model", args.model, "--no-prompt-cache", *args.serve_args.split()],
                     grpc_address=address,
                     log_dir=logs,
                     pin=pin,
