@@ -211,3 +211,24 @@ def test_a_long_prompt_does_not_stall_running_streams(tiny_model, cluster_factor
     )
     assert len(during) > 10  # the stream went on while the prompt was prefilled
     assert max(during) < max(20 * step, 0.4)
+
+
+def test_a_cancelled_long_prompt_stops_prefilling(tiny_model, cluster_factory):
+    """Cancelling a request mid-prefill frees the cluster at the next chunk, not after the
+    rest of the prompt."""
+    model = tiny_model("llama", 4, hidden_size=256)
+    running = cluster_factory(model, 2, "--prefill-chunk", "32", "--no-prompt-cache")
+    request = pb.GenerateRequest(prompt="w " * 1800, params=pb.SamplingParams(max_tokens=1))
+    started = time.perf_counter()
+    running.client.generate(request)
+    whole = time.perf_counter() - started
+    call = running.client.stream(request)
+    time.sleep(0.2 * whole)
+    assert running.client.status().active_requests == 1
+    call.cancel()
+    cancelled = time.perf_counter()
+    while running.client.status().active_requests:
+        time.sleep(0.01)
+    idle_after = time.perf_counter() - cancelled
+    print(f"\nwhole prefill {whole:.2f} s; idle {idle_after * 1000:.0f} ms after the cancel")
+    assert idle_after < 0.3 * whole
