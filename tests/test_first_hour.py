@@ -23,12 +23,12 @@ from conftest import assert_gone, self_signed_cert
 from launching import MLX_RELAY, free_port_range, localhost_hostfile
 from tiny_models import make_tiny_model
 
-from mlx_relay.coordinator.client import Client, wait_serving
+from mlx_relay.client.client import Client, wait_serving
 from mlx_relay.errors import UserError
 from mlx_relay.launch import supervise
 from mlx_relay.launch.local import free_ports
+from mlx_relay.launch.preflight import ModelError, check_listen, check_model, check_tls
 from mlx_relay.launch.supervise import LastWords, Supervisor, fatal_line, run_with_restarts
-from mlx_relay.preflight import ModelError, check_listen, check_model, check_tls
 
 QUICK_S = 10.0  # a refusal the launcher can make by itself takes about a second here
 

@@ -31,7 +31,7 @@ from mlx_relay.launch.hostfile import (
     ring_addresses,
     split_layers,
 )
-from mlx_relay.sharding import head_cost_in_layers
+from mlx_relay.model.sharding import head_cost_in_layers
 
 HOSTFILES = Path(__file__).resolve().parent.parent / "hostfiles"
 EXAMPLES = sorted(HOSTFILES.glob("*.json"))

@@ -25,7 +25,7 @@ from launching import (
 )
 from oracle import chat_tokens, mlx_lm_tokens
 
-from mlx_relay.coordinator.client import Client, wait_serving
+from mlx_relay.client.client import Client, wait_serving
 from mlx_relay.coordinator.pipeline import memory_split
 from mlx_relay.launch.hostfile import parse_hostfile
 from mlx_relay.launch.mlx_launch import (
@@ -110,7 +110,7 @@ def test_client_address_reaches_rank_0_where_it_can():
 
 
 def test_memory_split_weights_free_memory_and_keeps_a_layer_per_rank(monkeypatch):
-    from mlx_relay import memory
+    from mlx_relay.model import memory
 
     gb = 2**30
     monkeypatch.setattr(memory, "stats", lambda: {"free_memory": 30 * gb, "active_memory": 2 * gb})

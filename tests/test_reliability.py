@@ -24,16 +24,16 @@ from conftest import RunningCluster, assert_gone, start_cluster
 from oracle import mlx_lm_tokens, tokenizer_for
 from tiny_models import make_tiny_model
 
-from mlx_relay.coordinator import server as server_module
-from mlx_relay.coordinator.client import Client, wait_serving
+from mlx_relay.api import server as server_module
+from mlx_relay.client.client import Client, wait_serving
 from mlx_relay.coordinator.requests import encode_text
 from mlx_relay.launch import supervise
 from mlx_relay.launch.local import free_ports
 from mlx_relay.launch.supervise import Supervisor, describe_exit, run_with_restarts
-from mlx_relay.memory import shard_nbytes
+from mlx_relay.model.memory import shard_nbytes
 from mlx_relay.protocol import control
 from mlx_relay.protocol import relay_pb2 as pb
-from mlx_relay.sidechannel import EXIT_RANK0_SILENT, ControlHub
+from mlx_relay.transport.hub import EXIT_RANK0_SILENT, ControlHub
 
 pytestmark = pytest.mark.cluster
 

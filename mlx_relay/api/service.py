@@ -20,14 +20,14 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from mlx_relay import memory
 from mlx_relay.coordinator import requests
-from mlx_relay.coordinator.aggregate import aggregate
 from mlx_relay.coordinator.engine import Chunk, Engine, EngineError, Request
 from mlx_relay.coordinator.pipeline import ClusterFailure, RankFailure
 from mlx_relay.coordinator.postprocess import DEFAULT_THINK_MARKERS, think_markers
 from mlx_relay.launch.hostfile import model_layer_split
+from mlx_relay.model import memory
 from mlx_relay.protocol import relay_pb2 as pb
+from mlx_relay.protocol.aggregate import aggregate
 
 log = logging.getLogger("mlx_relay.service")
 

@@ -20,15 +20,15 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_relay import memory, sharding
-from mlx_relay.default_model import resolve_model
-from mlx_relay.doorbell import DoorbellTimeout
-from mlx_relay.kvcache import CacheError, SlotCaches
 from mlx_relay.launch.hostfile import balanced_split, layer_ranges, split_layers
+from mlx_relay.model import memory, sharding
+from mlx_relay.model.default_model import resolve_model
+from mlx_relay.model.kvcache import CacheError, SlotCaches
+from mlx_relay.model.stage import forward_stage
 from mlx_relay.protocol import header as hdr
-from mlx_relay.ring import Ring, bytes_payload, dtype_name
-from mlx_relay.sidechannel import ControlHub
-from mlx_relay.stage import forward_stage
+from mlx_relay.transport.doorbell import DoorbellTimeout
+from mlx_relay.transport.hub import ControlHub
+from mlx_relay.transport.ring import Ring, bytes_payload, dtype_name
 
 log = logging.getLogger("mlx_relay.pipeline")
 

@@ -720,8 +720,8 @@ def parse_layers(spec: str, num_layers: int, n: int, head_layers: float = 0.0) -
 
 def model_layer_split(spec: str, model: str, n: int) -> list[int]:
     """`--layers` counts or `balanced` for the model `model` ('default' or a path)."""
-    from mlx_relay import sharding
-    from mlx_relay.default_model import resolve_model
+    from mlx_relay.model import sharding
+    from mlx_relay.model.default_model import resolve_model
 
     config = sharding.read_config(resolve_model(model))
     return parse_layers(

@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from mlx_relay import preflight
-from mlx_relay.coordinator.auth import AUTH_TOKEN_ENV, auth_token
-from mlx_relay.doorbell import DOORBELLS_ENV
+from mlx_relay.api.auth import AUTH_TOKEN_ENV, auth_token
 from mlx_relay.errors import UserError, add_log_level
+from mlx_relay.launch import preflight
 from mlx_relay.launch.lifeline import Lifeline, child_setup
 from mlx_relay.launch.serve import DEFAULT_GRPC_ADDRESS, add_serve_options
 from mlx_relay.launch.supervise import LastWords, RankFailed, Supervisor, run_with_restarts
 from mlx_relay.protocol import control
+from mlx_relay.transport.doorbell import DOORBELLS_ENV
 
 
 def free_ports(n: int) -> list[int]:
@@ -202,7 +202,7 @@ class LocalCluster:
     def wait_serving(
         self, timeout: float = 300.0, give_up: Callable[[], bool] = lambda: False
     ) -> None:
-        from mlx_relay.coordinator.client import wait_serving
+        from mlx_relay.client.client import wait_serving
 
         def check() -> None:
             failure = self.supervisor.first_failure()

@@ -39,8 +39,8 @@ def check_model(spec: str) -> ModelFacts:
     'default' is converted here, once, if it has not been yet (before any rank starts,
     so that ranks do not queue for the conversion lock).
     """
-    from mlx_relay import sharding
-    from mlx_relay.default_model import resolve_model
+    from mlx_relay.model import sharding
+    from mlx_relay.model.default_model import resolve_model
 
     path = resolve_model(spec)  # ModelNotFoundError (a UserError) says what is missing
     config = _read_config(path)

@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from mlx_relay import preflight
 from mlx_relay.errors import UserError, add_log_level, debugging
+from mlx_relay.launch import preflight
 from mlx_relay.launch.lifeline import watch_launcher
 from mlx_relay.launch.supervise import EXIT_USAGE, report_fatal
 from mlx_relay.protocol import control
 
 if TYPE_CHECKING:
-    from mlx_relay.ring import Ring
+    from mlx_relay.transport.ring import Ring
 
 log = logging.getLogger("mlx_relay.serve")
 
@@ -179,8 +179,8 @@ def _serve(args: argparse.Namespace) -> int:
         except UserError as e:
             return _fatal(rank, e)
 
-    from mlx_relay.doorbell import Doorbell, doorbell_endpoints
-    from mlx_relay.ring import Ring
+    from mlx_relay.transport.doorbell import Doorbell, doorbell_endpoints
+    from mlx_relay.transport.ring import Ring
 
     secret = control.cluster_secret()
     hosts = rank_hosts(size)
@@ -200,8 +200,8 @@ def _run_rank0(
     secret: bytes,
     layer_counts: list[int] | str | None,
 ) -> int:
-    from mlx_relay.coordinator import server
-    from mlx_relay.sidechannel import ControlHub
+    from mlx_relay.api import server
+    from mlx_relay.transport.hub import ControlHub
 
     args.layer_counts = layer_counts  # "auto": by each rank's free memory, once all said hello
     size = ring.size if ring else 1
@@ -220,8 +220,8 @@ def _run_rank0(
 def _run_worker(
     args: argparse.Namespace, ring: Ring | None, endpoint: str, secret: bytes, rank: int
 ) -> int:
-    from mlx_relay import memory
-    from mlx_relay.sidechannel import ControlLink
+    from mlx_relay.model import memory
+    from mlx_relay.transport.hub import ControlLink
     from mlx_relay.worker.loop import Worker
 
     link = ControlLink(
