@@ -71,7 +71,6 @@ from mlx_relay.launch.hostfile import (
 from mlx_relay.launch.lifeline import Lifeline, child_setup
 from mlx_relay.launch.serve import DEFAULT_GRPC_ADDRESS
 from mlx_relay.launch.supervise import (
-    EXIT_RANK_FAILED,
     LastWords,
     RankFailed,
     Supervisor,
@@ -732,4 +731,4 @@ def run(args: argparse.Namespace) -> int:
             launch.stop()  # already stopped by the supervisor: this only tidies up
 
 
-__all__ = ["Launch", "describe_exit", "EXIT_RANK_FAILED", "launch_script", "plan_wiring"]
+__all__ = ["Launch", "describe_exit", "launch_script", "plan_wiring"]

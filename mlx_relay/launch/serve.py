@@ -18,8 +18,8 @@ import mlx.core as mx
 from mlx_relay.errors import UserError, add_log_level, debugging
 from mlx_relay.launch import preflight
 from mlx_relay.launch.lifeline import watch_launcher
-from mlx_relay.launch.supervise import EXIT_USAGE, report_fatal
 from mlx_relay.protocol import control
+from mlx_relay.protocol.exits import EXIT_CLUSTER_FAILED, EXIT_USAGE, report_fatal
 
 if TYPE_CHECKING:
     from mlx_relay.transport.ring import Ring
@@ -208,7 +208,7 @@ def _run_rank0(
     hub = ControlHub(endpoint, size, secret) if ring else None
     log.info("rank 0 of %d; side channel %s", size, endpoint if ring else "(none)")
     code = server.run(args, ring, hub)
-    if code == server.EXIT_CLUSTER_FAILED:
+    if code == EXIT_CLUSTER_FAILED:
         # The engine thread may still be stuck in a collective with a dead rank;
         # nothing is left to clean up, so do not wait for it at exit.
         logging.shutdown()
@@ -221,7 +221,7 @@ def _run_worker(
     args: argparse.Namespace, ring: Ring | None, endpoint: str, secret: bytes, rank: int
 ) -> int:
     from mlx_relay.model import memory
-    from mlx_relay.transport.hub import ControlLink
+    from mlx_relay.transport.link import ControlLink
     from mlx_relay.worker.loop import Worker
 
     link = ControlLink(

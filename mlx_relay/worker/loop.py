@@ -23,8 +23,9 @@ from mlx_relay.model.kvcache import CacheError, SlotCaches
 from mlx_relay.model.stage import forward_stage
 from mlx_relay.protocol import control
 from mlx_relay.protocol import header as hdr
+from mlx_relay.protocol.exits import EXIT_RING_BROKEN
 from mlx_relay.transport.doorbell import DoorbellTimeout
-from mlx_relay.transport.hub import EXIT_RING_BROKEN, ControlLink
+from mlx_relay.transport.link import ControlLink
 from mlx_relay.transport.ring import Ring, mx_dtype, payload_bytes
 
 log = logging.getLogger("mlx_relay.worker")
