@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from mlx_relay.api.auth import AUTH_TOKEN_ENV, auth_token
 from mlx_relay.errors import UserError, add_log_level
 from mlx_relay.launch import preflight
 from mlx_relay.launch.lifeline import Lifeline, child_setup
-from mlx_relay.launch.serve import DEFAULT_GRPC_ADDRESS, add_serve_options
+from mlx_relay.launch.serve import add_serve_options
 from mlx_relay.launch.supervise import LastWords, RankFailed, Supervisor, run_with_restarts
 from mlx_relay.protocol import control
+from mlx_relay.protocol.rpc import AUTH_TOKEN_ENV, DEFAULT_GRPC_ADDRESS, auth_token
 from mlx_relay.transport.doorbell import DOORBELLS_ENV
 
 

@@ -69,7 +69,6 @@ from mlx_relay.launch.hostfile import (
     ring_addresses,
 )
 from mlx_relay.launch.lifeline import Lifeline, child_setup
-from mlx_relay.launch.serve import DEFAULT_GRPC_ADDRESS
 from mlx_relay.launch.supervise import (
     LastWords,
     RankFailed,
@@ -78,6 +77,7 @@ from mlx_relay.launch.supervise import (
     run_with_restarts,
 )
 from mlx_relay.protocol import control
+from mlx_relay.protocol.rpc import DEFAULT_GRPC_ADDRESS
 from mlx_relay.transport.doorbell import DOORBELLS_ENV
 
 LAUNCH_BACKENDS = ("ring", "jaccl", "jaccl-ring", "mpi")

@@ -20,13 +20,13 @@ from mlx_relay.launch import preflight
 from mlx_relay.launch.lifeline import watch_launcher
 from mlx_relay.protocol import control
 from mlx_relay.protocol.exits import EXIT_CLUSTER_FAILED, EXIT_USAGE, report_fatal
+from mlx_relay.protocol.rpc import DEFAULT_GRPC_ADDRESS
 
 if TYPE_CHECKING:
     from mlx_relay.transport.ring import Ring
 
 log = logging.getLogger("mlx_relay.serve")
 
-DEFAULT_GRPC_ADDRESS = "127.0.0.1:50051"
 DEFAULT_CONTROL_PORT = 50151
 
 
