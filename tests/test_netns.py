@@ -103,10 +103,11 @@ def test_three_namespaces_launched_over_ssh_serve_the_default_model(tmp_path):
                 assert list(response.token_ids) == expected
                 status = client.status()
                 assert status.world_size == 3
+                # The default split is balanced: rank 0 also runs the LM head.
                 assert [(r.layer_start, r.layer_end) for r in status.ranks] == [
-                    (0, 10),
-                    (10, 20),
-                    (20, 30),
+                    (0, 4),
+                    (4, 17),
+                    (17, 30),
                 ]
             launcher.send_signal(signal.SIGTERM)
             assert launcher.wait(60) == 0, err.read_text()[-5000:]
