@@ -21,7 +21,8 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from mlx_relay.coordinator import requests
-from mlx_relay.coordinator.engine import Chunk, Engine, EngineError, Request
+from mlx_relay.coordinator.engine import Engine, EngineError, Request
+from mlx_relay.coordinator.output import Chunk
 from mlx_relay.coordinator.pipeline import ClusterFailure, RankFailure
 from mlx_relay.coordinator.postprocess import DEFAULT_THINK_MARKERS, think_markers
 from mlx_relay.model import memory

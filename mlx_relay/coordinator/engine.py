@@ -14,6 +14,8 @@ next prefill chunk) take turns, so a long prompt never stalls running streams, a
 to one step per rank is in flight at once: while rank 1 runs one group's layers,
 rank 0 runs the next group's. Everything that decides — sampling, stop strings, EOS,
 cancellation — happens here, between steps, so a worker never has anything to decide.
+What a client sees of each token read back (text, reasoning, tool calls, logprobs, the
+finish reason, usage) is the output processor's (output.py).
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.utils import load_tokenizer
 
+from mlx_relay.coordinator.output import Chunk, OutputProcessor
 from mlx_relay.coordinator.pipeline import ClusterFailure, Pipeline, RankFailure, Step
-from mlx_relay.coordinator.postprocess import OutputParser, ToolCall
+from mlx_relay.coordinator.postprocess import OutputParser
 from mlx_relay.coordinator.sampling import Sampler, SamplingParams
 from mlx_relay.coordinator.slots import SlotTable, Taken
 from mlx_relay.coordinator.textstream import StopStrings
@@ -53,30 +56,6 @@ class EngineError(Exception):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind  # "invalid", "unavailable", "exhausted", "internal", "cancelled"
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    token: str
-    logprob: float
-    top: list[tuple[int, str, float]] = field(default_factory=list)
-
-
-@dataclass
-class Chunk:
-    """A piece of one request's output stream; the last one has a finish_reason."""
-
-    text: str = ""
-    reasoning: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    usage: dict[str, int] | None = None
-    timings: dict[str, float] | None = None
-    malformed_tool_call: bool = False
-    unknown_tools: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -171,7 +150,7 @@ class Engine:
         self.state = "starting"
         self.error = ""
         self.on_state: Callable[[str], None] = lambda state: None
-        self._special_ids: set[int] = set()
+        self._output: OutputProcessor | None = None  # the loaded model's output rules
         self._waiting: deque[Request] = deque()
         self._active: list[Sequence] = []
         self._groups: list[list[Sequence]] = [[] for _ in range(n_groups)]
@@ -579,73 +558,16 @@ class Engine:
             self._emit(seq, token, logprobs)
 
     def _emit(self, seq: Sequence, token: int, logprobs: mx.array | None) -> None:
-        params = seq.request.params
-        if token in self.tokenizer.eos_token_ids and not params.ignore_eos:
-            self._finish(seq, Chunk(), reason="stop")
-            return
-        seq.generated.append(token)
-        chunk = Chunk(token_ids=[token])
-        if params.logprobs and logprobs is not None:
-            chunk.logprobs.append(self._logprob_entry(token, logprobs, params.top_logprobs))
-        was_reasoning = seq.parser.in_reasoning
-        if token not in self._special_ids:
-            seq.detokenizer.add_token(token)
-            self._parse_into(chunk, seq, seq.stops.feed(seq.detokenizer.last_segment))
-        if was_reasoning or seq.parser.in_reasoning:
-            seq.reasoning_tokens += 1
-        if seq.stops.stopped:
-            self._finish(seq, chunk, reason="stop")
-        elif len(seq.generated) >= params.max_tokens:
-            self._finish(seq, chunk, reason="length")
-        elif self.context_length and len(seq.context) >= self.context_length:
-            self._finish(seq, chunk, reason="length")
+        chunk, reason = self._output.token(seq, token, logprobs)
+        if reason:
+            self._finish(seq, chunk, reason=reason)
         else:
             seq.request.out.put(chunk)
-
-    @staticmethod
-    def _parse_into(chunk: Chunk, seq: Sequence, text: str) -> None:
-        if not text:
-            return
-        delta = seq.parser.feed(text)
-        chunk.text += delta.content
-        chunk.reasoning += delta.reasoning
-        chunk.tool_calls += delta.tool_calls
-
-    def _logprob_entry(self, token: int, logprobs: mx.array, top: int) -> TokenLogprob:
-        decode = self.tokenizer.decode
-        entry = TokenLogprob(token, decode([token]), float(logprobs[token].item()))
-        if top > 0:
-            ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
-            values = logprobs[ids]
-            for i in mx.argsort(-values).tolist():
-                tid = int(ids[i].item())
-                entry.top.append((tid, decode([tid]), float(values[i].item())))
-        return entry
 
     def _finish(self, seq: Sequence, last: Chunk | Exception, reason: str | None = None) -> None:
         request = seq.request
         if isinstance(last, Chunk):
-            if reason in ("stop", "length") and not seq.stops.stopped:
-                seq.detokenizer.finalize()
-                self._parse_into(last, seq, seq.stops.feed(seq.detokenizer.last_segment))
-                self._parse_into(last, seq, seq.stops.flush())
-            final = seq.parser.finish()
-            last.text += final.content
-            last.reasoning += final.reasoning
-            last.tool_calls += final.tool_calls
-            last.malformed_tool_call = final.malformed_tool_call
-            last.unknown_tools = list(final.unknown_tools)
-            if reason == "stop" and seq.parser.saw_tool_calls:
-                reason = "tool_calls"
-            last.finish_reason = reason
-            last.usage = {
-                "prompt_tokens": len(request.prompt_tokens),
-                "completion_tokens": len(seq.generated),
-                "reasoning_tokens": seq.reasoning_tokens,
-                "total_tokens": len(request.prompt_tokens) + len(seq.generated),
-                "cached_tokens": seq.cached_tokens,
-            }
-            last.timings = self._timings(seq)
+            self._output.finish(seq, last, reason)
         request.out.put(last)
         self._active.remove(seq)
         if seq.group is not None:
@@ -701,19 +623,6 @@ class Engine:
         if step is not None:
             self._launched.append(step)
 
-    def _timings(self, seq: Sequence) -> dict[str, float]:
-        now = time.perf_counter()
-        first = seq.first_token_at
-        ttft = (first - seq.request.created) if first else 0.0
-        decoded = len(seq.generated) - 1
-        decode_s = now - first if first else 0.0
-        return {
-            "time_to_first_token_s": ttft,
-            "prompt_tokens_per_s": len(seq.request.prompt_tokens) / ttft if ttft > 0 else 0.0,
-            "decode_tokens_per_s": decoded / decode_s if decoded > 0 and decode_s > 0 else 0.0,
-            "total_s": now - seq.request.created,
-        }
-
     # --- commands (engine thread, nothing in flight) ---------------------------------
     def _load(self, spec: str, layers: list[int] | None) -> Any:
         self._cancel_all("the model is being replaced")
@@ -721,9 +630,9 @@ class Engine:
         try:
             loaded = self.pipeline.load(spec, layers)
             self.tokenizer = load_tokenizer(loaded.path)
-            self._special_ids = set(self.tokenizer.all_special_ids or [])
             config = self.pipeline.shard.config
             self.context_length = int(config.get("max_position_embeddings") or 0)
+            self._output = OutputProcessor(self.tokenizer, self.context_length)
             self._unpark_all()
             self._reuse = self.prompt_cache and self.pipeline.shard.reusable_caches
         except Exception:
@@ -737,7 +646,7 @@ class Engine:
         self._cancel_all("the model was freed")
         self.pipeline.unload()
         self._unpark_all()
-        self.tokenizer = None
+        self.tokenizer = self._output = None
         self._set_state("unloaded")
         if shutdown:
             self._set_state("stopping")
