@@ -8,8 +8,9 @@ Scheduling. A new sequence is prefilled alone, one chunk per step, the way mlx-l
 prefills: all prompt tokens but the last in chunks, then the last one in the step that
 yields the first token. A chunk is `--prefill-chunk` tokens while nothing else decodes;
 while streams run, it is sized by measured time to cost about STALL_STEPS decode steps,
-so a long prompt delays each running stream by no more than that per token. It then joins one of several decode groups,
-each decoded as one batch per step. Units of work (a group's next token, a sequence's
+so a long prompt delays each running stream by no more than that per token
+(scheduler.py holds these rules). It then joins one of several decode groups, each
+decoded as one batch per step. Units of work (a group's next token, a sequence's
 next prefill chunk) take turns, so a long prompt never stalls running streams, and up
 to one step per rank is in flight at once: while rank 1 runs one group's layers,
 rank 0 runs the next group's. Everything that decides — sampling, stop strings, EOS,
@@ -38,16 +39,12 @@ from mlx_relay.coordinator.output import Chunk, OutputProcessor
 from mlx_relay.coordinator.pipeline import ClusterFailure, Pipeline, RankFailure, Step
 from mlx_relay.coordinator.postprocess import OutputParser
 from mlx_relay.coordinator.sampling import Sampler, SamplingParams
+from mlx_relay.coordinator.scheduler import PrefillPacer, next_unit, pick_group
 from mlx_relay.coordinator.slots import SlotTable, Taken
 from mlx_relay.coordinator.textstream import StopStrings
 from mlx_relay.protocol import header as hdr
 
 log = logging.getLogger("mlx_relay.engine")
-
-STALL_STEPS = 4  # a prefill chunk beside running streams costs about this many decode steps
-MIN_CHUNK = 8  # tokens: below this a chunk's fixed costs dominate
-PROBE_CHUNK = 32  # a chunk's size before any prefill was timed
-EMA = 0.3  # weight of the newest measurement in the step-time averages
 
 
 class EngineError(Exception):
@@ -161,8 +158,7 @@ class Engine:
         self._reuse = False  # prompt_cache, and the model's caches can be cut back
         self._turn = 0
         self._stop = False
-        self._decode_step_s = 0.0  # moving average of a decode group's step, launch to read
-        self._prefill_token_s = 0.0  # moving average of a prompt token's share of a chunk
+        self._pacer = PrefillPacer(prefill_chunk)
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     # --- API for other threads -----------------------------------------------------
@@ -367,7 +363,7 @@ class Engine:
         units = self._units()
         if not units:
             return False
-        kind, unit = units[self._turn % len(units)]
+        kind, unit = next_unit(units, self._turn)
         self._turn += 1
         try:
             if kind == "group":
@@ -386,7 +382,8 @@ class Engine:
     def _launch_single(self, seq: Sequence) -> None:
         """The next prefill chunk, or the last prompt token (whose logits give token 1)."""
         want_logits = len(seq.pending) == 1
-        n = 1 if want_logits else min(self._chunk_size(), len(seq.pending) - 1)
+        chunk = self._pacer.chunk_size(decoding=any(self._groups))
+        n = 1 if want_logits else min(chunk, len(seq.pending) - 1)
         tokens, seq.pending = seq.pending[:n], seq.pending[n:]
         step = self.pipeline.launch_forward(
             [seq.slot],
@@ -401,15 +398,6 @@ class Engine:
         seq.context.extend(tokens)
         self._track(step, [seq])
 
-    def _chunk_size(self) -> int:
-        """`--prefill-chunk`, or while streams decode, what costs STALL_STEPS of their steps."""
-        if not any(self._groups) or not self._decode_step_s:
-            return self.prefill_chunk
-        if not self._prefill_token_s:
-            return min(self.prefill_chunk, PROBE_CHUNK)
-        fits = int(STALL_STEPS * self._decode_step_s / self._prefill_token_s)
-        return max(MIN_CHUNK, min(self.prefill_chunk, fits))
-
     def _timed(self, step: Step) -> None:
         """Fold a finished step's duration into the averages the chunk size comes from."""
         elapsed = time.monotonic() - step.launched_at
@@ -419,9 +407,9 @@ class Engine:
         if header.group != hdr.NO_GROUP:
             # Only steps with no prefill beside them: the pace a stream keeps undisturbed.
             if not any(s.prefilling for s in self._active):
-                self._decode_step_s = _average(self._decode_step_s, elapsed)
-        elif not step.want_logits and header.lengths[0] >= MIN_CHUNK:
-            self._prefill_token_s = _average(self._prefill_token_s, elapsed / header.lengths[0])
+                self._pacer.decode_step_took(elapsed)
+        elif not step.want_logits:
+            self._pacer.prefill_chunk_took(elapsed, header.lengths[0])
 
     def _launch_group(self, group: int) -> None:
         """One decode step of the group, fed the tokens its members sampled last, which
@@ -505,8 +493,7 @@ class Engine:
             pass
 
     def _join_group(self, seq: Sequence) -> None:
-        sizes = [len(m) if len(m) < hdr.MAX_SEQS else math.inf for m in self._groups]
-        group = sizes.index(min(sizes))
+        group = pick_group([len(m) for m in self._groups], hdr.MAX_SEQS)
         seq.group = group
         self._groups[group].append(seq)
 
@@ -685,7 +672,3 @@ class Engine:
         self._active.clear()
         for _, future in commands:
             future.set_exception(EngineError("unavailable", why))
-
-
-def _average(old: float, new: float) -> float:
-    return new if not old else (1 - EMA) * old + EMA * new
