@@ -26,6 +26,8 @@ test: install
 lint: install
 	$(VENV)/bin/ruff check mlx_relay tests bench
 	$(VENV)/bin/ruff format --check mlx_relay tests bench
+	# Each folder imports only the layers below it ([tool.importlinter] in pyproject.toml).
+	$(VENV)/bin/lint-imports
 
 proto: install
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. mlx_relay/protocol/relay.proto

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shapes  # noqa: E402
 from bench_pipeline import gpu_env  # noqa: E402
 
-from mlx_relay.coordinator.client import Client  # noqa: E402
+from mlx_relay.client.client import Client  # noqa: E402
 from mlx_relay.launch.local import LocalCluster, free_ports  # noqa: E402
 from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
 

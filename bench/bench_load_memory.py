@@ -18,7 +18,7 @@ MEASURE = r"""
 import sys, mlx.core as mx
 from pathlib import Path
 from mlx_lm.utils import load_model
-from mlx_relay import sharding
+from mlx_relay.model import sharding
 path, start, end, ends = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 if start < 0:
     load_model(Path(path))
@@ -43,9 +43,9 @@ def main() -> int:
     ap.add_argument("--model", default="default")
     ap.add_argument("--ranks", default="2,3")
     args = ap.parse_args()
-    from mlx_relay import sharding
-    from mlx_relay.default_model import resolve_model
-    from mlx_relay.launch.hostfile import layer_ranges, split_layers
+    from mlx_relay.model import sharding
+    from mlx_relay.model.default_model import resolve_model
+    from mlx_relay.model.split import layer_ranges, split_layers
 
     path = resolve_model(args.model)
     layers = sharding.count_layers(sharding.read_config(path))

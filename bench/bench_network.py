@@ -50,7 +50,7 @@ import psutil  # noqa: E402
 from launching import free_port_range  # noqa: E402
 from netns import NetnsHosts, unavailable_reason  # noqa: E402
 
-from mlx_relay.coordinator.client import Client, wait_serving  # noqa: E402
+from mlx_relay.client.client import Client, wait_serving  # noqa: E402
 from mlx_relay.launch.local import free_ports  # noqa: E402
 from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
 
@@ -310,8 +310,8 @@ def launcher_idle_cpu(model: str, seconds: float = 10.0) -> None:
 
 
 def run_model(label: str, model: str, args: argparse.Namespace) -> None:
-    from mlx_relay import sharding
-    from mlx_relay.default_model import resolve_model
+    from mlx_relay.model import sharding
+    from mlx_relay.model.default_model import resolve_model
 
     config = sharding.read_config(resolve_model(model))
     hidden = config.get("hidden_size", 0)

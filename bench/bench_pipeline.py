@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import shapes  # noqa: E402
 
-from mlx_relay.coordinator.client import Client  # noqa: E402
+from mlx_relay.client.client import Client  # noqa: E402
 from mlx_relay.launch.local import LocalCluster, free_ports  # noqa: E402
 from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
 
@@ -136,7 +136,7 @@ def main() -> int:
     if pin:
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # see the module docstring
 
-    from mlx_relay.default_model import resolve_model
+    from mlx_relay.model.default_model import resolve_model
 
     if args.shape:
         args.model = str(shapes.make_shape(args.shape, shapes.cache_dir() / args.shape))

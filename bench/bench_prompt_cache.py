@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_relay.coordinator.client import Client  # noqa: E402
+from mlx_relay.client.client import Client  # noqa: E402
 from mlx_relay.launch.local import LocalCluster, free_ports  # noqa: E402
 from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
 

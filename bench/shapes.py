@@ -104,7 +104,7 @@ def default_tokenizer_dir() -> Path:
     """`$MLX_RELAY_BENCH_TOKENIZER`, else the default model's (converted if need be)."""
     if os.environ.get("MLX_RELAY_BENCH_TOKENIZER"):
         return Path(os.environ["MLX_RELAY_BENCH_TOKENIZER"])
-    from mlx_relay.default_model import resolve_model
+    from mlx_relay.model.default_model import resolve_model
 
     return resolve_model("default", progress=False)
 

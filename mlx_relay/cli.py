@@ -10,7 +10,7 @@ from mlx_relay.errors import add_log_level, run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mlx_relay.coordinator import client_cli
+    from mlx_relay.client import cli as client_cli
     from mlx_relay.launch import demo, hostfile_cli, local, mlx_launch, serve
 
     parser = argparse.ArgumentParser(

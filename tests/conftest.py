@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import make_tiny_model  # noqa: E402
 
-from mlx_relay.coordinator.client import Client  # noqa: E402
+from mlx_relay.client.client import Client  # noqa: E402
 from mlx_relay.launch.local import LocalCluster, free_ports  # noqa: E402
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-from mlx_relay.coordinator.client import wait_serving
+from mlx_relay.client.client import wait_serving
 from mlx_relay.protocol import relay_pb2 as pb
 
 MESSAGES = [{"role": "user", "content": "Name three rivers and one café 🙂."}]

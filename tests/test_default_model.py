@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from mlx_relay import default_model as dm
+from mlx_relay.model import default_model as dm
 
 pytestmark = pytest.mark.default_model
 
@@ -177,7 +177,9 @@ def test_incomplete_or_old_dirs_are_never_used(tmp_path):
 
 
 def _start_resolver(cache: Path) -> subprocess.Popen:
-    code = "from mlx_relay.default_model import resolve_model; print(resolve_model('default'))"
+    code = (
+        "from mlx_relay.model.default_model import resolve_model; print(resolve_model('default'))"
+    )
     return subprocess.Popen(
         [sys.executable, "-c", code],
         env={**os.environ, "MLX_RELAY_CACHE": str(cache)},

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from oracle import chat_tokens, mlx_lm_tokens
 
-from mlx_relay.default_model import resolve_model
+from mlx_relay.model.default_model import resolve_model
 from mlx_relay.protocol import relay_pb2 as pb
 
 pytestmark = [pytest.mark.cluster, pytest.mark.default_model]

@@ -23,12 +23,13 @@ from conftest import assert_gone, self_signed_cert
 from launching import MLX_RELAY, free_port_range, localhost_hostfile
 from tiny_models import make_tiny_model
 
-from mlx_relay.coordinator.client import Client, wait_serving
+from mlx_relay.client.client import Client, wait_serving
 from mlx_relay.errors import UserError
-from mlx_relay.launch import supervise
 from mlx_relay.launch.local import free_ports
-from mlx_relay.launch.supervise import LastWords, Supervisor, fatal_line, run_with_restarts
-from mlx_relay.preflight import ModelError, check_listen, check_model, check_tls
+from mlx_relay.launch.preflight import ModelError, check_listen, check_model, check_tls
+from mlx_relay.launch.supervise import LastWords, Supervisor, run_with_restarts
+from mlx_relay.protocol import exits
+from mlx_relay.protocol.exits import fatal_line
 
 QUICK_S = 10.0  # a refusal the launcher can make by itself takes about a second here
 
@@ -240,7 +241,7 @@ def test_a_failure_that_would_repeat_is_not_restarted():
         threading.Thread(target=read, daemon=True).start()
         return Supervisor([proc], ["h"], words)
 
-    assert run_with_restarts(start, 3, report=lines.append) == supervise.EXIT_RANK_FAILED
+    assert run_with_restarts(start, 3, report=lines.append) == exits.EXIT_RANK_FAILED
     assert len(starts) == 1
     assert lines == [
         "rank 0 (h) exited with code 2 (bad options or model): bad split; the cluster was "
@@ -370,7 +371,7 @@ def test_a_rank_that_cannot_load_ends_the_start_at_once_with_its_cause(mismatche
         code = local.proc.wait(60)
         took = time.monotonic() - t0
         out = local.log.read_text()
-        assert code == supervise.EXIT_RANK_FAILED, out
+        assert code == exits.EXIT_RANK_FAILED, out
         assert "Traceback" not in out
         last = out.strip().splitlines()[-1]
         assert last.startswith("mlx-relay local: rank 0 (127.0.0.1) exited with code 5 "), last
@@ -393,7 +394,7 @@ def test_a_rank_that_cannot_load_ends_the_start_at_once_with_its_cause(mismatche
         "--model", str(mismatched), "--grpc-address", grpc,
     )  # fmt: skip
     last = last_line(result)
-    assert result.returncode == supervise.EXIT_RANK_FAILED, result.stderr
+    assert result.returncode == exits.EXIT_RANK_FAILED, result.stderr
     assert "rank 0 (127.0.0.1) exited with code 5 (the model did not load)" in last, last
     assert "Expected shape" in last, last
     print(f"launch on a model that does not load: exit 4 in {took:.1f} s")

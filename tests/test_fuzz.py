@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from oracle import chat_tokens, mlx_lm_tokens
 from tiny_models import make_tiny_model
 
-from mlx_relay.coordinator.client import Client
+from mlx_relay.client.client import Client
 from mlx_relay.coordinator.requests import ROLES
 from mlx_relay.protocol import relay_pb2 as pb
 

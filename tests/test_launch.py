@@ -25,7 +25,7 @@ from launching import (
 )
 from oracle import chat_tokens, mlx_lm_tokens
 
-from mlx_relay.coordinator.client import Client, wait_serving
+from mlx_relay.client.client import Client, wait_serving
 from mlx_relay.coordinator.pipeline import memory_split
 from mlx_relay.launch.hostfile import parse_hostfile
 from mlx_relay.launch.mlx_launch import (
@@ -110,7 +110,7 @@ def test_client_address_reaches_rank_0_where_it_can():
 
 
 def test_memory_split_weights_free_memory_and_keeps_a_layer_per_rank(monkeypatch):
-    from mlx_relay import memory
+    from mlx_relay.model import memory
 
     gb = 2**30
     monkeypatch.setattr(memory, "stats", lambda: {"free_memory": 30 * gb, "active_memory": 2 * gb})
@@ -253,3 +253,27 @@ def test_mlx_launch_itself_with_a_localhost_hostfile(tiny_model, tmp_path):
             pass
         proc.wait()
     assert_gone(ranks)
+
+
+def test_local_passes_every_serve_option_on_from_one_table():
+    """`local` takes serve's options and gives them back to each rank (serve_argv): what a
+    rank parses equals what `local` was given, except what travels another way."""
+    import argparse
+
+    from mlx_relay.launch import local, serve
+
+    parser = argparse.ArgumentParser()
+    local.add_parser(parser.add_subparsers(dest="command"))
+    given = ["--layers", "4,4", "--no-prompt-cache", "--max-active", "3"]
+    given += ["--tls-cert", "c.pem", "--tls-key", "k.pem", "--step-timeout", "7.5"]
+    given += ["--auth-token", "secret", "--grpc-address", "10.0.0.1:1"]
+    args = parser.parse_args(["local", *given])
+    argv = local.serve_argv(args)
+    assert "secret" not in argv and "10.0.0.1:1" not in argv
+    ranks = argparse.ArgumentParser()
+    serve.add_parser(ranks.add_subparsers(dest="command"))
+    rank = ranks.parse_args(["serve", *argv])
+    for flag, _ in serve.SERVE_OPTIONS:
+        dest = flag.removeprefix("--").replace("-", "_")
+        if flag not in ("--auth-token", "--grpc-address"):
+            assert getattr(rank, dest) == getattr(args, dest), flag

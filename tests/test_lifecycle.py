@@ -13,12 +13,12 @@ import pytest
 from conftest import assert_gone
 from oracle import mlx_lm_tokens, tokenizer_for
 
-from mlx_relay.coordinator.client import Client, wait_serving
+from mlx_relay.client.client import Client, wait_serving
 from mlx_relay.coordinator.requests import encode_text as encode_prompt
-from mlx_relay.launch.hostfile import balanced_split, layer_ranges
 from mlx_relay.launch.local import free_ports
+from mlx_relay.model.sharding import head_cost_in_layers, read_config
+from mlx_relay.model.split import balanced_split, layer_ranges
 from mlx_relay.protocol import relay_pb2 as pb
-from mlx_relay.sharding import head_cost_in_layers, read_config
 
 pytestmark = pytest.mark.cluster
 

@@ -11,7 +11,7 @@ from conftest import assert_gone
 from launching import MESSAGES, Launched, chat_request, localhost_hostfile
 from oracle import chat_tokens, mlx_lm_tokens
 
-from mlx_relay.coordinator.client import Client
+from mlx_relay.client.client import Client
 from mlx_relay.launch.mlx_launch import _which, mpi_libname
 
 MPIRUN = _which("mpirun")

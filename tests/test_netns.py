@@ -17,8 +17,8 @@ from launching import MESSAGES, chat_request, rank_pids
 from netns import NETNS_DIR, NetnsHosts, unavailable_reason
 from oracle import chat_tokens, mlx_lm_tokens
 
-from mlx_relay.coordinator.client import Client, wait_serving
-from mlx_relay.default_model import resolve_model
+from mlx_relay.client.client import Client, wait_serving
+from mlx_relay.model.default_model import resolve_model
 
 REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")

@@ -91,7 +91,7 @@ def tiny_tok(tiny_dir):
 
 @pytest.fixture(scope="session")
 def smol_tok():
-    from mlx_relay.default_model import resolve_model
+    from mlx_relay.model.default_model import resolve_model
 
     return load_tokenizer(resolve_model("default", progress=False))
 

@@ -8,12 +8,15 @@ Scheduling. A new sequence is prefilled alone, one chunk per step, the way mlx-l
 prefills: all prompt tokens but the last in chunks, then the last one in the step that
 yields the first token. A chunk is `--prefill-chunk` tokens while nothing else decodes;
 while streams run, it is sized by measured time to cost about STALL_STEPS decode steps,
-so a long prompt delays each running stream by no more than that per token. It then joins one of several decode groups,
-each decoded as one batch per step. Units of work (a group's next token, a sequence's
+so a long prompt delays each running stream by no more than that per token
+(scheduler.py holds these rules). It then joins one of several decode groups, each
+decoded as one batch per step. Units of work (a group's next token, a sequence's
 next prefill chunk) take turns, so a long prompt never stalls running streams, and up
 to one step per rank is in flight at once: while rank 1 runs one group's layers,
 rank 0 runs the next group's. Everything that decides — sampling, stop strings, EOS,
 cancellation — happens here, between steps, so a worker never has anything to decide.
+What a client sees of each token read back (text, reasoning, tool calls, logprobs, the
+finish reason, usage) is the output processor's (output.py).
 """
 
 from __future__ import annotations
@@ -32,19 +35,16 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.utils import load_tokenizer
 
+from mlx_relay.coordinator.output import Chunk, OutputProcessor
 from mlx_relay.coordinator.pipeline import ClusterFailure, Pipeline, RankFailure, Step
-from mlx_relay.coordinator.postprocess import OutputParser, ToolCall
+from mlx_relay.coordinator.postprocess import OutputParser
 from mlx_relay.coordinator.sampling import Sampler, SamplingParams
+from mlx_relay.coordinator.scheduler import PrefillPacer, next_unit, pick_group
 from mlx_relay.coordinator.slots import SlotTable, Taken
 from mlx_relay.coordinator.textstream import StopStrings
 from mlx_relay.protocol import header as hdr
 
 log = logging.getLogger("mlx_relay.engine")
-
-STALL_STEPS = 4  # a prefill chunk beside running streams costs about this many decode steps
-MIN_CHUNK = 8  # tokens: below this a chunk's fixed costs dominate
-PROBE_CHUNK = 32  # a chunk's size before any prefill was timed
-EMA = 0.3  # weight of the newest measurement in the step-time averages
 
 
 class EngineError(Exception):
@@ -53,30 +53,6 @@ class EngineError(Exception):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind  # "invalid", "unavailable", "exhausted", "internal", "cancelled"
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    token: str
-    logprob: float
-    top: list[tuple[int, str, float]] = field(default_factory=list)
-
-
-@dataclass
-class Chunk:
-    """A piece of one request's output stream; the last one has a finish_reason."""
-
-    text: str = ""
-    reasoning: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    usage: dict[str, int] | None = None
-    timings: dict[str, float] | None = None
-    malformed_tool_call: bool = False
-    unknown_tools: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -171,7 +147,7 @@ class Engine:
         self.state = "starting"
         self.error = ""
         self.on_state: Callable[[str], None] = lambda state: None
-        self._special_ids: set[int] = set()
+        self._output: OutputProcessor | None = None  # the loaded model's output rules
         self._waiting: deque[Request] = deque()
         self._active: list[Sequence] = []
         self._groups: list[list[Sequence]] = [[] for _ in range(n_groups)]
@@ -182,8 +158,7 @@ class Engine:
         self._reuse = False  # prompt_cache, and the model's caches can be cut back
         self._turn = 0
         self._stop = False
-        self._decode_step_s = 0.0  # moving average of a decode group's step, launch to read
-        self._prefill_token_s = 0.0  # moving average of a prompt token's share of a chunk
+        self._pacer = PrefillPacer(prefill_chunk)
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     # --- API for other threads -----------------------------------------------------
@@ -388,7 +363,7 @@ class Engine:
         units = self._units()
         if not units:
             return False
-        kind, unit = units[self._turn % len(units)]
+        kind, unit = next_unit(units, self._turn)
         self._turn += 1
         try:
             if kind == "group":
@@ -407,7 +382,8 @@ class Engine:
     def _launch_single(self, seq: Sequence) -> None:
         """The next prefill chunk, or the last prompt token (whose logits give token 1)."""
         want_logits = len(seq.pending) == 1
-        n = 1 if want_logits else min(self._chunk_size(), len(seq.pending) - 1)
+        chunk = self._pacer.chunk_size(decoding=any(self._groups))
+        n = 1 if want_logits else min(chunk, len(seq.pending) - 1)
         tokens, seq.pending = seq.pending[:n], seq.pending[n:]
         step = self.pipeline.launch_forward(
             [seq.slot],
@@ -422,15 +398,6 @@ class Engine:
         seq.context.extend(tokens)
         self._track(step, [seq])
 
-    def _chunk_size(self) -> int:
-        """`--prefill-chunk`, or while streams decode, what costs STALL_STEPS of their steps."""
-        if not any(self._groups) or not self._decode_step_s:
-            return self.prefill_chunk
-        if not self._prefill_token_s:
-            return min(self.prefill_chunk, PROBE_CHUNK)
-        fits = int(STALL_STEPS * self._decode_step_s / self._prefill_token_s)
-        return max(MIN_CHUNK, min(self.prefill_chunk, fits))
-
     def _timed(self, step: Step) -> None:
         """Fold a finished step's duration into the averages the chunk size comes from."""
         elapsed = time.monotonic() - step.launched_at
@@ -440,9 +407,9 @@ class Engine:
         if header.group != hdr.NO_GROUP:
             # Only steps with no prefill beside them: the pace a stream keeps undisturbed.
             if not any(s.prefilling for s in self._active):
-                self._decode_step_s = _average(self._decode_step_s, elapsed)
-        elif not step.want_logits and header.lengths[0] >= MIN_CHUNK:
-            self._prefill_token_s = _average(self._prefill_token_s, elapsed / header.lengths[0])
+                self._pacer.decode_step_took(elapsed)
+        elif not step.want_logits:
+            self._pacer.prefill_chunk_took(elapsed, header.lengths[0])
 
     def _launch_group(self, group: int) -> None:
         """One decode step of the group, fed the tokens its members sampled last, which
@@ -526,8 +493,7 @@ class Engine:
             pass
 
     def _join_group(self, seq: Sequence) -> None:
-        sizes = [len(m) if len(m) < hdr.MAX_SEQS else math.inf for m in self._groups]
-        group = sizes.index(min(sizes))
+        group = pick_group([len(m) for m in self._groups], hdr.MAX_SEQS)
         seq.group = group
         self._groups[group].append(seq)
 
@@ -579,73 +545,16 @@ class Engine:
             self._emit(seq, token, logprobs)
 
     def _emit(self, seq: Sequence, token: int, logprobs: mx.array | None) -> None:
-        params = seq.request.params
-        if token in self.tokenizer.eos_token_ids and not params.ignore_eos:
-            self._finish(seq, Chunk(), reason="stop")
-            return
-        seq.generated.append(token)
-        chunk = Chunk(token_ids=[token])
-        if params.logprobs and logprobs is not None:
-            chunk.logprobs.append(self._logprob_entry(token, logprobs, params.top_logprobs))
-        was_reasoning = seq.parser.in_reasoning
-        if token not in self._special_ids:
-            seq.detokenizer.add_token(token)
-            self._parse_into(chunk, seq, seq.stops.feed(seq.detokenizer.last_segment))
-        if was_reasoning or seq.parser.in_reasoning:
-            seq.reasoning_tokens += 1
-        if seq.stops.stopped:
-            self._finish(seq, chunk, reason="stop")
-        elif len(seq.generated) >= params.max_tokens:
-            self._finish(seq, chunk, reason="length")
-        elif self.context_length and len(seq.context) >= self.context_length:
-            self._finish(seq, chunk, reason="length")
+        chunk, reason = self._output.token(seq, token, logprobs)
+        if reason:
+            self._finish(seq, chunk, reason=reason)
         else:
             seq.request.out.put(chunk)
-
-    @staticmethod
-    def _parse_into(chunk: Chunk, seq: Sequence, text: str) -> None:
-        if not text:
-            return
-        delta = seq.parser.feed(text)
-        chunk.text += delta.content
-        chunk.reasoning += delta.reasoning
-        chunk.tool_calls += delta.tool_calls
-
-    def _logprob_entry(self, token: int, logprobs: mx.array, top: int) -> TokenLogprob:
-        decode = self.tokenizer.decode
-        entry = TokenLogprob(token, decode([token]), float(logprobs[token].item()))
-        if top > 0:
-            ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
-            values = logprobs[ids]
-            for i in mx.argsort(-values).tolist():
-                tid = int(ids[i].item())
-                entry.top.append((tid, decode([tid]), float(values[i].item())))
-        return entry
 
     def _finish(self, seq: Sequence, last: Chunk | Exception, reason: str | None = None) -> None:
         request = seq.request
         if isinstance(last, Chunk):
-            if reason in ("stop", "length") and not seq.stops.stopped:
-                seq.detokenizer.finalize()
-                self._parse_into(last, seq, seq.stops.feed(seq.detokenizer.last_segment))
-                self._parse_into(last, seq, seq.stops.flush())
-            final = seq.parser.finish()
-            last.text += final.content
-            last.reasoning += final.reasoning
-            last.tool_calls += final.tool_calls
-            last.malformed_tool_call = final.malformed_tool_call
-            last.unknown_tools = list(final.unknown_tools)
-            if reason == "stop" and seq.parser.saw_tool_calls:
-                reason = "tool_calls"
-            last.finish_reason = reason
-            last.usage = {
-                "prompt_tokens": len(request.prompt_tokens),
-                "completion_tokens": len(seq.generated),
-                "reasoning_tokens": seq.reasoning_tokens,
-                "total_tokens": len(request.prompt_tokens) + len(seq.generated),
-                "cached_tokens": seq.cached_tokens,
-            }
-            last.timings = self._timings(seq)
+            self._output.finish(seq, last, reason)
         request.out.put(last)
         self._active.remove(seq)
         if seq.group is not None:
@@ -701,19 +610,6 @@ class Engine:
         if step is not None:
             self._launched.append(step)
 
-    def _timings(self, seq: Sequence) -> dict[str, float]:
-        now = time.perf_counter()
-        first = seq.first_token_at
-        ttft = (first - seq.request.created) if first else 0.0
-        decoded = len(seq.generated) - 1
-        decode_s = now - first if first else 0.0
-        return {
-            "time_to_first_token_s": ttft,
-            "prompt_tokens_per_s": len(seq.request.prompt_tokens) / ttft if ttft > 0 else 0.0,
-            "decode_tokens_per_s": decoded / decode_s if decoded > 0 and decode_s > 0 else 0.0,
-            "total_s": now - seq.request.created,
-        }
-
     # --- commands (engine thread, nothing in flight) ---------------------------------
     def _load(self, spec: str, layers: list[int] | None) -> Any:
         self._cancel_all("the model is being replaced")
@@ -721,9 +617,9 @@ class Engine:
         try:
             loaded = self.pipeline.load(spec, layers)
             self.tokenizer = load_tokenizer(loaded.path)
-            self._special_ids = set(self.tokenizer.all_special_ids or [])
             config = self.pipeline.shard.config
             self.context_length = int(config.get("max_position_embeddings") or 0)
+            self._output = OutputProcessor(self.tokenizer, self.context_length)
             self._unpark_all()
             self._reuse = self.prompt_cache and self.pipeline.shard.reusable_caches
         except Exception:
@@ -737,7 +633,7 @@ class Engine:
         self._cancel_all("the model was freed")
         self.pipeline.unload()
         self._unpark_all()
-        self.tokenizer = None
+        self.tokenizer = self._output = None
         self._set_state("unloaded")
         if shutdown:
             self._set_state("stopping")
@@ -776,7 +672,3 @@ class Engine:
         self._active.clear()
         for _, future in commands:
             future.set_exception(EngineError("unavailable", why))
-
-
-def _average(old: float, new: float) -> float:
-    return new if not old else (1 - EMA) * old + EMA * new

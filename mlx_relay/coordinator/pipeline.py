@@ -20,15 +20,15 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_relay import memory, sharding
-from mlx_relay.default_model import resolve_model
-from mlx_relay.doorbell import DoorbellTimeout
-from mlx_relay.kvcache import CacheError, SlotCaches
-from mlx_relay.launch.hostfile import balanced_split, layer_ranges, split_layers
+from mlx_relay.model import memory, sharding
+from mlx_relay.model.default_model import resolve_model
+from mlx_relay.model.kvcache import CacheError, SlotCaches
+from mlx_relay.model.split import AUTO, balanced_split, layer_ranges, split_layers
+from mlx_relay.model.stage import forward_stage
 from mlx_relay.protocol import header as hdr
-from mlx_relay.ring import Ring, bytes_payload, dtype_name
-from mlx_relay.sidechannel import ControlHub
-from mlx_relay.stage import forward_stage
+from mlx_relay.transport.doorbell import DoorbellTimeout
+from mlx_relay.transport.hub import ControlHub
+from mlx_relay.transport.ring import Ring, bytes_payload, dtype_name
 
 log = logging.getLogger("mlx_relay.pipeline")
 
@@ -118,7 +118,7 @@ class Pipeline:
         self.unload()
         path = resolve_model(spec)
         num_layers = sharding.count_layers(sharding.read_config(path))
-        if layers == AUTO_LAYERS:
+        if layers == AUTO:
             layers = memory_split(num_layers, self.world_size, self.hub)
         # The default: equal work per rank, rank 0's LM head counted (the fastest split
         # under load in bench_concurrency; single-stream speed does not depend on it).
@@ -410,9 +410,6 @@ def hub_ready(hub: ControlHub, world_size: int, timeout: float) -> None:
             f"ranks {missing} never reached rank 0's side channel within {timeout:.0f} s"
         )
     log.info("all %d workers said hello", world_size - 1)
-
-
-AUTO_LAYERS = "auto"  # `--layers auto`: split by each rank's memory
 
 
 def memory_split(num_layers: int, world_size: int, hub: ControlHub | None) -> list[int]:

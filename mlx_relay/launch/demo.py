@@ -6,8 +6,8 @@ import argparse
 import sys
 import time
 
-from mlx_relay import preflight
-from mlx_relay.coordinator.client import Client, chat_request
+from mlx_relay.client.client import Client, chat_request
+from mlx_relay.launch import preflight
 from mlx_relay.launch.local import LocalCluster, free_ports
 from mlx_relay.protocol import relay_pb2 as pb
 

@@ -14,11 +14,10 @@ from mlx_relay.launch.hostfile import (
     check_hostfile,
     effective_backend,
     format_hostfile,
-    layer_ranges,
     load_hostfile,
     make_hostfile,
-    split_layers,
 )
+from mlx_relay.model.split import AUTO, layer_ranges, split_layers
 
 
 def add_parser(subparsers) -> None:
@@ -60,7 +59,7 @@ def run_check(args: argparse.Namespace) -> int:
         print(e)
         return 1
     layers = None
-    if args.layers and args.layers.strip() not in ("auto", "balanced"):
+    if args.layers and args.layers.strip() not in (AUTO, "balanced"):
         try:
             layers = [int(x) for x in args.layers.split(",")]
         except ValueError:

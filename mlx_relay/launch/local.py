@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from mlx_relay import preflight
-from mlx_relay.coordinator.auth import AUTH_TOKEN_ENV, auth_token
-from mlx_relay.doorbell import DOORBELLS_ENV
 from mlx_relay.errors import UserError, add_log_level
+from mlx_relay.launch import preflight
 from mlx_relay.launch.lifeline import Lifeline, child_setup
-from mlx_relay.launch.serve import DEFAULT_GRPC_ADDRESS, add_serve_options
+from mlx_relay.launch.serve import add_serve_options, serve_argv
 from mlx_relay.launch.supervise import LastWords, RankFailed, Supervisor, run_with_restarts
 from mlx_relay.protocol import control
+from mlx_relay.protocol.rpc import AUTH_TOKEN_ENV, DEFAULT_GRPC_ADDRESS, auth_token
+from mlx_relay.transport.doorbell import DOORBELLS_ENV
 
 
 def free_ports(n: int) -> list[int]:
@@ -202,7 +202,7 @@ class LocalCluster:
     def wait_serving(
         self, timeout: float = 300.0, give_up: Callable[[], bool] = lambda: False
     ) -> None:
-        from mlx_relay.coordinator.client import wait_serving
+        from mlx_relay.client.client import wait_serving
 
         def check() -> None:
             failure = self.supervisor.first_failure()
@@ -263,26 +263,6 @@ def _pin_to_core(rank: int):
     return pin
 
 
-def serve_args_from(args: argparse.Namespace) -> list[str]:
-    out = ["--model", args.model]
-    if args.layers:
-        out += ["--layers", args.layers]
-    out += ["--max-active", str(args.max_active), "--max-queue", str(args.max_queue)]
-    out += ["--prefill-chunk", str(args.prefill_chunk)]
-    out += ["--default-max-tokens", str(args.default_max_tokens)]
-    if args.no_prompt_cache:
-        out += ["--no-prompt-cache"]
-    out += ["--prompt-cache-tokens", str(args.prompt_cache_tokens)]
-    out += ["--heartbeat-timeout", str(args.heartbeat_timeout)]
-    out += ["--step-timeout", str(args.step_timeout)]
-    out += ["--drain-timeout", str(args.drain_timeout)]
-    out += ["--max-request-bytes", str(args.max_request_bytes)]
-    out += ["--log-level", args.log_level]
-    if args.tls_cert or args.tls_key:
-        out += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
-    return out  # the auth token travels in the environment, not on command lines
-
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("local", help="start an N-rank cluster on this machine and serve it")
     p.add_argument("-n", "--num-ranks", type=int, default=2, help="number of ranks")
@@ -326,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
     token = auth_token(args.auth_token)
     cluster = LocalCluster(
         args.num_ranks,
-        serve_args_from(args),
+        serve_argv(args),
         grpc_address=args.grpc_address,
         pin=args.pin,
         auth_token=token,

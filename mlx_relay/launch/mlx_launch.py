@@ -56,8 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from mlx_relay import preflight
-from mlx_relay.doorbell import DOORBELLS_ENV
+from mlx_relay.launch import preflight
 from mlx_relay.launch.hostfile import (
     DEFAULT_STARTING_PORT,
     KIND_RING_ENV,
@@ -70,9 +69,7 @@ from mlx_relay.launch.hostfile import (
     ring_addresses,
 )
 from mlx_relay.launch.lifeline import Lifeline, child_setup
-from mlx_relay.launch.serve import DEFAULT_GRPC_ADDRESS
 from mlx_relay.launch.supervise import (
-    EXIT_RANK_FAILED,
     LastWords,
     RankFailed,
     Supervisor,
@@ -80,6 +77,8 @@ from mlx_relay.launch.supervise import (
     run_with_restarts,
 )
 from mlx_relay.protocol import control
+from mlx_relay.protocol.rpc import DEFAULT_GRPC_ADDRESS
+from mlx_relay.transport.doorbell import DOORBELLS_ENV
 
 LAUNCH_BACKENDS = ("ring", "jaccl", "jaccl-ring", "mpi")
 _MPI_TAG = re.compile(rb"^\[\d+,(\d+)\]<(stdout|stderr)>: ?(.*)$", re.S)
@@ -520,7 +519,7 @@ class Launch:
         token: str | None = None,
         tls_ca: str | None = None,
     ) -> None:
-        from mlx_relay.coordinator.client import wait_serving
+        from mlx_relay.client.client import wait_serving
 
         def check() -> None:
             failed = self.failure()
@@ -732,4 +731,4 @@ def run(args: argparse.Namespace) -> int:
             launch.stop()  # already stopped by the supervisor: this only tidies up
 
 
-__all__ = ["Launch", "describe_exit", "EXIT_RANK_FAILED", "launch_script", "plan_wiring"]
+__all__ = ["Launch", "describe_exit", "launch_script", "plan_wiring"]

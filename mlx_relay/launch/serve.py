@@ -11,86 +11,130 @@ import json
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from mlx_relay import preflight
 from mlx_relay.errors import UserError, add_log_level, debugging
+from mlx_relay.launch import preflight
 from mlx_relay.launch.lifeline import watch_launcher
-from mlx_relay.launch.supervise import EXIT_USAGE, report_fatal
 from mlx_relay.protocol import control
+from mlx_relay.protocol.exits import EXIT_CLUSTER_FAILED, EXIT_USAGE, report_fatal
+from mlx_relay.protocol.rpc import DEFAULT_GRPC_ADDRESS
 
 if TYPE_CHECKING:
-    from mlx_relay.ring import Ring
+    from mlx_relay.transport.ring import Ring
 
 log = logging.getLogger("mlx_relay.serve")
 
-DEFAULT_GRPC_ADDRESS = "127.0.0.1:50051"
 DEFAULT_CONTROL_PORT = 50151
+
+
+# The options of every rank's `serve` that the launchers take and pass on: `local` takes
+# them as its own and gives them back to each rank with `serve_argv`; `launch` takes them
+# after `--` and checks them with serve's own parser. One table, so an option added here
+# reaches both launchers.
+SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
+    ("--model", dict(default="default", help="'default' (embedded SmolLM2) or a path")),
+    (
+        "--layers",
+        dict(
+            default="",
+            help="layers per rank, e.g. 10,12,8; auto: by each rank's free memory; balanced: "
+            "equal work per rank, counting rank 0's LM head (the default); even: the same count each",
+        ),
+    ),
+    ("--grpc-address", dict(default=DEFAULT_GRPC_ADDRESS, help="rank 0's gRPC address")),
+    ("--max-active", dict(type=int, default=8, help="sequences decoding at once")),
+    ("--max-queue", dict(type=int, default=64, help="requests waiting beyond that")),
+    ("--prefill-chunk", dict(type=int, default=512, help="prompt tokens per step")),
+    (
+        "--default-max-tokens",
+        dict(type=int, default=256, help="max_tokens when a request has none"),
+    ),
+    (
+        "--no-prompt-cache",
+        dict(
+            action="store_true",
+            help="drop a finished request's KV caches instead of keeping them for a later "
+            "prompt that starts the same way (kept by default, in the --max-active slots)",
+        ),
+    ),
+    (
+        "--prompt-cache-tokens",
+        dict(
+            type=int,
+            default=0,
+            help="at most this many tokens in kept caches, oldest dropped first (0: no limit "
+            "beyond the slots); each token costs 2 x layers x KV heads x head dim x dtype bytes",
+        ),
+    ),
+    (
+        "--heartbeat-timeout",
+        dict(
+            type=float,
+            default=3.0,
+            help="a rank silent this long on the side channel counts as failed (seconds)",
+        ),
+    ),
+    (
+        "--step-timeout",
+        dict(
+            type=float,
+            default=120.0,
+            help="a forward step not back on rank 0 after this long fails the cluster (0: never)",
+        ),
+    ),
+    (
+        "--drain-timeout",
+        dict(
+            type=float,
+            default=30.0,
+            help="on SIGTERM, how long running requests may take to finish (seconds)",
+        ),
+    ),
+    (
+        "--auth-token",
+        dict(
+            default=None,
+            help="require `authorization: Bearer TOKEN` on every RPC (default: "
+            "$MLX_RELAY_AUTH_TOKEN; prefer the variable, `ps` shows options)",
+        ),
+    ),
+    ("--tls-cert", dict(default="", help="PEM certificate chain: serve gRPC over TLS")),
+    ("--tls-key", dict(default="", help="PEM private key for --tls-cert")),
+    (
+        "--max-request-bytes",
+        dict(
+            type=int,
+            default=4 * 1024 * 1024,
+            help="larger gRPC requests are refused with RESOURCE_EXHAUSTED",
+        ),
+    ),
+]
+# Passed on another way: `local` gives each rank its gRPC address itself, and the auth
+# token travels in the environment, never on a command line (`ps` shows those).
+_NOT_ON_COMMAND_LINES = ("--grpc-address", "--auth-token")
 
 
 def add_serve_options(p: argparse.ArgumentParser) -> None:
     """Options shared by `serve` and the launchers that pass them through."""
-    p.add_argument("--model", default="default", help="'default' (embedded SmolLM2) or a path")
-    p.add_argument(
-        "--layers",
-        default="",
-        help="layers per rank, e.g. 10,12,8; auto: by each rank's free memory; balanced: "
-        "equal work per rank, counting rank 0's LM head (the default); even: the same count each",
-    )
-    p.add_argument("--grpc-address", default=DEFAULT_GRPC_ADDRESS, help="rank 0's gRPC address")
-    p.add_argument("--max-active", type=int, default=8, help="sequences decoding at once")
-    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond that")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per step")
-    p.add_argument(
-        "--default-max-tokens", type=int, default=256, help="max_tokens when a request has none"
-    )
-    p.add_argument(
-        "--no-prompt-cache",
-        action="store_true",
-        help="drop a finished request's KV caches instead of keeping them for a later "
-        "prompt that starts the same way (kept by default, in the --max-active slots)",
-    )
-    p.add_argument(
-        "--prompt-cache-tokens",
-        type=int,
-        default=0,
-        help="at most this many tokens in kept caches, oldest dropped first (0: no limit "
-        "beyond the slots); each token costs 2 x layers x KV heads x head dim x dtype bytes",
-    )
-    p.add_argument(
-        "--heartbeat-timeout",
-        type=float,
-        default=3.0,
-        help="a rank silent this long on the side channel counts as failed (seconds)",
-    )
-    p.add_argument(
-        "--step-timeout",
-        type=float,
-        default=120.0,
-        help="a forward step not back on rank 0 after this long fails the cluster (0: never)",
-    )
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=30.0,
-        help="on SIGTERM, how long running requests may take to finish (seconds)",
-    )
-    p.add_argument(
-        "--auth-token",
-        default=None,
-        help="require `authorization: Bearer TOKEN` on every RPC (default: "
-        "$MLX_RELAY_AUTH_TOKEN; prefer the variable, `ps` shows options)",
-    )
-    p.add_argument("--tls-cert", default="", help="PEM certificate chain: serve gRPC over TLS")
-    p.add_argument("--tls-key", default="", help="PEM private key for --tls-cert")
-    p.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=4 * 1024 * 1024,
-        help="larger gRPC requests are refused with RESOURCE_EXHAUSTED",
-    )
+    for flag, kwargs in SERVE_OPTIONS:
+        p.add_argument(flag, **kwargs)
+
+
+def serve_argv(args: argparse.Namespace) -> list[str]:
+    """`args`' serve options (and log level) as `serve` arguments, for a launcher's ranks.
+
+    Empty values are left out (serve's defaults are the same), flags appear when set.
+    """
+    out: list[str] = []
+    for flag, kwargs in SERVE_OPTIONS:
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if flag in _NOT_ON_COMMAND_LINES or value is None or value == "" or value is False:
+            continue
+        out += [flag] if kwargs.get("action") == "store_true" else [flag, str(value)]
+    return [*out, "--log-level", args.log_level]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -179,8 +223,8 @@ def _serve(args: argparse.Namespace) -> int:
         except UserError as e:
             return _fatal(rank, e)
 
-    from mlx_relay.doorbell import Doorbell, doorbell_endpoints
-    from mlx_relay.ring import Ring
+    from mlx_relay.transport.doorbell import Doorbell, doorbell_endpoints
+    from mlx_relay.transport.ring import Ring
 
     secret = control.cluster_secret()
     hosts = rank_hosts(size)
@@ -200,15 +244,15 @@ def _run_rank0(
     secret: bytes,
     layer_counts: list[int] | str | None,
 ) -> int:
-    from mlx_relay.coordinator import server
-    from mlx_relay.sidechannel import ControlHub
+    from mlx_relay.api import server
+    from mlx_relay.transport.hub import ControlHub
 
     args.layer_counts = layer_counts  # "auto": by each rank's free memory, once all said hello
     size = ring.size if ring else 1
     hub = ControlHub(endpoint, size, secret) if ring else None
     log.info("rank 0 of %d; side channel %s", size, endpoint if ring else "(none)")
     code = server.run(args, ring, hub)
-    if code == server.EXIT_CLUSTER_FAILED:
+    if code == EXIT_CLUSTER_FAILED:
         # The engine thread may still be stuck in a collective with a dead rank;
         # nothing is left to clean up, so do not wait for it at exit.
         logging.shutdown()
@@ -220,8 +264,8 @@ def _run_rank0(
 def _run_worker(
     args: argparse.Namespace, ring: Ring | None, endpoint: str, secret: bytes, rank: int
 ) -> int:
-    from mlx_relay import memory
-    from mlx_relay.sidechannel import ControlLink
+    from mlx_relay.model import memory
+    from mlx_relay.transport.link import ControlLink
     from mlx_relay.worker.loop import Worker
 
     link = ControlLink(

@@ -12,57 +12,23 @@ cause is the rank seen ending first; among ranks seen ending at the same poll, o
 that ended for its own reasons is preferred to one that only followed.
 
 A rank that stops for a reason it can name (a model it cannot load, a split that does
-not fit) says so in one last line, `mlx-relay serve: rank N: CAUSE` (`fatal_line`).
+not fit) says so in one last line, `mlx-relay serve: rank N: CAUSE` (`protocol.exits.fatal_line`).
 Launchers read every rank's output as it passes (`LastWords`), so the failure they
 report ends with that cause, and they do not restart a cluster that would fail the
-same way again (`PERMANENT_EXITS`).
+same way again (`exits.PERMANENT_EXITS`).
 """
 
 from __future__ import annotations
 
-import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from mlx_relay.errors import CommandFailed
-
-# Exit codes with a meaning across the project (kept here so that a launcher can
-# explain them without importing the coordinator; tests check they stay in sync).
-EXIT_USAGE = 2  # a rank: its options or model cannot work (serve.py); as argparse's
-EXIT_CLUSTER_FAILED = 3  # rank 0: a worker failed or a step was overdue (server.py)
-EXIT_RANK_FAILED = 4  # a launcher: a rank failed and the cluster was stopped
-EXIT_LOAD_FAILED = 5  # rank 0: the model given at start did not load on some rank (server.py)
-EXIT_RANK0_SILENT = 75  # a worker: rank 0 is gone or silent (sidechannel.py)
-EXIT_RING_BROKEN = 76  # a worker: its ring connection broke, a neighbour died (sidechannel.py)
-
-_MEANINGS = {
-    EXIT_USAGE: "bad options or model",
-    EXIT_CLUSTER_FAILED: "the cluster failed",
-    EXIT_RANK_FAILED: "a rank failed",
-    EXIT_LOAD_FAILED: "the model did not load",
-    EXIT_RANK0_SILENT: "rank 0 is gone or silent",
-    EXIT_RING_BROKEN: "its ring connection broke",
-}
-_CONSEQUENCES = (EXIT_CLUSTER_FAILED, EXIT_RANK0_SILENT, EXIT_RING_BROKEN)
-# Starting again would fail the same way: the options or the model must change first.
-PERMANENT_EXITS = (EXIT_USAGE, EXIT_LOAD_FAILED)
-
-_FATAL = re.compile(r"^mlx-relay serve: rank (\d+|\?): (.+)$")
-
-
-def fatal_line(rank: int | str, cause: str) -> str:
-    """The last line a rank writes when it stops for a reason it can name."""
-    return f"mlx-relay serve: rank {rank}: {' '.join(cause.split())}"
-
-
-def report_fatal(rank: int | str, cause: str) -> None:
-    """Write `fatal_line` to stderr, where launchers look for it."""
-    print(fatal_line(rank, cause), file=sys.stderr, flush=True)
+from mlx_relay.protocol import exits
 
 
 class LastWords:
@@ -90,11 +56,11 @@ class LastWords:
     def hear(self, line: bytes | str) -> None:
         """Look at one line of a rank's output; keep it if it is a rank's fatal line."""
         text = line.decode(errors="replace") if isinstance(line, bytes) else line
-        match = _FATAL.match(text.strip())
-        if match:
-            rank = int(match.group(1)) if match.group(1).isdigit() else -1
+        fatal = exits.parse_fatal_line(text)
+        if fatal:
+            rank, cause = fatal
             with self._cv:
-                self._causes.setdefault(rank, match.group(2))
+                self._causes.setdefault(rank, cause)
 
     def cause(self, rank: int, proc: int | None = None, wait: float = 2.0) -> str:
         """Rank `rank`'s cause, else the first any rank gave, else ''.
@@ -116,7 +82,7 @@ def describe_exit(code: int | None) -> str:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
-    meaning = _MEANINGS.get(code)
+    meaning = exits.MEANINGS.get(code)
     return f"exited with code {code}" + (f" ({meaning})" if meaning else "")
 
 
@@ -150,7 +116,7 @@ class Failure:
     @property
     def permanent(self) -> bool:
         """Starting again would fail the same way."""
-        return self.code in PERMANENT_EXITS
+        return self.code in exits.PERMANENT_EXITS
 
 
 class Supervisor:
@@ -181,7 +147,7 @@ class Supervisor:
         self.poll()
         if self._failure is None:
             bad = [
-                (at, self.procs[r].returncode in _CONSEQUENCES, r)
+                (at, self.procs[r].returncode in exits.CONSEQUENCES, r)
                 for r, at in self._exited_at.items()
                 if self.procs[r].returncode != 0
             ]
@@ -263,18 +229,18 @@ def run_with_restarts(
         if failure is None:
             return 0
         if not failure.message:
-            return EXIT_RANK_FAILED  # stopped, but not cleanly (already reported)
+            return exits.EXIT_RANK_FAILED  # stopped, but not cleanly (already reported)
         if stop_event.is_set():
             report(f"{failure.message}; stopped")
-            return EXIT_RANK_FAILED
+            return exits.EXIT_RANK_FAILED
         if failure.permanent:
             left = "; not restarted: it would fail the same way" if restarts else ""
             report(f"{failure.message}; the cluster was stopped{left}")
-            return EXIT_RANK_FAILED
+            return exits.EXIT_RANK_FAILED
         if attempt >= restarts:
             left = " (no restart left)" if restarts else ""
             report(f"{failure.message}; the cluster was stopped{left}")
-            return EXIT_RANK_FAILED
+            return exits.EXIT_RANK_FAILED
         attempt += 1
         report(f"{failure.message}; the cluster was stopped; restart {attempt} of {restarts}")
 

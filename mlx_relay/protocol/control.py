@@ -25,6 +25,25 @@ SECRET_ENV = "MLX_RELAY_SECRET"
 CONTROL_ENV = "MLX_RELAY_CONTROL"  # tcp://host:port of rank 0's side channel
 
 
+# A peer whose side-channel connection closed counts as gone once it stays closed this
+# long (a process that died); both ends use it, so that neither outlives the other long.
+LINK_GRACE_S = 0.5
+
+
+def identity(rank: int, role: str) -> bytes:
+    """A worker socket's zmq identity: which rank, and which of its sockets ('cmd', 'hb')."""
+    return f"rank{rank}-{role}".encode()
+
+
+def parse_identity(identity: bytes) -> tuple[int, str] | None:
+    """`identity` read back: (rank, role), or None for a socket that is not one of ours."""
+    try:
+        name, role = identity.decode().split("-", 1)
+        return int(name.removeprefix("rank")), role
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
 class BadMessage(ValueError):
     """A side-channel message that fails its signature or does not parse."""
 

@@ -17,15 +17,16 @@ from typing import Any
 import mlx.core as mx
 import zmq
 
-from mlx_relay import memory, sharding
-from mlx_relay.default_model import resolve_model
-from mlx_relay.doorbell import DoorbellTimeout
-from mlx_relay.kvcache import CacheError, SlotCaches
+from mlx_relay.model import memory, sharding
+from mlx_relay.model.default_model import resolve_model
+from mlx_relay.model.kvcache import CacheError, SlotCaches
+from mlx_relay.model.stage import forward_stage
 from mlx_relay.protocol import control
 from mlx_relay.protocol import header as hdr
-from mlx_relay.ring import Ring, mx_dtype, payload_bytes
-from mlx_relay.sidechannel import EXIT_RING_BROKEN, ControlLink
-from mlx_relay.stage import forward_stage
+from mlx_relay.protocol.exits import EXIT_RING_BROKEN
+from mlx_relay.transport.doorbell import DoorbellTimeout
+from mlx_relay.transport.link import ControlLink
+from mlx_relay.transport.ring import Ring, mx_dtype, payload_bytes
 
 log = logging.getLogger("mlx_relay.worker")
 

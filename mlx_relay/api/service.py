@@ -20,14 +20,15 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from mlx_relay import memory
 from mlx_relay.coordinator import requests
-from mlx_relay.coordinator.aggregate import aggregate
-from mlx_relay.coordinator.engine import Chunk, Engine, EngineError, Request
+from mlx_relay.coordinator.engine import Engine, EngineError, Request
+from mlx_relay.coordinator.output import Chunk
 from mlx_relay.coordinator.pipeline import ClusterFailure, RankFailure
 from mlx_relay.coordinator.postprocess import DEFAULT_THINK_MARKERS, think_markers
-from mlx_relay.launch.hostfile import model_layer_split
+from mlx_relay.model import memory
+from mlx_relay.model.split import model_layers
 from mlx_relay.protocol import relay_pb2 as pb
+from mlx_relay.protocol.aggregate import aggregate
 
 log = logging.getLogger("mlx_relay.service")
 
@@ -237,12 +238,8 @@ class RelayServicer:
 
     def _layers(self, spec: str, model: str) -> list[int] | str | None:
         """LoadModel's `layers` for this model over this cluster's ranks."""
-        if spec.strip() == "auto":
-            return "auto"  # by each rank's free memory (pipeline.memory_split)
-        if not spec:
-            return None
         try:
-            return model_layer_split(spec, model, self._world())
+            return model_layers(spec, model, self._world())
         except ValueError as e:
             raise requests.InvalidRequest(f"layers: {e}") from e
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_relay import sharding
-from mlx_relay.kvcache import SlotCaches
+from mlx_relay.model import sharding
+from mlx_relay.model.kvcache import SlotCaches
 from mlx_relay.protocol import header as hdr
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from mlx_relay import sharding
+from mlx_relay.model import sharding
 
 
 class CacheError(ValueError):

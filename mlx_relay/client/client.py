@@ -19,10 +19,11 @@ import grpc
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mlx_relay.coordinator.auth import AUTH_TOKEN_ENV, auth_token, client_channel
+from mlx_relay.client.channel import client_channel
 from mlx_relay.errors import CommandFailed
 from mlx_relay.protocol import relay_pb2 as pb
 from mlx_relay.protocol import relay_pb2_grpc as pb_grpc
+from mlx_relay.protocol.rpc import AUTH_TOKEN_ENV, auth_token
 
 
 class Readiness(NamedTuple):

@@ -17,9 +17,7 @@ from typing import TextIO
 
 import grpc
 
-from mlx_relay.coordinator.aggregate import aggregate
-from mlx_relay.coordinator.auth import AUTH_TOKEN_ENV
-from mlx_relay.coordinator.client import (
+from mlx_relay.client.client import (
     Client,
     chat_request,
     response_json,
@@ -27,8 +25,9 @@ from mlx_relay.coordinator.client import (
     wait_serving,
 )
 from mlx_relay.errors import CommandFailed, UserError
-from mlx_relay.launch.serve import DEFAULT_GRPC_ADDRESS
 from mlx_relay.protocol import relay_pb2 as pb
+from mlx_relay.protocol.aggregate import aggregate
+from mlx_relay.protocol.rpc import AUTH_TOKEN_ENV, DEFAULT_GRPC_ADDRESS
 
 
 def _connection_options(p: argparse.ArgumentParser) -> None:

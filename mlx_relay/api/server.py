@@ -19,13 +19,14 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from mlx_relay.coordinator.auth import TokenAuth, auth_token, server_credentials
+from mlx_relay.api.auth import TokenAuth, server_credentials
+from mlx_relay.api.service import SERVICE_NAME, RelayServicer, add_to_server
 from mlx_relay.coordinator.engine import Engine
 from mlx_relay.coordinator.pipeline import Pipeline, hub_ready
-from mlx_relay.coordinator.service import SERVICE_NAME, RelayServicer, add_to_server
-from mlx_relay.launch.supervise import EXIT_CLUSTER_FAILED, EXIT_LOAD_FAILED, report_fatal
-from mlx_relay.ring import Ring
-from mlx_relay.sidechannel import ControlHub
+from mlx_relay.protocol.exits import EXIT_CLUSTER_FAILED, EXIT_LOAD_FAILED, report_fatal
+from mlx_relay.protocol.rpc import auth_token
+from mlx_relay.transport.hub import ControlHub
+from mlx_relay.transport.ring import Ring
 
 log = logging.getLogger("mlx_relay.server")
 

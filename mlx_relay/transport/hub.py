@@ -1,4 +1,4 @@
-"""The pyzmq side channel between rank 0 (the hub) and every worker (a link).
+"""Rank 0's end of the pyzmq side channel (the hub); each worker's end is `link.py`.
 
 Rank 0 binds one ROUTER socket. Each worker connects two DEALER sockets: `cmd`, used
 by its main thread (hello, errors, and rank 0's 'bye' while it waits for a step), and
@@ -16,9 +16,7 @@ open and is found by silence instead: no heartbeat for the heartbeat timeout.
 from __future__ import annotations
 
 import logging
-import os
 import queue
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -32,24 +30,9 @@ from mlx_relay.protocol import control
 
 log = logging.getLogger("mlx_relay.sidechannel")
 
-EXIT_RANK0_SILENT = 75  # a worker exits with this when rank 0 is gone or silent
-EXIT_RING_BROKEN = 76  # a worker whose ring connection broke, once rank 0 said bye
 SEND_RETRY_S = 5.0  # how long rank 0 keeps trying to reach a worker socket
-LINK_GRACE_S = 0.5  # a worker's closed connection counts once it stays closed this long
 RING_BLAME_S = 1.5  # a rank reporting a broken ring is blamed only if nobody is gone by then
 PROBE_INTERVAL_S = 0.1  # how often rank 0 retries a worker whose connection closed
-
-
-def _identity(rank: int, role: str) -> bytes:
-    return f"rank{rank}-{role}".encode()
-
-
-def _parse_identity(identity: bytes) -> tuple[int, str] | None:
-    try:
-        name, role = identity.decode().split("-", 1)
-        return int(name.removeprefix("rank")), role
-    except (UnicodeDecodeError, ValueError):
-        return None
 
 
 @dataclass
@@ -124,7 +107,7 @@ class ControlHub:
     # --- called from other threads -------------------------------------------------
     def send(self, rank: int, kind: str, body: dict[str, Any] | None = None) -> None:
         frames = control.encode(kind, body or {}, self.secret)
-        self._outbox.put((_identity(rank, "cmd"), frames))
+        self._outbox.put((control.identity(rank, "cmd"), frames))
         with self._push_lock:
             self._wakeup_push.send(b"")
 
@@ -287,7 +270,9 @@ class ControlHub:
         probing = False
         for rank in range(1, self.world_size):
             try:
-                self._router.send_multipart([_identity(rank, "hb"), *beat], flags=zmq.NOBLOCK)
+                self._router.send_multipart(
+                    [control.identity(rank, "hb"), *beat], flags=zmq.NOBLOCK
+                )
                 reachable = True
             except zmq.Again:
                 reachable = True  # connected, but not reading (stopped?): silence will tell
@@ -302,7 +287,7 @@ class ControlHub:
                     continue
                 if info.unreachable_since is None:
                     info.unreachable_since = now
-                if now - info.unreachable_since < LINK_GRACE_S:
+                if now - info.unreachable_since < control.LINK_GRACE_S:
                     probing = True
                 elif not info.gone:
                     info.gone = (
@@ -324,7 +309,7 @@ class ControlHub:
                 log.warning("side channel: could not reach %s: %s", identity.decode(), e)
 
     def _receive(self, frames: list[bytes]) -> None:
-        sender = _parse_identity(frames[0]) if frames else None
+        sender = control.parse_identity(frames[0]) if frames else None
         try:
             if sender is None:
                 raise control.BadMessage("unknown sender identity")
@@ -368,134 +353,3 @@ class ControlHub:
                     message.get("message", "")
                 )
             self._cond.notify_all()
-
-
-class ControlLink:
-    """A worker's end: hello, error details, rank 0's bye, and heartbeats."""
-
-    def __init__(
-        self,
-        endpoint: str,
-        rank: int,
-        secret: bytes,
-        heartbeat_interval: float = 0.5,
-        rank0_timeout: float = 10.0,
-        stats: Callable[[], dict[str, Any]] | None = None,
-    ) -> None:
-        self.rank = rank
-        self.secret = secret
-        self.state = "ready"
-        self.done_step = 0  # the worker loop sets it after passing each step on
-        self._stats = stats or (lambda: {})
-        self._ctx = zmq.Context.instance()
-        self._cmd = self._dealer(endpoint, "cmd")
-        self._hb_endpoint = endpoint
-        self._interval = heartbeat_interval
-        self._rank0_timeout = rank0_timeout
-        self._stop = threading.Event()
-        self._hb_thread = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
-
-    def _dealer(self, endpoint: str, role: str) -> zmq.Socket:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, _identity(self.rank, role))
-        sock.setsockopt(zmq.LINGER, 500)
-        sock.connect(endpoint)
-        return sock
-
-    def _body(self, **extra: Any) -> dict[str, Any]:
-        return {"rank": self.rank, "state": self.state, "done": self.done_step, **extra}
-
-    def send(self, kind: str, **extra: Any) -> None:
-        self._cmd.send_multipart(control.encode(kind, self._body(**extra), self.secret))
-
-    def hello(self) -> None:
-        self.send(control.HELLO, host=socket.gethostname(), pid=os.getpid(), stats=self._stats())
-        self._hb_thread.start()
-
-    def ring_broken(self, message: str) -> None:
-        """Tell rank 0 this rank's mx.distributed connection broke, then wait for its bye.
-
-        Rank 0 names the rank that is actually gone; this one stays reachable meanwhile
-        (leaving would make it look like the culprit) and exits when told, or when rank
-        0 goes silent.
-        """
-        self.state = "ring-broken"
-        self.send(control.ERROR, step_id=-1, ring=True, message=message)
-        while not self.bye_received():
-            self._cmd.poll(1000)
-
-    @property
-    def socket(self) -> zmq.Socket:
-        """The command socket, for polling beside the doorbell."""
-        return self._cmd
-
-    def bye_received(self) -> bool:
-        """Consume waiting messages; True if rank 0 said bye."""
-        bye = False
-        while self._cmd.poll(0):
-            try:
-                message = control.decode(self._cmd.recv_multipart(), self.secret)
-            except control.BadMessage as e:
-                log.warning("side channel: dropped a message: %s", e)
-                continue
-            bye = bye or message["kind"] == control.BYE
-        return bye
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._hb_thread.is_alive():
-            self._hb_thread.join(timeout=2)
-        self._cmd.close(linger=500)
-
-    def _heartbeats(self) -> None:
-        """Beat every interval; exit the process when rank 0 is gone or silent.
-
-        Rank 0 counts as gone when its connection closes (its process died) and stays
-        closed for LINK_GRACE_S, or when nothing came from it for `rank0_timeout`.
-        """
-        sock = self._dealer(self._hb_endpoint, "hb")
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        last_rank0 = time.monotonic()
-        closed_at: float | None = None
-        try:
-            while not self._stop.is_set():
-                body = self._body(stats=self._stats())
-                try:
-                    sock.send_multipart(
-                        control.encode(control.HEARTBEAT, body, self.secret), flags=zmq.NOBLOCK
-                    )
-                except zmq.Again:
-                    pass  # nobody to take it: silence or the closed link will tell
-                deadline = time.monotonic() + self._interval
-                if closed_at is not None:
-                    deadline = min(deadline, closed_at + LINK_GRACE_S)
-                while (left := deadline - time.monotonic()) > 0 and not self._stop.is_set():
-                    events = dict(poller.poll(int(left * 1000) + 1))
-                    if monitor in events:
-                        event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
-                        closed_at = time.monotonic() if event == zmq.EVENT_DISCONNECTED else None
-                    if sock in events:
-                        try:
-                            control.decode(sock.recv_multipart(), self.secret)
-                            last_rank0 = time.monotonic()
-                        except control.BadMessage as e:
-                            log.warning("side channel: dropped a message: %s", e)
-                now = time.monotonic()
-                if closed_at is not None and now - closed_at >= LINK_GRACE_S:
-                    why = "rank 0's side-channel connection closed (its process exited or died)"
-                elif now - last_rank0 > self._rank0_timeout:
-                    why = f"rank 0 silent for {now - last_rank0:.1f} s"
-                else:
-                    continue
-                if self._stop.is_set():
-                    return
-                log.error("rank %d: %s; exiting so this machine's memory is freed", self.rank, why)
-                logging.shutdown()
-                os._exit(EXIT_RANK0_SILENT)
-        finally:
-            sock.disable_monitor()
-            monitor.close(linger=0)
-            sock.close(linger=0)

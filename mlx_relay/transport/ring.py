@@ -9,8 +9,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from mlx_relay.doorbell import Doorbell
 from mlx_relay.protocol import header as hdr
+from mlx_relay.transport.doorbell import Doorbell
 
 _MX_DTYPES = {
     "float32": mx.float32,

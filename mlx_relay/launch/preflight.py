@@ -19,8 +19,6 @@ from typing import Any
 
 from mlx_relay.errors import ModelError, UserError
 
-AUTO = "auto"  # --layers auto: split by each rank's free memory, known only once ranks run
-
 
 @dataclass(frozen=True)
 class ModelFacts:
@@ -39,8 +37,8 @@ def check_model(spec: str) -> ModelFacts:
     'default' is converted here, once, if it has not been yet (before any rank starts,
     so that ranks do not queue for the conversion lock).
     """
-    from mlx_relay import sharding
-    from mlx_relay.default_model import resolve_model
+    from mlx_relay.model import sharding
+    from mlx_relay.model.default_model import resolve_model
 
     path = resolve_model(spec)  # ModelNotFoundError (a UserError) says what is missing
     config = _read_config(path)
@@ -67,17 +65,12 @@ def check_ranks(facts: ModelFacts, n: int) -> None:
 
 
 def check_split(facts: ModelFacts, n: int, layers: str) -> list[int] | str | None:
-    """`--layers` for this model and `n` ranks: counts, AUTO, or None (even split)."""
-    from mlx_relay.launch.hostfile import parse_layers
+    """`--layers` for this model and `n` ranks: counts, AUTO, or None (the default split)."""
+    from mlx_relay.model.split import resolve_layers
 
     check_ranks(facts, n)
-    spec = layers.strip()
-    if not spec:
-        return None
-    if spec == AUTO:
-        return AUTO
     try:
-        return parse_layers(spec, facts.num_layers, n, facts.head_layers)
+        return resolve_layers(layers, facts.num_layers, n, facts.head_layers)
     except ValueError as e:
         raise UserError(str(e)) from None
 

@@ -1,0 +1,140 @@
+"""What a client sees of a sequence: each token read back turned into a chunk of text,
+reasoning, tool calls and logprobs, and the last chunk's finish reason, usage and timings.
+
+The engine decides what runs, samples, and reads tokens back; it hands every token to
+the `OutputProcessor` of the loaded model and only acts on the answer (stream the chunk,
+or end the sequence), so output rules change here without touching the engine's loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from mlx_relay.coordinator.postprocess import ToolCall
+
+if TYPE_CHECKING:
+    from mlx_relay.coordinator.engine import Sequence
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)
+
+
+@dataclass
+class Chunk:
+    """A piece of one request's output stream; the last one has a finish_reason."""
+
+    text: str = ""
+    reasoning: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+    timings: dict[str, float] | None = None
+    malformed_tool_call: bool = False
+    unknown_tools: list[str] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """The output rules for one loaded model (its tokenizer and context length)."""
+
+    def __init__(self, tokenizer: Any, context_length: int) -> None:
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.special_ids: set[int] = set(tokenizer.all_special_ids or [])
+
+    def token(self, seq: Sequence, token: int, logprobs: mx.array | None) -> tuple[Chunk, str]:
+        """The chunk for one token read back, and why it ends the sequence ('' if not).
+
+        EOS ends it with an empty chunk and is not counted as generated.
+        """
+        params = seq.request.params
+        if token in self.tokenizer.eos_token_ids and not params.ignore_eos:
+            return Chunk(), "stop"
+        seq.generated.append(token)
+        chunk = Chunk(token_ids=[token])
+        if params.logprobs and logprobs is not None:
+            chunk.logprobs.append(self._logprob_entry(token, logprobs, params.top_logprobs))
+        was_reasoning = seq.parser.in_reasoning
+        if token not in self.special_ids:
+            seq.detokenizer.add_token(token)
+            _parse_into(chunk, seq, seq.stops.feed(seq.detokenizer.last_segment))
+        if was_reasoning or seq.parser.in_reasoning:
+            seq.reasoning_tokens += 1
+        if seq.stops.stopped:
+            return chunk, "stop"
+        if len(seq.generated) >= params.max_tokens:
+            return chunk, "length"
+        if self.context_length and len(seq.context) >= self.context_length:
+            return chunk, "length"
+        return chunk, ""
+
+    def finish(self, seq: Sequence, last: Chunk, reason: str | None) -> None:
+        """Make `last` the sequence's last chunk: the text held back (a possible stop
+        string's start, an open tool call), the finish reason, usage and timings."""
+        if reason in ("stop", "length") and not seq.stops.stopped:
+            seq.detokenizer.finalize()
+            _parse_into(last, seq, seq.stops.feed(seq.detokenizer.last_segment))
+            _parse_into(last, seq, seq.stops.flush())
+        final = seq.parser.finish()
+        last.text += final.content
+        last.reasoning += final.reasoning
+        last.tool_calls += final.tool_calls
+        last.malformed_tool_call = final.malformed_tool_call
+        last.unknown_tools = list(final.unknown_tools)
+        if reason == "stop" and seq.parser.saw_tool_calls:
+            reason = "tool_calls"
+        last.finish_reason = reason
+        request = seq.request
+        last.usage = {
+            "prompt_tokens": len(request.prompt_tokens),
+            "completion_tokens": len(seq.generated),
+            "reasoning_tokens": seq.reasoning_tokens,
+            "total_tokens": len(request.prompt_tokens) + len(seq.generated),
+            "cached_tokens": seq.cached_tokens,
+        }
+        last.timings = timings(seq)
+
+    def _logprob_entry(self, token: int, logprobs: mx.array, top: int) -> TokenLogprob:
+        decode = self.tokenizer.decode
+        entry = TokenLogprob(token, decode([token]), float(logprobs[token].item()))
+        if top > 0:
+            ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
+            values = logprobs[ids]
+            for i in mx.argsort(-values).tolist():
+                tid = int(ids[i].item())
+                entry.top.append((tid, decode([tid]), float(values[i].item())))
+        return entry
+
+
+def _parse_into(chunk: Chunk, seq: Sequence, text: str) -> None:
+    if not text:
+        return
+    delta = seq.parser.feed(text)
+    chunk.text += delta.content
+    chunk.reasoning += delta.reasoning
+    chunk.tool_calls += delta.tool_calls
+
+
+def timings(seq: Sequence) -> dict[str, float]:
+    """Time to first token and the prompt and decode rates, as of now."""
+    now = time.perf_counter()
+    first = seq.first_token_at
+    ttft = (first - seq.request.created) if first else 0.0
+    decoded = len(seq.generated) - 1
+    decode_s = now - first if first else 0.0
+    return {
+        "time_to_first_token_s": ttft,
+        "prompt_tokens_per_s": len(seq.request.prompt_tokens) / ttft if ttft > 0 else 0.0,
+        "decode_tokens_per_s": decoded / decode_s if decoded > 0 and decode_s > 0 else 0.0,
+        "total_s": now - seq.request.created,
+    }

@@ -1,0 +1,69 @@
+"""Scheduling decisions that need no ring, no device and no request: data in, data out.
+
+The engine asks these what to do next and tells them what happened, so the rules can be
+read and unit-tested on their own (tests/test_scheduler.py):
+
+- `PrefillPacer`: how many prompt tokens the next prefill chunk carries. Alone, a chunk
+  is `--prefill-chunk` tokens (as mlx-lm prefills). Beside running streams it is sized
+  from measured step times to cost about STALL_STEPS decode steps, so a long prompt
+  delays every running stream by at most that much per token instead of one long stall.
+- `pick_group`: which decode group a sequence joins after its first token.
+- `next_unit`: which runnable unit (a decode group, a prefill) goes round the ring next;
+  units take turns so that no prompt starves the streams, nor the streams a prompt.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TypeVar
+
+STALL_STEPS = 4  # a prefill chunk beside running streams costs about this many decode steps
+MIN_CHUNK = 8  # tokens: below this a chunk's fixed costs dominate
+PROBE_CHUNK = 32  # a chunk's size before any prefill was timed
+EMA = 0.3  # weight of the newest measurement in the step-time averages
+
+T = TypeVar("T")
+
+
+class PrefillPacer:
+    """Chunk sizes from the measured pace of decode steps and of prefilled tokens."""
+
+    def __init__(self, prefill_chunk: int) -> None:
+        self.prefill_chunk = prefill_chunk
+        self.decode_step_s = 0.0  # moving average of a decode group's step, launch to read
+        self.prefill_token_s = 0.0  # moving average of a prompt token's share of a chunk
+
+    def chunk_size(self, decoding: bool) -> int:
+        """`--prefill-chunk`, or while streams decode, what costs STALL_STEPS of their steps."""
+        if not decoding or not self.decode_step_s:
+            return self.prefill_chunk
+        if not self.prefill_token_s:
+            return min(self.prefill_chunk, PROBE_CHUNK)
+        fits = int(STALL_STEPS * self.decode_step_s / self.prefill_token_s)
+        return max(MIN_CHUNK, min(self.prefill_chunk, fits))
+
+    def decode_step_took(self, seconds: float) -> None:
+        """A decode step with no prefill beside it: the pace a stream keeps undisturbed."""
+        self.decode_step_s = _average(self.decode_step_s, seconds)
+
+    def prefill_chunk_took(self, seconds: float, tokens: int) -> None:
+        """A prefill chunk (not the last prompt token's step); tiny chunks say little."""
+        if tokens >= MIN_CHUNK:
+            self.prefill_token_s = _average(self.prefill_token_s, seconds / tokens)
+
+
+def pick_group(sizes: Sequence[int], capacity: int) -> int:
+    """The decode group a new stream joins: the smallest one with room (the first of
+    equals), so groups stay even and each step's batch stays small."""
+    loads = [n if n < capacity else math.inf for n in sizes]
+    return loads.index(min(loads))
+
+
+def next_unit(units: Sequence[T], turn: int) -> T:
+    """Round robin over the units runnable now (their order is stable between calls)."""
+    return units[turn % len(units)]
+
+
+def _average(old: float, new: float) -> float:
+    return new if not old else (1 - EMA) * old + EMA * new

@@ -1,0 +1,56 @@
+"""Scheduling rules (coordinator/scheduler.py) without rank processes."""
+
+from __future__ import annotations
+
+from mlx_relay.coordinator.scheduler import (
+    MIN_CHUNK,
+    PROBE_CHUNK,
+    STALL_STEPS,
+    PrefillPacer,
+    next_unit,
+    pick_group,
+)
+
+
+def test_a_prompt_alone_uses_the_whole_prefill_chunk():
+    pacer = PrefillPacer(512)
+    assert pacer.chunk_size(decoding=False) == 512
+    pacer.decode_step_took(0.01)
+    pacer.prefill_chunk_took(1.0, 100)
+    assert pacer.chunk_size(decoding=False) == 512  # nothing decodes: no one to delay
+
+
+def test_beside_streams_a_chunk_costs_about_stall_steps_decode_steps():
+    pacer = PrefillPacer(512)
+    assert pacer.chunk_size(decoding=True) == 512  # no decode step timed yet
+    pacer.decode_step_took(0.02)
+    assert pacer.chunk_size(decoding=True) == PROBE_CHUNK  # no prefill timed yet: probe
+    pacer.prefill_chunk_took(0.032, 32)  # 1 ms a token
+    assert pacer.chunk_size(decoding=True) == STALL_STEPS * 20  # 4 x 20 ms of 1 ms tokens
+    pacer.prefill_chunk_took(10.0, 10)  # very slow tokens: never below MIN_CHUNK
+    assert pacer.chunk_size(decoding=True) == MIN_CHUNK
+    fast = PrefillPacer(64)
+    fast.decode_step_took(1.0)
+    fast.prefill_chunk_took(0.001, 100)
+    assert fast.chunk_size(decoding=True) == 64  # never above --prefill-chunk
+
+
+def test_measurements_are_moving_averages_and_tiny_chunks_are_ignored():
+    pacer = PrefillPacer(512)
+    pacer.decode_step_took(0.010)
+    pacer.decode_step_took(0.020)
+    assert abs(pacer.decode_step_s - 0.013) < 1e-9  # 0.7 x 10 ms + 0.3 x 20 ms
+    pacer.prefill_chunk_took(1.0, MIN_CHUNK - 1)
+    assert pacer.prefill_token_s == 0.0
+
+
+def test_streams_join_the_smallest_group_with_room():
+    assert pick_group([2, 1, 1], capacity=4) == 1
+    assert pick_group([0, 0], capacity=4) == 0
+    assert pick_group([4, 3], capacity=4) == 1
+    assert pick_group([4, 4, 4], capacity=4) == 0  # all full: the first (never happens)
+
+
+def test_units_take_turns():
+    units = ["group 0", "group 1", "prefill"]
+    assert [next_unit(units, t) for t in range(4)] == ["group 0", "group 1", "prefill", "group 0"]
