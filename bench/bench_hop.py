@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def rank_main(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
-    from mlx_relay.transport.doorbell import Doorbell
     from mlx_relay.protocol import header as hdr
+    from mlx_relay.transport.doorbell import Doorbell
     from mlx_relay.transport.ring import Ring
 
     group = mx.distributed.init(backend="ring", strict=True)
