@@ -474,16 +474,17 @@ class Engine:
         for seq in seqs:
             if seq in self._active:
                 self._finish(seq, EngineError("internal", str(e)))
-        if step.header.cmd == hdr.CMD_FREE and step.header.flags & hdr.FLAG_PARK:
-            # Some rank could not keep these caches: nobody may reuse them.
-            lost = set(step.header.slots)
-            for seq in self._active:
-                if seq.taken and seq.cached_tokens and seq.taken.source in lost:
-                    self._restart_prefill(seq)
-            with self._cv:
-                forgotten = self._slots.forget(step.header.slots)
-            for slot in forgotten:
-                self._free_slot(slot)
+        # A rank failed a step on these slots: a parked cache among them (a park that
+        # failed, or a finished sequence's last step still in flight) may not hold what
+        # the other ranks' copies hold, so nobody may reuse it.
+        lost = set(step.header.slots)
+        for seq in self._active:
+            if seq.taken and seq.cached_tokens and seq.taken.source in lost:
+                self._restart_prefill(seq)
+        with self._cv:
+            forgotten = self._slots.forget(step.header.slots)
+        for slot in forgotten:
+            self._free_slot(slot)
         # Its later steps in flight fail too; they find the sequences finished.
 
     def _launch_ready(self) -> None:
