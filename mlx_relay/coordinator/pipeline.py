@@ -231,10 +231,6 @@ class Pipeline:
         self._launch(step, None)
         return step
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._in_flight)
-
     def complete(self, step: Step) -> mx.array | None:
         """Take the oldest step in flight back: its logits (batch, vocab) if it asked for
         them, as a graph still to be computed. RankFailure if a rank failed it."""

@@ -57,7 +57,7 @@ class Ring:
         self.prev = (self.rank - 1) % self.size
 
     def send_header(self, header: hdr.StepHeader) -> None:
-        """Announce a step to the right neighbour, before its payload is computed."""
+        """Announce a step to the right neighbour: one signed zmq message."""
         self.doorbell.ring(hdr.encode(header).tobytes())
 
     def send_payload(self, header: hdr.StepHeader, payload: mx.array | None) -> mx.array | None:
