@@ -27,8 +27,16 @@ DOORBELLS_ENV = "MLX_RELAY_DOORBELLS"  # JSON list of tcp:// endpoints, one per 
 DEFAULT_DOORBELL_PORT = 50160  # + rank, on each rank's host from the hostfile
 
 
+SEND_TIMEOUT_S = 2
+
+
 class DoorbellTimeout(TimeoutError):
     pass
+
+
+class NeighbourGone(RuntimeError):
+    """The right neighbour takes no message: it is gone (a RuntimeError, as the ring
+    backend raises when a peer's connection breaks)."""
 
 
 def doorbell_endpoints(size: int, hosts: list[str]) -> list[str]:
@@ -50,11 +58,19 @@ class Doorbell:
         self.incoming.bind(endpoints[rank])
         self.outgoing = ctx.socket(zmq.PUSH)
         self.outgoing.setsockopt(zmq.LINGER, 0)
-        self.outgoing.setsockopt(zmq.SNDTIMEO, 5000)
+        self.outgoing.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_S * 1000)
         self.outgoing.connect(endpoints[(rank + 1) % size])
 
     def ring(self, message: bytes) -> None:
-        self.outgoing.send_multipart(control.sign(message, self.secret))
+        """Send to the right neighbour. A live one never makes this wait (zmq queues up
+        to its high-water mark); a gone one does, and that is a broken ring, as the ring
+        backend would report it."""
+        try:
+            self.outgoing.send_multipart(control.sign(message, self.secret))
+        except zmq.Again:
+            raise NeighbourGone(
+                f"[doorbell] no connection to the next rank: a header waited {SEND_TIMEOUT_S} s"
+            ) from None
 
     def wait(self, timeout: float | None = None) -> bytes:
         """The next message from the left neighbour (waiting forever if timeout is None)."""
