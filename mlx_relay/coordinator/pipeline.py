@@ -65,10 +65,11 @@ class ClusterFailure(RankFailure):
 class Step:
     """A step launched round the ring, completed later in launch order.
 
-    Launching posts rank 0's part and sends the header ahead; completing takes the
-    header back and posts the receive of the payload, giving the logits as a graph still
-    to be computed: the caller posts what depends on them (the next step) before it
-    reads them, so the device never idles while the host waits.
+    Launching posts rank 0's part; announcing sends it on once computed (header on the
+    doorbell, payload on the ring); completing takes the header back and posts the
+    receive of the payload, giving the logits as a graph still to be computed: the
+    caller posts what depends on them (the next step) before it reads them, so the
+    device never idles while the host waits.
     """
 
     header: hdr.StepHeader

@@ -30,7 +30,13 @@ from mlx_relay.errors import UserError, add_log_level
 from mlx_relay.launch import preflight
 from mlx_relay.launch.lifeline import Lifeline, child_setup
 from mlx_relay.launch.serve import add_serve_options, serve_argv
-from mlx_relay.launch.supervise import LastWords, RankFailed, Supervisor, run_with_restarts
+from mlx_relay.launch.supervise import (
+    LastWords,
+    RankFailed,
+    Supervisor,
+    add_startup_timeout,
+    run_with_restarts,
+)
 from mlx_relay.protocol import control
 from mlx_relay.protocol.rpc import AUTH_TOKEN_ENV, DEFAULT_GRPC_ADDRESS, auth_token
 from mlx_relay.transport.doorbell import DOORBELLS_ENV
@@ -269,13 +275,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_serve_options(p)
     add_log_level(p)
     p.add_argument("--pin", action="store_true", help="pin each rank to its own core")
-    p.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=600.0,
-        help="give up if the cluster does not serve within this many seconds (a rank "
-        "that fails ends the start at once)",
-    )
+    add_startup_timeout(p)
     p.add_argument(
         "--restart",
         type=int,

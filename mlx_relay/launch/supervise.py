@@ -20,6 +20,7 @@ same way again (`exits.PERMANENT_EXITS`).
 
 from __future__ import annotations
 
+import argparse
 import signal
 import subprocess
 import threading
@@ -71,6 +72,17 @@ class LastWords:
         with self._cv:
             self._cv.wait_for(lambda: self._open.get(proc, 0) <= 0, timeout=wait)
             return self._causes.get(rank) or next(iter(self._causes.values()), "")
+
+
+def add_startup_timeout(p: argparse.ArgumentParser) -> None:
+    """The launchers' `--startup-timeout` (rank 0's own option of that name is another)."""
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="give up if the cluster does not serve within this many seconds (a rank "
+        "that fails ends the start at once)",
+    )
 
 
 def describe_exit(code: int | None) -> str:
