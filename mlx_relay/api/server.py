@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mlx_relay.api.auth import TokenAuth, server_credentials
+from mlx_relay.api.cluster import Cluster
 from mlx_relay.api.service import SERVICE_NAME, RelayServicer, add_to_server
 from mlx_relay.coordinator.engine import Engine
 from mlx_relay.coordinator.pipeline import Pipeline, hub_ready
@@ -160,7 +161,8 @@ def _grpc_server(args, engine: Engine, health_servicer) -> grpc.Server | None:
         # for a thread (streams hold one each) where health checks would starve.
         maximum_concurrent_rpcs=threads,
     )
-    servicer = RelayServicer(engine, backend=args.backend, model=args.model, layers=args.layers)
+    cluster = Cluster(engine, backend=args.backend, model=args.model, layers=args.layers)
+    servicer = RelayServicer(cluster)
     add_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = args.grpc_address

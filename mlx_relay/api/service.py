@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import socket
-import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,13 +16,11 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from mlx_relay.api.cluster import Cluster
 from mlx_relay.coordinator import requests
-from mlx_relay.coordinator.engine import Engine, EngineError, Request
+from mlx_relay.coordinator.engine import EngineError
 from mlx_relay.coordinator.output import Chunk
-from mlx_relay.coordinator.pipeline import ClusterFailure, RankFailure
-from mlx_relay.coordinator.postprocess import DEFAULT_THINK_MARKERS, think_markers
-from mlx_relay.model import memory
-from mlx_relay.model.split import model_layers
+from mlx_relay.coordinator.pipeline import RankFailure
 from mlx_relay.protocol import relay_pb2 as pb
 from mlx_relay.protocol.aggregate import aggregate
 
@@ -130,59 +124,15 @@ def chunk_to_proto(chunk: Chunk, request_id: str) -> pb.GenerateChunk:
 
 
 class RelayServicer:
-    """`model` and `layers`: what rank 0 was started with, what LoadModel loads again
-    when it names no model (after a Free, say); a successful LoadModel replaces them."""
+    """The project's own gRPC API over the shared `Cluster`."""
 
-    def __init__(
-        self, engine: Engine, *, backend: str = "", model: str = "", layers: str = ""
-    ) -> None:
-        self.engine = engine
-        self.backend = backend
-        self.last_model = model
-        self.last_layers = layers
-
-    def _tokenizer(self) -> Any:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None or self.engine.state != "serving":
-            raise EngineError("unavailable", _not_serving(self.engine.state, self.engine.error))
-        return tokenizer
-
-    def _build(self, request: pb.GenerateRequest) -> Request:
-        tokenizer = self._tokenizer()
-        prompt = requests.render_prompt(
-            tokenizer,
-            prompt=request.prompt_bytes if request.prompt_bytes else request.prompt,
-            messages=list(request.messages),
-            tools_json=request.tools_json,
-            chat_template_kwargs_json=request.chat_template_kwargs_json,
-            tool_choice=request.tool_choice,
-        )
-        context = self.engine.context_length
-        if context and len(prompt.token_ids) >= context:
-            raise requests.InvalidRequest(
-                f"the prompt is {len(prompt.token_ids)} tokens; the model's context is {context}"
-            )
-        params = requests.sampling_params(
-            request.params,
-            vocab_size=len(tokenizer),
-            default_max_tokens=self.engine.default_max_tokens,
-        )
-        think_start, _ = think_markers(tokenizer) or DEFAULT_THINK_MARKERS
-        return Request(
-            prompt_tokens=prompt.token_ids,
-            params=params,
-            request_id=request.request_id or uuid.uuid4().hex[:12],
-            tools=prompt.tools,
-            parse_tools=prompt.tool_choice != "none",
-            starts_in_reasoning=bool(request.messages)
-            and requests.ends_in_reasoning(prompt.text, think_start),
-            opens_tool_call=prompt.opens_tool_call,
-        )
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
 
     def _stream(
         self, request: pb.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GenerateChunk]:
-        req = self.engine.submit(self._build(request))
+        req = self.cluster.submit(request)
         context.add_callback(req.cancel)
         try:
             for chunk in req.chunks():
@@ -200,126 +150,21 @@ class RelayServicer:
 
     @_rpc
     def Tokenize(self, request, context):  # noqa: N802
-        prompt = requests.render_prompt(
-            self._tokenizer(),
-            prompt=request.text,
-            messages=list(request.messages),
-            tools_json=request.tools_json,
-            chat_template_kwargs_json=request.chat_template_kwargs_json,
-            tool_choice=request.tool_choice,
-        )
+        prompt = self.cluster.render(request)
         return pb.TokenizeResponse(token_ids=prompt.token_ids, prompt=prompt.text)
 
     @_rpc
     def Status(self, request, context):  # noqa: N802
-        return self.status()
+        return self.cluster.status()
 
     @_rpc
     def LoadModel(self, request, context):  # noqa: N802
-        model = request.model or self.last_model
-        layers_spec = request.layers if request.model or request.layers else self.last_layers
-        if not model:
-            raise requests.InvalidRequest("model is required ('default' or a path)")
-        if self.engine.state in ("draining", "stopping", "failed"):
-            raise EngineError("unavailable", f"the cluster is {self.engine.state}")
-        layers = self._layers(layers_spec, model)
-        try:
-            self.engine.load(model, layers).result()
-        except ClusterFailure:
-            raise
-        except RankFailure as e:  # a worker refused its shard; the cluster still serves
-            raise EngineError("precondition", str(e)) from e
-        except (EngineError, requests.InvalidRequest):
-            raise
-        except Exception as e:  # noqa: BLE001 - the load failed; say why, keep serving
-            raise EngineError("invalid" if isinstance(e, ValueError) else "internal", str(e)) from e
-        self.last_model, self.last_layers = model, layers_spec
-        return pb.LoadModelResponse(status=self.status())
-
-    def _layers(self, spec: str, model: str) -> list[int] | str | None:
-        """LoadModel's `layers` for this model over this cluster's ranks."""
-        try:
-            return model_layers(spec, model, self._world())
-        except ValueError as e:
-            raise requests.InvalidRequest(f"layers: {e}") from e
+        self.cluster.load(request.model, request.layers)
+        return pb.LoadModelResponse(status=self.cluster.status())
 
     @_rpc
     def Free(self, request, context):  # noqa: N802
-        message = self.engine.free(shutdown=request.shutdown).result()
-        return pb.FreeResponse(message=message)
-
-    def _world(self) -> int:
-        return self.engine.pipeline.world_size
-
-    def status(self) -> pb.StatusResponse:
-        engine = self.engine
-        pipeline = engine.pipeline
-        loaded = pipeline.loaded
-        active, queued = engine.counts()
-        parked, parked_tokens = engine.cached_prompts()
-        out = pb.StatusResponse(
-            world_size=pipeline.world_size,
-            state=engine.state,
-            active_requests=active,
-            queued_requests=queued,
-            backend=self.backend,
-            error=engine.error,
-            cached_prompts=parked,
-            cached_prompt_tokens=parked_tokens,
-        )
-        if loaded:
-            out.model = loaded.spec
-            out.model_path = loaded.path
-            out.num_layers = loaded.num_layers
-        out.ranks.append(_rank0_status(loaded))
-        now = time.monotonic()
-        for rank, info in sorted(pipeline.worker_stats().items()):
-            start, end = loaded.ranges[rank] if loaded else (0, 0)
-            out.ranks.append(
-                pb.RankStatus(
-                    rank=rank,
-                    host=info.host,
-                    pid=info.pid,
-                    layer_start=start,
-                    layer_end=end,
-                    active_memory_bytes=info.stats.get("active_memory", 0),
-                    peak_memory_bytes=info.stats.get("peak_memory", 0),
-                    rss_bytes=info.stats.get("rss", 0),
-                    free_memory_bytes=info.stats.get("free_memory", 0),
-                    state=info.state,
-                    last_seen_s=now - info.last_seen,
-                )
-            )
-        return out
-
-
-def _not_serving(state: str, error: str) -> str:
-    """Why no request can run now, and what would change that."""
-    if state == "unloaded":
-        return (
-            "no model is loaded (unloaded): `mlx-relay load` loads the last one again, "
-            "`mlx-relay load --model PATH` another (the LoadModel RPC)"
-        )
-    if state in ("starting", "loading"):
-        return f"no model is being served yet ({state}): `mlx-relay status --wait 60` waits"
-    return f"no model is being served ({state}{': ' + error if error else ''})"
-
-
-def _rank0_status(loaded: Any) -> pb.RankStatus:
-    stats = memory.stats()
-    start, end = loaded.ranges[0] if loaded else (0, 0)
-    return pb.RankStatus(
-        rank=0,
-        host=socket.gethostname(),
-        pid=os.getpid(),
-        layer_start=start,
-        layer_end=end,
-        active_memory_bytes=stats["active_memory"],
-        peak_memory_bytes=stats["peak_memory"],
-        rss_bytes=stats["rss"],
-        free_memory_bytes=stats["free_memory"],
-        state="coordinator",
-    )
+        return pb.FreeResponse(message=self.cluster.free(shutdown=request.shutdown))
 
 
 def add_to_server(servicer: RelayServicer, server: grpc.Server) -> None:

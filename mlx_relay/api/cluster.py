@@ -1,0 +1,193 @@
+"""What every front door asks of the cluster, in one place.
+
+gRPC, HTTP and LocalAI's backend service all translate their wire messages into a
+`pb.GenerateRequest` and hand it to `Cluster.submit`: one way from a request to the
+engine, so the doors differ only in how they spell things. Errors come out as
+`requests.InvalidRequest`, `EngineError` (with a `kind`) or `RankFailure`; each door
+maps those to its own status codes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+from mlx_relay.coordinator import requests
+from mlx_relay.coordinator.engine import Engine, EngineError, Request
+from mlx_relay.coordinator.pipeline import ClusterFailure, RankFailure
+from mlx_relay.coordinator.postprocess import DEFAULT_THINK_MARKERS, think_markers
+from mlx_relay.model import memory
+from mlx_relay.model.split import model_layers
+from mlx_relay.protocol import relay_pb2 as pb
+
+
+class Cluster:
+    """The engine as the front doors see it.
+
+    `model` and `layers`: what rank 0 was started with, what `load` loads again when it
+    names no model (after a Free, say); a successful load replaces them. One instance is
+    shared by every door, so a LoadModel through one is what the others reload.
+    """
+
+    def __init__(
+        self, engine: Engine, *, backend: str = "", model: str = "", layers: str = ""
+    ) -> None:
+        self.engine = engine
+        self.backend = backend
+        self.last_model = model
+        self.last_layers = layers
+
+    def tokenizer(self) -> Any:
+        """The loaded model's tokenizer, or EngineError('unavailable') saying why not."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or self.engine.state != "serving":
+            raise EngineError("unavailable", not_serving(self.engine.state, self.engine.error))
+        return tokenizer
+
+    def build(self, request: pb.GenerateRequest) -> Request:
+        """Check and render a request; nothing reaches the engine yet."""
+        tokenizer = self.tokenizer()
+        prompt = self.render(request)
+        context = self.engine.context_length
+        if context and len(prompt.token_ids) >= context:
+            raise requests.InvalidRequest(
+                f"the prompt is {len(prompt.token_ids)} tokens; the model's context is {context}"
+            )
+        params = requests.sampling_params(
+            request.params,
+            vocab_size=len(tokenizer),
+            default_max_tokens=self.engine.default_max_tokens,
+        )
+        if request.response_format_json.strip() not in ("", '{"type": "text"}'):
+            raise requests.InvalidRequest("response_format is not supported yet")
+        think_start, _ = think_markers(tokenizer) or DEFAULT_THINK_MARKERS
+        return Request(
+            prompt_tokens=prompt.token_ids,
+            params=params,
+            request_id=request.request_id or uuid.uuid4().hex[:12],
+            tools=prompt.tools,
+            parse_tools=prompt.tool_choice != "none",
+            starts_in_reasoning=bool(request.messages)
+            and requests.ends_in_reasoning(prompt.text, think_start),
+            opens_tool_call=prompt.opens_tool_call,
+        )
+
+    def render(self, request: pb.GenerateRequest | pb.TokenizeRequest) -> requests.Prompt:
+        """The prompt's text and tokens, as the model will see them."""
+        if isinstance(request, pb.TokenizeRequest):
+            prompt: str | bytes = request.text
+        else:
+            prompt = request.prompt_bytes if request.prompt_bytes else request.prompt
+        return requests.render_prompt(
+            self.tokenizer(),
+            prompt=prompt,
+            messages=list(request.messages),
+            tools_json=request.tools_json,
+            chat_template_kwargs_json=request.chat_template_kwargs_json,
+            tool_choice=request.tool_choice,
+        )
+
+    def submit(self, request: pb.GenerateRequest) -> Request:
+        """Start generating; iterate `.chunks()`, and `.cancel()` when the caller goes."""
+        return self.engine.submit(self.build(request))
+
+    def load(self, model: str = "", layers: str = "") -> None:
+        """Load `model` (or the last one again) over every rank; raise why not."""
+        spec = model or self.last_model
+        layers_spec = layers if model or layers else self.last_layers
+        if not spec:
+            raise requests.InvalidRequest("model is required ('default' or a path)")
+        if self.engine.state in ("draining", "stopping", "failed"):
+            raise EngineError("unavailable", f"the cluster is {self.engine.state}")
+        try:
+            counts = model_layers(layers_spec, spec, self.engine.pipeline.world_size)
+        except ValueError as e:
+            raise requests.InvalidRequest(f"layers: {e}") from e
+        try:
+            self.engine.load(spec, counts).result()
+        except ClusterFailure:
+            raise
+        except RankFailure as e:  # a worker refused its shard; the cluster still serves
+            raise EngineError("precondition", str(e)) from e
+        except (EngineError, requests.InvalidRequest):
+            raise
+        except Exception as e:  # noqa: BLE001 - the load failed; say why, keep serving
+            raise EngineError("invalid" if isinstance(e, ValueError) else "internal", str(e)) from e
+        self.last_model, self.last_layers = spec, layers_spec
+
+    def free(self, shutdown: bool = False) -> str:
+        """Free the model on every rank (CMD_SHUTDOWN stops them too); a message saying so."""
+        return self.engine.free(shutdown=shutdown).result()
+
+    def status(self) -> pb.StatusResponse:
+        engine = self.engine
+        pipeline = engine.pipeline
+        loaded = pipeline.loaded
+        active, queued = engine.counts()
+        parked, parked_tokens = engine.cached_prompts()
+        out = pb.StatusResponse(
+            world_size=pipeline.world_size,
+            state=engine.state,
+            active_requests=active,
+            queued_requests=queued,
+            backend=self.backend,
+            error=engine.error,
+            cached_prompts=parked,
+            cached_prompt_tokens=parked_tokens,
+        )
+        if loaded:
+            out.model = loaded.spec
+            out.model_path = loaded.path
+            out.num_layers = loaded.num_layers
+        out.ranks.append(_rank0_status(loaded))
+        now = time.monotonic()
+        for rank, info in sorted(pipeline.worker_stats().items()):
+            start, end = loaded.ranges[rank] if loaded else (0, 0)
+            out.ranks.append(
+                pb.RankStatus(
+                    rank=rank,
+                    host=info.host,
+                    pid=info.pid,
+                    layer_start=start,
+                    layer_end=end,
+                    active_memory_bytes=info.stats.get("active_memory", 0),
+                    peak_memory_bytes=info.stats.get("peak_memory", 0),
+                    rss_bytes=info.stats.get("rss", 0),
+                    free_memory_bytes=info.stats.get("free_memory", 0),
+                    state=info.state,
+                    last_seen_s=now - info.last_seen,
+                )
+            )
+        return out
+
+
+def not_serving(state: str, error: str) -> str:
+    """Why no request can run now, and what would change that."""
+    if state == "unloaded":
+        return (
+            "no model is loaded (unloaded): `mlx-relay load` loads the last one again, "
+            "`mlx-relay load --model PATH` another (the LoadModel RPC)"
+        )
+    if state in ("starting", "loading"):
+        return f"no model is being served yet ({state}): `mlx-relay status --wait 60` waits"
+    return f"no model is being served ({state}{': ' + error if error else ''})"
+
+
+def _rank0_status(loaded: Any) -> pb.RankStatus:
+    stats = memory.stats()
+    start, end = loaded.ranges[0] if loaded else (0, 0)
+    return pb.RankStatus(
+        rank=0,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        layer_start=start,
+        layer_end=end,
+        active_memory_bytes=stats["active_memory"],
+        peak_memory_bytes=stats["peak_memory"],
+        rss_bytes=stats["rss"],
+        free_memory_bytes=stats["free_memory"],
+        state="coordinator",
+    )
