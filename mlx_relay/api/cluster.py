@@ -63,6 +63,8 @@ class Cluster:
         )
         if request.response_format_json.strip() not in ("", '{"type": "text"}'):
             raise requests.InvalidRequest("response_format is not supported yet")
+        if request.grammar:
+            raise requests.InvalidRequest("grammar is not supported yet")
         think_start, _ = think_markers(tokenizer) or DEFAULT_THINK_MARKERS
         return Request(
             prompt_tokens=prompt.token_ids,
