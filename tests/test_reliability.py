@@ -178,6 +178,19 @@ def test_a_start_that_raises_is_a_failure_and_is_restarted():
     assert lines == ["rank 1 (h) never said hello; the cluster was stopped; restart 1 of 1"]
 
 
+@pytest.mark.parametrize("launcher", [["local"], ["launch", "--hostfile", "h.json"]])
+def test_every_launcher_spells_the_restart_option_restarts(launcher, capsys):
+    from mlx_relay.cli import build_parser
+
+    assert build_parser().parse_args([*launcher, "--restarts", "4"]).restarts == 4
+    assert build_parser().parse_args(launcher).restarts == 0
+    assert "deprecated" not in capsys.readouterr().err
+    # The old spelling still works, and says which one to use.
+    assert build_parser().parse_args([*launcher, "--restart", "2"]).restarts == 2
+    err = capsys.readouterr().err
+    assert "--restart is deprecated; use --restarts" in err, err
+
+
 # --- the side channel ----------------------------------------------------------------
 
 
@@ -226,13 +239,13 @@ def _ranks_of(launcher: subprocess.Popen, n: int, timeout: float = 60) -> dict[i
 
 
 def test_kill_9_of_a_worker_mid_stream_ten_times_with_restarts(model, tmp_path):
-    """`mlx-relay local --restart 9`: ten kills, ten clean failures, nine restarts."""
+    """`mlx-relay local --restarts 9`: ten kills, ten clean failures, nine restarts."""
     address = f"127.0.0.1:{free_ports(1)[0]}"
     log_path = tmp_path / "local.log"
     log = open(log_path, "wb")  # noqa: SIM115
     launcher = subprocess.Popen(
         [sys.executable, "-m", "mlx_relay", "local", "-n", "2", "--model", str(model)]
-        + ["--grpc-address", address, "--restart", "9"],
+        + ["--grpc-address", address, "--restarts", "9"],
         stdout=log,
         stderr=subprocess.STDOUT,
     )

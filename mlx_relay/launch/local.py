@@ -34,6 +34,7 @@ from mlx_relay.launch.supervise import (
     LastWords,
     RankFailed,
     Supervisor,
+    add_restarts,
     add_startup_timeout,
     run_with_restarts,
 )
@@ -276,13 +277,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_log_level(p)
     p.add_argument("--pin", action="store_true", help="pin each rank to its own core")
     add_startup_timeout(p)
-    p.add_argument(
-        "--restart",
-        type=int,
-        default=0,
-        metavar="N",
-        help="after a rank fails, stop the others and start the cluster again, up to N times",
-    )
+    add_restarts(p)
     p.add_argument(
         "--tls-ca", default=None, help="PEM to verify rank 0's TLS with (default: --tls-cert)"
     )
@@ -335,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return run_with_restarts(
             start,
-            args.restart,
+            args.restarts,
             ready=ready,
             stop_event=stopping,
             report=report,

@@ -73,6 +73,7 @@ from mlx_relay.launch.supervise import (
     LastWords,
     RankFailed,
     Supervisor,
+    add_restarts,
     add_startup_timeout,
     describe_exit,
     run_with_restarts,
@@ -594,7 +595,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--python", default=sys.executable, help="the Python on every host")
     p.add_argument("--mpi-arg", action="append", default=[], help="passed to mpirun")
     p.add_argument("--log-dir", type=Path, help="also write each rank's output to DIR/rankN.log")
-    p.add_argument("--restarts", type=int, default=0, help="restart the cluster after a failure")
+    add_restarts(p)
     add_startup_timeout(p)
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then serve options")
     p.set_defaults(func=run)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -82,6 +83,42 @@ def add_startup_timeout(p: argparse.ArgumentParser) -> None:
         default=600.0,
         help="give up if the cluster does not serve within this many seconds (a rank "
         "that fails ends the start at once)",
+    )
+
+
+class _DeprecatedAlias(argparse.Action):
+    """An old spelling of an option: still works, and says which one to use instead."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, new: str, **kw: object) -> None:
+        self.new = new
+        super().__init__(option_strings, dest, **kw)  # type: ignore[arg-type]
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # type: ignore[no-untyped-def]
+        print(
+            f"{parser.prog}: warning: {option_string} is deprecated; use {self.new}",
+            file=sys.stderr,
+            flush=True,
+        )
+        setattr(namespace, self.dest, values)
+
+
+def add_restarts(p: argparse.ArgumentParser) -> None:
+    """Every launcher's `--restarts N` (one name everywhere; `--restart` is its old alias)."""
+    p.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after a rank fails, stop the others and start the cluster again, up to N times",
+    )
+    p.add_argument(
+        "--restart",
+        dest="restarts",
+        type=int,
+        metavar="N",
+        action=_DeprecatedAlias,
+        new="--restarts",
+        help=argparse.SUPPRESS,
     )
 
 
