@@ -218,6 +218,79 @@ def test_side_channel_drops_and_logs_a_message_with_a_wrong_secret(caplog):
         hub.close()
 
 
+def _flood(endpoint: str, kind: int, messages: int, identity: bytes | None = None) -> None:
+    """`messages` junk zmq messages of every shape to `endpoint`, from one socket."""
+    sock = zmq.Context.instance().socket(kind)
+    if identity:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    sock.setsockopt(zmq.LINGER, 5000)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.connect(endpoint)
+    shapes = [
+        [os.urandom(16)],
+        [b"{}", b"not a signature"],
+        control.encode(control.BYE, {"rank": 1}, b"guessed"),
+        [b"a", b"b", b"c"],
+    ]
+    for i in range(messages):
+        sock.send_multipart(shapes[i % len(shapes)])
+    sock.close()  # lingers until the messages are out
+
+
+def _raw_junk(endpoint: str, connections: int = 20) -> None:
+    """Bytes that are no protocol at all (no zmq greeting, no HTTP/2 preface)."""
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    for _ in range(connections):
+        try:
+            with socket.create_connection((host, int(port)), timeout=2) as s:
+                s.sendall(os.urandom(4096))
+        except OSError:
+            pass  # the server hung up on it: that is what it should do
+
+
+def test_junk_on_every_port_is_dropped_quietly_and_the_cluster_serves(model, clusters):
+    """2,000 malformed messages on the side channel and on each doorbell, raw junk on
+    every port (gRPC included): a handful of log lines, no rank hurt, tokens unchanged."""
+    running = clusters(model, 2)
+    client = running.client
+    request = pb.GenerateRequest(prompt="Once upon a time", params=pb.SamplingParams(max_tokens=12))
+    before = client.generate(request).token_ids
+    stream = client.stub.GenerateStream(request, timeout=120)  # in flight during the flood
+    cluster = running.cluster
+    _flood(cluster.control_endpoint, zmq.DEALER, 2000, identity=b"rank1-x")
+    for endpoint in cluster.doorbell_endpoints:
+        _flood(endpoint, zmq.PUSH, 2000)
+    for endpoint in [cluster.control_endpoint, *cluster.doorbell_endpoints, cluster.grpc_address]:
+        _raw_junk(endpoint if "//" in endpoint else f"tcp://{endpoint}")
+    streamed = [t for chunk in stream for t in chunk.token_ids]
+    assert streamed == list(before)
+    assert client.generate(request).token_ids == before
+    assert all(p.poll() is None for p in cluster.procs)
+
+    # Each source's first drop is logged at once, the rest summed up when the window ends:
+    # the side channel (rank 0) and each rank's doorbell got 2,000 from 127.0.0.1.
+    logs = {r: running.log_dir / f"rank{r}.log" for r in (0, 1)}
+    places = {0: ["side channel", "rank 0's doorbell"], 1: ["rank 1's doorbell"]}
+
+    def counted(text: str, where: str) -> int:
+        first = text.count(f"{where}: dropped a message from 127.0.0.1")
+        more = re.findall(rf"{where}: dropped ([\d,]+) more messages from 127\.0\.0\.1", text)
+        return first + sum(int(n.replace(",", "")) for n in more)
+
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline:
+        texts = {r: p.read_text(errors="replace") for r, p in logs.items()}
+        if all(counted(texts[r], w) >= 2000 for r in places for w in places[r]):
+            break
+        time.sleep(0.5)
+    for r, text in texts.items():
+        dropped = [line for line in text.splitlines() if "dropped" in line]
+        assert len(dropped) <= 8, f"rank {r}:\n" + "\n".join(dropped)
+        for where in places[r]:
+            assert counted(text, where) == 2000, "\n".join(dropped)  # each counted once
+    assert client.generate(request).token_ids == before
+
+
 # --- failures of real clusters -------------------------------------------------------
 
 

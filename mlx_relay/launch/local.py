@@ -83,6 +83,7 @@ class LocalCluster:
     tls_ca: str | None = None
     procs: list[subprocess.Popen] = field(default_factory=list)
     control_endpoint: str = ""
+    doorbell_endpoints: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._workdir: Path | None = None
@@ -114,13 +115,14 @@ class LocalCluster:
         hostfile = self._workdir / "hostfile.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports[: self.n]]))
         self.control_endpoint = f"tcp://127.0.0.1:{ports[self.n]}"
+        self.doorbell_endpoints = [f"tcp://127.0.0.1:{p}" for p in ports[self.n + 1 :]]
         env = {
             **os.environ,
             **self.env,
             **self._lifeline.env,
             control.SECRET_ENV: control.new_secret(),
             control.CONTROL_ENV: self.control_endpoint,
-            DOORBELLS_ENV: json.dumps([f"tcp://127.0.0.1:{p}" for p in ports[self.n + 1 :]]),
+            DOORBELLS_ENV: json.dumps(self.doorbell_endpoints),
             "PYTHONUNBUFFERED": "1",
         }
         if self.n > 1:

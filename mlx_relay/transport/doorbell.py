@@ -17,11 +17,16 @@ message would: one message per hop tells the next rank everything, and wakes it.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 
 import zmq
 
 from mlx_relay.protocol import control
+from mlx_relay.transport.droplog import DropLog, peer_of
+
+log = logging.getLogger("mlx_relay.doorbell")
 
 DOORBELLS_ENV = "MLX_RELAY_DOORBELLS"  # JSON list of tcp:// endpoints, one per rank
 DEFAULT_DOORBELL_PORT = 50160  # + rank, on each rank's host from the hostfile
@@ -52,6 +57,7 @@ def doorbell_endpoints(size: int, hosts: list[str]) -> list[str]:
 class Doorbell:
     def __init__(self, rank: int, size: int, endpoints: list[str], secret: bytes) -> None:
         self.secret = secret
+        self.dropped = DropLog(log, f"rank {rank}'s doorbell")
         ctx = zmq.Context.instance()
         self.incoming = ctx.socket(zmq.PULL)
         self.incoming.setsockopt(zmq.LINGER, 0)
@@ -73,16 +79,23 @@ class Doorbell:
             ) from None
 
     def wait(self, timeout: float | None = None) -> bytes:
-        """The next message from the left neighbour (waiting forever if timeout is None)."""
+        """The next message from the left neighbour (waiting forever if timeout is None).
+
+        Junk (anything not signed with the cluster's secret) is dropped and counted, and
+        does not extend `timeout`: a flood of it cannot hide a neighbour that went quiet.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            if timeout is not None and not self.incoming.poll(int(timeout * 1000)):
+            wait_ms = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            if not self.incoming.poll(wait_ms):
                 raise DoorbellTimeout(f"no step arrived within {timeout:.1f} s")
-            frames = self.incoming.recv_multipart()
+            frames = self.incoming.recv_multipart(copy=False)
             try:
-                return control.verify(frames, self.secret)
-            except control.BadMessage:
-                continue  # not from our neighbour: keep waiting
+                return control.verify([f.bytes for f in frames], self.secret)
+            except control.BadMessage as e:
+                self.dropped.drop(peer_of(frames[0]), e)  # not from our neighbour
 
     def close(self) -> None:
+        self.dropped.flush()
         self.incoming.close(linger=0)
         self.outgoing.close(linger=0)

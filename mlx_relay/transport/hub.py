@@ -3,8 +3,8 @@
 Rank 0 binds one ROUTER socket. Each worker connects two DEALER sockets: `cmd`, used
 by its main thread (hello, errors, and rank 0's 'bye' while it waits for a step), and
 `hb`, owned by a heartbeat thread that keeps talking while the main thread is blocked
-inside a collective. Messages are signed (protocol.control); bad ones are dropped and
-logged, never acted on.
+inside a collective. Messages are signed (protocol.control); bad ones are dropped, never
+acted on, and logged without flooding the log (droplog.py: one line per source per 10 s).
 
 Rank 0 learns that a worker is gone in two ways. A process that dies (crash, kill -9,
 OOM killer) closes its sockets at once: rank 0's next heartbeat to it fails with
@@ -27,6 +27,7 @@ import zmq
 import zmq.utils.monitor
 
 from mlx_relay.protocol import control
+from mlx_relay.transport.droplog import DropLog, peer_of
 
 log = logging.getLogger("mlx_relay.sidechannel")
 
@@ -83,6 +84,7 @@ class ControlHub:
         self.heartbeat_interval = heartbeat_interval
         self.ranks: dict[int, RankInfo] = {}
         self.rejected = 0
+        self.dropped = DropLog(log, "side channel")
         self._exits_expected = False
         self._errors: dict[tuple[int, int], str] = {}
         self._cond = threading.Condition()
@@ -217,6 +219,7 @@ class ControlHub:
             self._wakeup_push.send(b"")
         self._thread.join(timeout=2)
         self._flush()
+        self.dropped.flush()
         for sock in (self._router, self._wakeup_pull, self._wakeup_push):
             sock.close(linger=0)
 
@@ -245,7 +248,7 @@ class ControlHub:
                 self._send_or_retry(deadline, identity, frames)
             if self._router in events:
                 while self._router.poll(0):
-                    self._receive(self._router.recv_multipart())
+                    self._receive(self._router.recv_multipart(copy=False))
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + self.heartbeat_interval
                 if self._beat():
@@ -308,20 +311,21 @@ class ControlHub:
             else:
                 log.warning("side channel: could not reach %s: %s", identity.decode(), e)
 
-    def _receive(self, frames: list[bytes]) -> None:
+    def _receive(self, zframes: list[zmq.Frame]) -> None:
+        frames = [f.bytes for f in zframes]
         sender = control.parse_identity(frames[0]) if frames else None
         try:
             if sender is None:
-                raise control.BadMessage("unknown sender identity")
+                raise control.BadMessage(f"unknown sender identity {frames[0][:16]!r}")
             message = control.decode(frames[1:], self.secret)
         except control.BadMessage as e:
             self.rejected += 1
-            log.warning("side channel: dropped a message from %r: %s", frames[:1], e)
+            self.dropped.drop(peer_of(zframes[0]), e)
             return
         rank, role = sender
         if not 0 < rank < self.world_size or message.get("rank") != rank:
             self.rejected += 1
-            log.warning("side channel: dropped a message claiming rank %r", message.get("rank"))
+            self.dropped.drop(peer_of(zframes[0]), f"claims rank {message.get('rank')!r}")
             return
         kind = message["kind"]
         with self._cond:

@@ -23,6 +23,7 @@ import zmq.utils.monitor
 
 from mlx_relay.protocol import control
 from mlx_relay.protocol.exits import EXIT_RANK0_SILENT
+from mlx_relay.transport.droplog import DropLog
 
 log = logging.getLogger("mlx_relay.sidechannel")
 
@@ -44,6 +45,7 @@ class ControlLink:
         self.state = "ready"
         self.done_step = 0  # the worker loop sets it after passing each step on
         self._stats = stats or (lambda: {})
+        self.dropped = DropLog(log, "side channel")
         self._ctx = zmq.Context.instance()
         self._cmd = self._dealer(endpoint, "cmd")
         self._hb_endpoint = endpoint
@@ -93,7 +95,7 @@ class ControlLink:
             try:
                 message = control.decode(self._cmd.recv_multipart(), self.secret)
             except control.BadMessage as e:
-                log.warning("side channel: dropped a message: %s", e)
+                self.dropped.drop("rank 0's end", e)
                 continue
             bye = bye or message["kind"] == control.BYE
         return bye
@@ -139,7 +141,7 @@ class ControlLink:
                             control.decode(sock.recv_multipart(), self.secret)
                             last_rank0 = time.monotonic()
                         except control.BadMessage as e:
-                            log.warning("side channel: dropped a message: %s", e)
+                            self.dropped.drop("rank 0's end", e)
                 now = time.monotonic()
                 if closed_at is not None and now - closed_at >= control.LINK_GRACE_S:
                     why = "rank 0's side-channel connection closed (its process exited or died)"
