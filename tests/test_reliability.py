@@ -439,13 +439,22 @@ def test_an_overdue_step_fails_the_cluster_naming_the_rank(model, clusters):
 
 # --- load-time checks ----------------------------------------------------------------
 
+# Limits of twice a shard's weights leave room for one sequence's caches, not for eight
+# of the model's whole context (test_memory_guard.py checks those).
+SMALL_CACHES = ("--max-active", "1", "--max-context", "64")
+
 
 def test_rank_0_refuses_a_shard_too_big_for_it_before_any_worker_loads(model, clusters, tmp_path):
     """Rank 0's shard includes the embedding and LM head; it is checked first."""
     big = make_tiny_model(tmp_path / "big", "llama", num_layers=4, hidden_size=256)
     small_need = shard_nbytes(model, 0, 2, ends=True)
     assert shard_nbytes(big, 0, 2, ends=True) > 4 * small_need > shard_nbytes(model, 0, 2) * 4
-    running = clusters(model, 2, rank_env={0: {"MLX_RELAY_MEMORY_LIMIT": str(2 * small_need)}})
+    running = clusters(
+        model,
+        2,
+        *SMALL_CACHES,
+        rank_env={0: {"MLX_RELAY_MEMORY_LIMIT": str(2 * small_need)}},
+    )
     client = running.client
     with pytest.raises(grpc.RpcError) as info:
         client.stub.LoadModel(pb.LoadModelRequest(model=str(big)), timeout=60)
@@ -476,6 +485,7 @@ def test_load_checks_name_the_rank_and_the_cluster_can_load_again(model, cluster
     running = clusters(
         model,
         2,
+        *SMALL_CACHES,
         rank_env={
             0: {"HOME": str(homes[0])},
             1: {"HOME": str(homes[1]), "MLX_RELAY_MEMORY_LIMIT": str(limit)},

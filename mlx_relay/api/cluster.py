@@ -52,15 +52,32 @@ class Cluster:
         tokenizer = self.tokenizer()
         prompt = self.render(request)
         context = self.engine.context_length
-        if context and len(prompt.token_ids) >= context:
+        n = len(prompt.token_ids)
+        if context and n >= context:
             raise requests.InvalidRequest(
-                f"the prompt is {len(prompt.token_ids)} tokens; the model's context is {context}"
+                f"the prompt is {n} tokens; the model's context is {context}"
             )
+        # --max-context bounds prompt + max_tokens: what each rank checked its memory for.
+        bound = memory.sequence_bound(context)
+        if bound and n >= bound:
+            raise requests.InvalidRequest(
+                f"the prompt is {n} tokens; this cluster serves at most {bound} tokens per "
+                "sequence (--max-context), prompt and output together"
+            )
+        default_max_tokens = self.engine.default_max_tokens
+        if bound:  # an unset max_tokens takes what is left, as much as it may
+            default_max_tokens = min(default_max_tokens, bound - n)
         params = requests.sampling_params(
             request.params,
             vocab_size=len(tokenizer),
-            default_max_tokens=self.engine.default_max_tokens,
+            default_max_tokens=default_max_tokens,
         )
+        if bound and n + params.max_tokens > bound:
+            raise requests.InvalidRequest(
+                f"the prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{n + params.max_tokens} tokens, more than the {bound} this cluster serves per "
+                f"sequence (--max-context); lower max_tokens to at most {bound - n}"
+            )
         if request.response_format_json.strip() not in ("", '{"type": "text"}'):
             raise requests.InvalidRequest("response_format is not supported yet")
         if request.grammar:

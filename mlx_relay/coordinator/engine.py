@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -42,6 +43,7 @@ from mlx_relay.coordinator.sampling import Sampler, SamplingParams
 from mlx_relay.coordinator.scheduler import PrefillPacer, next_unit, pick_group
 from mlx_relay.coordinator.slots import SlotTable, Taken
 from mlx_relay.coordinator.textstream import StopStrings
+from mlx_relay.model import memory
 from mlx_relay.protocol import header as hdr
 
 log = logging.getLogger("mlx_relay.engine")
@@ -289,6 +291,13 @@ class Engine:
                 if request.cancelled.is_set():
                     request.out.put(Chunk(finish_reason="cancelled"))
                     continue
+                short = self._memory_short(request)
+                if short and self._active:  # running sequences will end and free theirs
+                    self._waiting.appendleft(request)
+                    break
+                if short:
+                    request.out.put(EngineError("exhausted", f"not enough memory: {short}"))
+                    continue
                 taken = self._slots.take(request.prompt_tokens)
                 try:
                     seq = self._new_sequence(request, taken)
@@ -300,6 +309,32 @@ class Engine:
                 self._active.append(seq)
         for taken in failed:
             self._give_back(taken)
+
+    def _memory_short(self, request: Request) -> str:
+        """Why `request`'s caches would not fit what the ranks have left now ('' if they
+        would): rank 0's own figures, the workers' from their last heartbeat, less what
+        the running sequences may still add. Rechecked at most every 50 ms while it waits."""
+        loaded = self.pipeline.loaded
+        if loaded is None:
+            return ""
+        now = time.monotonic()
+        last = getattr(self, "_memory_checked", (0.0, None, ""))
+        if last[1] is request and now - last[0] < 0.05:
+            return last[2]
+        tokens = len(request.prompt_tokens) + request.params.max_tokens
+        running = [
+            (s.position, len(s.request.prompt_tokens) + s.request.params.max_tokens)
+            for s in self._active
+        ]
+        parked = [len(t) for t in self._slots.parked.values()]
+        figures = {0: memory.stats()}
+        if self.pipeline.hub is not None:
+            figures.update({r: i.stats for r, i in self.pipeline.hub.snapshot().items()})
+        short = memory.admission_shortfall(
+            Path(loaded.path), loaded.ranges, figures, tokens, running, parked
+        )
+        self._memory_checked = (now, request, short)
+        return short
 
     def _give_back(self, taken: Taken) -> None:
         """A slot taken for a sequence that never ran a step: no rank touched its caches."""

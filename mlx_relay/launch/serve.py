@@ -47,6 +47,16 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("--grpc-address", dict(default=DEFAULT_GRPC_ADDRESS, help="rank 0's gRPC address")),
     ("--max-active", dict(type=int, default=8, help="sequences decoding at once")),
     ("--max-queue", dict(type=int, default=64, help="requests waiting beyond that")),
+    (
+        "--max-context",
+        dict(
+            type=int,
+            default=0,
+            help="most tokens (prompt + max_tokens) in one sequence; each rank checks at load "
+            "that its weights and the caches of --max-active such sequences fit its memory "
+            "(default 0: the model's context)",
+        ),
+    ),
     ("--prefill-chunk", dict(type=int, default=512, help="prompt tokens per step")),
     (
         "--default-max-tokens",
@@ -216,6 +226,9 @@ def _serve(args: argparse.Namespace) -> int:
         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    from mlx_relay.model import memory
+
+    memory.configure(args.max_active, args.max_context)  # what each load checks to fit
     layer_counts = None
     if facts is not None:
         try:

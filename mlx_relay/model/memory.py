@@ -1,33 +1,196 @@
 """Memory figures a rank reports about itself (side channel, Status), and whether a
-shard's weights fit before any is loaded."""
+shard fits before any of it is loaded: its weights, and the caches of `--max-active`
+sequences of `--max-context` tokens each, plus headroom.
+
+Cache sizes come from the model's config, by the kind of cache each layer keeps (as
+mlx-lm makes them): a plain KV cache grows by 2 x KV heads x head dim x dtype bytes per
+token (in steps of 256 positions), a sliding-window layer stops at its window. A model
+whose caches are of another kind (state-space layers, linear attention) cannot be
+estimated this way: the check then covers its weights only and says so.
+
+On a Mac, memory that runs out kills the process or stalls the GPU, so a rank refuses
+at load what would not fit, and rank 0 admits at run time only what fits what each
+rank has left (`admission_shortfall`).
+"""
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
+import logging
+import math
 import os
 import re
 import struct
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import psutil
+
+log = logging.getLogger("mlx_relay.memory")
 
 MEMORY_LIMIT_ENV = "MLX_RELAY_MEMORY_LIMIT"  # cap on the memory this rank may use, e.g. 8GB
 _LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30}
 
 
+HEADROOM = 0.10  # beyond weights + caches: activations, MLX's allocator, batch merges
+# At run time what is in use is measured, transients aside: a smaller reserve suffices.
+RUNTIME_RESERVE = 0.025
+CACHE_STEP = 256  # mlx-lm's KV caches grow by this many positions at a time
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+_TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+# mlx-lm families whose layers keep plain KV caches (or sliding windows, told by the
+# config): their cache size follows from the config alone.
+ATTENTION_FAMILIES = frozenset(
+    "llama mistral qwen2 qwen3 qwen2_moe qwen3_moe mixtral phi phi3 gemma gemma2 gemma3 "
+    "gemma3_text starcoder2 olmo olmo2 cohere smollm3 granite internlm2 exaone".split()
+)
+
+
 class ShardTooBig(ValueError):
-    """The weights of a rank's layers exceed the memory it may use."""
+    """The weights of a rank's layers (and its caches) exceed the memory it may use."""
+
+
+class CacheUnknown(ValueError):
+    """The model keeps caches whose size this module cannot tell from its config."""
+
+
+@dataclass
+class Plan:
+    """What each rank must hold caches for: set once per process by `serve`."""
+
+    max_active: int = 0  # 0: the caches are not checked (a bare Pipeline, as in tests)
+    max_context: int = 0  # 0: the model's own context
+
+
+_plan = Plan()
+
+
+def configure(max_active: int, max_context: int) -> None:
+    """`--max-active` and `--max-context` of this rank, for every later `check_fits`."""
+    if max_context < 0:
+        raise ValueError("--max-context must be >= 0 (0: the model's context)")
+    _plan.max_active, _plan.max_context = max_active, max_context
+
+
+def plan() -> Plan:
+    return Plan(_plan.max_active, _plan.max_context)
+
+
+def sequence_bound(model_context: int) -> int:
+    """The most tokens (prompt + generated) one sequence may hold: `--max-context`,
+    never more than the model's context (0: no bound known)."""
+    if _plan.max_context and model_context:
+        return min(_plan.max_context, model_context)
+    return _plan.max_context or model_context
 
 
 def stats() -> dict[str, int]:
     return {
         "active_memory": int(mx.get_active_memory()),
+        "cache_memory": int(mx.get_cache_memory()),  # freed, kept by MLX for reuse
         "peak_memory": int(mx.get_peak_memory()),
         "rss": int(psutil.Process().memory_info().rss),
         "free_memory": int(psutil.virtual_memory().available),
+        "memory_limit": memory_limit() or 0,
     }
+
+
+def headroom(stats: dict[str, Any]) -> int:
+    """Bytes a rank may still allocate, from its `stats()` (its own or a heartbeat's)."""
+    free = int(stats.get("free_memory", 0)) + int(stats.get("cache_memory", 0))
+    limit = int(stats.get("memory_limit", 0))
+    if limit:
+        free = min(free, limit - int(stats.get("active_memory", 0)))
+    return free
+
+
+# --- cache sizes, from the config -----------------------------------------------------
+
+
+@functools.lru_cache(maxsize=32)
+def _read_config(path: str) -> dict[str, Any]:
+    with open(Path(path) / "config.json") as f:
+        config = json.load(f)
+    text = config.get("text_config")
+    return {**config, **text} if isinstance(text, dict) else config
+
+
+def model_context(path: Path) -> int:
+    """The model's context length from its config (0 if it says none)."""
+    return int(_read_config(str(path)).get("max_position_embeddings") or 0)
+
+
+@functools.lru_cache(maxsize=32)
+def _layer_caches(path: str, start: int, end: int) -> tuple[int, tuple[int | None, ...]]:
+    """(bytes per cached position of one layer, each layer's window or None for full).
+
+    Raises CacheUnknown for a model whose caches are not plain or sliding-window KV.
+    """
+    config = _read_config(path)
+    family = str(config.get("model_type", ""))
+    layer_types = config.get("layer_types")
+    if family not in ATTENTION_FAMILIES and not _plain_caches(family):
+        raise CacheUnknown(f"model_type {family!r} makes caches of its own kind")
+    heads = int(config.get("num_attention_heads") or 0)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or (int(config.get("hidden_size", 0)) // max(heads, 1)))
+    if not (kv_heads and head_dim):
+        raise CacheUnknown(f"model_type {family!r}: no KV heads or head dim in its config")
+    per_position = 2 * kv_heads * head_dim * _dtype_bytes(Path(path), config)
+    window = config.get("sliding_window")
+    windows: list[int | None] = []
+    for layer in range(start, end):
+        if isinstance(layer_types, list):
+            kind = layer_types[layer] if layer < len(layer_types) else "?"
+            if kind not in ("full_attention", "sliding_attention"):
+                raise CacheUnknown(f"layer {layer} is {kind!r}, not attention")
+            windows.append(int(window) if kind == "sliding_attention" and window else None)
+        elif family.startswith("gemma3") and config.get("sliding_window_pattern") and window:
+            pattern = int(config["sliding_window_pattern"])
+            windows.append(None if layer % pattern == pattern - 1 else int(window))
+        else:
+            windows.append(None)
+    return per_position, tuple(windows)
+
+
+def _plain_caches(family: str) -> bool:
+    """An mlx-lm model that makes no caches of its own keeps a plain KVCache per layer."""
+    try:
+        from mlx_lm.utils import MODEL_REMAPPING
+
+        arch = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(family, family)}")
+    except Exception:  # noqa: BLE001 - no such family: nothing known of its caches
+        return False
+    return not hasattr(arch.Model, "make_cache")
+
+
+def _dtype_bytes(path: Path, config: dict[str, Any]) -> int:
+    """Bytes per cached value: the dtype the model computes in (that of its float weights)."""
+    seen: dict[str, int] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            tensors = json.loads(fh.read(size))
+        for name, info in tensors.items():
+            if name != "__metadata__" and info.get("dtype") in _DTYPE_BYTES:
+                first, last = info["data_offsets"]
+                seen[info["dtype"]] = seen.get(info["dtype"], 0) + last - first
+        if seen:
+            return _DTYPE_BYTES[max(seen, key=seen.__getitem__)]
+    return _TORCH_DTYPE_BYTES.get(str(config.get("torch_dtype")), 2)
+
+
+def cache_nbytes(path: Path, start: int, end: int, tokens: int) -> int:
+    """Bytes the caches of layers [start, end) take for one sequence of `tokens` tokens
+    (CacheUnknown if the model's caches are of another kind)."""
+    per_position, windows = _layer_caches(str(path), start, end)
+    held = math.ceil(tokens / CACHE_STEP) * CACHE_STEP
+    return sum(per_position * (held if w is None else min(held, w)) for w in windows)
 
 
 def shard_nbytes(path: Path, start: int, end: int, *, ends: bool = False) -> int:
@@ -63,20 +226,87 @@ def memory_limit() -> int | None:
 
 
 def check_fits(path: Path, start: int, end: int, *, ends: bool = False) -> None:
-    """Refuse a shard whose weights exceed what this rank may use, before loading any."""
-    need = shard_nbytes(path, start, end, ends=ends)
+    """Refuse a shard whose weights, with the caches of `--max-active` sequences of
+    `--max-context` tokens and HEADROOM, exceed what this rank may use; before loading any."""
+    weights = shard_nbytes(path, start, end, ends=ends)
     available = psutil.virtual_memory().available
     limit = memory_limit()
     if limit is not None and limit < available:
         allowed, why = limit, f"{MEMORY_LIMIT_ENV}={os.environ[MEMORY_LIMIT_ENV]}"
     else:
         allowed, why = available, "memory available on this machine"
-    if need > allowed:
-        what = f"layers [{start}, {end})" + (" with embedding and head" if ends else "")
+    what = f"layers [{start}, {end})" + (" with embedding and head" if ends else "")
+    if weights > allowed:
         raise ShardTooBig(
-            f"{what} need {_size(need)} of weights but this rank may use "
+            f"{what} need {_size(weights)} of weights but this rank may use "
             f"{_size(allowed)} ({why}); use more ranks or a smaller model"
         )
+    if not _plan.max_active:
+        return
+    context = sequence_bound(model_context(path))
+    try:
+        caches = _plan.max_active * cache_nbytes(path, start, end, context)
+    except CacheUnknown as e:
+        log.warning("%s: caches not checked against memory: %s (weights only)", what, e)
+        return
+    need = int((weights + caches) * (1 + HEADROOM))
+    if need > allowed:
+        raise ShardTooBig(
+            f"{what} need {_size(need)}: {_size(weights)} of weights + {_size(caches)} of "
+            f"caches for --max-active {_plan.max_active} sequences of --max-context "
+            f"{context:,} tokens + {HEADROOM:.0%} headroom, but this rank may use "
+            f"{_size(allowed)} ({why}); lower --max-active or --max-context, or use more "
+            "ranks or a smaller model"
+        )
+    log.info(
+        "%s: %s of weights + %s of caches (%d x %d tokens) fit in %s",
+        what,
+        _size(weights),
+        _size(caches),
+        _plan.max_active,
+        context,
+        _size(allowed),
+    )
+
+
+def admission_shortfall(
+    path: Path,
+    ranges: list[tuple[int, int]],
+    rank_stats: dict[int, dict[str, Any]],
+    tokens: int,
+    running: list[tuple[int, int]],
+    parked: list[int],
+) -> str:
+    """Why a new sequence of `tokens` tokens (prompt + max_tokens) would not fit now
+    ('' if it would).
+
+    `rank_stats`: each rank's latest `stats()`; `running`: (tokens cached now, tokens at
+    most) of each running sequence, whose caches may still grow that far; `parked`: the
+    tokens of each parked prompt cache, memory that is given back when its slot is taken.
+    The new caches and that growth must fit in what each rank has left, less
+    RUNTIME_RESERVE of its allowance.
+    """
+    for rank, (start, end) in enumerate(ranges):
+        figures = rank_stats.get(rank)
+        if not figures:
+            continue
+        try:
+            need = cache_nbytes(path, start, end, tokens)
+            growth = sum(
+                cache_nbytes(path, start, end, most) - cache_nbytes(path, start, end, now)
+                for now, most in running
+            )
+            reclaimable = sum(cache_nbytes(path, start, end, n) for n in parked)
+        except CacheUnknown:
+            return ""
+        allowance = int(figures.get("memory_limit") or 0) or int(figures.get("free_memory", 0))
+        spare = headroom(figures) + reclaimable - growth - int(RUNTIME_RESERVE * allowance)
+        if need > spare:
+            return (
+                f"rank {rank} has {_size(max(spare, 0))} left for new caches and this "
+                f"sequence of {tokens:,} tokens needs {_size(need)}"
+            )
+    return ""
 
 
 def _size(n: float) -> str:

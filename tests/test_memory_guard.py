@@ -1,0 +1,206 @@
+"""The memory guard: a cluster refuses to start when weights + the caches of --max-active
+sequences of --max-context tokens do not fit a rank's limit, bounds each sequence by
+--max-context, and admits at run time only what fits; no rank crashes from it.
+
+Tiny models, and MLX_RELAY_MEMORY_LIMIT in megabytes, so that the caches of the model's
+whole context (2,048 tokens) for 8 sequences do not fit while those of 128 tokens do.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import mlx.core as mx
+import pytest
+from conftest import assert_gone, start_cluster
+from launching import MLX_RELAY
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
+from oracle import mlx_lm_tokens, tokenizer_for
+from tiny_models import make_tiny_model
+
+from mlx_relay.coordinator.requests import encode_text
+from mlx_relay.launch.local import free_ports
+from mlx_relay.model import memory
+from mlx_relay.protocol import exits
+from mlx_relay.protocol import relay_pb2 as pb
+
+LIMIT = "4MB"  # tiny llama's rank 0: 0.56 MB of weights; caches of 8 x 2,048 tokens: 8.4 MB
+MAX_CONTEXT = 128
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("llama-4"), "llama", num_layers=4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_cache_estimate_is_what_mlx_lm_allocates(family, tmp_path):
+    """Plain KV caches and sliding windows, from the config alone, to the byte."""
+    path = make_tiny_model(tmp_path / family, family, num_layers=4)
+    net, _ = load(str(path))
+    caches = make_prompt_cache(net)
+    net(mx.array([list(range(5, 45))]), cache=caches)  # a 40-token prompt
+    for _ in range(300):  # then decoding past the window and the first 256 positions
+        net(mx.array([[7]]), cache=caches)
+    mx.eval([c.state for c in caches])
+    real = sum(c.keys.nbytes + c.values.nbytes for c in caches)
+    assert memory.cache_nbytes(path, 0, 4, 340) == real
+    # Split over ranks, the parts add up.
+    assert memory.cache_nbytes(path, 0, 1, 340) + memory.cache_nbytes(path, 1, 4, 340) == real
+
+
+def test_caches_of_another_kind_are_named_not_guessed(tmp_path):
+    path = make_tiny_model(tmp_path / "m", "llama", num_layers=2)
+    config = (path / "config.json").read_text()
+    (path / "config.json").write_text(
+        config.replace(
+            '"num_hidden_layers": 2',
+            '"num_hidden_layers": 2, "layer_types": ["full_attention", "linear_attention"]',
+        )
+    )
+    with pytest.raises(memory.CacheUnknown, match="layer 1 is 'linear_attention'"):
+        memory.cache_nbytes(path, 0, 2, 100)
+
+
+def test_admission_counts_growth_of_running_sequences_and_parked_caches(model):
+    """What each rank has left (its stats), less what running sequences may still add,
+    plus what parked prompt caches give back when their slot is taken."""
+    ranges = [(0, 2), (2, 4)]
+    per_seq = memory.cache_nbytes(model, 2, 4, 256)  # 256 positions on rank 1
+    mb = 1_000_000
+    roomy = {"memory_limit": 100 * mb, "active_memory": 10 * mb, "free_memory": 10**12}
+    tight = {**roomy, "active_memory": 100 * mb - 3 * per_seq - int(0.025 * 100 * mb)}
+    figures = {0: roomy, 1: tight}
+    assert memory.admission_shortfall(model, ranges, figures, 200, [], []) == ""
+    # Two running sequences that may each grow by 256 positions (10 -> 300 tokens: one
+    # more step of 256) leave room for one more.
+    assert memory.admission_shortfall(model, ranges, figures, 200, [(10, 300)] * 2, []) == ""
+    short = memory.admission_shortfall(model, ranges, figures, 200, [(10, 300)] * 3, [])
+    assert short.startswith("rank 1 has ") and "sequence of 200 tokens needs" in short
+    # ... unless a parked cache gives its memory back.
+    assert memory.admission_shortfall(model, ranges, figures, 200, [(10, 300)] * 3, [100]) == ""
+
+
+def _local(model: Path, *args: str, limit: str = LIMIT) -> tuple[int, str, float]:
+    """`mlx-relay local` that must end by itself: exit code, output, seconds."""
+    address = f"127.0.0.1:{free_ports(1)[0]}"
+    env = {**os.environ, memory.MEMORY_LIMIT_ENV: limit}
+    t0 = time.monotonic()
+    result = subprocess.run(
+        [*MLX_RELAY, "local", "--model", str(model), "--grpc-address", address, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return result.returncode, result.stderr + result.stdout, time.monotonic() - t0
+
+
+@pytest.mark.cluster
+def test_a_cluster_whose_caches_do_not_fit_refuses_to_start_with_the_numbers(model):
+    # Rank 0 (one layer) fits; rank 1 (three layers) holds three layers' caches: 12.6 MB.
+    code, out, took = _local(model, "-n", "2", "--layers", "1,3", "--restarts", "2", limit="8MB")
+    assert code == exits.EXIT_RANK_FAILED, out
+    last = out.strip().splitlines()[-1]
+    assert "rank 1" in last and "layers [1, 4) need" in last, last
+    assert "of caches for --max-active 8 sequences of --max-context 2,048 tokens" in last, last
+    assert "MLX_RELAY_MEMORY_LIMIT=8MB" in last and "lower --max-active or --max-context" in last
+    assert "not restarted" in last, last  # it would fail the same way
+    assert "Traceback" not in out
+    # Rank 0 checks its own first, before any worker loads.
+    code, out, _ = _local(model, "-n", "2")
+    last = out.strip().splitlines()[-1]
+    assert code == exits.EXIT_RANK_FAILED and "rank 0" in last, out
+    assert "layers [0, 2) with embedding and head need" in last, last
+    print(f"\nrefused in {took:.1f} s: {last}")
+
+
+@pytest.fixture(scope="module")
+def tight(model, tmp_path_factory):
+    """Two ranks at LIMIT each: fits with --max-context 128."""
+    running = start_cluster(
+        model,
+        2,
+        tmp_path_factory.mktemp("tight"),
+        "--max-context",
+        str(MAX_CONTEXT),
+        env={memory.MEMORY_LIMIT_ENV: LIMIT},
+        timeout=120,
+    )
+    yield running
+    pids = running.pids
+    running.stop()
+    assert_gone(pids)
+
+
+def _prompt(model: Path, n: int) -> tuple[str, list[int]]:
+    """A prompt of exactly `n` tokens (one per 'x' with the tiny tokenizer)."""
+    text = "x" * n
+    tokens = encode_text(tokenizer_for(model), text)
+    assert len(tokens) == n
+    return text, tokens
+
+
+@pytest.mark.cluster
+def test_max_context_bounds_prompt_plus_max_tokens(model, tight):
+    client = tight.client
+
+    def refused(prompt_len: int, max_tokens: int | None) -> str:
+        params = pb.SamplingParams(ignore_eos=True)
+        if max_tokens is not None:
+            params.max_tokens = max_tokens
+        request = pb.GenerateRequest(prompt=_prompt(model, prompt_len)[0], params=params)
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate(request)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+        return info.value.details()
+
+    over = refused(100, 29)
+    assert "(100 tokens) + max_tokens (29) = 129 tokens" in over and "--max-context" in over
+    assert "at most 28" in over, over
+    assert "--max-context" in refused(MAX_CONTEXT, None)
+    # Unset max_tokens takes what is left of the bound (not the default 256).
+    text, tokens = _prompt(model, 100)
+    filled = client.generate(
+        pb.GenerateRequest(prompt=text, params=pb.SamplingParams(ignore_eos=True))
+    )
+    assert len(filled.token_ids) == MAX_CONTEXT - 100 and filled.finish_reason == "length"
+    # Right at the bound: served, token-exact.
+    exact = client.generate(
+        pb.GenerateRequest(prompt=text, params=pb.SamplingParams(max_tokens=28, ignore_eos=True))
+    )
+    assert list(exact.token_ids) == mlx_lm_tokens(model, tokens, 28)
+
+
+@pytest.mark.cluster
+def test_a_flood_of_longest_sequences_under_the_limit_crashes_no_rank(model, tight):
+    """24 concurrent sequences of --max-context tokens for 8 slots: each finishes or is
+    refused with RESOURCE_EXHAUSTED, and every rank is still there."""
+    client = tight.client
+    text, tokens = _prompt(model, 60)
+    request = pb.GenerateRequest(
+        prompt=text, params=pb.SamplingParams(max_tokens=68, ignore_eos=True)
+    )
+    expected = mlx_lm_tokens(model, tokens, 68)
+
+    def one(_: int) -> str:
+        try:
+            response = client.generate(request)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+            return "exhausted"
+        assert list(response.token_ids) == expected
+        return "ok"
+
+    with ThreadPoolExecutor(24) as pool:
+        outcomes = list(pool.map(one, range(24)))
+    assert outcomes.count("ok") >= 8, outcomes
+    assert all(p.poll() is None for p in tight.cluster.procs)
+    assert client.status().state == "serving"
+    print(f"\n24 longest sequences at {LIMIT} per rank: {outcomes.count('ok')} served")
