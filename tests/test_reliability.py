@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -347,6 +348,92 @@ def test_kill_9_of_a_worker_mid_stream_ten_times_with_restarts(model, tmp_path):
     assert text.count("rank 1 (127.0.0.1) killed by SIGKILL; the cluster was stopped") == 10, text
     assert "restart 9 of 9" in text and "(no restart left)" in text
     print(f"\nkill -9 -> UNAVAILABLE: {', '.join(f'{d:.2f}' for d in detect)} s")
+
+
+def test_requests_in_flight_end_unavailable_and_health_is_not_serving_during_a_restart(
+    model, tmp_path
+):
+    """`local --restarts 1`, a worker killed with streams, unary calls and queued requests
+    in flight: each ends with UNAVAILABLE (none hangs); health answers NOT_SERVING (or
+    nothing at all while no rank 0 listens) until the restarted cluster serves again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    address = f"127.0.0.1:{free_ports(1)[0]}"
+    log_path = tmp_path / "local.log"
+    log = open(log_path, "wb")  # noqa: SIM115
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "mlx_relay", "local", "-n", "2", "--model", str(model)]
+        + ["--grpc-address", address, "--restarts", "1", "--max-active", "2"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_serving(address, 120, check=lambda: _alive(launcher, log_path))
+        ranks = _ranks_of(launcher, 2)
+        client = Client(address, timeout=60)
+        streams = [_stream_started(client) for _ in range(2)]  # the two slots
+
+        def unary(_: int) -> grpc.StatusCode:
+            try:
+                client.stub.Generate(pb.GenerateRequest(prompt="hi", params=LONG), timeout=60)
+            except grpc.RpcError as e:
+                return e.code()
+            return grpc.StatusCode.OK
+
+        pool = ThreadPoolExecutor(3)
+        queued = [pool.submit(unary, i) for i in range(3)]  # waiting for a slot
+        deadline = time.monotonic() + 30
+        while client.status().queued_requests < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.status().queued_requests == 3
+        seen: list[str] = []  # health's answers, each change once, from before the kill
+
+        def watch_health() -> None:
+            channel = grpc.insecure_channel(address)
+            health = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() - killed < 120:
+                try:
+                    answer = health.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                    state = health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+                except grpc.RpcError as e:
+                    state = e.code().name  # nobody listening between the two rank 0s
+                if not seen or seen[-1] != state:
+                    seen.append(state)
+                if state == "SERVING" and len(seen) > 1:
+                    break
+                time.sleep(0.02)
+            channel.close()
+
+        killed = time.monotonic()
+        watcher = threading.Thread(target=watch_health)
+        watcher.start()
+        while not seen:
+            time.sleep(0.01)
+        ranks[1].kill()
+        for stream in streams:
+            error, at = _error_of(stream)
+            assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+            assert at - killed < HEARTBEAT_TIMEOUT + 2
+        assert [f.result(timeout=HEARTBEAT_TIMEOUT + 5) for f in queued] == [
+            grpc.StatusCode.UNAVAILABLE
+        ] * 3
+        pool.shutdown()
+        watcher.join(130)
+        assert seen[0] == "SERVING" and seen[-1] == "SERVING" and "NOT_SERVING" in seen, seen
+        assert set(seen[1:-1]) <= {"NOT_SERVING", "UNAVAILABLE", "DEADLINE_EXCEEDED"}, seen
+        with Client(address, timeout=60) as again:
+            request = pb.GenerateRequest(prompt="hi", params=pb.SamplingParams(max_tokens=5))
+            assert len(again.generate(request).token_ids) == 5
+        client.close()
+        print(f"\nhealth around the kill and restart: {' -> '.join(seen)}")
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGTERM)
+            launcher.wait(60)
+        log.close()
+    assert "restart 1 of 1" in log_path.read_text()
 
 
 def _alive(launcher: subprocess.Popen, log_path: Path) -> None:

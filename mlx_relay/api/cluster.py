@@ -57,8 +57,10 @@ class Cluster:
             raise requests.InvalidRequest(
                 f"the prompt is {n} tokens; the model's context is {context}"
             )
-        # --max-context bounds prompt + max_tokens: what each rank checked its memory for.
-        bound = memory.sequence_bound(context)
+        # An explicit --max-context bounds prompt + max_tokens: what each rank checked its
+        # memory for. Without one the bound is the model's context, and a sequence that
+        # reaches it ends there ("length"), as it always has.
+        bound = memory.sequence_bound(context) if memory.plan().max_context else 0
         if bound and n >= bound:
             raise requests.InvalidRequest(
                 f"the prompt is {n} tokens; this cluster serves at most {bound} tokens per "

@@ -321,11 +321,13 @@ class Engine:
         last = getattr(self, "_memory_checked", (0.0, None, ""))
         if last[1] is request and now - last[0] < 0.05:
             return last[2]
-        tokens = len(request.prompt_tokens) + request.params.max_tokens
-        running = [
-            (s.position, len(s.request.prompt_tokens) + s.request.params.max_tokens)
-            for s in self._active
-        ]
+        bound = memory.sequence_bound(self.context_length) or 1 << 30
+
+        def most(r: Request) -> int:  # the tokens a sequence may reach
+            return min(len(r.prompt_tokens) + r.params.max_tokens, bound)
+
+        tokens = most(request)
+        running = [(s.position, most(s.request)) for s in self._active]
         parked = [len(t) for t in self._slots.parked.values()]
         figures = {0: memory.stats()}
         if self.pipeline.hub is not None:

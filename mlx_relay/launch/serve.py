@@ -52,9 +52,10 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
         dict(
             type=int,
             default=0,
-            help="most tokens (prompt + max_tokens) in one sequence; each rank checks at load "
-            "that its weights and the caches of --max-active such sequences fit its memory "
-            "(default 0: the model's context)",
+            help="most tokens (prompt + max_tokens) in one sequence, beyond it a request is "
+            "refused; each rank checks at load that its weights and the caches of --max-active "
+            "such sequences fit its memory (default 0: the model's context, where a sequence "
+            "ends)",
         ),
     ),
     ("--prefill-chunk", dict(type=int, default=512, help="prompt tokens per step")),
