@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 from launching import MESSAGES, chat_request, rank_pids
 from netns import NETNS_DIR, NetnsHosts, unavailable_reason
@@ -246,6 +247,18 @@ def test_a_slow_or_lossy_link_is_only_slower_and_token_exact(tiny, tmp_path):
                     assert list(got.token_ids) == want
             drops = [_drops(hosts, i) for i in range(2)]
             assert launched.client.serving()
+            # Every socket a rank listens on is on its host's address from the hostfile.
+            for i, ns in enumerate(hosts.namespaces):
+                found = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+                pids = [int(p) for p in found.stdout.split()]
+                for pid in pids:
+                    proc = psutil.Process(pid)
+                    if "mlx_relay" not in " ".join(proc.cmdline()):
+                        continue
+                    for c in proc.net_connections(kind="inet"):
+                        if c.status == psutil.CONN_LISTEN:
+                            ip = c.laddr.ip.removeprefix("::ffff:")
+                            assert ip == hosts.addresses[i], (i, c)
             print(
                 f"\n{how[0]}: 9 requests token-exact in {time.monotonic() - t0:.1f} s, "
                 f"packets dropped per host {drops}"

@@ -292,6 +292,30 @@ def test_junk_on_every_port_is_dropped_quietly_and_the_cluster_serves(model, clu
     assert client.generate(request).token_ids == before
 
 
+def _listening(pids: list[int]) -> dict[int, set[tuple[str, int]]]:
+    """Each process's listening TCP sockets (address, port)."""
+    return {
+        pid: {
+            (c.laddr.ip.removeprefix("::ffff:"), c.laddr.port)  # gRPC's v4-mapped v6 socket
+            for c in psutil.Process(pid).net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN
+        }
+        for pid in pids
+    }
+
+
+def test_every_listening_socket_is_on_the_hostfile_address_not_0_0_0_0(model, clusters):
+    """gRPC, side channel, doorbells, the ring: on 127.0.0.1 as the local hostfile says."""
+    running = clusters(model, 2)
+    listening = _listening(running.pids)
+    cluster = running.cluster
+    ports = {int(e.rsplit(":", 1)[1]) for e in [cluster.control_endpoint, cluster.grpc_address]}
+    ports |= {int(e.rsplit(":", 1)[1]) for e in cluster.doorbell_endpoints}
+    every = set().union(*listening.values())
+    assert {port for _, port in every} >= ports, (every, ports)
+    assert {ip for ip, _ in every} == {"127.0.0.1"}, listening
+
+
 # --- failures of real clusters -------------------------------------------------------
 
 

@@ -1,0 +1,31 @@
+"""The soak benchmark, short: mixed concurrent load on a tiny model for ~15 s (bench/bench_soak.py
+runs it for as long as asked and says what it checks)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import bench_soak  # noqa: E402
+
+
+@pytest.mark.cluster
+def test_a_short_soak_is_exact_leaks_nothing_and_keeps_memory_flat():
+    args = bench_soak.parse(
+        ["--seconds", "15", "--clients", "8", "--warmup", "5", "--pool", "22", "--seed", "1"]
+    )
+    report = bench_soak.soak(args)
+    print(f"\nshort soak: {report}")
+    assert report["mismatches"] == 0, report["mismatch_examples"]
+    assert report["completed"] > 20 and report["cancelled"] + report["disconnected"] > 0, report
+    assert report["checks"] == {
+        "outputs_equal_solo": True,
+        "no_errors": True,
+        "idle_after": True,
+        "rss_flat": True,
+        "ranks_alive": True,
+    }, report
