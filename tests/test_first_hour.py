@@ -365,7 +365,7 @@ def test_launch_and_serve_check_the_same_things(model, two_layers, not_models, t
 def test_a_rank_that_cannot_load_ends_the_start_at_once_with_its_cause(mismatched, tmp_path):
     """Checks pass, loading fails: no 10-minute wait, and the last line names rank and cause."""
     address = free_address()
-    local = Local(tmp_path / "tmp", mismatched, address, "-n", "2", "--restarts", "3")
+    local = Local(tmp_path / "tmp", mismatched, address, "-n", "2", "--restart", "3")
     try:
         t0 = time.monotonic()
         code = local.proc.wait(60)
