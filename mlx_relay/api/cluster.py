@@ -83,15 +83,10 @@ class Cluster:
         self, tokenizer: Any, request: pb.GenerateRequest, in_reasoning: bool
     ) -> constraints.Constraint | None:
         """The grammar of `response_format` or `grammar`, compiled, or None (free text)."""
-        response_format = constraints.response_format_grammar(request.response_format_json)
-        if request.grammar.strip() and response_format is not None:
-            raise requests.InvalidRequest("give either grammar or response_format, not both")
-        if request.grammar.strip():
-            grammar, field = constraints.gbnf_grammar(request.grammar), "grammar"
-        elif response_format is not None:
-            grammar, field = response_format, "response_format"
-        else:
+        wanted = constraints.request_grammar(request.response_format_json, request.grammar)
+        if wanted is None:
             return None
+        grammar, field = wanted
         with self._compiler_lock:  # built once per loaded tokenizer (up to ~1 s)
             if self._compiler is None or self._compiler.tokenizer is not tokenizer:
                 self._compiler = constraints.Compiler(tokenizer)

@@ -50,6 +50,18 @@ def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
     )
 
 
+def request_grammar(response_format_json: str, grammar: str) -> tuple[str, str] | None:
+    """The llguidance grammar a request asks for and the field it came from, or None."""
+    response_format = response_format_grammar(response_format_json)
+    if grammar.strip() and response_format is not None:
+        raise InvalidRequest("give either grammar or response_format, not both")
+    if grammar.strip():
+        return gbnf_grammar(grammar), "grammar"
+    if response_format is not None:
+        return response_format, "response_format"
+    return None
+
+
 def response_format_grammar(raw: str) -> str | None:
     """The grammar of OpenAI's `response_format` (JSON text), None for plain text."""
     raw = raw.strip()
