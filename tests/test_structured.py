@@ -10,6 +10,7 @@ model, which writes JSON it means to close.
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 
 import grpc
@@ -349,3 +350,73 @@ def test_the_default_model_answers_in_a_json_object_and_a_schema(cluster_factory
         )
         assert response.finish_reason == "stop", response.text
         jsonschema.validate(json.loads(response.text), schema)
+
+
+# llama.cpp's grammars/json.gbnf, the kind of grammar LocalAI sends.
+LLAMA_CPP_JSON_GBNF = r"""
+root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+
+object ::=
+  "{" ws (
+            string ":" ws value
+    ("," ws string ":" ws value)*
+  )? "}" ws
+
+array  ::=
+  "[" ws (
+            value
+    ("," ws value)*
+  )? "]" ws
+
+string ::=
+  "\"" (
+    [^"\\\x7F\x00-\x1F] |
+    "\\" (["\\bfnrt] | "u" [0-9a-fA-F]{4}) # escapes
+  )* "\"" ws
+
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
+
+# Optional space: by convention, applied in this grammar after literal chars when allowed
+ws ::= | " " | "\n" [ \t]{0,20}
+"""
+
+
+def test_llama_cpp_json_grammar_accepts_json_and_refuses_the_rest(compiler):
+    wanted = constraints.request_grammar("", LLAMA_CPP_JSON_GBNF)
+    assert wanted is not None
+    tokenizer = compiler.tokenizer
+    vocab = len(tokenizer._tokenizer)
+    constraint = compiler.constraint(*wanted)
+    text = '{"city": "Paris", "temp": [23.5, -1e5], "ok": true, "note": "caf\\u00e9"}'
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        assert bool(constraint.mask(vocab)[token]), tokenizer.decode([token])
+        assert constraint.advance(token) is False
+    assert bool(constraint.mask(vocab)[sorted(tokenizer.eos_token_ids)[0]])  # may end here
+    fresh = compiler.constraint(*wanted)
+    assert not bool(fresh.mask(vocab)[tokenizer.encode("[", add_special_tokens=False)[0]])
+
+
+@pytest.mark.cluster
+def test_a_prompt_that_opens_a_think_block_is_constrained_after_the_think_end(
+    model, tmp_path, cluster_factory
+):
+    """A template that opens the think block (as Qwen3-Thinking's does) leaves the thinking
+    free: biased to close it at once, the model writes </think>, then the grammar's words."""
+    thinking = tmp_path / "thinking"
+    shutil.copytree(model, thinking)
+    config_path = thinking / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    opened = "{{- '<|im_start|>assistant\\n<think>\\n' }}"
+    config["chat_template"] = config["chat_template"].replace(
+        "{{- '<|im_start|>assistant\\n' }}", opened
+    )
+    assert opened in config["chat_template"]
+    config_path.write_text(json.dumps(config))
+    running = cluster_factory(thinking, 2)
+    think_end = tokenizer_for(model).encode("</think>", add_special_tokens=False)
+    params = pb.SamplingParams(max_tokens=MAX_TOKENS, logit_bias={think_end[0]: 100.0})
+    response = running.client.generate(_request(params, grammar='root ::= "yes" | "no"'))
+    assert response.token_ids[0] == think_end[0]
+    assert response.text.strip() in ("yes", "no")
+    assert response.finish_reason == "stop"
