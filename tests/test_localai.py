@@ -156,8 +156,9 @@ def test_sampling_fields_map_onto_the_engine(door, model):
     assert biased.message.decode() == door.running.client.generate(native).text
 
     sampled = dict(Tokens=8, Temperature=0.9, TopP=0.9, TopK=20, MinP=0.05, Seed=7)
-    first = door.stub.Predict(_chat(**sampled, Penalty=1.3, Repeat=16, FrequencyPenalty=0.5))
-    again = door.stub.Predict(_chat(**sampled, Penalty=1.3, Repeat=16, FrequencyPenalty=0.5))
+    penalties = dict(Penalty=1.3, Repeat=16, FrequencyPenalty=0.5, PresencePenalty=0.4)
+    first = door.stub.Predict(_chat(**sampled, **penalties))
+    again = door.stub.Predict(_chat(**sampled, **penalties))
     assert first.message == again.message  # a seed makes it repeatable
     native = _native_chat(8)
     params = native.params
@@ -169,7 +170,7 @@ def test_sampling_fields_map_onto_the_engine(door, model):
         7,
     )
     params.repetition_penalty, params.repetition_context_size = 1.3, 16
-    params.frequency_penalty = 0.5
+    params.frequency_penalty, params.presence_penalty = 0.5, 0.4
     assert first.message.decode() == door.running.client.generate(native).text
 
     stop = tokenizer.decode(greedy.token_ids[2:4])
@@ -281,6 +282,47 @@ def test_other_modalities_are_unimplemented_with_a_message(door):
         door.channel.unary_unary("/backend.Backend/GenerateImage")(b"", timeout=TIMEOUT)
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert "GenerateImage is not implemented" in info.value.details()
+
+
+def test_messages_tools_and_metadata_render_as_the_native_api_renders_them(door):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather"}}
+    call["function"]["arguments"] = '{"city": "Paris"}'
+    options = lpb.PredictOptions(
+        Messages=[
+            lpb.Message(role="system", content="Be brief."),
+            lpb.Message(role="user", content="Weather in Paris?", name="ann"),
+            lpb.Message(role="assistant", content="", tool_calls=json.dumps([call])),
+            lpb.Message(role="tool", content='{"sky": "clear"}', tool_call_id="call_1"),
+        ],
+        UseTokenizerTemplate=True,
+        Tools=json.dumps(TOOLS),
+        Metadata={"enable_thinking": "false", "reasoning_effort": "low"},
+    )
+    native = pb.TokenizeRequest(
+        messages=[
+            pb.ChatMessage(role="system", content="Be brief."),
+            pb.ChatMessage(role="user", content="Weather in Paris?", name="ann"),
+            pb.ChatMessage(
+                role="assistant",
+                tool_calls=[
+                    pb.ToolCall(
+                        id="call_1",
+                        type="function",
+                        function=pb.ToolCallFunction(
+                            name="get_weather", arguments='{"city": "Paris"}'
+                        ),
+                    )
+                ],
+            ),
+            pb.ChatMessage(role="tool", content='{"sky": "clear"}', tool_call_id="call_1"),
+        ],
+        tools_json=json.dumps(TOOLS),
+        chat_template_kwargs_json=json.dumps({"enable_thinking": False, "reasoning_effort": "low"}),
+    )
+    expected = door.running.client.stub.Tokenize(native, timeout=TIMEOUT)
+    assert "Paris" in expected.prompt and "get_weather" in expected.prompt
+    got = door.stub.TokenizeString(options, timeout=TIMEOUT)
+    assert list(got.tokens) == list(expected.token_ids)
 
 
 def test_tokenize_detokenize_metadata_and_metrics(door, model):

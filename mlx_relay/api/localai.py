@@ -407,11 +407,12 @@ class LocalAIServicer(lpb_grpc.BackendServicer):
             for chunk in req.chunks():
                 generated += len(chunk.token_ids)
                 logprobs += chunk.logprobs
+                delta = _delta(chunk)
                 reply = lpb.Reply(
                     message=chunk.text.encode(),
                     tokens=generated,
                     prompt_tokens=prompt_tokens,
-                    chat_deltas=[_delta(chunk)],
+                    chat_deltas=[delta] if delta.ByteSize() else [],
                     logprobs=_logprob_json(chunk.logprobs),
                 )
                 if chunk.finish_reason is not None:
