@@ -184,7 +184,8 @@ def test_sixteen_concurrent_streams_all_finish(door):
     results: dict[int, list] = {}
 
     def run(i: int) -> None:
-        replies = list(door.stub.PredictStream(_chat(Tokens=6 + i % 3), timeout=TIMEOUT))
+        options = _chat(Tokens=6 + i % 3, IgnoreEOS=True)
+        replies = list(door.stub.PredictStream(options, timeout=TIMEOUT))
         results[i] = replies
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
@@ -194,8 +195,10 @@ def test_sixteen_concurrent_streams_all_finish(door):
         t.join(TIMEOUT)
     assert sorted(results) == list(range(16))
     for i, replies in results.items():
-        assert replies[-1].tokens == 6 + i % 3  # random weights rarely say EOS this early
-    native = door.running.client.generate(_native_chat(6))
+        assert replies[-1].tokens == 6 + i % 3
+    native = _native_chat(6)
+    native.params.ignore_eos = True
+    native = door.running.client.generate(native)
     assert b"".join(r.message for r in results[0]) == native.text.encode()
 
 
@@ -359,6 +362,10 @@ def test_free_then_health_and_status_tell_the_truth(door, model):
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "no model is loaded" in info.value.details()
 
+    with pytest.raises(grpc.RpcError) as info:  # another model is refused, not loaded
+        door.stub.LoadModel(lpb.ModelOptions(Model="/elsewhere/model"), timeout=TIMEOUT)
+    assert "this cluster serves" in info.value.details()
+    assert door.running.client.status().state == "unloaded"
     assert door.stub.LoadModel(lpb.ModelOptions(Model=str(model)), timeout=TIMEOUT).success
     assert door.stub.Status(lpb.HealthMessage()).state == lpb.StatusResponse.READY
     assert door.stub.Predict(_chat(Tokens=2), timeout=TIMEOUT).tokens == 2

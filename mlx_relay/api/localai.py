@@ -308,6 +308,7 @@ class LocalAIServicer(lpb_grpc.BackendServicer):
         self.identity = ""
         self.context_size = 0
         self.metrics = Metrics()
+        self._load_lock = threading.Lock()
 
     # health and lifecycle
 
@@ -323,26 +324,30 @@ class LocalAIServicer(lpb_grpc.BackendServicer):
         for field in ("LoraAdapter", "LoraAdapters", "DraftModel", "MMProj"):
             if getattr(request, field):
                 raise requests.InvalidRequest(f"{field} is not supported by mlx-relay")
-        self._wait_loaded(context)
-        if self.cluster.engine.state == "unloaded":  # after a Free: load it again
-            self.cluster.load()
-        loaded = self.cluster.engine.pipeline.loaded
-        if loaded is None:
-            raise EngineError("unavailable", not_serving(self.cluster.engine.state, ""))
-        if not _same_model(request, loaded.spec, loaded.path):
-            raise requests.InvalidRequest(
-                f"this cluster serves {loaded.spec!r} ({loaded.path}), not {request.Model!r}: "
-                "mlx-relay holds one model across all its ranks; start it with "
-                f"--model {request.Model or 'PATH'} to serve that one"
-            )
-        limit = self.cluster.engine.context_length
-        if request.ContextSize < 0 or (limit and request.ContextSize > limit):
-            raise requests.InvalidRequest(
-                f"ContextSize {request.ContextSize} is beyond the model's context of {limit} "
-                f"tokens: set context_size to {limit} or less in the LocalAI model config"
-            )
-        self.context_size = request.ContextSize
-        self.identity = request.Model
+        with self._load_lock:  # LocalAI may retry; one reload after a Free is enough
+            self._wait_loaded(context)
+            loaded = self.cluster.engine.pipeline.loaded
+            spec, path = (loaded.spec, loaded.path) if loaded else (self.cluster.last_model,) * 2
+            if not _same_model(request, spec, path):
+                raise requests.InvalidRequest(
+                    f"this cluster serves {spec!r} ({path}), not {request.Model!r}: mlx-relay "
+                    "holds one model across all its ranks; start it with "
+                    f"--model {request.Model or 'PATH'} to serve that one"
+                )
+            if self.cluster.engine.state == "unloaded":  # after a Free: load it again
+                self.cluster.load()
+            loaded = self.cluster.engine.pipeline.loaded
+            if loaded is None:
+                raise EngineError("unavailable", not_serving(self.cluster.engine.state, ""))
+            limit = self.cluster.engine.context_length
+            if limit and request.ContextSize > limit:
+                raise requests.InvalidRequest(
+                    f"ContextSize {request.ContextSize} is beyond the model's context of "
+                    f"{limit} tokens: set context_size to {limit} or less in the LocalAI "
+                    "model config"
+                )
+            self.context_size = max(request.ContextSize, 0)  # 0 or less: the model's own
+            self.identity = request.Model
         return lpb.Result(success=True, message=f"serving {loaded.spec} ({loaded.path})")
 
     def _wait_loaded(self, context: grpc.ServicerContext) -> None:
