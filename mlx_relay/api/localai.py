@@ -558,4 +558,11 @@ def serve(
         raise OSError(f"cannot listen on {address} for LocalAI: in use or not this machine's")
     server.start()
     log.info("LocalAI backend service on %s%s", address, ", bearer token required" if token else "")
+    if not token and not address.startswith(("127.0.0.1", "localhost", "[::1]", "unix:")):
+        log.warning(
+            "LocalAI's service on %s is reachable from other machines and needs no token: "
+            "set %s (LocalAI sends it) or MLX_RELAY_AUTH_TOKEN",
+            address,
+            TOKEN_ENV,
+        )
     return server
