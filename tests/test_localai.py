@@ -252,7 +252,11 @@ BAD = {
     ),
     "tools not JSON": (_chat(Tools="[{"), "INVALID_ARGUMENT", "tools"),
     "an image": (_chat(Images=["aGk="]), "INVALID_ARGUMENT", "text-only"),
-    "grammar that does not parse": (_chat(Grammar="root ::= missing"), "INVALID_ARGUMENT", "grammar"),
+    "grammar that does not parse": (
+        _chat(Grammar="root ::= missing"),
+        "INVALID_ARGUMENT",
+        "grammar",
+    ),
     "enable_thinking": (_chat(Metadata={"enable_thinking": "maybe"}), "INVALID_ARGUMENT", "true"),
     "another model": (_chat(ModelIdentity="someone-else"), "NOT_FOUND", "model identity mismatch"),
 }
