@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from mlx_relay.api import localai
 from mlx_relay.api.auth import TokenAuth, server_credentials
 from mlx_relay.api.cluster import Cluster
+from mlx_relay.api.http import server as http_server
 from mlx_relay.api.service import SERVICE_NAME, RelayServicer, add_to_server
 from mlx_relay.coordinator.engine import Engine
 from mlx_relay.coordinator.pipeline import Pipeline, hub_ready
@@ -146,7 +147,7 @@ def _stop_after_failed_load(
 
 
 def _grpc_server(args, engine: Engine, health_servicer) -> list[grpc.Server] | None:
-    """The gRPC front door, and LocalAI's beside it when asked for."""
+    """The gRPC front door, and LocalAI's and the HTTP doors beside it when asked for."""
     token = auth_token(args.auth_token)
     threads = max(64, args.max_active + args.max_queue + 16)
     server = grpc.server(
@@ -202,6 +203,15 @@ def _grpc_server(args, engine: Engine, health_servicer) -> list[grpc.Server] | N
             server.stop(grace=0)
             report_fatal(0, str(e))
             return None
+    try:
+        http = http_server.start(args, cluster)  # stopped by _close like the others
+    except http_server.ListenError as e:
+        for started in servers:
+            started.stop(grace=0)
+        report_fatal(0, str(e))
+        return None
+    if http is not None:
+        servers.append(http)
     return servers
 
 

@@ -53,6 +53,14 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
             "(token: $LOCALAI_GRPC_AUTH_TOKEN, else the cluster's)",
         ),
     ),
+    (
+        "--http-address",
+        dict(
+            default="",
+            help="rank 0's HTTP address for the OpenAI, Anthropic and Ollama APIs, HOST:PORT "
+            "or a bare PORT on loopback (default: off)",
+        ),
+    ),
     ("--max-active", dict(type=int, default=8, help="sequences decoding at once")),
     ("--max-queue", dict(type=int, default=64, help="requests waiting beyond that")),
     ("--prefill-chunk", dict(type=int, default=512, help="prompt tokens per step")),
