@@ -48,9 +48,12 @@ def _validation_message(e: RequestValidationError) -> tuple[str, str | None]:
     field = ".".join(loc) or None
     if field is None and first.get("type") in ("model_attributes_type", "dict_type"):
         return "the request body must be a JSON object (Content-Type: application/json)", None
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    where = f"{field}: " if field else "the request body: "
-    return f"{where}{first.get('msg', 'invalid')}{more}", field
+    problems = []
+    for error in errors[:3]:
+        where = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
+        problems.append(f"{where}: {error.get('msg', 'invalid')}")
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return "; ".join(problems) + more, field
 
 
 def create_app(cluster: Cluster, *, token: str = "", max_body_bytes: int = 4 << 20) -> ASGIApp:

@@ -98,6 +98,7 @@ class SamplingFields(Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: dict[str, Any] | None = None
+    ignore_eos: bool | None = None  # vLLM's extension
 
     def params(self, max_tokens: int | None, logprobs: bool, top_logprobs: int | None):
         if self.n not in (None, 1):
@@ -114,6 +115,7 @@ class SamplingFields(Lenient):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias=self.logit_bias,
+            ignore_eos=self.ignore_eos,
             logprobs=logprobs or None,
             top_logprobs=top_logprobs,
         )
