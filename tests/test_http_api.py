@@ -464,25 +464,83 @@ def test_health(served):
     assert r.json() == {"status": "ok", "state": "serving", "model": served.model, "ranks": 2}
 
 
+def _idle(served, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while served.running.client.status().active_requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return served.running.client.status().active_requests == 0
+
+
 def test_disconnect_mid_stream_cancels_and_the_cluster_keeps_serving(served):
     # ignore_eos: the scripted model would otherwise stop at once; 2000 tokens take a while.
     body = {"prompt": "Once", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    left = ("mlx_relay:requests_total", (("api", "openai"), ("outcome", "disconnected")))
+    before = _metrics(served).get(left, 0)
     for _ in range(3):
         with served.http.stream("POST", "/v1/completions", json=body) as r:
             lines = r.iter_lines()
             assert sum(1 for line, _ in zip(lines, range(6), strict=False) if line) >= 3
-        # The response closed after a few events: the request must be gone at the next step.
-    deadline = time.monotonic() + 15
-    while served.running.client.status().active_requests and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert served.running.client.status().active_requests == 0
-    assert (
-        _metrics(served)[
-            ("mlx_relay:requests_total", (("api", "openai"), ("outcome", "disconnected")))
-        ]
-        >= 3
-    )
+        # The response closed after a few events: the request goes at the next step.
+        assert _idle(served, 10)
+    assert _metrics(served)[left] == before + 3
     reply = served.openai.chat.completions.create(
         model=served.model, messages=MESSAGES, max_tokens=40
     )
     assert reply.choices[0].message.content
+
+
+def test_disconnect_before_a_whole_answer_cancels_it(served):
+    cancelled = ("mlx_relay:requests_total", (("api", "openai"), ("outcome", "cancelled")))
+    before = _metrics(served).get(cancelled, 0)
+    body = {"prompt": "Once", "max_tokens": 2000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        served.http.post("/v1/completions", json=body, timeout=1.0)
+    # The engine ended it as cancelled (its finish reason), not at max_tokens.
+    assert _idle(served, 10)
+    assert _metrics(served)[cancelled] == before + 1
+
+
+def test_200_concurrent_streams_with_random_disconnects(served):
+    """Every stream ends: answered whole, refused with 429 (queue full), or dropped by its
+    client; afterwards nothing runs, nothing waits, and the cluster still answers."""
+    import asyncio
+    import random
+
+    rng = random.Random(0)
+    body = {"prompt": "Once", "max_tokens": 30, "ignore_eos": True, "stream": True}
+
+    async def one(client: httpx.AsyncClient, leave_after: int | None) -> str:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                assert r.status_code == 429, r.text
+                assert "server busy" in json.loads(r.text)["error"]["message"]
+                return "refused"
+            events = 0
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    return "done"
+                events += bool(line)
+                if leave_after is not None and events >= leave_after:
+                    return "left"
+        return "cut"
+
+    async def all_of_them() -> list[str]:
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(base_url=served.base, timeout=120, limits=limits) as client:
+            plans = [rng.choice([None, 1, 5, 15]) for _ in range(200)]
+            return await asyncio.gather(*(one(client, plan) for plan in plans))
+
+    outcomes = asyncio.run(all_of_them())
+    assert "cut" not in outcomes
+    assert outcomes.count("done") + outcomes.count("left") >= 8
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status = served.running.client.status()
+        if not status.active_requests and not status.queued_requests:
+            break
+        time.sleep(0.1)
+    assert (status.active_requests, status.queued_requests) == (0, 0)
+    assert served.http.get("/health").status_code == 200
+    reply = served.openai.completions.create(model=served.model, prompt=RAW_PROMPT, max_tokens=40)
+    assert reply.choices[0].text == RAW_SCRIPT[0]

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from mlx_relay.api.http.common import Door, HttpError, Output, sampling
@@ -347,7 +347,7 @@ def router(door: Door) -> APIRouter:
     r = APIRouter()
 
     @r.post("/v1/messages")
-    async def messages(body: MessagesRequest) -> Any:
+    async def messages(body: MessagesRequest, request: Request) -> Any:
         model = door.check_model(body.model)
         output = await door.generate(body.generate_request(), API)
         stream = MessageStream(output, body.model or model)
@@ -357,7 +357,7 @@ def router(door: Door) -> APIRouter:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        async for chunk in output:
+        async for chunk in output.watched(request):
             stream.feed(chunk)
         return stream.message()
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request as HttpRequest
 
 from mlx_relay.api.cluster import Cluster
 from mlx_relay.api.http.metrics import Metrics
@@ -149,6 +150,22 @@ class Output:
             self.request.cancel()  # a no-op once finished; frees the slot if the client went
             self._observer.close()
 
+    async def watched(self, http: HttpRequest) -> AsyncIterator[Chunk]:
+        """The chunks, for a non-streaming answer: nothing is sent until the last one, so
+        the client's disconnect is watched for here (a stream notices it when writing)."""
+
+        async def watch() -> None:
+            while (await http.receive())["type"] != "http.disconnect":
+                pass
+            self.request.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            async for chunk in self:
+                yield chunk
+        finally:
+            watcher.cancel()
+
 
 @dataclass
 class Collected:
@@ -177,9 +194,10 @@ class Collected:
             self.malformed_tool_call = chunk.malformed_tool_call
 
 
-async def collect(output: Output) -> Collected:
+async def collect(output: Output, http: HttpRequest) -> Collected:
+    """The whole answer; the request is cancelled if the client leaves before it."""
     whole = Collected()
-    async for chunk in output:
+    async for chunk in output.watched(http):
         whole.add(chunk)
     return whole
 

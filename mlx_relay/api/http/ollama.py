@@ -15,10 +15,10 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from mlx_relay.api.http.common import Collected, Door, HttpError, Output, sampling
+from mlx_relay.api.http.common import Collected, Door, HttpError, Output, collect, sampling
 from mlx_relay.api.http.schemas import Lenient, dumps
 from mlx_relay.coordinator.output import Chunk
 from mlx_relay.protocol import relay_pb2 as pb
@@ -219,14 +219,14 @@ async def _lines(chat: bool, model: str, output: Output, started: float) -> Asyn
     yield dumps(last) + "\n"
 
 
-async def _answer(chat: bool, model: str, output: Output, stream: bool, started: float) -> Any:
+async def _answer(
+    chat: bool, model: str, output: Output, stream: bool, started: float, http: Request
+) -> Any:
     if stream:
         return StreamingResponse(
             _lines(chat, model, output, started), media_type="application/x-ndjson"
         )
-    whole = Collected()
-    async for chunk in output:
-        whole.add(chunk)
+    whole = await collect(output, http)
     out = _final(model, whole, started)
     if chat:
         out["message"] = _message(whole.text, whole.reasoning, whole.tool_calls)
@@ -260,7 +260,7 @@ def router(door: Door) -> APIRouter:
     r = APIRouter()
 
     @r.post("/api/chat")
-    async def chat(body: ChatRequest) -> Any:
+    async def chat(body: ChatRequest, request: Request) -> Any:
         started = time.perf_counter()
         model = door.check_model(body.model)
         req = pb.GenerateRequest(
@@ -271,10 +271,10 @@ def router(door: Door) -> APIRouter:
             response_format_json=body.response_format(),
         )
         output = await door.generate(req, API)
-        return await _answer(True, body.model or model, output, body.stream, started)
+        return await _answer(True, body.model or model, output, body.stream, started, request)
 
     @r.post("/api/generate")
-    async def generate(body: GenerateRequest) -> Any:
+    async def generate(body: GenerateRequest, request: Request) -> Any:
         started = time.perf_counter()
         model = door.check_model(body.model)
         _no_images(body.images, "images")
@@ -289,7 +289,7 @@ def router(door: Door) -> APIRouter:
             )
         req.response_format_json = body.response_format()
         output = await door.generate(req, API)
-        return await _answer(False, body.model or model, output, body.stream, started)
+        return await _answer(False, body.model or model, output, body.stream, started, request)
 
     @r.get("/api/tags")
     async def tags() -> dict[str, Any]:

@@ -332,7 +332,7 @@ def router(door: Door) -> APIRouter:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return streaming(error_events(_chat_events(output, rid, created, name, include_usage)))
-        whole = await collect(output)
+        whole = await collect(output, request)
         return {
             "id": rid,
             "object": "chat.completion",
@@ -350,7 +350,7 @@ def router(door: Door) -> APIRouter:
         }
 
     @r.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Any:
+    async def completions(body: CompletionRequest, request: Request) -> Any:
         name = door.check_model(body.model)
         prompt = body.prompt
         if isinstance(prompt, list):
@@ -374,7 +374,7 @@ def router(door: Door) -> APIRouter:
                     _completion_events(output, rid, created, name, include_usage, top is not None)
                 )
             )
-        whole = await collect(output)
+        whole = await collect(output, request)
         return {
             "id": rid,
             "object": "text_completion",

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from mlx_relay.api.http.common import Door, HttpError, Output, sampling
@@ -340,7 +340,7 @@ def router(door: Door) -> APIRouter:
     r = APIRouter()
 
     @r.post("/v1/responses")
-    async def create(body: ResponsesRequest) -> Any:
+    async def create(body: ResponsesRequest, request: Request) -> Any:
         model = door.check_model(body.model)
         output = await door.generate(body.generate_request(), API)
         stream = ResponseStream(output, model)
@@ -350,7 +350,7 @@ def router(door: Door) -> APIRouter:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        async for chunk in output:
+        async for chunk in output.watched(request):
             stream.feed(chunk)
         return stream.response()
 
