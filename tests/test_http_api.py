@@ -276,6 +276,15 @@ def test_response_format_passes_through(served):
         assert "response_format" in e.message
     else:
         json.loads(reply.choices[0].message.content)
+    plain = served.openai.chat.completions.create(
+        model=served.model, messages=MESSAGES, response_format={"type": "text"}, max_tokens=40
+    )
+    assert plain.choices[0].message.content == "OK"
+    ollama = served.http.post(
+        "/api/chat",
+        json={"model": served.model, "messages": MESSAGES, "format": "json", "stream": False},
+    )
+    assert ollama.status_code == 200 or "response_format" in ollama.json()["error"]
 
 
 # --- Anthropic ------------------------------------------------------------------------
@@ -410,6 +419,8 @@ def test_ollama_chat_generate_and_model_info(served):
     show = served.http.post("/api/show", json={"model": served.model}).json()
     assert show["details"]["family"] == "llama" and "tools" in show["capabilities"]
     assert served.http.get("/api/version").json()["version"]
+    load = served.http.post("/api/generate", json={"model": served.model}).json()
+    assert load["done"] and load["done_reason"] == "load"
     missing = served.http.post("/api/chat", json={"model": "llama3", "messages": MESSAGES})
     assert missing.status_code == 404 and "llama3" in missing.json()["error"]
 

@@ -9,6 +9,7 @@ its request when the consumer goes away (a client that disconnects mid-stream).
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -200,6 +201,13 @@ async def collect(output: Output, http: HttpRequest) -> Collected:
     async for chunk in output.watched(http):
         whole.add(chunk)
     return whole
+
+
+def response_format_json(fmt: dict[str, Any] | None) -> str:
+    """OpenAI's response_format as the engine takes it ('' for plain text)."""
+    if not fmt or fmt.get("type") == "text":
+        return ""
+    return json.dumps(fmt)
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from mlx_relay.api.http.common import Collected, Door, HttpError, Output, collect, sampling
 from mlx_relay.api.http.schemas import Lenient, dumps
@@ -278,6 +278,14 @@ def router(door: Door) -> APIRouter:
         started = time.perf_counter()
         model = door.check_model(body.model)
         _no_images(body.images, "images")
+        if not body.prompt and not body.system:  # Ollama's way to load a model: it is loaded
+            return {
+                "model": body.model,
+                "created_at": _now(),
+                "response": "",
+                "done": True,
+                "done_reason": "load",
+            }
         params = body.options.params() if body.options else pb.SamplingParams()
         if body.raw:
             req = pb.GenerateRequest(prompt=body.prompt, params=params)
@@ -325,6 +333,12 @@ def router(door: Door) -> APIRouter:
             },
             "capabilities": ["completion", "tools"] if "tool" in str(template) else ["completion"],
         }
+
+    @r.get("/")
+    async def root() -> PlainTextResponse:
+        return PlainTextResponse(
+            "mlx-relay is running (Ollama's API under /api, OpenAI's under /v1)"
+        )
 
     @r.get("/api/version")
     async def api_version() -> dict[str, str]:

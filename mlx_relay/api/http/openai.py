@@ -20,6 +20,7 @@ from mlx_relay.api.http.common import (
     HttpError,
     Output,
     collect,
+    response_format_json,
     sampling,
 )
 from mlx_relay.api.http.schemas import Lenient, dumps, sse
@@ -121,7 +122,7 @@ class SamplingFields(Lenient):
         )
 
     def response_format_json(self) -> str:
-        return dumps(self.response_format) if self.response_format else ""
+        return response_format_json(self.response_format)
 
 
 class ChatRequest(SamplingFields):

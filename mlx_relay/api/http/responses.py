@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from mlx_relay.api.http.common import Door, HttpError, Output, sampling
+from mlx_relay.api.http.common import Door, HttpError, Output, response_format_json, sampling
 from mlx_relay.api.http.openai import error_body
 from mlx_relay.api.http.schemas import Lenient, dumps, sse
 from mlx_relay.coordinator.output import Chunk
@@ -74,7 +74,7 @@ class ResponsesRequest(Lenient):
             ),
             tools_json=dumps(tools) if tools else "",
             tool_choice=choice or "",
-            response_format_json=dumps(fmt) if fmt else "",
+            response_format_json=response_format_json(fmt),
         )
 
     def messages(self) -> list[pb.ChatMessage]:

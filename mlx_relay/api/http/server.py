@@ -7,6 +7,7 @@ the way gRPC's is (rank 0 does not start) rather than lost in a thread.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 
@@ -45,7 +46,7 @@ class HttpServer:
             self.socket = socket.create_server((host, port), family=family, backlog=512)
         except OSError as e:
             raise ListenError(
-                f"cannot listen for HTTP on {address}: {e.strerror or e} (in use by another "
+                f"cannot listen for HTTP on {address}: {os.strerror(e.errno) if e.errno else e} (in use by another "
                 "cluster or program, or not an address of this machine)"
             ) from None
         self.host = host
