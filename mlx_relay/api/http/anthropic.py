@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from mlx_relay.api.http.common import Door, HttpError, Output, sampling
 from mlx_relay.api.http.schemas import Lenient, dumps, sse
@@ -352,11 +351,7 @@ def router(door: Door) -> APIRouter:
         output = await door.generate(body.generate_request(), API)
         stream = MessageStream(output, body.model or model)
         if body.stream:
-            return StreamingResponse(
-                _events(stream, output),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
+            return output.response(_events(stream, output))
         async for chunk in output.watched(request):
             stream.feed(chunk)
         return stream.message()

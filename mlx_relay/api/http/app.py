@@ -22,6 +22,9 @@ from mlx_relay.api.cluster import Cluster
 from mlx_relay.api.http import anthropic, ollama, openai, ops, responses
 from mlx_relay.api.http.common import Door, HttpError, as_http_error
 from mlx_relay.api.http.metrics import Metrics
+from mlx_relay.coordinator.engine import EngineError
+from mlx_relay.coordinator.pipeline import RankFailure
+from mlx_relay.coordinator.requests import InvalidRequest
 
 log = logging.getLogger("mlx_relay.http")
 
@@ -81,13 +84,16 @@ def create_app(cluster: Cluster, *, token: str = "", max_body_bytes: int = 4 << 
         response.status_code = e.status_code
         return response
 
-    @app.exception_handler(Exception)
     async def engine_error(request: Request, e: Exception) -> JSONResponse:
         error = as_http_error(e)
         if error.kind == "internal":
             log.exception("%s failed", request.url.path, exc_info=e)
         return error_response(request.url.path, error)
 
+    # The engine's refusals by class (Starlette re-raises, and so logs, what only the
+    # catch-all `Exception` handler answers); the catch-all for real failures.
+    for kind in (InvalidRequest, EngineError, RankFailure, Exception):
+        app.add_exception_handler(kind, engine_error)
     return Guard(app, token, max_body_bytes)
 
 

@@ -15,8 +15,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HttpRequest
+from starlette.responses import StreamingResponse
 
 from mlx_relay.api.cluster import Cluster
 from mlx_relay.api.http.metrics import Metrics
@@ -150,6 +152,18 @@ class Output:
         finally:
             self.request.cancel()  # a no-op once finished; frees the slot if the client went
             self._observer.close()
+
+    def response(
+        self, body: AsyncIterator[str], media_type: str = "text/event-stream"
+    ) -> StreamingResponse:
+        """A streamed answer whose request is cancelled however the response ends, even
+        when the client leaves before the body is first iterated."""
+        return StreamingResponse(
+            body,
+            media_type=media_type,
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            background=BackgroundTask(self.request.cancel),
+        )
 
     async def watched(self, http: HttpRequest) -> AsyncIterator[Chunk]:
         """The chunks, for a non-streaming answer: nothing is sent until the last one, so

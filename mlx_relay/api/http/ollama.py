@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse
 
 from mlx_relay.api.http.common import Collected, Door, HttpError, Output, collect, sampling
 from mlx_relay.api.http.schemas import Lenient, dumps
@@ -223,9 +223,7 @@ async def _answer(
     chat: bool, model: str, output: Output, stream: bool, started: float, http: Request
 ) -> Any:
     if stream:
-        return StreamingResponse(
-            _lines(chat, model, output, started), media_type="application/x-ndjson"
-        )
+        return output.response(_lines(chat, model, output, started), "application/x-ndjson")
     whole = await collect(output, http)
     out = _final(model, whole, started)
     if chat:

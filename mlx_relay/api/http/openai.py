@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from mlx_relay.api.http.common import (
     Collected,
@@ -286,14 +285,6 @@ async def error_events(stream: AsyncIterator[str]) -> AsyncIterator[str]:
     yield sse("[DONE]")
 
 
-def streaming(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(
-        events,
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
-
-
 # --- routes ---------------------------------------------------------------------------
 def router(door: Door) -> APIRouter:
     r = APIRouter()
@@ -332,7 +323,9 @@ def router(door: Door) -> APIRouter:
         rid, created = f"chatcmpl-{output.request_id}", int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return streaming(error_events(_chat_events(output, rid, created, name, include_usage)))
+            return output.response(
+                error_events(_chat_events(output, rid, created, name, include_usage))
+            )
         whole = await collect(output, request)
         return {
             "id": rid,
@@ -370,7 +363,7 @@ def router(door: Door) -> APIRouter:
         rid, created = f"cmpl-{output.request_id}", int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return streaming(
+            return output.response(
                 error_events(
                     _completion_events(output, rid, created, name, include_usage, top is not None)
                 )

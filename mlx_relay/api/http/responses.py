@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from mlx_relay.api.http.common import Door, HttpError, Output, response_format_json, sampling
 from mlx_relay.api.http.openai import error_body
@@ -345,11 +344,7 @@ def router(door: Door) -> APIRouter:
         output = await door.generate(body.generate_request(), API)
         stream = ResponseStream(output, model)
         if body.stream:
-            return StreamingResponse(
-                _events(stream, output),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
+            return output.response(_events(stream, output))
         async for chunk in output.watched(request):
             stream.feed(chunk)
         return stream.response()
