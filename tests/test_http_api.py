@@ -265,26 +265,91 @@ def test_bad_bodies_get_each_apis_error(served, path, shape):
     assert served.http.get("/health").status_code == 200
 
 
-def test_response_format_passes_through(served):
-    # Enforcement lands with the grammar engine; until then the cluster refuses it clearly.
-    fmt = {"type": "json_object"}
-    try:
-        reply = served.openai.chat.completions.create(
-            model=served.model, messages=MESSAGES, response_format=fmt, max_tokens=20
-        )
-    except openai.BadRequestError as e:
-        assert "response_format" in e.message
-    else:
-        json.loads(reply.choices[0].message.content)
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_through_every_door(served):
+    """The random model forced into a schema at temperature 1 still writes valid JSON."""
+    import jsonschema
+
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    reply = served.openai.chat.completions.create(
+        model=served.model,
+        messages=MESSAGES,
+        response_format=schema_format,
+        max_tokens=200,
+        temperature=1.0,
+        seed=3,
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
+    stream = served.openai.chat.completions.create(
+        model=served.model,
+        messages=MESSAGES,
+        response_format=schema_format,
+        max_tokens=200,
+        temperature=1.0,
+        seed=3,
+        stream=True,
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == reply.choices[0].message.content
+    completion = served.openai.completions.create(
+        model=served.model,
+        prompt="Once",
+        extra_body={"response_format": {"type": "json_object"}},
+        max_tokens=200,
+        temperature=1.0,
+        seed=5,
+    )
+    assert completion.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(completion.choices[0].text), dict)
+    ollama = served.http.post(
+        "/api/chat",
+        json={
+            "model": served.model,
+            "messages": MESSAGES,
+            "format": PERSON,
+            "stream": False,
+            "options": {"num_predict": 200, "temperature": 1.0, "seed": 3},
+        },
+    ).json()
+    assert ollama["done_reason"] == "stop"
+    jsonschema.validate(json.loads(ollama["message"]["content"]), PERSON)
+    text_format = {"format": {"type": "json_schema", "name": "person", "schema": PERSON}}
+    response = served.openai.responses.create(
+        model=served.model,
+        input="Who?",
+        text=text_format,
+        max_output_tokens=200,
+        temperature=1.0,
+        extra_body={"seed": 3},
+    )
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), PERSON)
+    # Plain text is no constraint at all: the script comes out as ever.
     plain = served.openai.chat.completions.create(
         model=served.model, messages=MESSAGES, response_format={"type": "text"}, max_tokens=40
     )
     assert plain.choices[0].message.content == "OK"
-    ollama = served.http.post(
-        "/api/chat",
-        json={"model": served.model, "messages": MESSAGES, "format": "json", "stream": False},
+
+
+def test_a_schema_that_is_not_json_schema_is_refused(served):
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "banana"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        served.openai.chat.completions.create(
+            model=served.model, messages=MESSAGES, response_format=bad
+        )
+    assert "schema" in e.value.message
+    r = served.http.post(
+        "/api/generate", json={"model": served.model, "prompt": "Hi", "format": "yaml"}
     )
-    assert ollama.status_code == 200 or "response_format" in ollama.json()["error"]
+    assert r.status_code == 400 and "format" in r.json()["error"]
 
 
 # --- Anthropic ------------------------------------------------------------------------

@@ -45,6 +45,7 @@ class ResponsesRequest(Lenient):
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    seed: int | None = None  # not OpenAI's, as vLLM takes it: repeatable sampling
     stream: bool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -69,7 +70,10 @@ class ResponsesRequest(Lenient):
         return pb.GenerateRequest(
             messages=self.messages(),
             params=sampling(
-                max_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p
+                max_tokens=self.max_output_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                seed=self.seed,
             ),
             tools_json=dumps(tools) if tools else "",
             tool_choice=choice or "",
