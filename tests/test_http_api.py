@@ -461,6 +461,12 @@ def test_responses_api_text_and_function_calls(served):
     assert deltas == "OK"
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[-1].response.output_text == "OK"
+    # The SDK's own accumulator rebuilds the same response from the events.
+    with served.openai.responses.stream(
+        model=served.model, input=MESSAGES[0]["content"], tools=tools, max_output_tokens=40
+    ) as stream:
+        final = stream.get_final_response()
+    assert final.output_text == "OK" and final.output[2].name == "get_weather"
 
 
 def test_ollama_chat_generate_and_model_info(served):

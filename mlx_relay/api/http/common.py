@@ -21,7 +21,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import StreamingResponse
 
 from mlx_relay.api.cluster import Cluster
-from mlx_relay.api.http.metrics import Metrics
+from mlx_relay.api.http.metrics import Metrics, Observer
 from mlx_relay.coordinator import requests
 from mlx_relay.coordinator.engine import EngineError, Request
 from mlx_relay.coordinator.output import Chunk, TokenLogprob
@@ -117,7 +117,7 @@ class Door:
 class Output:
     """One request's chunks as an async iterator; closing it early cancels the request."""
 
-    def __init__(self, request: Request, observer: Any) -> None:
+    def __init__(self, request: Request, observer: Observer) -> None:
         self.request = request
         self.request_id = request.request_id
         self._observer = observer
