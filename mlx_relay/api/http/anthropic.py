@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -165,9 +166,13 @@ def chat_messages(body: CountRequest) -> list[pb.ChatMessage]:
     return out
 
 
+@dataclass
 class _Prompt:
-    def __init__(self, messages: list[pb.ChatMessage], tools_json: str, tool_choice: str) -> None:
-        self.messages, self.tools_json, self.tool_choice = messages, tools_json, tool_choice
+    """What a Messages request says about the prompt, in the engine's terms."""
+
+    messages: list[pb.ChatMessage]
+    tools_json: str
+    tool_choice: str
 
 
 def prompt_request(body: CountRequest) -> _Prompt:
