@@ -197,6 +197,26 @@ def test_sampling_fields_reach_the_engine(served):
     assert first == grpc_text
 
 
+def test_n_choices_are_n_requests(served):
+    chat = served.openai.chat.completions.create(
+        model=served.model, messages=MESSAGES, tools=TOOLS, max_tokens=40, n=3
+    )
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    assert {(c.message.content, c.finish_reason) for c in chat.choices} == {("OK", "tool_calls")}
+    assert chat.usage.completion_tokens == 3 * len(served.chat_ids)
+    # Seeded: choice i is what a single request seeded seed + i gives.
+    kwargs = dict(model=served.model, prompt="Once", max_tokens=10, temperature=1.0)
+    several = served.openai.completions.create(**kwargs, seed=7, n=2)
+    singles = [served.openai.completions.create(**kwargs, seed=s).choices[0].text for s in (7, 8)]
+    assert [c.text for c in several.choices] == singles and singles[0] != singles[1]
+    stream = served.openai.completions.create(**kwargs, seed=7, n=2, stream=True)
+    texts = ["", ""]
+    for piece in stream:
+        for choice in piece.choices:
+            texts[choice.index] += choice.text
+    assert texts == singles
+
+
 def test_models_and_tokenize(served):
     assert [m.id for m in served.openai.models.list()] == [served.model]
     tokens = served.http.post("/tokenize", json={"prompt": "Hello world"}).json()
@@ -227,7 +247,7 @@ def test_openai_errors_have_the_openai_shape_and_status(served):
         served.openai.chat.completions.create(model=served.model, messages=image)
     assert "image_url" in e.value.message and "text only" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
-        served.openai.chat.completions.create(model=served.model, messages=MESSAGES, n=2)
+        served.openai.chat.completions.create(model=served.model, messages=MESSAGES, n=17)
     assert e.value.param == "n"
     with pytest.raises(openai.BadRequestError) as e:
         served.openai.chat.completions.create(model=served.model, messages=MESSAGES, temperature=-1)

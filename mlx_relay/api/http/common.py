@@ -44,6 +44,9 @@ STATUS = {
 }
 
 
+MAX_CHOICES = 16  # OpenAI's `n`: each choice is a request of its own
+
+
 class HttpError(Exception):
     """A request refused, in words; each API's handler renders it in its own error shape."""
 
@@ -113,6 +116,24 @@ class Door:
             raise error from e
         return Output(req, self.metrics.observe(req, api))
 
+    async def generate_n(self, request: pb.GenerateRequest, api: str, n: int) -> Choices:
+        """OpenAI's `n`: n requests, a seeded one seeded seed, seed+1, ... so they differ."""
+        if not 1 <= n <= MAX_CHOICES:
+            raise HttpError("invalid", f"n must be in [1, {MAX_CHOICES}], got {n}", "n")
+        outputs: list[Output] = []
+        try:
+            for i in range(n):
+                one = pb.GenerateRequest()
+                one.CopyFrom(request)
+                if i and request.params.HasField("seed"):
+                    one.params.seed = request.params.seed + i
+                outputs.append(await self.generate(one, api))
+        except BaseException:
+            for output in outputs:
+                output.request.cancel()
+            raise
+        return Choices(outputs)
+
 
 class Output:
     """One request's chunks as an async iterator; closing it early cancels the request."""
@@ -156,14 +177,7 @@ class Output:
     def response(
         self, body: AsyncIterator[str], media_type: str = "text/event-stream"
     ) -> StreamingResponse:
-        """A streamed answer whose request is cancelled however the response ends, even
-        when the client leaves before the body is first iterated."""
-        return StreamingResponse(
-            body,
-            media_type=media_type,
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            background=BackgroundTask(self.request.cancel),
-        )
+        return streamed(body, [self.request], media_type)
 
     async def watched(self, http: HttpRequest) -> AsyncIterator[Chunk]:
         """The chunks, for a non-streaming answer: nothing is sent until the last one, so
@@ -180,6 +194,96 @@ class Output:
                 yield chunk
         finally:
             watcher.cancel()
+
+
+def streamed(
+    body: AsyncIterator[str], requests: list[Request], media_type: str = "text/event-stream"
+) -> StreamingResponse:
+    """A streamed answer whose requests are cancelled however the response ends, even
+    when the client leaves before the body is first iterated."""
+
+    def cancel() -> None:
+        for request in requests:
+            request.cancel()
+
+    return StreamingResponse(
+        body,
+        media_type=media_type,
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        background=BackgroundTask(cancel),
+    )
+
+
+class Choices:
+    """Several outputs answering one call (OpenAI's `n`), as one stream or one answer."""
+
+    def __init__(self, outputs: list[Output]) -> None:
+        self.outputs = outputs
+        self.request_id = outputs[0].request_id
+
+    def response(self, body: AsyncIterator[str]) -> StreamingResponse:
+        return streamed(body, [o.request for o in self.outputs])
+
+    async def merged(self) -> AsyncIterator[tuple[int, Chunk]]:
+        """Every output's chunks as they come, each with its output's index."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def drain(index: int, output: Output) -> None:
+            try:
+                async for chunk in output:
+                    queue.put_nowait((index, chunk))
+            except HttpError as e:
+                queue.put_nowait((index, e))
+            finally:
+                queue.put_nowait((index, None))
+
+        tasks = [asyncio.create_task(drain(i, o)) for i, o in enumerate(self.outputs)]
+        try:
+            running = len(tasks)
+            while running:
+                index, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, HttpError):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            for output in self.outputs:
+                output.request.cancel()
+
+    async def collect(self, http: HttpRequest) -> list[Collected]:
+        """Every whole answer; all are cancelled if the client leaves before them."""
+        wholes = [Collected() for _ in self.outputs]
+
+        async def watch() -> None:
+            while (await http.receive())["type"] != "http.disconnect":
+                pass
+            for output in self.outputs:
+                output.request.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            async for index, chunk in self.merged():
+                wholes[index].add(chunk)
+        finally:
+            watcher.cancel()
+        return wholes
+
+
+def total_usage(usages: list[dict[str, int]]) -> dict[str, int]:
+    """One call's usage over its choices: the prompt once, every completion."""
+    first = usages[0] if usages else {}
+    completion = sum(u.get("completion_tokens", 0) for u in usages)
+    return {
+        "prompt_tokens": first.get("prompt_tokens", 0),
+        "cached_tokens": first.get("cached_tokens", 0),
+        "completion_tokens": completion,
+        "reasoning_tokens": sum(u.get("reasoning_tokens", 0) for u in usages),
+        "total_tokens": first.get("prompt_tokens", 0) + completion,
+    }
 
 
 @dataclass

@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
 
 from mlx_relay.api.http.common import (
+    Choices,
     Collected,
     Door,
     HttpError,
-    Output,
-    collect,
     response_format_json,
     sampling,
+    total_usage,
 )
 from mlx_relay.api.http.schemas import Lenient, dumps, sse
 from mlx_relay.coordinator.output import Chunk, TokenLogprob
@@ -101,8 +102,6 @@ class SamplingFields(Lenient):
     ignore_eos: bool | None = None  # vLLM's extension
 
     def params(self, max_tokens: int | None, logprobs: bool, top_logprobs: int | None):
-        if self.n not in (None, 1):
-            raise HttpError("invalid", f"n={self.n}: only n=1 is supported", "n")
         return sampling(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -319,28 +318,24 @@ def router(door: Door) -> APIRouter:
             else "",
             response_format_json=body.response_format_json(),
         )
-        output = await door.generate(req, API)
-        rid, created = f"chatcmpl-{output.request_id}", int(time.time())
+        choices = await door.generate_n(req, API, body.n or 1)
+        head = Head(f"chatcmpl-{choices.request_id}", "chat.completion.chunk", name)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return output.response(
-                error_events(_chat_events(output, rid, created, name, include_usage))
-            )
-        whole = await collect(output, request)
+            return choices.response(error_events(_chat_events(choices, head, include_usage)))
+        wholes = await choices.collect(request)
         return {
-            "id": rid,
-            "object": "chat.completion",
-            "created": created,
-            "model": name,
+            **head.fields("chat.completion"),
             "choices": [
                 {
-                    "index": 0,
+                    "index": i,
                     "message": chat_message(whole),
                     "logprobs": chat_logprobs(whole.logprobs) if body.logprobs else None,
                     "finish_reason": whole.finish_reason,
                 }
+                for i, whole in enumerate(wholes)
             ],
-            "usage": usage(whole.usage),
+            "usage": usage(total_usage([w.usage for w in wholes])),
         }
 
     @r.post("/v1/completions")
@@ -359,30 +354,26 @@ def router(door: Door) -> APIRouter:
             params=body.params(body.max_tokens, top is not None, top),
             response_format_json=body.response_format_json(),
         )
-        output = await door.generate(req, API)
-        rid, created = f"cmpl-{output.request_id}", int(time.time())
+        choices = await door.generate_n(req, API, body.n or 1)
+        head = Head(f"cmpl-{choices.request_id}", "text_completion", name)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return output.response(
-                error_events(
-                    _completion_events(output, rid, created, name, include_usage, top is not None)
-                )
+            return choices.response(
+                error_events(_completion_events(choices, head, include_usage, top is not None))
             )
-        whole = await collect(output, request)
+        wholes = await choices.collect(request)
         return {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": name,
+            **head.fields(),
             "choices": [
                 {
-                    "index": 0,
+                    "index": i,
                     "text": whole.text,
                     "logprobs": completion_logprobs(whole.logprobs, 0) if top is not None else None,
                     "finish_reason": whole.finish_reason,
                 }
+                for i, whole in enumerate(wholes)
             ],
-            "usage": usage(whole.usage),
+            "usage": usage(total_usage([w.usage for w in wholes])),
         }
 
     @r.post("/tokenize")
@@ -418,24 +409,35 @@ def router(door: Door) -> APIRouter:
     return r
 
 
-async def _chat_events(
-    output: Output, rid: str, created: int, model: str, include_usage: bool
-) -> AsyncIterator[str]:
-    def event(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, **extra}
-        return sse(
-            {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [choice],
-            }
-        )
+@dataclass
+class Head:
+    """The fields every object of one answer repeats."""
 
-    yield event({"role": "assistant", "content": ""})
-    final: dict[str, int] = {}
-    async for chunk in output:
+    id: str
+    object: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def fields(self, kind: str = "") -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": kind or self.object,
+            "created": self.created,
+            "model": self.model,
+        }
+
+    def event(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        return sse({**self.fields(), "choices": choices, **extra})
+
+
+async def _chat_events(choices: Choices, head: Head, include_usage: bool) -> AsyncIterator[str]:
+    def choice(index: int, delta: dict[str, Any], finish: str | None = None, **extra: Any):
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish, **extra}
+
+    usages: list[dict[str, int]] = [{} for _ in choices.outputs]
+    for index in range(len(choices.outputs)):
+        yield head.event([choice(index, {"role": "assistant", "content": ""})])
+    async for index, chunk in choices.merged():
         delta: dict[str, Any] = {}
         if chunk.text:
             delta["content"] = chunk.text
@@ -445,56 +447,30 @@ async def _chat_events(
             delta["tool_calls"] = tool_call_deltas(chunk)
         extra = {"logprobs": chat_logprobs(chunk.logprobs)} if chunk.logprobs else {}
         if delta or extra or chunk.finish_reason is not None:
-            yield event(delta, chunk.finish_reason, **extra)
+            yield head.event([choice(index, delta, chunk.finish_reason, **extra)])
         if chunk.finish_reason is not None:
-            final = chunk.usage or {}
+            usages[index] = chunk.usage or {}
     if include_usage:
-        yield sse(
-            {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": usage(final),
-            }
-        )
+        yield head.event([], usage=usage(total_usage(usages)))
 
 
 async def _completion_events(
-    output: Output, rid: str, created: int, model: str, include_usage: bool, logprobs: bool
+    choices: Choices, head: Head, include_usage: bool, logprobs: bool
 ) -> AsyncIterator[str]:
-    final: dict[str, int] = {}
-    offset = 0
-    async for chunk in output:
+    usages: list[dict[str, int]] = [{} for _ in choices.outputs]
+    offsets = [0] * len(choices.outputs)
+    async for index, chunk in choices.merged():
         if not (chunk.text or chunk.finish_reason is not None or chunk.logprobs):
             continue
         choice = {
-            "index": 0,
+            "index": index,
             "text": chunk.text,
-            "logprobs": completion_logprobs(chunk.logprobs, offset) if logprobs else None,
+            "logprobs": completion_logprobs(chunk.logprobs, offsets[index]) if logprobs else None,
             "finish_reason": chunk.finish_reason,
         }
-        offset += len(chunk.text)
-        yield sse(
-            {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [choice],
-            }
-        )
+        offsets[index] += len(chunk.text)
+        yield head.event([choice])
         if chunk.finish_reason is not None:
-            final = chunk.usage or {}
+            usages[index] = chunk.usage or {}
     if include_usage:
-        yield sse(
-            {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": usage(final),
-            }
-        )
+        yield head.event([], usage=usage(total_usage(usages)))
