@@ -570,6 +570,10 @@ def test_health(served):
     r = served.http.get("/health")
     assert r.status_code == 200
     assert r.json() == {"status": "ok", "state": "serving", "model": served.model, "ranks": 2}
+    status = served.http.get("/v1/status").json()
+    assert status["state"] == "serving" and status["model"] == served.model
+    assert [(r["rank"], r["layer_start"]) for r in status["ranks"]] == [(0, 0), (1, 2)]
+    assert status["active_requests"] == 0
 
 
 def _idle(served, within: float) -> bool:

@@ -1,4 +1,5 @@
-"""Operations: `/health` (ready or not, and why) and `/metrics` (Prometheus text).
+"""Operations: `/health` (ready or not, and why), `/v1/status` (the cluster, as the
+Status RPC shows it) and `/metrics` (Prometheus text).
 
 Health is ready only when the engine serves a model, its loop thread is alive and no
 worker is gone or silent: a live HTTP server over a dead generation thread is down.
@@ -10,7 +11,9 @@ from typing import Any
 
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
+from google.protobuf.json_format import MessageToDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
 
 from mlx_relay.api.cluster import not_serving
 from mlx_relay.api.http.common import Door
@@ -47,6 +50,15 @@ def router(door: Door) -> APIRouter:
         if why:
             body["reason"] = why
         return JSONResponse(body, status_code=503 if why else 200)
+
+    @r.get("/v1/status")
+    async def status() -> dict[str, Any]:
+        """What `mlx-relay status` shows (the gRPC Status RPC), as JSON: every rank's layer
+        range, host, pid and memory, running and queued requests, cached prompts."""
+        reply = await run_in_threadpool(door.cluster.status)
+        return MessageToDict(
+            reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
 
     @r.get("/metrics")
     async def metrics() -> Response:
