@@ -119,3 +119,29 @@ def test_an_address_in_use_is_refused_at_once():
             HttpServer(lambda *a: None, f"127.0.0.1:{port}")
     with pytest.raises(ListenError, match="not HOST:PORT"):
         HttpServer(lambda *a: None, "localhost:http")
+
+
+def test_reachable_from_other_machines_without_a_token_warns(caplog, monkeypatch):
+    import argparse
+    import logging
+
+    from mlx_relay.api.http import server
+
+    monkeypatch.delenv("MLX_RELAY_AUTH_TOKEN", raising=False)
+    args = argparse.Namespace(
+        http_address=f"0.0.0.0:{free_ports(1)[0]}",
+        auth_token=None,
+        max_request_bytes=1 << 20,
+        tls_cert="",
+        tls_key="",
+    )
+    with caplog.at_level(logging.WARNING, logger="mlx_relay.http"):
+        http = server.start(args, cluster=None)  # the doors reach the cluster per request
+    try:
+        assert "reachable from other machines and needs no token" in caplog.text
+        assert httpx.get(f"http://127.0.0.1:{http.port}/nowhere", timeout=10).status_code == 404
+    finally:
+        http.stop()
+    assert not http.thread.is_alive()
+    args.http_address = ""
+    assert server.start(args, cluster=None) is None
