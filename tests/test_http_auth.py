@@ -141,7 +141,7 @@ def test_reachable_from_other_machines_without_a_token_warns(caplog, monkeypatch
         assert "reachable from other machines and needs no token" in caplog.text
         assert httpx.get(f"http://127.0.0.1:{http.port}/nowhere", timeout=10).status_code == 404
     finally:
-        http.stop()
+        assert http.stop(grace=1).wait(5)
     assert not http.thread.is_alive()
     args.http_address = ""
     assert server.start(args, cluster=None) is None

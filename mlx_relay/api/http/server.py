@@ -83,17 +83,29 @@ class HttpServer:
     def start(self) -> None:
         self.thread.start()
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Close the listener, end open streams after a short grace, wait for the thread."""
+    def stop(self, grace: float = 1.0) -> threading.Event:
+        """Close the listener and end open streams after `grace` seconds; like
+        `grpc.Server.stop`, returns at once with an event set once the server is down."""
         # Idle keep-alive connections make uvicorn report an exceeded grace as an ERROR
         # ("Cancel 0 running task(s)"): at shutdown that is noise, not news.
         logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)
         self.server.should_exit = True
-        self.thread.join(timeout)
+        done = threading.Event()
+
+        def finish() -> None:
+            self.thread.join(grace + 1)
+            if self.thread.is_alive():
+                self.server.force_exit = True
+                self.thread.join(2)
+            self.socket.close()
+            done.set()
+
         if self.thread.is_alive():
-            self.server.force_exit = True
-            self.thread.join(2)
-        self.socket.close()
+            threading.Thread(target=finish, name="http-stop", daemon=True).start()
+        else:
+            self.socket.close()
+            done.set()
+        return done
 
 
 def start(args, cluster) -> HttpServer | None:
