@@ -31,6 +31,7 @@ lint: install
 
 proto: install
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. mlx_relay/protocol/relay.proto
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. mlx_relay/protocol/localai/backend.proto
 
 bench: install
 	$(PY) bench/bench_pipeline.py

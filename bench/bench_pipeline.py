@@ -7,9 +7,11 @@ Every configuration runs in this one invocation on the same model and prompt, so
 printed ratios compare like with like on whatever machine runs it. All of them stay
 loaded and take turns, one request each per round: a slow minute on a shared machine
 then hits every configuration alike instead of one of them (run to run, the old
-one-configuration-after-another order moved the 1-rank ratio between 0.90 and 1.07). Each rank is pinned
-to its own core (rank i -> core i mod cores), standing for one machine; the mlx-lm
-baseline runs in a subprocess pinned to core 0. The benchmark's own gRPC client is pinned
+one-configuration-after-another order moved the 1-rank ratio between 0.90 and 1.07). Each rank
+(every thread of it) is pinned to `--cores-per-rank` cores of its own (rank i -> the i-th run
+of cores, wrapping), standing for one machine; the mlx-lm baseline runs in a subprocess
+pinned like rank 0. A rank is several busy threads (MLX's stream, the ring backend's, zmq,
+the engine), so one core per rank starves it where a real machine would not. The benchmark's own gRPC client is pinned
 to core 0 too: left free, it lands on rank 1's core and takes time from it (measured:
 2 ranks 0.87-0.98 of mlx-lm with the client free, 0.997 with it pinned), so the cost
 of the client falls on rank 0's core, as a client on the coordinator's machine would.
@@ -56,10 +58,10 @@ def make_prompt(tokens: int) -> str:
 
 BASELINE = r"""
 import json, os, sys, time
+if os.environ.get("BENCH_CORES"):  # before MLX starts its threads, so they inherit it
+    os.sched_setaffinity(0, {int(c) for c in os.environ["BENCH_CORES"].split(",")})
 import mlx.core as mx
 from mlx_lm import load, stream_generate
-if os.environ.get("BENCH_PIN") == "1":
-    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
 path, n = sys.argv[1], int(sys.argv[2])
 model, tok = load(path)
 text = tok.apply_chat_template([{"role": "user", "content": sys.argv[3]}], tokenize=False,
@@ -101,6 +103,19 @@ class Baseline:
         self.proc.wait(30)
 
 
+def core_set(rank: int, per_rank: int) -> list[int]:
+    """Rank r's cores: the r-th run of `per_rank` cores, wrapping round the machine."""
+    cores = sorted(os.sched_getaffinity(0))
+    return [cores[(rank * per_rank + i) % len(cores)] for i in range(per_rank)]
+
+
+def pin_all_threads(pid: int, cores: list[int]) -> None:
+    """Pin every thread of a running process (MLX's stream and ring threads included:
+    `sched_setaffinity` on the pid alone moves only the main thread)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cores)
+
+
 def gpu_env(rank: int, gpus: int) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": str(rank % gpus)} if gpus else {}
 
@@ -131,10 +146,17 @@ def main() -> int:
     ap.add_argument("--gpus", type=int, default=0, help="CUDA: rank r runs on GPU r mod G")
     ap.add_argument("--serve-args", default="", help="extra options for every cluster")
     ap.add_argument("--prompt-tokens", type=int, default=0, help="lengthen the prompt to about N")
+    ap.add_argument(
+        "--cores-per-rank",
+        type=int,
+        default=1,
+        help="CPU: each rank (and the baseline) gets this many cores of its own, a machine's "
+        "share; 0: nothing pinned",
+    )
     args = ap.parse_args()
-    pin = args.gpus == 0
-    if pin:
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # see the module docstring
+    per_rank = args.cores_per_rank if args.gpus == 0 else 0
+    if per_rank:
+        os.sched_setaffinity(0, {core_set(0, per_rank)[0]})  # see the module docstring
 
     from mlx_relay.model.default_model import resolve_model
 
@@ -146,7 +168,13 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         runners: dict[str, Callable[[], dict]] = {}
         prompt = make_prompt(args.prompt_tokens)
-        base = Baseline(path, args.tokens, prompt, gpu_env(0, args.gpus) or {"BENCH_PIN": "1"})
+        base = Baseline(
+            path,
+            args.tokens,
+            prompt,
+            gpu_env(0, args.gpus)
+            or ({"BENCH_CORES": ",".join(map(str, core_set(0, per_rank)))} if per_rank else {}),
+        )
         stack.callback(base.close)
         runners["mlx_lm (1 process)"] = base.run
         for n in sizes:  # every cluster stays up, idle on its doorbells, between its turns
@@ -158,11 +186,12 @@ def main() -> int:
                     ["--model", args.model, "--no-prompt-cache", *args.serve_args.split()],
                     grpc_address=address,
                     log_dir=logs,
-                    pin=pin,
                     rank_env={r: gpu_env(r, args.gpus) for r in range(n)},
                 )
             )
             cluster.wait_serving(600)
+            for rank, proc in enumerate(cluster.procs if per_rank else []):
+                pin_all_threads(proc.pid, core_set(rank, per_rank))
             client = stack.enter_context(Client(address, timeout=600))
             label = f"mlx-relay {n} rank{'s' if n > 1 else ''}"
             runners[label] = lambda c=client: cluster_run(c, args.tokens, prompt)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 import uuid
 from typing import Any
 
-from mlx_relay.coordinator import requests
+from mlx_relay.coordinator import constraints, requests
 from mlx_relay.coordinator.engine import Engine, EngineError, Request
 from mlx_relay.coordinator.pipeline import ClusterFailure, RankFailure
 from mlx_relay.coordinator.postprocess import DEFAULT_THINK_MARKERS, think_markers
@@ -39,6 +40,8 @@ class Cluster:
         self.backend = backend
         self.last_model = model
         self.last_layers = layers
+        self._compiler: constraints.Compiler | None = None  # the loaded tokenizer's
+        self._compiler_lock = threading.Lock()
 
     def tokenizer(self) -> Any:
         """The loaded model's tokenizer, or EngineError('unavailable') saying why not."""
@@ -80,21 +83,34 @@ class Cluster:
                 f"{n + params.max_tokens} tokens, more than the {bound} this cluster serves per "
                 f"sequence (--max-context); lower max_tokens to at most {bound - n}"
             )
-        if request.response_format_json.strip() not in ("", '{"type": "text"}'):
-            raise requests.InvalidRequest("response_format is not supported yet")
-        if request.grammar:
-            raise requests.InvalidRequest("grammar is not supported yet")
         think_start, _ = think_markers(tokenizer) or DEFAULT_THINK_MARKERS
+        starts_in_reasoning = bool(request.messages) and requests.ends_in_reasoning(
+            prompt.text, think_start
+        )
         return Request(
             prompt_tokens=prompt.token_ids,
             params=params,
             request_id=request.request_id or uuid.uuid4().hex[:12],
             tools=prompt.tools,
             parse_tools=prompt.tool_choice != "none",
-            starts_in_reasoning=bool(request.messages)
-            and requests.ends_in_reasoning(prompt.text, think_start),
+            starts_in_reasoning=starts_in_reasoning,
             opens_tool_call=prompt.opens_tool_call,
+            constraint=self._constraint(tokenizer, request, starts_in_reasoning),
         )
+
+    def _constraint(
+        self, tokenizer: Any, request: pb.GenerateRequest, in_reasoning: bool
+    ) -> constraints.Constraint | None:
+        """The grammar of `response_format` or `grammar`, compiled, or None (free text)."""
+        wanted = constraints.request_grammar(request.response_format_json, request.grammar)
+        if wanted is None:
+            return None
+        grammar, field = wanted
+        with self._compiler_lock:  # built once per loaded tokenizer (up to ~1 s)
+            if self._compiler is None or self._compiler.tokenizer is not tokenizer:
+                self._compiler = constraints.Compiler(tokenizer)
+            compiler = self._compiler
+        return compiler.constraint(grammar, field, in_reasoning=in_reasoning)
 
     def render(self, request: pb.GenerateRequest | pb.TokenizeRequest) -> requests.Prompt:
         """The prompt's text and tokens, as the model will see them."""

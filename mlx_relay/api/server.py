@@ -19,8 +19,10 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from mlx_relay.api import localai
 from mlx_relay.api.auth import TokenAuth, server_credentials
 from mlx_relay.api.cluster import Cluster
+from mlx_relay.api.http import server as http_server
 from mlx_relay.api.service import SERVICE_NAME, RelayServicer, add_to_server
 from mlx_relay.coordinator.engine import Engine
 from mlx_relay.coordinator.pipeline import Pipeline, hub_ready
@@ -62,8 +64,8 @@ def run(args, ring: Ring | None, hub: ControlHub | None) -> int:
 
     on_state("starting")
     engine.on_state = on_state
-    server = _grpc_server(args, engine, health_servicer)
-    if server is None:
+    servers = _grpc_server(args, engine, health_servicer)
+    if servers is None:
         return 2
 
     stop = threading.Event()  # first SIGTERM/SIGINT: drain and stop
@@ -82,7 +84,7 @@ def run(args, ring: Ring | None, hub: ControlHub | None) -> int:
             log.error("%s", e)
             engine.error = str(e)
             on_state("failed")
-            return _close(server, hub, EXIT_CLUSTER_FAILED)
+            return _close(servers, hub, EXIT_CLUSTER_FAILED)
         threading.Thread(
             target=_watchdog,
             args=(engine, hub, args.heartbeat_timeout),
@@ -92,7 +94,7 @@ def run(args, ring: Ring | None, hub: ControlHub | None) -> int:
     engine.start()
     if args.model and not _load_at_start(engine, args.model, args.layer_counts):
         if engine.state != "failed":
-            return _stop_after_failed_load(engine, server, hub, args.shutdown_timeout)
+            return _stop_after_failed_load(engine, servers, hub, args.shutdown_timeout)
 
     while not stop.wait(0.1):
         if not engine.running or engine.state == "failed":
@@ -102,7 +104,7 @@ def run(args, ring: Ring | None, hub: ControlHub | None) -> int:
         if hub is not None:
             hub.bye()  # the workers still alive go now instead of waiting for silence
         engine.join(timeout=2)
-        return _close(server, hub, EXIT_CLUSTER_FAILED)
+        return _close(servers, hub, EXIT_CLUSTER_FAILED)
     code = 0
     if engine.running:
         _drain(engine, args.drain_timeout, hurry)
@@ -113,7 +115,7 @@ def run(args, ring: Ring | None, hub: ControlHub | None) -> int:
             log.error("clean shutdown failed: %s", e)
             code = EXIT_CLUSTER_FAILED
     engine.join(timeout=5)
-    return _close(server, hub, code)
+    return _close(servers, hub, code)
 
 
 def _load_at_start(engine: Engine, spec: str, layers: list[int] | str | None) -> bool:
@@ -129,7 +131,7 @@ def _load_at_start(engine: Engine, spec: str, layers: list[int] | str | None) ->
 
 
 def _stop_after_failed_load(
-    engine: Engine, server: grpc.Server, hub: ControlHub | None, timeout: float
+    engine: Engine, servers: list[grpc.Server], hub: ControlHub | None, timeout: float
 ) -> int:
     """The model given at start did not load: a start that cannot serve ends at once.
 
@@ -141,10 +143,11 @@ def _stop_after_failed_load(
     except Exception as e:  # noqa: BLE001 - the workers end anyway once rank 0 is silent
         log.warning("shutting the workers down after the failed load: %s", e)
     engine.join(timeout=5)
-    return _close(server, hub, EXIT_LOAD_FAILED)
+    return _close(servers, hub, EXIT_LOAD_FAILED)
 
 
-def _grpc_server(args, engine: Engine, health_servicer) -> grpc.Server | None:
+def _grpc_server(args, engine: Engine, health_servicer) -> list[grpc.Server] | None:
+    """The gRPC front door, and LocalAI's and the HTTP doors beside it when asked for."""
     token = auth_token(args.auth_token)
     threads = max(64, args.max_active + args.max_queue + 16)
     server = grpc.server(
@@ -184,7 +187,32 @@ def _grpc_server(args, engine: Engine, health_servicer) -> grpc.Server | None:
         " with TLS" if args.tls_cert else "",
         ", bearer token required" if token else "",
     )
-    return server
+    servers = [server]
+    if args.localai_address:
+        try:
+            servers.append(
+                localai.serve(
+                    cluster,
+                    args.localai_address,
+                    token=token,
+                    threads=threads,
+                    max_request_bytes=args.max_request_bytes,
+                )
+            )
+        except OSError as e:
+            server.stop(grace=0)
+            report_fatal(0, str(e))
+            return None
+    try:
+        http = http_server.start(args, cluster)  # stopped by _close like the others
+    except http_server.ListenError as e:
+        for started in servers:
+            started.stop(grace=0)
+        report_fatal(0, str(e))
+        return None
+    if http is not None:
+        servers.append(http)
+    return servers
 
 
 class ListenError(Exception):
@@ -248,9 +276,10 @@ def _drain(engine: Engine, timeout: float, hurry: threading.Event) -> None:
         log.warning("drain: %d requests still running; they end with UNAVAILABLE", active + queued)
 
 
-def _close(server: grpc.Server, hub: ControlHub | None, code: int) -> int:
+def _close(servers: list[grpc.Server], hub: ControlHub | None, code: int) -> int:
     """Give answered requests a moment to reach their clients, then let every rank go."""
-    server.stop(grace=1).wait(2)
+    for stopped in [server.stop(grace=1) for server in servers]:
+        stopped.wait(2)
     if hub is not None:
         hub.bye()
         hub.close()

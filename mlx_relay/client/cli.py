@@ -113,6 +113,35 @@ def _sampling_options(p: argparse.ArgumentParser) -> None:
         default="",
         help="auto, none (no tool-call parsing), required or a tool name (forces a call)",
     )
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    shape.add_argument(
+        "--json-schema", metavar="FILE", help="the output is JSON valid against this JSON Schema"
+    )
+    shape.add_argument("--grammar", metavar="FILE", help="the output follows this GBNF grammar")
+
+
+def _read(option: str, path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{option} {path}: {getattr(e, 'strerror', None) or e}") from None
+
+
+def structured_output(args: argparse.Namespace) -> dict[str, str]:
+    """The request fields of --json-object, --json-schema FILE or --grammar FILE."""
+    if args.grammar:
+        return {"grammar": _read("--grammar", args.grammar)}
+    if args.json_object:
+        return {"response_format_json": json.dumps({"type": "json_object"})}
+    if not args.json_schema:
+        return {}
+    try:
+        schema = json.loads(_read("--json-schema", args.json_schema))
+    except ValueError as e:
+        raise UserError(f"--json-schema {args.json_schema}: not valid JSON: {e}") from None
+    spec = {"name": Path(args.json_schema).stem, "schema": schema, "strict": True}
+    return {"response_format_json": json.dumps({"type": "json_schema", "json_schema": spec})}
 
 
 def _logit_bias(text: str) -> tuple[int, float]:
@@ -260,6 +289,7 @@ def run_chat(args: argparse.Namespace) -> int:
         tools_json=tools_json,
         tool_choice=args.tool_choice,
         chat_template_kwargs_json=args.chat_template_kwargs,
+        **structured_output(args),
     )
     return _run(args, request)
 
@@ -267,7 +297,10 @@ def run_chat(args: argparse.Namespace) -> int:
 def run_generate(args: argparse.Namespace) -> int:
     _check_utf8(args)
     request = pb.GenerateRequest(
-        prompt=args.prompt, params=sampling_params(args), tool_choice=args.tool_choice
+        prompt=args.prompt,
+        params=sampling_params(args),
+        tool_choice=args.tool_choice,
+        **structured_output(args),
     )
     return _run(args, request)
 

@@ -36,6 +36,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.utils import load_tokenizer
 
+from mlx_relay.coordinator.constraints import Constraint, apply_mask
 from mlx_relay.coordinator.output import Chunk, OutputProcessor
 from mlx_relay.coordinator.pipeline import ClusterFailure, Pipeline, RankFailure, Step
 from mlx_relay.coordinator.postprocess import OutputParser
@@ -66,6 +67,7 @@ class Request:
     parse_tools: bool = True
     starts_in_reasoning: bool = False
     opens_tool_call: str = ""  # tool_choice forced a call: the prompt ends in its marker
+    constraint: Constraint | None = None  # a grammar the output must follow
     created: float = field(default_factory=time.perf_counter)
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -121,6 +123,12 @@ class Sequence:
     def prefilling(self) -> bool:
         """Prompt tokens left to send: known in advance, so several chunks may be in flight."""
         return self.first_token_at is None and bool(self.pending)
+
+
+def _constrained(seq: Sequence) -> bool:
+    """A grammar decides this sequence's next token (not while it waits for a think end)."""
+    constraint = seq.request.constraint
+    return constraint is not None and constraint.active
 
 
 class Engine:
@@ -540,13 +548,19 @@ class Engine:
         one graph and started, not waited for; each sequence's next input is its row.
 
         Rows that take the plain greedy token share one argmax; only requests that need
-        their own work (a seed, penalties, logprobs) get a row of their own.
+        their own work (a seed, penalties, a grammar) get a row of their own. A grammar's
+        mask is applied after the logits processors, as the last of them; it is for the
+        token after the one read back last, which `_emit` has moved the matcher over (a
+        sequence has at most one step that wants logits in flight).
         """
         if len(rows) < logits.shape[0]:
             logits = logits[mx.array([i for i, _ in rows])]
         seqs = [s for _, s in rows]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        own_rows = [s.sampler.processes or s.sampler.params.temperature != 0 for s in seqs]
+        own_rows = [
+            s.sampler.processes or s.sampler.params.temperature != 0 or _constrained(s)
+            for s in seqs
+        ]
         wanted: list[mx.array | None] = [None] * len(seqs)
         if not any(own_rows):
             tokens = mx.argmax(logprobs, axis=-1)
@@ -554,8 +568,14 @@ class Engine:
             picked = []
             for j, seq in enumerate(seqs):
                 row = logprobs[j : j + 1]
-                if seq.sampler.processes:
-                    row = seq.sampler.process(seq.context, seq.generated, logits[j : j + 1])
+                constraint = seq.request.constraint
+                allowed = constraint.mask(logits.shape[-1]) if constraint is not None else None
+                if seq.sampler.processes or allowed is not None:
+                    row = logits[j : j + 1]
+                    if seq.sampler.processes:
+                        row = seq.sampler.process(seq.context, seq.generated, row)
+                    if allowed is not None:
+                        row = apply_mask(row, allowed)
                     row = row - mx.logsumexp(row, keepdims=True)
                 picked.append(seq.sampler.sample(row))
                 wanted[j] = row[0]
@@ -584,6 +604,16 @@ class Engine:
 
     def _emit(self, seq: Sequence, token: int, logprobs: mx.array | None) -> None:
         chunk, reason = self._output.token(seq, token, logprobs)
+        constraint = seq.request.constraint
+        if not reason and constraint is not None:
+            # Here, while the device runs the next step: the matcher takes the token and
+            # computes the next mask. A complete grammar ends the sequence.
+            try:
+                reason = "stop" if constraint.advance(token) else ""
+            except RuntimeError as e:
+                log.error("request %s: %s", seq.request.request_id, e)
+                self._finish(seq, EngineError("internal", str(e)))
+                return
         if reason:
             self._finish(seq, chunk, reason=reason)
         else:

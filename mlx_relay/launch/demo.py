@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+import urllib.request
 
 from mlx_relay.client.client import Client, chat_request
 from mlx_relay.launch import preflight
@@ -25,10 +27,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     # Converts the default model once, with progress, before the ranks start.
     preflight.check_ranks(preflight.check_model(args.model), args.num_ranks)
-    address = f"127.0.0.1:{free_ports(1)[0]}"
+    grpc_port, http_port = free_ports(2)
+    address = f"127.0.0.1:{grpc_port}"
+    http = f"http://127.0.0.1:{http_port}"
     print(f"mlx-relay demo: starting {args.num_ranks} ranks on {args.model} ...", flush=True)
     t0 = time.perf_counter()
-    cluster = LocalCluster(args.num_ranks, ["--model", args.model], grpc_address=address)
+    cluster = LocalCluster(
+        args.num_ranks,
+        ["--model", args.model, "--http-address", f"127.0.0.1:{http_port}"],
+        grpc_address=address,
+    )
     with cluster:
         cluster.wait_serving(600)
         print(f"mlx-relay demo: serving after {time.perf_counter() - t0:.1f} s", flush=True)
@@ -54,9 +62,33 @@ def run(args: argparse.Namespace) -> int:
                 f"{final.timings.decode_tokens_per_s:.1f} tok/s)",
                 flush=True,
             )
+        _ask_over_http(http, args.question, args.model)
     codes = [p.returncode for p in cluster.procs]
     print(f"mlx-relay demo: cluster shut down (exit codes {codes})")
     return 0 if all(c == 0 for c in codes) else 1
+
+
+def _ask_over_http(base: str, question: str, model: str) -> None:
+    """The same question through the OpenAI-compatible HTTP door, shown as curl would send it."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": 64,
+    }
+    print(
+        f"\nThe same over HTTP (OpenAI's API; Anthropic's at /v1/messages, Ollama's at /api):\n"
+        f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        f"       -d '{json.dumps(body)}'",
+        flush=True,
+    )
+    request = urllib.request.Request(
+        f"{base}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=300) as response:
+        reply = json.load(response)
+    print(f"assistant (HTTP): {reply['choices'][0]['message']['content']}", flush=True)
 
 
 if __name__ == "__main__":

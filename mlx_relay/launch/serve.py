@@ -45,6 +45,22 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
         ),
     ),
     ("--grpc-address", dict(default=DEFAULT_GRPC_ADDRESS, help="rank 0's gRPC address")),
+    (
+        "--localai-address",
+        dict(
+            default="",
+            help="HOST:PORT: rank 0 also serves LocalAI's backend.Backend gRPC service there "
+            "(token: $LOCALAI_GRPC_AUTH_TOKEN, else the cluster's)",
+        ),
+    ),
+    (
+        "--http-address",
+        dict(
+            default="",
+            help="rank 0's HTTP address for the OpenAI, Anthropic and Ollama APIs, HOST:PORT "
+            "or a bare PORT on loopback (default: off)",
+        ),
+    ),
     ("--max-active", dict(type=int, default=8, help="sequences decoding at once")),
     ("--max-queue", dict(type=int, default=64, help="requests waiting beyond that")),
     (

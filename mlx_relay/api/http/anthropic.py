@@ -1,0 +1,378 @@
+"""Anthropic's Messages API: `/v1/messages` (streaming and not) and `count_tokens`.
+
+Content blocks map onto chat messages: `tool_use` blocks become the assistant's tool
+calls, `tool_result` blocks tool messages, `thinking` blocks its reasoning. The answer
+is built by `MessageStream` from the engine's chunks; a non-streaming answer is the
+message that stream builds, its events dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from mlx_relay.api.http.common import Door, HttpError, Output, sampling
+from mlx_relay.api.http.schemas import Lenient, dumps, sse
+from mlx_relay.coordinator.output import Chunk
+from mlx_relay.protocol import relay_pb2 as pb
+
+API = "anthropic"
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def error_body(e: HttpError) -> dict[str, Any]:
+    return {
+        "type": "error",
+        "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": str(e)},
+    }
+
+
+class Block(Lenient):
+    type: str
+    text: str | None = None
+    thinking: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: Any = None
+    tool_use_id: str | None = None
+    content: str | list[Block] | None = None
+
+
+class Message(Lenient):
+    role: str
+    content: str | list[Block]
+
+
+class Tool(Lenient):
+    name: str
+    description: str = ""
+    input_schema: dict[str, Any] = {}
+
+
+class CountRequest(Lenient):
+    model: str
+    messages: list[Message]
+    system: str | list[Block] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+
+class MessagesRequest(CountRequest):
+    max_tokens: int
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool = False
+
+    def generate_request(self) -> pb.GenerateRequest:
+        prompt = prompt_request(self)
+        return pb.GenerateRequest(
+            messages=prompt.messages,
+            tools_json=prompt.tools_json,
+            tool_choice=prompt.tool_choice,
+            chat_template_kwargs_json=template_kwargs(self.thinking),
+            params=sampling(
+                max_tokens=self.max_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                stop=self.stop_sequences,
+            ),
+        )
+
+
+def _text(blocks: str | list[Block] | None, where: str) -> str:
+    if blocks is None or isinstance(blocks, str):
+        return blocks or ""
+    out = []
+    for i, b in enumerate(blocks):
+        if b.type != "text":
+            raise HttpError(
+                "invalid",
+                f"{where}[{i}] is a {b.type!r} block: this server reads text only here",
+                where,
+            )
+        out.append(b.text or "")
+    return "\n".join(out)
+
+
+def chat_messages(body: CountRequest) -> list[pb.ChatMessage]:
+    out: list[pb.ChatMessage] = []
+    system = _text(body.system, "system")
+    if system:
+        out.append(pb.ChatMessage(role="system", content=system))
+    for i, m in enumerate(body.messages):
+        if m.role not in ("user", "assistant"):
+            raise HttpError(
+                "invalid", f"messages[{i}].role must be 'user' or 'assistant'", "messages"
+            )
+        blocks = [Block(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+        texts, reasoning, calls = [], [], []
+        for j, b in enumerate(blocks):
+            where = f"messages[{i}].content[{j}]"
+            if b.type == "text":
+                texts.append(b.text or "")
+            elif b.type in ("thinking", "redacted_thinking"):
+                reasoning.append(b.thinking or "")
+            elif b.type == "tool_use" and m.role == "assistant":
+                calls.append(
+                    pb.ToolCall(
+                        id=b.id or "",
+                        type="function",
+                        function=pb.ToolCallFunction(
+                            name=b.name or "", arguments=dumps(b.input or {})
+                        ),
+                    )
+                )
+            elif b.type == "tool_result" and m.role == "user":
+                out.append(
+                    pb.ChatMessage(
+                        role="tool",
+                        tool_call_id=b.tool_use_id or "",
+                        content=_text(b.content, where),
+                    )
+                )
+            else:
+                raise HttpError(
+                    "invalid",
+                    f"{where} is a {b.type!r} block, which this server does not take in a "
+                    f"{m.role} message (images and documents are not supported yet)",
+                    "messages",
+                )
+        if texts or reasoning or calls:
+            out.append(
+                pb.ChatMessage(
+                    role=m.role,
+                    content="".join(texts),
+                    reasoning="".join(reasoning),
+                    tool_calls=calls,
+                )
+            )
+    return out
+
+
+@dataclass
+class _Prompt:
+    """What a Messages request says about the prompt, in the engine's terms."""
+
+    messages: list[pb.ChatMessage]
+    tools_json: str
+    tool_choice: str
+
+
+def prompt_request(body: CountRequest) -> _Prompt:
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": t.name,
+                "description": t.description,
+                "parameters": t.input_schema,
+            },
+        }
+        for t in body.tools or []
+    ]
+    choice = body.tool_choice or {}
+    kind = choice.get("type", "auto")
+    tool_choice = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    if kind == "tool":
+        tool_choice = str(choice.get("name", ""))
+    if tool_choice is None:
+        raise HttpError(
+            "invalid", f"tool_choice.type {kind!r} is not auto, any, tool or none", "tool_choice"
+        )
+    return _Prompt(chat_messages(body), dumps(tools) if tools else "", tool_choice)
+
+
+def template_kwargs(thinking: dict[str, Any] | None) -> str:
+    if not thinking:
+        return ""
+    return dumps({"enable_thinking": thinking.get("type") == "enabled"})
+
+
+class MessageStream:
+    """Content blocks built from chunks, and the stream events that build them."""
+
+    def __init__(self, output: Output, model: str) -> None:
+        self.id = f"msg_{output.request_id or uuid.uuid4().hex}"
+        self.model = model
+        self.input_tokens = len(output.request.prompt_tokens)
+        self.blocks: list[dict[str, Any]] = []
+        self.open = ""  # the type of the block being streamed
+        self.stop_reason: str | None = None
+        self.usage: dict[str, int] = {}
+
+    def message(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": self.blocks,
+            "stop_reason": self.stop_reason,
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": self.usage.get("prompt_tokens", self.input_tokens),
+                "output_tokens": self.usage.get("completion_tokens", 0),
+                "cache_read_input_tokens": self.usage.get("cached_tokens", 0),
+                "cache_creation_input_tokens": 0,
+            },
+        }
+
+    def start(self) -> list[tuple[str, dict[str, Any]]]:
+        return [("message_start", {"type": "message_start", "message": self.message()})]
+
+    def feed(self, chunk: Chunk) -> list[tuple[str, dict[str, Any]]]:
+        events: list[tuple[str, dict[str, Any]]] = []
+        if chunk.reasoning:
+            events += self._delta("thinking", chunk.reasoning)
+        if chunk.text:
+            events += self._delta("text", chunk.text)
+        for call in chunk.tool_calls:
+            events += self._close()
+            try:
+                arguments = json.loads(call.arguments or "{}")
+            except ValueError:
+                arguments = {}
+            index = len(self.blocks)
+            self.blocks.append(
+                {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments}
+            )
+            start = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
+            events.append(
+                (
+                    "content_block_start",
+                    {"type": "content_block_start", "index": index, "content_block": start},
+                )
+            )
+            delta = {"type": "input_json_delta", "partial_json": dumps(arguments)}
+            events.append(
+                (
+                    "content_block_delta",
+                    {"type": "content_block_delta", "index": index, "delta": delta},
+                )
+            )
+            events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
+        if chunk.finish_reason is not None:
+            events += self._close()
+            self.stop_reason = STOP_REASONS.get(chunk.finish_reason, "end_turn")
+            self.usage = dict(chunk.usage or {})
+            events.append(
+                (
+                    "message_delta",
+                    {
+                        "type": "message_delta",
+                        "delta": {"stop_reason": self.stop_reason, "stop_sequence": None},
+                        "usage": {"output_tokens": self.usage.get("completion_tokens", 0)},
+                    },
+                )
+            )
+            events.append(("message_stop", {"type": "message_stop"}))
+        return events
+
+    def _delta(self, kind: str, text: str) -> list[tuple[str, dict[str, Any]]]:
+        events = []
+        if self.open != kind:
+            events += self._close()
+            self.open = kind
+            block = (
+                {"type": "text", "text": ""}
+                if kind == "text"
+                else {
+                    "type": "thinking",
+                    "thinking": "",
+                    "signature": "",
+                }
+            )
+            self.blocks.append(dict(block))
+            events.append(
+                (
+                    "content_block_start",
+                    {
+                        "type": "content_block_start",
+                        "index": len(self.blocks) - 1,
+                        "content_block": block,
+                    },
+                )
+            )
+        self.blocks[-1][kind] += text
+        delta = (
+            {"type": "text_delta", "text": text}
+            if kind == "text"
+            else {
+                "type": "thinking_delta",
+                "thinking": text,
+            }
+        )
+        events.append(
+            (
+                "content_block_delta",
+                {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta},
+            )
+        )
+        return events
+
+    def _close(self) -> list[tuple[str, dict[str, Any]]]:
+        if not self.open:
+            return []
+        self.open = ""
+        return [
+            ("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1})
+        ]
+
+
+async def _events(stream: MessageStream, output: Output) -> AsyncIterator[str]:
+    for name, data in stream.start():
+        yield sse(data, name)
+    try:
+        async for chunk in output:
+            for name, data in stream.feed(chunk):
+                yield sse(data, name)
+    except HttpError as e:
+        yield sse(error_body(e), "error")
+
+
+def router(door: Door) -> APIRouter:
+    r = APIRouter()
+
+    @r.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request) -> Any:
+        model = door.check_model(body.model)
+        output = await door.generate(body.generate_request(), API)
+        stream = MessageStream(output, body.model or model)
+        if body.stream:
+            return output.response(_events(stream, output))
+        async for chunk in output.watched(request):
+            stream.feed(chunk)
+        return stream.message()
+
+    @r.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountRequest) -> dict[str, int]:
+        door.check_model(body.model)
+        prompt = prompt_request(body)
+        rendered = await door.render(
+            pb.TokenizeRequest(
+                messages=prompt.messages,
+                tools_json=prompt.tools_json,
+                tool_choice=prompt.tool_choice,
+                chat_template_kwargs_json=template_kwargs(body.thinking),
+            )
+        )
+        return {"input_tokens": len(rendered.token_ids)}
+
+    return r

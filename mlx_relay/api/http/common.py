@@ -1,0 +1,358 @@
+"""What every HTTP door shares: one way to run a request, one error type, model names.
+
+`generate` submits a `pb.GenerateRequest` to the `Cluster` and returns an async stream
+of the engine's chunks; a door streams them in its own format, or folds them with
+`collect` for a non-streaming answer, so the two never diverge. The stream cancels
+its request when the consumer goes away (a client that disconnects mid-stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request as HttpRequest
+from starlette.responses import StreamingResponse
+
+from mlx_relay.api.cluster import Cluster
+from mlx_relay.api.http.metrics import Metrics, Observer
+from mlx_relay.coordinator import requests
+from mlx_relay.coordinator.engine import EngineError, Request
+from mlx_relay.coordinator.output import Chunk, TokenLogprob
+from mlx_relay.coordinator.pipeline import RankFailure
+from mlx_relay.coordinator.postprocess import ToolCall
+from mlx_relay.protocol import relay_pb2 as pb
+
+# The HTTP status matching the gRPC status each error kind gets from the gRPC door
+# (Google's mapping: INVALID_ARGUMENT and FAILED_PRECONDITION 400, UNAVAILABLE 503 ...).
+STATUS = {
+    "invalid": 400,
+    "precondition": 400,
+    "unauthenticated": 401,
+    "not_found": 404,
+    "too_large": 413,
+    "exhausted": 429,
+    "cancelled": 499,
+    "internal": 500,
+    "unavailable": 503,
+}
+
+
+MAX_CHOICES = 16  # OpenAI's `n`: each choice is a request of its own
+
+
+class HttpError(Exception):
+    """A request refused, in words; each API's handler renders it in its own error shape."""
+
+    def __init__(self, kind: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.param = param
+
+    @property
+    def status(self) -> int:
+        return STATUS.get(self.kind, 500)
+
+
+def as_http_error(e: BaseException) -> HttpError:
+    """The engine's and the request checks' errors as one HttpError."""
+    if isinstance(e, HttpError):
+        return e
+    if isinstance(e, requests.InvalidRequest):
+        return HttpError("invalid", str(e))
+    if isinstance(e, EngineError):
+        return HttpError(e.kind, str(e))
+    if isinstance(e, RankFailure):
+        return HttpError("unavailable", str(e))
+    return HttpError("internal", f"{type(e).__name__}: {e}")
+
+
+@dataclass
+class Door:
+    """What a door's handlers need: the cluster, and the metrics its requests feed."""
+
+    cluster: Cluster
+    metrics: Metrics
+
+    def model_id(self) -> str:
+        """The loaded model's name as the APIs list it ('' when none is loaded)."""
+        loaded = self.cluster.engine.pipeline.loaded
+        return loaded.spec if loaded else ""
+
+    def check_model(self, name: str | None) -> str:
+        """The model a request names, if it is the one served; HttpError otherwise.
+
+        A request may name it by its spec ('default' or the path it was loaded from) or
+        the path's last part; leaving it out means the one served.
+        """
+        served = self.model_id()
+        if not served:
+            self.cluster.tokenizer()  # raises 'unavailable' saying why
+        if not name or name in (served, served.rstrip("/").rsplit("/", 1)[-1]):
+            return served
+        raise HttpError(
+            "not_found", f"model {name!r} is not served here; this cluster serves {served!r}"
+        )
+
+    async def render(self, request: pb.GenerateRequest | pb.TokenizeRequest) -> requests.Prompt:
+        try:
+            return await run_in_threadpool(self.cluster.render, request)
+        except Exception as e:  # noqa: BLE001 - mapped to the API's error
+            raise as_http_error(e) from e
+
+    async def generate(self, request: pb.GenerateRequest, api: str) -> Output:
+        """Submit now (errors come out here, before any response is sent); stream later."""
+        try:
+            req = await run_in_threadpool(self.cluster.submit, request)
+        except Exception as e:  # noqa: BLE001 - mapped to the API's error
+            error = as_http_error(e)
+            self.metrics.refused(api, error.kind)
+            raise error from e
+        return Output(req, self.metrics.observe(req, api))
+
+    async def generate_n(self, request: pb.GenerateRequest, api: str, n: int) -> Choices:
+        """OpenAI's `n`: n requests, a seeded one seeded seed, seed+1, ... so they differ."""
+        if not 1 <= n <= MAX_CHOICES:
+            raise HttpError("invalid", f"n must be in [1, {MAX_CHOICES}], got {n}", "n")
+        outputs: list[Output] = []
+        try:
+            for i in range(n):
+                one = pb.GenerateRequest()
+                one.CopyFrom(request)
+                if i and request.params.HasField("seed"):
+                    one.params.seed = request.params.seed + i
+                outputs.append(await self.generate(one, api))
+        except BaseException:
+            for output in outputs:
+                output.request.cancel()
+            raise
+        return Choices(outputs)
+
+
+class Output:
+    """One request's chunks as an async iterator; closing it early cancels the request."""
+
+    def __init__(self, request: Request, observer: Observer) -> None:
+        self.request = request
+        self.request_id = request.request_id
+        self._observer = observer
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue = asyncio.Queue()
+
+        def put(item: object) -> None:
+            try:
+                loop.call_soon_threadsafe(items.put_nowait, item)
+            except RuntimeError:  # the loop is gone (server stopping): nobody listens
+                self.request.cancel()
+
+        def pump() -> None:
+            try:
+                for chunk in self.request.chunks():
+                    put(chunk)
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                put(e)
+            put(None)
+
+        threading.Thread(target=pump, name="http-stream", daemon=True).start()
+        try:
+            while (item := await items.get()) is not None:
+                if isinstance(item, Exception):
+                    error = as_http_error(item)
+                    self._observer.failed(error.kind)
+                    raise error from item
+                self._observer.chunk(item)
+                yield item
+        finally:
+            self.request.cancel()  # a no-op once finished; frees the slot if the client went
+            self._observer.close()
+
+    def response(
+        self, body: AsyncIterator[str], media_type: str = "text/event-stream"
+    ) -> StreamingResponse:
+        return streamed(body, [self.request], media_type)
+
+    async def watched(self, http: HttpRequest) -> AsyncIterator[Chunk]:
+        """The chunks, for a non-streaming answer: nothing is sent until the last one, so
+        the client's disconnect is watched for here (a stream notices it when writing)."""
+
+        async def watch() -> None:
+            while (await http.receive())["type"] != "http.disconnect":
+                pass
+            self.request.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            async for chunk in self:
+                yield chunk
+        finally:
+            watcher.cancel()
+
+
+def streamed(
+    body: AsyncIterator[str], requests: list[Request], media_type: str = "text/event-stream"
+) -> StreamingResponse:
+    """A streamed answer whose requests are cancelled however the response ends, even
+    when the client leaves before the body is first iterated."""
+
+    def cancel() -> None:
+        for request in requests:
+            request.cancel()
+
+    return StreamingResponse(
+        body,
+        media_type=media_type,
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        background=BackgroundTask(cancel),
+    )
+
+
+class Choices:
+    """Several outputs answering one call (OpenAI's `n`), as one stream or one answer."""
+
+    def __init__(self, outputs: list[Output]) -> None:
+        self.outputs = outputs
+        self.request_id = outputs[0].request_id
+
+    def response(self, body: AsyncIterator[str]) -> StreamingResponse:
+        return streamed(body, [o.request for o in self.outputs])
+
+    async def merged(self) -> AsyncIterator[tuple[int, Chunk]]:
+        """Every output's chunks as they come, each with its output's index."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def drain(index: int, output: Output) -> None:
+            try:
+                async for chunk in output:
+                    queue.put_nowait((index, chunk))
+            except HttpError as e:
+                queue.put_nowait((index, e))
+            finally:
+                queue.put_nowait((index, None))
+
+        tasks = [asyncio.create_task(drain(i, o)) for i, o in enumerate(self.outputs)]
+        try:
+            running = len(tasks)
+            while running:
+                index, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, HttpError):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            for output in self.outputs:
+                output.request.cancel()
+
+    async def collect(self, http: HttpRequest) -> list[Collected]:
+        """Every whole answer; all are cancelled if the client leaves before them."""
+        wholes = [Collected() for _ in self.outputs]
+
+        async def watch() -> None:
+            while (await http.receive())["type"] != "http.disconnect":
+                pass
+            for output in self.outputs:
+                output.request.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            async for index, chunk in self.merged():
+                wholes[index].add(chunk)
+        finally:
+            watcher.cancel()
+        return wholes
+
+
+def total_usage(usages: list[dict[str, int]]) -> dict[str, int]:
+    """One call's usage over its choices: the prompt once, every completion."""
+    first = usages[0] if usages else {}
+    completion = sum(u.get("completion_tokens", 0) for u in usages)
+    return {
+        "prompt_tokens": first.get("prompt_tokens", 0),
+        "cached_tokens": first.get("cached_tokens", 0),
+        "completion_tokens": completion,
+        "reasoning_tokens": sum(u.get("reasoning_tokens", 0) for u in usages),
+        "total_tokens": first.get("prompt_tokens", 0) + completion,
+    }
+
+
+@dataclass
+class Collected:
+    """A whole response: the stream folded (the non-streaming answer of every door)."""
+
+    text: str = ""
+    reasoning: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str = ""
+    usage: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    malformed_tool_call: bool = False
+
+    def add(self, chunk: Chunk) -> None:
+        self.text += chunk.text
+        self.reasoning += chunk.reasoning
+        self.token_ids += chunk.token_ids
+        self.tool_calls += chunk.tool_calls
+        self.logprobs += chunk.logprobs
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
+            self.usage = dict(chunk.usage or {})
+            self.timings = dict(chunk.timings or {})
+            self.malformed_tool_call = chunk.malformed_tool_call
+
+
+async def collect(output: Output, http: HttpRequest) -> Collected:
+    """The whole answer; the request is cancelled if the client leaves before it."""
+    whole = Collected()
+    async for chunk in output.watched(http):
+        whole.add(chunk)
+    return whole
+
+
+def response_format_json(fmt: dict[str, Any] | None) -> str:
+    """OpenAI's response_format as the engine takes it ('' for plain text)."""
+    if not fmt or fmt.get("type") == "text":
+        return ""
+    return json.dumps(fmt)
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def sampling(**fields: Any) -> pb.SamplingParams:
+    """pb.SamplingParams from the fields a request set (None: left to the server)."""
+    params = pb.SamplingParams()
+    for name, value in fields.items():
+        if value is None:
+            continue
+        if name == "stop":
+            params.stop.extend(stop_list(value))
+        elif name == "logit_bias":
+            for token, bias in value.items():
+                try:
+                    params.logit_bias[int(token)] = float(bias)
+                except (TypeError, ValueError) as e:
+                    raise HttpError(
+                        "invalid", f"logit_bias keys must be token ids, got {token!r}", "logit_bias"
+                    ) from e
+        else:
+            try:
+                setattr(params, name, value)
+            except (TypeError, ValueError) as e:
+                raise HttpError("invalid", f"{name}: {e}", name) from e
+    return params

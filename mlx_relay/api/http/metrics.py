@@ -1,0 +1,152 @@
+"""Prometheus metrics of the HTTP doors, in vLLM's naming style under `mlx_relay:`.
+
+One observer per request sees the chunks where the doors' shared path (`common.Output`)
+hands them on, so every door is measured the same way and none repeats the counting.
+Running and waiting requests and parked prompt caches are read from the engine at
+scrape time. Not measured here: per-rank step and per-hop transfer times (the engine
+keeps no per-rank timings yet).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from mlx_relay.coordinator.engine import Engine, Request
+from mlx_relay.coordinator.output import Chunk
+
+PREFIX = "mlx_relay:"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0)
+_LATENCY_BUCKETS += (2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0)
+_REQUEST_BUCKETS += (50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+
+disable_created_metrics()  # `*_created` series double the output and tell nobody anything
+
+
+class _EngineGauges(Collector):
+    """Gauges read from the engine when scraped, so they are never stale."""
+
+    def __init__(self, engine: Callable[[], Engine]) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        engine = self._engine()
+        running, waiting = engine.counts()
+        parked, parked_tokens = engine.cached_prompts()
+        for name, doc, value in (
+            ("num_requests_running", "Requests decoding or prefilling now.", running),
+            ("num_requests_waiting", "Requests queued for a slot.", waiting),
+            ("num_cached_prompts", "Finished requests whose KV caches wait for reuse.", parked),
+            ("cached_prompt_tokens", "Tokens those parked caches hold.", parked_tokens),
+        ):
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        yield GaugeMetricFamily(
+            PREFIX + "engine_serving",
+            "1 while the engine serves a model, else 0.",
+            value=1 if engine.state == "serving" and engine.running else 0,
+        )
+
+
+class Metrics:
+    """The registry the `/metrics` endpoint shows, and the observers that fill it."""
+
+    def __init__(self, engine: Callable[[], Engine]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            PREFIX + "requests",
+            "Requests by API and outcome (a finish reason, or the error kind that ended it).",
+            ["api", "outcome"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "From arrival to the first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Between consecutive output chunks of one request.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "From arrival to the last chunk.",
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        )
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Tokens generated.", registry=r
+        )
+        self.cache_queries = Counter(
+            PREFIX + "prefix_cache_queries",
+            "Prompt tokens looked up in the prompt cache.",
+            registry=r,
+        )
+        self.cache_hits = Counter(
+            PREFIX + "prefix_cache_hits",
+            "Prompt tokens found in the prompt cache (not computed again).",
+            registry=r,
+        )
+        self.cache_hit_requests = Counter(
+            PREFIX + "prompt_cache_hit_requests",
+            "Requests that reused an earlier request's KV cache.",
+            registry=r,
+        )
+        r.register(_EngineGauges(engine))
+
+    def refused(self, api: str, kind: str) -> None:
+        """A request refused before it reached the engine."""
+        self.requests.labels(api, kind).inc()
+
+    def observe(self, request: Request, api: str) -> Observer:
+        return Observer(self, request, api)
+
+
+class Observer:
+    """One request's timings and counts, from its chunks as they reach the client."""
+
+    def __init__(self, metrics: Metrics, request: Request, api: str) -> None:
+        self.metrics = metrics
+        self.api = api
+        self.created = request.created  # perf_counter at arrival
+        self.last: float | None = None
+        self.outcome = ""
+
+    def chunk(self, chunk: Chunk) -> None:
+        now = time.perf_counter()
+        m = self.metrics
+        if chunk.token_ids:
+            if self.last is None:
+                m.ttft.observe(now - self.created)
+            else:
+                m.itl.observe(now - self.last)
+            self.last = now
+        if chunk.finish_reason is not None:
+            self.outcome = chunk.finish_reason
+            m.e2e.observe(now - self.created)
+            usage = chunk.usage or {}
+            m.prompt_tokens.inc(usage.get("prompt_tokens", 0))
+            m.generation_tokens.inc(usage.get("completion_tokens", 0))
+            m.cache_queries.inc(usage.get("prompt_tokens", 0))
+            cached = usage.get("cached_tokens", 0)
+            m.cache_hits.inc(cached)
+            if cached:
+                m.cache_hit_requests.inc()
+
+    def failed(self, kind: str) -> None:
+        self.outcome = self.outcome or kind
+
+    def close(self) -> None:
+        """The stream ended: count the outcome ('disconnected' if the client left first)."""
+        self.metrics.requests.labels(self.api, self.outcome or "disconnected").inc()

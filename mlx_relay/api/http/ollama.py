@@ -1,0 +1,348 @@
+"""Ollama's API: `/api/chat` and `/api/generate` (NDJSON streams, streaming by default),
+`/api/tags`, `/api/show`, `/api/version`, for chat UIs that speak only Ollama.
+
+`options` map onto `pb.SamplingParams` (`num_predict` is max_tokens, `repeat_penalty`
+repetition_penalty); the non-streaming answer is the stream's chunks folded.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+
+from mlx_relay.api.http.common import Collected, Door, HttpError, Output, collect, sampling
+from mlx_relay.api.http.schemas import Lenient, dumps
+from mlx_relay.coordinator.output import Chunk
+from mlx_relay.protocol import relay_pb2 as pb
+
+API = "ollama"
+
+
+def error_body(e: HttpError) -> dict[str, Any]:
+    return {"error": str(e)}
+
+
+class Options(Lenient):
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    num_predict: int | None = None
+    stop: list[str] | str | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    def params(self) -> pb.SamplingParams:
+        return sampling(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            max_tokens=self.num_predict if self.num_predict and self.num_predict > 0 else None,
+            stop=self.stop,
+            repetition_penalty=self.repeat_penalty,
+            repetition_context_size=self.repeat_last_n
+            if self.repeat_last_n and self.repeat_last_n > 0
+            else None,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+        )
+
+
+class Function(Lenient):
+    name: str
+    arguments: dict[str, Any] | str = {}
+
+
+class ToolCall(Lenient):
+    function: Function
+
+
+class Message(Lenient):
+    role: str
+    content: str = ""
+    images: list[str] | None = None
+    tool_calls: list[ToolCall] | None = None
+    thinking: str | None = None
+    tool_name: str | None = None
+
+
+class Common(Lenient):
+    model: str
+    stream: bool = True
+    format: str | dict[str, Any] | None = None
+    options: Options | None = None
+    think: bool | None = None
+
+    def response_format(self) -> str:
+        if not self.format:
+            return ""
+        if self.format == "json":
+            return dumps({"type": "json_object"})
+        if isinstance(self.format, dict):
+            return dumps(
+                {"type": "json_schema", "json_schema": {"name": "output", "schema": self.format}}
+            )
+        raise HttpError("invalid", f"format {self.format!r} is not 'json' or a JSON schema")
+
+    def kwargs(self) -> str:
+        return dumps({"enable_thinking": self.think}) if self.think is not None else ""
+
+
+class ChatRequest(Common):
+    messages: list[Message]
+    tools: list[dict[str, Any]] | None = None
+
+
+class GenerateRequest(Common):
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+    images: list[str] | None = None
+
+
+class ShowRequest(Lenient):
+    model: str | None = None
+    name: str | None = None
+
+
+def _no_images(images: list[str] | None, where: str) -> None:
+    if images:
+        raise HttpError("invalid", f"{where}: images are not supported yet (text models only)")
+
+
+def chat_messages(messages: list[Message]) -> list[pb.ChatMessage]:
+    out = []
+    for i, m in enumerate(messages):
+        _no_images(m.images, f"messages[{i}]")
+        out.append(
+            pb.ChatMessage(
+                role=m.role,
+                content=m.content,
+                reasoning=m.thinking or "",
+                name=m.tool_name or "",
+                tool_calls=[
+                    pb.ToolCall(
+                        type="function",
+                        function=pb.ToolCallFunction(
+                            name=c.function.name,
+                            arguments=c.function.arguments
+                            if isinstance(c.function.arguments, str)
+                            else dumps(c.function.arguments),
+                        ),
+                    )
+                    for c in m.tool_calls or []
+                ],
+            )
+        )
+    return out
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+def _final(model: str, whole: Collected, started: float) -> dict[str, Any]:
+    u, t = whole.usage, whole.timings
+    total = time.perf_counter() - started
+    ttft = t.get("time_to_first_token_s", 0.0)
+    return {
+        "model": model,
+        "created_at": _now(),
+        "done": True,
+        "done_reason": {"tool_calls": "stop"}.get(whole.finish_reason, whole.finish_reason),
+        "total_duration": int(total * 1e9),
+        "load_duration": 0,
+        "prompt_eval_count": u.get("prompt_tokens", 0),
+        "prompt_eval_duration": int(ttft * 1e9),
+        "eval_count": u.get("completion_tokens", 0),
+        "eval_duration": int(max(total - ttft, 0) * 1e9),
+    }
+
+
+def _message(text: str, reasoning: str, calls: list) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning:
+        message["thinking"] = reasoning
+    if calls:
+        message["tool_calls"] = [
+            {"function": {"name": c.name, "arguments": _arguments(c.arguments)}} for c in calls
+        ]
+    return message
+
+
+def _arguments(raw: str) -> Any:
+    try:
+        return json.loads(raw or "{}")
+    except ValueError:
+        return raw
+
+
+def _piece(chat: bool, model: str, chunk: Chunk) -> dict[str, Any]:
+    if chat:
+        return {
+            "model": model,
+            "created_at": _now(),
+            "message": _message(chunk.text, chunk.reasoning, chunk.tool_calls),
+            "done": False,
+        }
+    piece = {"model": model, "created_at": _now(), "response": chunk.text, "done": False}
+    if chunk.reasoning:
+        piece["thinking"] = chunk.reasoning
+    return piece
+
+
+async def _lines(chat: bool, model: str, output: Output, started: float) -> AsyncIterator[str]:
+    whole = Collected()
+    try:
+        async for chunk in output:
+            whole.add(chunk)
+            if chunk.text or chunk.reasoning or chunk.tool_calls:
+                yield dumps(_piece(chat, model, chunk)) + "\n"
+    except HttpError as e:
+        yield dumps(error_body(e)) + "\n"
+        return
+    last = _final(model, whole, started)
+    last.update({"message": _message("", "", [])} if chat else {"response": ""})
+    yield dumps(last) + "\n"
+
+
+async def _answer(
+    chat: bool, model: str, output: Output, stream: bool, started: float, http: Request
+) -> Any:
+    if stream:
+        return output.response(_lines(chat, model, output, started), "application/x-ndjson")
+    whole = await collect(output, http)
+    out = _final(model, whole, started)
+    if chat:
+        out["message"] = _message(whole.text, whole.reasoning, whole.tool_calls)
+    else:
+        out["response"] = whole.text
+        if whole.reasoning:
+            out["thinking"] = whole.reasoning
+    return out
+
+
+def _details(door: Door) -> dict[str, Any]:
+    loaded = door.cluster.engine.pipeline.loaded
+    config = {}
+    if loaded is not None:
+        try:
+            config = json.loads((Path(loaded.path) / "config.json").read_text())
+        except (OSError, ValueError):
+            config = {}
+    family = str(config.get("model_type", ""))
+    return {
+        "format": "mlx",
+        "family": family,
+        "families": [family] if family else [],
+        "parameter_size": "",
+        "quantization_level": str((config.get("quantization") or {}).get("bits", "")),
+        "context_length": int(config.get("max_position_embeddings") or 0),
+    }
+
+
+def router(door: Door) -> APIRouter:
+    r = APIRouter()
+
+    @r.post("/api/chat")
+    async def chat(body: ChatRequest, request: Request) -> Any:
+        started = time.perf_counter()
+        model = door.check_model(body.model)
+        req = pb.GenerateRequest(
+            messages=chat_messages(body.messages),
+            params=body.options.params() if body.options else pb.SamplingParams(),
+            tools_json=dumps(body.tools) if body.tools else "",
+            chat_template_kwargs_json=body.kwargs(),
+            response_format_json=body.response_format(),
+        )
+        output = await door.generate(req, API)
+        return await _answer(True, body.model or model, output, body.stream, started, request)
+
+    @r.post("/api/generate")
+    async def generate(body: GenerateRequest, request: Request) -> Any:
+        started = time.perf_counter()
+        model = door.check_model(body.model)
+        _no_images(body.images, "images")
+        if not body.prompt and not body.system:  # Ollama's way to load a model: it is loaded
+            return {
+                "model": body.model,
+                "created_at": _now(),
+                "response": "",
+                "done": True,
+                "done_reason": "load",
+            }
+        params = body.options.params() if body.options else pb.SamplingParams()
+        if body.raw:
+            req = pb.GenerateRequest(prompt=body.prompt, params=params)
+        else:
+            messages = [pb.ChatMessage(role="system", content=body.system)] if body.system else []
+            messages.append(pb.ChatMessage(role="user", content=body.prompt))
+            req = pb.GenerateRequest(
+                messages=messages, params=params, chat_template_kwargs_json=body.kwargs()
+            )
+        req.response_format_json = body.response_format()
+        output = await door.generate(req, API)
+        return await _answer(False, body.model or model, output, body.stream, started, request)
+
+    @r.get("/api/tags")
+    async def tags() -> dict[str, Any]:
+        served = door.model_id()
+        if not served:
+            return {"models": []}
+        details = _details(door)
+        details.pop("context_length")
+        entry = {
+            "name": served,
+            "model": served,
+            "modified_at": _now(),
+            "size": 0,
+            "digest": "",
+            "details": details,
+        }
+        return {"models": [entry]}
+
+    @r.post("/api/show")
+    async def show(body: ShowRequest) -> dict[str, Any]:
+        door.check_model(body.model or body.name)
+        details = _details(door)
+        context = details.pop("context_length")
+        template = getattr(door.cluster.tokenizer(), "chat_template", None) or ""
+        return {
+            "modelfile": "",
+            "parameters": "",
+            "template": template if isinstance(template, str) else "",
+            "details": details,
+            "model_info": {
+                "general.architecture": details["family"],
+                f"{details['family']}.context_length": context,
+            },
+            "capabilities": ["completion", "tools"] if "tool" in str(template) else ["completion"],
+        }
+
+    @r.get("/")
+    async def root() -> PlainTextResponse:
+        return PlainTextResponse(
+            "mlx-relay is running (Ollama's API under /api, OpenAI's under /v1)"
+        )
+
+    @r.get("/api/version")
+    async def api_version() -> dict[str, str]:
+        try:
+            return {"version": version("mlx-relay")}
+        except PackageNotFoundError:
+            return {"version": "0.0.0"}
+
+    return r

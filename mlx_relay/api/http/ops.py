@@ -1,0 +1,67 @@
+"""Operations: `/health` (ready or not, and why), `/v1/status` (the cluster, as the
+Status RPC shows it) and `/metrics` (Prometheus text).
+
+Health is ready only when the engine serves a model, its loop thread is alive and no
+worker is gone or silent: a live HTTP server over a dead generation thread is down.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+from google.protobuf.json_format import MessageToDict
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
+
+from mlx_relay.api.cluster import not_serving
+from mlx_relay.api.http.common import Door
+
+
+def unhealthy(door: Door) -> str:
+    """Why the cluster cannot serve now ('' if it can)."""
+    engine = door.cluster.engine
+    if not engine.running:
+        return "the engine's loop has stopped" + (f": {engine.error}" if engine.error else "")
+    if engine.state != "serving":
+        return not_serving(engine.state, engine.error)
+    pipeline = engine.pipeline
+    if pipeline.hub is not None:
+        failure = pipeline.hub.failure(pipeline.heartbeat_timeout)
+        if failure is not None:
+            return f"a rank is down: {failure}"
+    return ""
+
+
+def router(door: Door) -> APIRouter:
+    r = APIRouter()
+
+    @r.get("/health")
+    async def health() -> Any:
+        why = unhealthy(door)
+        engine = door.cluster.engine
+        body = {
+            "status": "unavailable" if why else "ok",
+            "state": engine.state,
+            "model": door.model_id(),
+            "ranks": engine.pipeline.world_size,
+        }
+        if why:
+            body["reason"] = why
+        return JSONResponse(body, status_code=503 if why else 200)
+
+    @r.get("/v1/status")
+    async def status() -> dict[str, Any]:
+        """What `mlx-relay status` shows (the gRPC Status RPC), as JSON: every rank's layer
+        range, host, pid and memory, running and queued requests, cached prompts."""
+        reply = await run_in_threadpool(door.cluster.status)
+        return MessageToDict(
+            reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+
+    @r.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(door.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return r

@@ -1,0 +1,356 @@
+"""OpenAI's Responses API (`POST /v1/responses`): text, reasoning and function calls.
+
+`ResponseStream` turns the engine's chunks into the API's output items and the events
+that build them; a non-streaming answer is the response that stream completes. Nothing
+is stored: `previous_response_id` is refused, the whole conversation comes as `input`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from mlx_relay.api.http.common import Door, HttpError, Output, response_format_json, sampling
+from mlx_relay.api.http.openai import error_body
+from mlx_relay.api.http.schemas import Lenient, dumps, sse
+from mlx_relay.coordinator.output import Chunk
+from mlx_relay.protocol import relay_pb2 as pb
+
+API = "responses"
+
+
+class Part(Lenient):
+    type: str
+    text: str | None = None
+
+
+class Item(Lenient):
+    type: str = "message"
+    role: str | None = None
+    content: str | list[Part] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
+
+
+class ResponsesRequest(Lenient):
+    model: str | None = None
+    input: str | list[Item]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None  # not OpenAI's, as vLLM takes it: repeatable sampling
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    text: dict[str, Any] | None = None
+
+    def generate_request(self) -> pb.GenerateRequest:
+        if self.previous_response_id:
+            raise HttpError(
+                "invalid",
+                "previous_response_id: responses are not stored; send the conversation as input",
+                "previous_response_id",
+            )
+        tools = [_function_tool(i, t) for i, t in enumerate(self.tools or [])]
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            choice = str(choice.get("name", "")) or "required"
+        fmt = (self.text or {}).get("format")
+        if fmt and fmt.get("type") == "json_schema":
+            schema = {k: v for k, v in fmt.items() if k != "type"}
+            fmt = {"type": "json_schema", "json_schema": schema}
+        return pb.GenerateRequest(
+            messages=self.messages(),
+            params=sampling(
+                max_tokens=self.max_output_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                seed=self.seed,
+            ),
+            tools_json=dumps(tools) if tools else "",
+            tool_choice=choice or "",
+            response_format_json=response_format_json(fmt),
+        )
+
+    def messages(self) -> list[pb.ChatMessage]:
+        out = []
+        if self.instructions:
+            out.append(pb.ChatMessage(role="system", content=self.instructions))
+        items = (
+            [Item(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        )
+        for i, item in enumerate(items):
+            if item.type == "message":
+                out.append(pb.ChatMessage(role=item.role or "user", content=_text(item, i)))
+            elif item.type == "function_call":
+                call = pb.ToolCall(
+                    id=item.call_id or "",
+                    type="function",
+                    function=pb.ToolCallFunction(
+                        name=item.name or "", arguments=item.arguments or "{}"
+                    ),
+                )
+                if out and out[-1].role == "assistant" and not out[-1].content:
+                    out[-1].tool_calls.append(call)
+                else:
+                    out.append(pb.ChatMessage(role="assistant", tool_calls=[call]))
+            elif item.type == "function_call_output":
+                out.append(
+                    pb.ChatMessage(
+                        role="tool", tool_call_id=item.call_id or "", content=item.output or ""
+                    )
+                )
+            elif item.type != "reasoning":
+                raise HttpError(
+                    "invalid", f"input[{i}] is a {item.type!r} item, not supported", "input"
+                )
+        return out
+
+
+def _text(item: Item, i: int) -> str:
+    if item.content is None or isinstance(item.content, str):
+        return item.content or ""
+    texts = []
+    for j, part in enumerate(item.content):
+        if part.type not in ("input_text", "output_text", "text"):
+            raise HttpError(
+                "invalid",
+                f"input[{i}].content[{j}] is a {part.type!r} part: this server reads text only "
+                "(images and files are not supported yet)",
+                "input",
+            )
+        texts.append(part.text or "")
+    return "".join(texts)
+
+
+def _function_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
+    if tool.get("type") != "function":
+        raise HttpError("invalid", f"tools[{i}]: only function tools are supported", "tools")
+    fields = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+    return {"type": "function", "function": fields}
+
+
+class ResponseStream:
+    """Output items built from chunks, and the Responses API's events for them."""
+
+    def __init__(self, output: Output, model: str) -> None:
+        self.id = f"resp_{output.request_id or uuid.uuid4().hex}"
+        self.model = model
+        self.created = int(time.time())
+        self.items: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None
+        self.status = "in_progress"
+        self.usage: dict[str, int] = {}
+        self.incomplete: dict[str, str] | None = None
+        self.seq = 0
+
+    def response(self) -> dict[str, Any]:
+        u = self.usage
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": self.status,
+            "model": self.model,
+            "output": self.items,
+            "incomplete_details": self.incomplete,
+            "error": None,
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
+            "usage": {
+                "input_tokens": u.get("prompt_tokens", 0),
+                "input_tokens_details": {"cached_tokens": u.get("cached_tokens", 0)},
+                "output_tokens": u.get("completion_tokens", 0),
+                "output_tokens_details": {"reasoning_tokens": u.get("reasoning_tokens", 0)},
+                "total_tokens": u.get("total_tokens", 0),
+            }
+            if u
+            else None,
+        }
+
+    def _event(self, kind: str, **fields: Any) -> tuple[str, dict[str, Any]]:
+        self.seq += 1
+        return kind, {"type": kind, "sequence_number": self.seq - 1, **fields}
+
+    def start(self) -> list[tuple[str, dict[str, Any]]]:
+        return [
+            self._event("response.created", response=self.response()),
+            self._event("response.in_progress", response=self.response()),
+        ]
+
+    def feed(self, chunk: Chunk) -> list[tuple[str, dict[str, Any]]]:
+        events = []
+        if chunk.reasoning:
+            events += self._text("reasoning", chunk.reasoning)
+        if chunk.text:
+            events += self._text("message", chunk.text)
+        for call in chunk.tool_calls:
+            events += self._close()
+            item = {
+                "type": "function_call",
+                "id": f"fc_{call.id}",
+                "call_id": call.id,
+                "name": call.name,
+                "arguments": call.arguments,
+                "status": "completed",
+            }
+            index = len(self.items)
+            self.items.append(item)
+            events.append(
+                self._event(
+                    "response.output_item.added",
+                    output_index=index,
+                    item={**item, "arguments": "", "status": "in_progress"},
+                )
+            )
+            events.append(
+                self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=index,
+                    delta=call.arguments,
+                )
+            )
+            events.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    arguments=call.arguments,
+                )
+            )
+            events.append(self._event("response.output_item.done", output_index=index, item=item))
+        if chunk.finish_reason is not None:
+            events += self._close()
+            self.usage = dict(chunk.usage or {})
+            if chunk.finish_reason == "length":
+                self.status = "incomplete"
+                self.incomplete = {"reason": "max_output_tokens"}
+                events.append(self._event("response.incomplete", response=self.response()))
+            else:
+                self.status = "completed"
+                events.append(self._event("response.completed", response=self.response()))
+        return events
+
+    def _text(self, kind: str, text: str) -> list[tuple[str, dict[str, Any]]]:
+        events = []
+        part_type = "output_text" if kind == "message" else "reasoning_text"
+        if self.open is None or self.open["type"] != kind:
+            events += self._close()
+            item_id = f"{'msg' if kind == 'message' else 'rs'}_{uuid.uuid4().hex[:16]}"
+            if kind == "message":
+                item = {
+                    "type": "message",
+                    "id": item_id,
+                    "status": "in_progress",
+                    "role": "assistant",
+                    "content": [],
+                }
+            else:
+                item = {"type": "reasoning", "id": item_id, "summary": [], "content": []}
+            self.open = item
+            self.items.append(item)
+            index = len(self.items) - 1
+            events.append(
+                self._event(
+                    "response.output_item.added", output_index=index, item=dict(item, content=[])
+                )
+            )
+            part = {"type": part_type, "text": ""} | (
+                {"annotations": []} if kind == "message" else {}
+            )
+            item["content"].append(part)
+            events.append(
+                self._event(
+                    "response.content_part.added",
+                    item_id=item_id,
+                    output_index=index,
+                    content_index=0,
+                    part=dict(part),
+                )
+            )
+        item = self.open
+        item["content"][0]["text"] += text
+        index = len(self.items) - 1
+        delta_kind = (
+            "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        )
+        fields = {"logprobs": []} if kind == "message" else {}
+        events.append(
+            self._event(
+                delta_kind,
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                delta=text,
+                **fields,
+            )
+        )
+        return events
+
+    def _close(self) -> list[tuple[str, dict[str, Any]]]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index = len(self.items) - 1
+        part = item["content"][0]
+        kind = "output_text" if item["type"] == "message" else "reasoning_text"
+        if item["type"] == "message":
+            item["status"] = "completed"
+        return [
+            self._event(
+                f"response.{kind}.done",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                text=part["text"],
+            ),
+            self._event(
+                "response.content_part.done",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                part=part,
+            ),
+            self._event("response.output_item.done", output_index=index, item=item),
+        ]
+
+
+async def _events(stream: ResponseStream, output: Output) -> AsyncIterator[str]:
+    for name, data in stream.start():
+        yield sse(data, name)
+    try:
+        async for chunk in output:
+            for name, data in stream.feed(chunk):
+                yield sse(data, name)
+    except HttpError as e:
+        stream.status = "failed"
+        yield sse(
+            {"type": "error", "sequence_number": stream.seq, **error_body(e)["error"]}, "error"
+        )
+
+
+def router(door: Door) -> APIRouter:
+    r = APIRouter()
+
+    @r.post("/v1/responses")
+    async def create(body: ResponsesRequest, request: Request) -> Any:
+        model = door.check_model(body.model)
+        output = await door.generate(body.generate_request(), API)
+        stream = ResponseStream(output, model)
+        if body.stream:
+            return output.response(_events(stream, output))
+        async for chunk in output.watched(request):
+            stream.feed(chunk)
+        return stream.response()
+
+    return r

@@ -1,0 +1,214 @@
+"""Constrained generation: which tokens a grammar allows next, with llguidance.
+
+A request may carry OpenAI's `response_format` (`json_object`, `json_schema`) or a GBNF
+grammar (llama.cpp's syntax, as LocalAI sends it). `Compiler` turns either into an
+llguidance grammar once per text (compiling is the costly part; a request gets a copy
+of a compiled matcher) and refuses what cannot be enforced with `InvalidRequest`, before
+the request reaches the engine. `Constraint` is one request's matcher, used only on the
+engine thread: `mask()` gives the next step's allowed tokens as an MLX boolean row (None
+while unconstrained), `advance(token)` moves the matcher over the token really sampled
+and says whether the grammar is complete.
+
+The mask is computed on the host as soon as a token is read back, while the device runs
+the next step, and applied with MLX ops (`mx.where`), so it works on every MLX backend.
+EOS is in the mask only where the grammar may end; when nothing can follow, the request
+ends ("stop") without waiting for the model to choose EOS.
+
+Reasoning models: when the prompt opens a think block, the constraint waits for the
+model's think-end token and applies to the answer after it; the thinking is free text.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import mlx.core as mx
+import numpy as np
+from jsonschema import exceptions as schema_errors
+from jsonschema import validators
+
+from mlx_relay.coordinator.postprocess import DEFAULT_THINK_MARKERS, think_markers
+from mlx_relay.coordinator.requests import InvalidRequest
+
+# Between JSON tokens: nothing, one space, or one or two newlines and an indent of at
+# most 20, as llama.cpp's JSON-schema grammars allow. Unbounded whitespace lets a model
+# (a small one especially) emit blank lines until max_tokens and never close the JSON.
+JSON_WHITESPACE = r"( |\n{1,2}[ \t]{0,20})?"
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+CACHED_GRAMMARS = 64
+
+
+def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
+    """An llguidance grammar for JSON that `schema` accepts (its own x-guidance wins)."""
+    return llguidance.LLMatcher.grammar_from_json_schema(
+        json.dumps(schema), defaults={"whitespace_pattern": JSON_WHITESPACE}
+    )
+
+
+def request_grammar(response_format_json: str, grammar: str) -> tuple[str, str] | None:
+    """The llguidance grammar a request asks for and the field it came from, or None."""
+    response_format = response_format_grammar(response_format_json)
+    if grammar.strip() and response_format is not None:
+        raise InvalidRequest("give either grammar or response_format, not both")
+    if grammar.strip():
+        return gbnf_grammar(grammar), "grammar"
+    if response_format is not None:
+        return response_format, "response_format"
+    return None
+
+
+def response_format_grammar(raw: str) -> str | None:
+    """The grammar of OpenAI's `response_format` (JSON text), None for plain text."""
+    raw = raw.strip()
+    if not raw:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError as e:
+        raise InvalidRequest(f"response_format is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise InvalidRequest("response_format must be a JSON object with a 'type'")
+    kind = value.get("type")
+    if kind not in RESPONSE_FORMATS:
+        raise InvalidRequest(
+            f"response_format.type {kind!r} is not one of {', '.join(RESPONSE_FORMATS)}"
+        )
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_schema_grammar({"type": "object"})
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise InvalidRequest("response_format.json_schema must be an object with a 'schema'")
+    schema = spec.get("schema")
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidRequest("response_format.json_schema.schema must be a JSON Schema object")
+    check_schema(schema)
+    return json_schema_grammar(schema)
+
+
+def check_schema(schema: dict[str, Any] | bool) -> None:
+    """Refuse a schema that is not valid JSON Schema (by its own $schema, else 2020-12)."""
+    cls = validators.validator_for(schema, default=validators.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except schema_errors.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path)
+        at = f" at schema/{where}" if where else ""
+        raise InvalidRequest(
+            f"response_format.json_schema.schema is not a valid JSON Schema{at}: {e.message}"
+        ) from e
+
+
+def gbnf_grammar(text: str) -> str:
+    """An llguidance grammar from a GBNF grammar (llama.cpp syntax; Lark also accepted)."""
+    try:
+        return llguidance.grammar_from("gbnf", text)
+    except ValueError as e:
+        raise InvalidRequest(f"grammar does not parse: {_short(e)}") from e
+
+
+def _short(e: Exception) -> str:
+    return str(e).removeprefix("Failed to convert the grammar from GBNF to Lark: ").strip()
+
+
+class Compiler:
+    """One tokenizer's grammars: the llguidance tokenizer (built once per loaded model),
+    and compiled matchers by grammar text, copied for each request."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
+        try:
+            self.ll_tokenizer = llguidance.hf.from_tokenizer(hf, eos_token=eos)
+        except Exception as e:  # noqa: BLE001 - e.g. a slow tokenizer
+            raise InvalidRequest(
+                f"structured output is not available for this model's tokenizer: {e}"
+            ) from e
+        _, think_end = think_markers(tokenizer) or DEFAULT_THINK_MARKERS
+        self.think_end_id = _single_token(tokenizer, think_end)
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def constraint(self, grammar: str, field: str, *, in_reasoning: bool = False) -> Constraint:
+        """A fresh matcher for `grammar`, or InvalidRequest naming `field` and the reason."""
+        with self._lock:
+            compiled = self._compiled.get(grammar)
+            if compiled is not None:
+                self._compiled.move_to_end(grammar)
+        if compiled is None:
+            compiled = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+            if compiled.is_error():
+                raise InvalidRequest(f"{field} cannot be enforced: {compiled.get_error()}")
+            with self._lock:
+                self._compiled[grammar] = compiled
+                while len(self._compiled) > CACHED_GRAMMARS:
+                    self._compiled.popitem(last=False)
+        gate = self.think_end_id if in_reasoning else None
+        return Constraint(compiled.deep_copy(), gate)
+
+
+def _single_token(tokenizer: Any, text: str) -> int | None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
+
+
+class Constraint:
+    """One request's grammar state; engine thread only.
+
+    `gate`: a token (the think end) before which nothing is constrained.
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher, gate: int | None = None) -> None:
+        self.matcher = matcher
+        self.gate = gate
+        self._bitmask: bytes | None = None if gate is not None else matcher.compute_bitmask()
+
+    @property
+    def active(self) -> bool:
+        return self._bitmask is not None
+
+    def mask(self, vocab: int) -> mx.array | None:
+        """The allowed tokens of the next step, (vocab,) bool, or None if unconstrained."""
+        return None if self._bitmask is None else token_mask(self._bitmask, vocab)
+
+    def advance(self, token: int) -> bool:
+        """Move over the token sampled; True once the grammar is complete (nothing may follow).
+
+        A token the mask did not allow (none can be sampled) raises RuntimeError.
+        """
+        if self._bitmask is None:
+            if token == self.gate:
+                self._bitmask = self.matcher.compute_bitmask()
+            return False
+        if not self.matcher.consume_token(token) or self.matcher.is_error():
+            raise RuntimeError(f"the grammar rejected token {token}: {self.matcher.get_error()}")
+        if self.matcher.is_stopped():
+            return True
+        self._bitmask = self.matcher.compute_bitmask()
+        return False
+
+
+def token_mask(bitmask: bytes, vocab: int) -> mx.array:
+    """llguidance's bitmask (bit i of 32-bit word i // 32 allows token i) as a (vocab,)
+    bool array; ids the tokenizer does not have (padded vocabularies) are not allowed.
+
+    Built on the calling thread (MLX streams are per thread): no module-level arrays."""
+    words = mx.array(np.frombuffer(bitmask, dtype=np.uint32))
+    bits = mx.arange(32, dtype=mx.uint32)
+    allowed = (((words[:, None] >> bits) & 1) != 0).reshape(-1)
+    n = allowed.shape[0]
+    if n >= vocab:
+        return allowed[:vocab]
+    return mx.concatenate([allowed, mx.zeros((vocab - n,), dtype=mx.bool_)])
+
+
+def apply_mask(logits: mx.array, allowed: mx.array) -> mx.array:
+    """Disallowed tokens get -inf, as a logits processor would."""
+    return mx.where(allowed, logits, -mx.inf)
