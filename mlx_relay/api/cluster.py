@@ -14,10 +14,13 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
+from mlx_relay.api.metrics import Metrics
 from mlx_relay.coordinator import constraints, requests
 from mlx_relay.coordinator.engine import Engine, EngineError, Request
+from mlx_relay.coordinator.output import Chunk
 from mlx_relay.coordinator.pipeline import ClusterFailure, RankFailure
 from mlx_relay.coordinator.postprocess import DEFAULT_THINK_MARKERS, think_markers
 from mlx_relay.model import memory
@@ -42,6 +45,7 @@ class Cluster:
         self.last_layers = layers
         self._compiler: constraints.Compiler | None = None  # the loaded tokenizer's
         self._compiler_lock = threading.Lock()
+        self.metrics = Metrics(lambda: self.engine)  # every door's requests, by API
 
     def tokenizer(self) -> Any:
         """The loaded model's tokenizer, or EngineError('unavailable') saying why not."""
@@ -108,9 +112,28 @@ class Cluster:
             tool_choice=request.tool_choice,
         )
 
-    def submit(self, request: pb.GenerateRequest) -> Request:
-        """Start generating; iterate `.chunks()`, and `.cancel()` when the caller goes."""
-        return self.engine.submit(self.build(request))
+    def submit(self, request: pb.GenerateRequest, api: str = "grpc") -> Request:
+        """Start generating; iterate `.chunks()` (or `observed`), and `.cancel()` when the
+        caller goes. A refusal is counted in the metrics under `api`, then raised."""
+        try:
+            return self.engine.submit(self.build(request))
+        except Exception as e:
+            self.metrics.refused(api, error_kind(e))
+            raise
+
+    def observed(self, req: Request, api: str) -> Iterator[Chunk]:
+        """`req`'s chunks, counted in the metrics; closing early cancels the request."""
+        observer = self.metrics.observe(req, api)
+        try:
+            for chunk in req.chunks():
+                observer.chunk(chunk)
+                yield chunk
+        except Exception as e:
+            observer.failed(error_kind(e))
+            raise
+        finally:
+            req.cancel()  # a no-op once finished; frees the slot if the caller went away
+            observer.close()
 
     def load(self, model: str = "", layers: str = "") -> None:
         """Load `model` (or the last one again) over every rank; raise why not."""
@@ -180,6 +203,17 @@ class Cluster:
                 )
             )
         return out
+
+
+def error_kind(e: BaseException) -> str:
+    """The `EngineError` kind a door reports `e` as (invalid, unavailable, ...)."""
+    if isinstance(e, requests.InvalidRequest):
+        return "invalid"
+    if isinstance(e, EngineError):
+        return e.kind
+    if isinstance(e, RankFailure):
+        return "unavailable"
+    return "internal"
 
 
 def not_serving(state: str, error: str) -> str:

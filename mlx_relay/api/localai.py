@@ -403,28 +403,25 @@ class LocalAIServicer(lpb_grpc.BackendServicer):
         return request
 
     def _replies(self, options: lpb.PredictOptions, context) -> Iterator[lpb.Reply]:
-        req = self.cluster.submit(self._request(options))
+        req = self.cluster.submit(self._request(options), "localai")
         context.add_callback(req.cancel)
         prompt_tokens = len(req.prompt_tokens)
         generated = 0
         logprobs: list[TokenLogprob] = []
-        try:
-            for chunk in req.chunks():
-                generated += len(chunk.token_ids)
-                logprobs += chunk.logprobs
-                delta = _delta(chunk)
-                reply = lpb.Reply(
-                    message=chunk.text.encode(),
-                    tokens=generated,
-                    prompt_tokens=prompt_tokens,
-                    chat_deltas=[delta] if delta.ByteSize() else [],
-                    logprobs=_logprob_json(chunk.logprobs),
-                )
-                if chunk.finish_reason is not None:
-                    self._finish(reply, chunk, logprobs)
-                yield reply
-        finally:
-            req.cancel()  # a no-op once finished; frees the slot if LocalAI went away
+        for chunk in self.cluster.observed(req, "localai"):
+            generated += len(chunk.token_ids)
+            logprobs += chunk.logprobs
+            delta = _delta(chunk)
+            reply = lpb.Reply(
+                message=chunk.text.encode(),
+                tokens=generated,
+                prompt_tokens=prompt_tokens,
+                chat_deltas=[delta] if delta.ByteSize() else [],
+                logprobs=_logprob_json(chunk.logprobs),
+            )
+            if chunk.finish_reason is not None:
+                self._finish(reply, chunk, logprobs)
+            yield reply
 
     def _finish(self, reply: lpb.Reply, chunk: Chunk, logprobs: list[TokenLogprob]) -> None:
         """The last reply: the engine's counts, both timings in ms, every logprob."""
