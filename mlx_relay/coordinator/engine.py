@@ -36,6 +36,7 @@ import mlx.core as mx
 from mlx_lm.utils import load_tokenizer
 
 from mlx_relay.coordinator.constraints import Constraint, apply_mask
+from mlx_relay.coordinator.markup import ChatMarkup
 from mlx_relay.coordinator.output import Chunk, OutputProcessor
 from mlx_relay.coordinator.pipeline import ClusterFailure, Pipeline, RankFailure, Step
 from mlx_relay.coordinator.postprocess import OutputParser
@@ -151,6 +152,7 @@ class Engine:
         self.max_in_flight = max(1, pipeline.world_size)
         n_groups = max(pipeline.world_size, math.ceil(max_active / hdr.MAX_SEQS))
         self.tokenizer: Any = None
+        self.markup: ChatMarkup | None = None  # its chat markup, resolved once at load
         self.context_length = 0
         self.state = "starting"
         self.error = ""
@@ -328,7 +330,7 @@ class Engine:
             detokenizer=self.tokenizer.detokenizer,
             stops=StopStrings(request.params.stop),
             parser=OutputParser(
-                self.tokenizer,
+                self.markup,
                 tools=request.tools,
                 parse_tools=request.parse_tools,
                 starts_in_reasoning=request.starts_in_reasoning,
@@ -648,6 +650,7 @@ class Engine:
         try:
             loaded = self.pipeline.load(spec, layers)
             self.tokenizer = load_tokenizer(loaded.path)
+            self.markup = ChatMarkup.of(self.tokenizer)
             config = self.pipeline.shard.config
             self.context_length = int(config.get("max_position_embeddings") or 0)
             self._output = OutputProcessor(self.tokenizer, self.context_length)
@@ -664,7 +667,7 @@ class Engine:
         self._cancel_all("the model was freed")
         self.pipeline.unload()
         self._unpark_all()
-        self.tokenizer = self._output = None
+        self.tokenizer = self.markup = self._output = None
         self._set_state("unloaded")
         if shutdown:
             self._set_state("stopping")

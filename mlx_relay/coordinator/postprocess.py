@@ -11,8 +11,8 @@ only separates content from markup (``</think>\\n\\n``, newlines between tool
 calls) is dropped, so trailing whitespace of content waits for the next
 non-whitespace character to show whether it separates text or precedes markup.
 
-Tool-call formats: the tokenizer's own mlx-lm parser when it has one, otherwise
-the formats below, recognised by their markup:
+Tool-call formats (resolved once per model, see markup.py): the tokenizer's own
+mlx-lm parser when it has one, otherwise the formats below, recognised by their markup:
 
 - hermes/JSON: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
 - Qwen XML: ``<tool_call><function=NAME><parameter=P>v</parameter></function></tool_call>``
@@ -33,9 +33,10 @@ import secrets
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-DEFAULT_THINK_MARKERS = ("<think>", "</think>")
+if TYPE_CHECKING:
+    from mlx_relay.coordinator.markup import ChatMarkup
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -64,48 +65,6 @@ class Final(Delta):
 
     malformed_tool_call: bool = False
     unknown_tools: list[str] = field(default_factory=list)
-
-
-def think_markers(tokenizer: Any) -> tuple[str, str] | None:
-    """The think markers an mlx-lm TokenizerWrapper detected in the vocabulary, or None."""
-    if tokenizer is None or not getattr(tokenizer, "has_thinking", False):
-        return None
-    start, end = tokenizer.think_start, tokenizer.think_end
-    if not start or not end:
-        return None
-    return start, end
-
-
-_declared_think_markers = think_markers  # OutputParser's argument shadows the name
-
-
-def _tokenizer_tool_parser(tokenizer: Any) -> tuple[Callable, str, str] | None:
-    """mlx-lm's (parser, start marker, end marker) for this tokenizer, if it chose one.
-
-    The end marker may be empty (Mistral's ``[TOOL_CALLS]`` has none): then the
-    call runs to the end of the generation.
-    """
-    if tokenizer is None or not getattr(tokenizer, "has_tool_calling", False):
-        return None
-    parser = getattr(tokenizer, "tool_parser", None)
-    start = getattr(tokenizer, "tool_call_start", None)
-    if parser is None or not start:
-        return None
-    return parser, start, getattr(tokenizer, "tool_call_end", None) or ""
-
-
-def tool_call_marker(tokenizer: Any) -> str | None:
-    """The markup that opens a tool call for this model: mlx-lm's detected start marker,
-    else the hermes or Gemma marker its chat template writes; None if it has none."""
-    detected = _tokenizer_tool_parser(tokenizer)
-    if detected is not None:
-        return detected[1]
-    template = getattr(tokenizer, "chat_template", None)
-    template = template if isinstance(template, str) else str(template or "")
-    for marker in (TOOL_CALL_START, TOOL_CODE_START):
-        if marker in template:
-            return marker
-    return None
 
 
 def _held_prefix_len(text: str, markers: list[str]) -> int:
@@ -156,7 +115,7 @@ def _properties(schema: dict | None) -> dict[str, Any]:
 # --- hermes / JSON ------------------------------------------------------------------
 
 
-def _name_and_arguments(obj: Any) -> tuple[str, dict]:
+def name_and_arguments(obj: Any) -> tuple[str, dict]:
     """Read one call object; string arguments holding JSON are decoded exactly once."""
     if not isinstance(obj, dict):
         raise ValueError("a tool call must be a JSON object")
@@ -184,7 +143,7 @@ def parse_hermes(body: str, tools: list[dict] | None = None) -> list[tuple[str, 
     while pos < len(text):
         obj, pos = decoder.raw_decode(text, pos)
         for item in obj if isinstance(obj, list) else [obj]:
-            calls.append(_name_and_arguments(item))
+            calls.append(name_and_arguments(item))
         while pos < len(text) and (text[pos].isspace() or text[pos] == ","):
             pos += 1
     if not calls:
@@ -426,31 +385,29 @@ class OutputParser:
 
     def __init__(
         self,
-        tokenizer: Any = None,
+        markup: ChatMarkup | None = None,
         *,
         tools: list[dict] | None = None,
         starts_in_reasoning: bool = False,
         parse_tools: bool = True,
-        think_markers: tuple[str, str] | None = None,
         opens_tool_call: str = "",
     ) -> None:
-        """``opens_tool_call``: the prompt ends with this tool-call marker (``tool_choice``
-        forced a call), so generation starts inside the call's body."""
-        markers = think_markers or _declared_think_markers(tokenizer) or DEFAULT_THINK_MARKERS
-        self.think_start, self.think_end = markers
+        """``markup``: the loaded model's (None: the default markers and our own tool
+        formats). ``opens_tool_call``: the prompt ends with this tool-call marker
+        (``tool_choice`` forced a call), so generation starts inside the call's body."""
+        if markup is None:
+            from mlx_relay.coordinator.markup import ChatMarkup
+
+            markup = ChatMarkup.of(None)
+        self.think_start, self.think_end = markup.think_start, markup.think_end
         self.tools = tools or None
         self._known = set(_tool_schemas(tools)) if tools else None
 
         # Tool-call blocks: start marker -> (end marker, body parser).
         self._blocks: dict[str, tuple[str, Callable]] = {}
         if parse_tools:
-            detected = _tokenizer_tool_parser(tokenizer)
-            if detected is not None:
-                parser, start, end = detected
-                self._blocks[start] = (end, self._tokenizer_parser(parser, start))
-            else:
-                self._blocks[TOOL_CALL_START] = (TOOL_CALL_END, parse_tool_call_block)
-                self._blocks[TOOL_CODE_START] = (TOOL_CODE_END, parse_tool_code)
+            for fmt in markup.tool_formats:
+                self._blocks[fmt.start] = (fmt.end, fmt.parse)
         self._content_markers = [self.think_start, *self._blocks]
 
         self.content = ""
@@ -510,25 +467,6 @@ class OutputParser:
         self.content += delta.content
         self.reasoning += delta.reasoning
         self.tool_calls.extend(delta.tool_calls)
-
-    def _tokenizer_parser(self, parser: Callable, start: str) -> Callable:
-        """mlx-lm's parser takes the text between the markers and the tools, and
-        returns {"name", "arguments"} or a list of them; it raises on bad input."""
-
-        def parse(body: str, tools: list[dict] | None) -> list[tuple[str, dict]]:
-            try:
-                result = parser(body, tools)
-                items = result if isinstance(result, list) else [result]
-                calls = [_name_and_arguments(item) for item in items]
-                if not calls:
-                    raise ValueError("no tool call")
-                return calls
-            except Exception as e:  # third-party parsers raise all sorts of errors
-                if start == TOOL_CALL_START:
-                    return parse_tool_call_block(body, tools)
-                raise ValueError(f"tool parser failed: {e}") from e
-
-        return parse
 
     def _scan(self, delta: Delta, final: bool) -> None:
         """Classify as much of the buffer as is certain, in order."""
