@@ -15,6 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_relay.coordinator import tool_parsers
+from mlx_relay.coordinator.tool_parsers import hermes, tool_code
+from mlx_relay.coordinator.tool_parsers.common import name_and_arguments
+
 DEFAULT_THINK_MARKERS = ("<think>", "</think>")
 
 # Parses the text between a format's markers into (name, arguments) pairs; raises
@@ -52,20 +56,17 @@ class ChatMarkup:
     @classmethod
     def of(cls, tokenizer: Any) -> ChatMarkup:
         """Resolve a tokenizer's markup (an mlx-lm TokenizerWrapper, or None)."""
-        from mlx_relay.coordinator import postprocess as pp  # the fallback parsers
-
         start, end = _declared_think(tokenizer) or DEFAULT_THINK_MARKERS
         declared = _declared_tool_parser(tokenizer)
         if declared is not None:
             parser, call_start, call_end = declared
-            formats = (ToolFormat(call_start, call_end, _mlx_lm_parser(parser, call_start)),)
+            # Inside <tool_call> ours get a second try (json_tools cannot read Qwen XML).
+            second = tool_parsers.parse_tagged if call_start == hermes.tool_call_start else None
+            formats = (ToolFormat(call_start, call_end, _calls(parser, second)),)
             opener: str | None = call_start
             source = getattr(parser, "__module__", "") or "tokenizer"
         else:
-            formats = (
-                ToolFormat(pp.TOOL_CALL_START, pp.TOOL_CALL_END, pp.parse_tool_call_block),
-                ToolFormat(pp.TOOL_CODE_START, pp.TOOL_CODE_END, pp.parse_tool_code),
-            )
+            formats = tuple(ToolFormat(s, e, _calls(p)) for s, e, p in tool_parsers.FALLBACK)
             opener = _template_tool_marker(tokenizer, [f.start for f in formats])
             source = "fallback"
         return cls(
@@ -88,11 +89,9 @@ class ChatMarkup:
 
         Hermes and Gemma put the call on the next line; other formats run on directly.
         """
-        from mlx_relay.coordinator import postprocess as pp
-
         if self.tool_call_start is None:
             return ""
-        newline = self.tool_call_start in (pp.TOOL_CALL_START, pp.TOOL_CODE_START)
+        newline = self.tool_call_start in (hermes.tool_call_start, tool_code.tool_call_start)
         return self.tool_call_start + ("\n" if newline else "")
 
 
@@ -131,23 +130,23 @@ def _single_token(tokenizer: Any, text: str) -> int | None:
     return ids[0] if len(ids) == 1 else None
 
 
-def _mlx_lm_parser(parser: Callable, start: str) -> ParseCalls:
-    """mlx-lm's parser takes the text between the markers and the tools, and returns
-    {"name", "arguments"} or a list of them; it raises on bad input. Inside
-    ``<tool_call>`` our own parser gets a second try (json_tools cannot read Qwen XML)."""
-    from mlx_relay.coordinator import postprocess as pp
+def _calls(parse: Callable, second_try: Callable | None = None) -> ParseCalls:
+    """A parser with mlx-lm's contract (the text between the markers and the tools in,
+    {"name", "arguments"} or a list of them out, raising on bad input) as (name,
+    arguments) pairs, string arguments decoded once; ``second_try`` reads what ``parse``
+    could not."""
 
-    def parse(body: str, tools: list[dict] | None) -> Calls:
+    def calls(body: str, tools: list[dict] | None) -> Calls:
         try:
-            result = parser(body, tools)
+            result = parse(body, tools)
             items = result if isinstance(result, list) else [result]
-            calls = [pp.name_and_arguments(item) for item in items]
-            if not calls:
+            out = [name_and_arguments(item) for item in items]
+            if not out:
                 raise ValueError("no tool call")
-            return calls
+            return out
         except Exception as e:  # third-party parsers raise all sorts of errors
-            if start == pp.TOOL_CALL_START:
-                return pp.parse_tool_call_block(body, tools)
+            if second_try is not None:
+                return _calls(second_try)(body, tools)
             raise ValueError(f"tool parser failed: {e}") from e
 
-    return parse
+    return calls

@@ -11,13 +11,9 @@ only separates content from markup (``</think>\\n\\n``, newlines between tool
 calls) is dropped, so trailing whitespace of content waits for the next
 non-whitespace character to show whether it separates text or precedes markup.
 
-Tool-call formats (resolved once per model, see markup.py): the tokenizer's own
-mlx-lm parser when it has one, otherwise the formats below, recognised by their markup:
-
-- hermes/JSON: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-- Qwen XML: ``<tool_call><function=NAME><parameter=P>v</parameter></function></tool_call>``
-- Gemma: a fenced block opened by three backticks and ``tool_code``, holding
-  Python calls like ``func(a=1, b="x")`` (read with ``ast``, never evaluated)
+Tool-call formats come from the model's `ChatMarkup` (markup.py): the tokenizer's own
+mlx-lm parser when it has one, otherwise ours in tool_parsers/ (hermes JSON and Qwen XML
+inside ``<tool_call>``, Gemma's ``tool_code`` fence).
 
 Markup that does not parse is passed on as content and flagged as malformed,
 so a bad generation is visible instead of raising or silently vanishing.
@@ -25,23 +21,13 @@ so a bad generation is visible instead of raising or silently vanishing.
 
 from __future__ import annotations
 
-import ast
 import json
-import math
-import re
 import secrets
-import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from mlx_relay.coordinator.markup import ChatMarkup
-
-TOOL_CALL_START = "<tool_call>"
-TOOL_CALL_END = "</tool_call>"
-TOOL_CODE_START = "```tool_code"
-TOOL_CODE_END = "```"
+from mlx_relay.coordinator.markup import ChatMarkup
+from mlx_relay.coordinator.tool_parsers.common import tool_schemas
 
 
 @dataclass
@@ -90,288 +76,6 @@ def _find_first(text: str, markers: list[str]) -> tuple[int, str] | None:
     return best
 
 
-# --- tool schemas -----------------------------------------------------------------
-
-
-def _tool_schemas(tools: list[dict] | None) -> dict[str, dict]:
-    """Map tool name -> JSON schema of its parameters, from OpenAI-shaped tools."""
-    schemas = {}
-    for tool in tools or []:
-        if not isinstance(tool, dict):
-            continue
-        function = tool.get("function", tool)
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            continue
-        params = function.get("parameters")
-        schemas[function["name"]] = params if isinstance(params, dict) else {}
-    return schemas
-
-
-def _properties(schema: dict | None) -> dict[str, Any]:
-    props = (schema or {}).get("properties")
-    return props if isinstance(props, dict) else {}
-
-
-# --- hermes / JSON ------------------------------------------------------------------
-
-
-def name_and_arguments(obj: Any) -> tuple[str, dict]:
-    """Read one call object; string arguments holding JSON are decoded exactly once."""
-    if not isinstance(obj, dict):
-        raise ValueError("a tool call must be a JSON object")
-    if isinstance(obj.get("function"), dict):
-        obj = obj["function"]
-    name = obj.get("name")
-    if not isinstance(name, str) or not name:
-        raise ValueError("a tool call needs a name")
-    args = obj.get("arguments", obj.get("parameters"))
-    if args is None:
-        args = {}
-    if isinstance(args, str):
-        args = json.loads(args) if args.strip() else {}
-    if not isinstance(args, dict):
-        raise ValueError("tool call arguments must be an object")
-    return name, args
-
-
-def parse_hermes(body: str, tools: list[dict] | None = None) -> list[tuple[str, dict]]:
-    """``{"name": ..., "arguments": {...}}``: one object, several in a row, or a list."""
-    decoder = json.JSONDecoder()
-    text = body.strip()
-    calls = []
-    pos = 0
-    while pos < len(text):
-        obj, pos = decoder.raw_decode(text, pos)
-        for item in obj if isinstance(obj, list) else [obj]:
-            calls.append(name_and_arguments(item))
-        while pos < len(text) and (text[pos].isspace() or text[pos] == ","):
-            pos += 1
-    if not calls:
-        raise ValueError("empty tool call")
-    return calls
-
-
-# --- Qwen XML -----------------------------------------------------------------------
-
-_FUNCTION_RE = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
-_PARAMETER_RE = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
-
-
-def _as_integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        value = float(text)
-        if not value.is_integer():
-            raise
-        return int(value)
-
-
-def _as_number(text: str) -> int | float:
-    value = json.loads(text)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"not a number: {text!r}")
-    return value
-
-
-def _as_boolean(text: str) -> bool:
-    if text.lower() not in ("true", "false"):
-        raise ValueError(f"not a boolean: {text!r}")
-    return text.lower() == "true"
-
-
-def _as_container(kind: type) -> Callable[[str], Any]:
-    def convert(text: str) -> Any:
-        try:
-            value = json.loads(text)
-        except ValueError:
-            # Models sometimes write Python literals ({'a': 1}, True).
-            value = _literal(ast.parse(text, mode="eval").body)
-        if not isinstance(value, kind):
-            raise ValueError(f"not a {kind.__name__}: {text!r}")
-        return value
-
-    return convert
-
-
-def _as_null(text: str) -> None:
-    if text != "null":
-        raise ValueError(f"not null: {text!r}")
-
-
-_CONVERTERS: dict[str, Callable[[str], Any]] = {
-    "integer": _as_integer,
-    "number": _as_number,
-    "boolean": _as_boolean,
-    "object": _as_container(dict),
-    "array": _as_container(list),
-    "null": _as_null,
-}
-
-
-def _typed_value(raw: str, schema: Any) -> Any:
-    """Convert an XML parameter by its JSON-schema type; strings stay as written.
-
-    Values that do not fit their declared type are kept as strings: the tool
-    validates its own input, and a wrong type is not malformed markup.
-    """
-    types = schema.get("type") if isinstance(schema, dict) else None
-    if isinstance(types, str):
-        types = [types]
-    if not types:
-        # Without a declared type only an object or array is unambiguous.
-        try:
-            value = json.loads(raw)
-        except ValueError:
-            return raw
-        return value if isinstance(value, dict | list) else raw
-    text = raw.strip()
-    for kind in types:
-        convert = _CONVERTERS.get(str(kind).lower())
-        if convert is None:
-            continue
-        try:
-            return convert(text)
-        except (ValueError, SyntaxError, RecursionError):
-            continue
-    return raw
-
-
-def _strip_one_newline(value: str) -> str:
-    """Qwen writes each parameter value on its own line; those two newlines are markup."""
-    if value.startswith("\n"):
-        value = value[1:]
-    if value.endswith("\n"):
-        value = value[:-1]
-    return value
-
-
-def parse_qwen_xml(body: str, tools: list[dict] | None = None) -> list[tuple[str, dict]]:
-    """``<function=NAME><parameter=P>value</parameter></function>``, one or more."""
-    schemas = _tool_schemas(tools)
-    calls = []
-    for match in _FUNCTION_RE.finditer(body):
-        name = match.group(1).strip()
-        props = _properties(schemas.get(name))
-        args = {}
-        for param in _PARAMETER_RE.finditer(match.group(2)):
-            key = param.group(1).strip()
-            args[key] = _typed_value(_strip_one_newline(param.group(2)), props.get(key))
-        if _PARAMETER_RE.sub("", match.group(2)).strip():
-            raise ValueError(f"unexpected text in function {name!r}")
-        calls.append((name, args))
-    if not calls or _FUNCTION_RE.sub("", body).strip():
-        raise ValueError("not a sequence of <function=...> blocks")
-    return calls
-
-
-# --- Gemma tool_code ------------------------------------------------------------------
-
-_NAMED_LITERALS = {"true": True, "false": False, "null": None}
-
-
-def _literal(node: ast.AST) -> Any:
-    """The value of a literal expression, without evaluating anything.
-
-    JSON's true/false/null are accepted too, since templates render nested
-    values as JSON.
-    """
-    if isinstance(node, ast.Constant) and not isinstance(node.value, bytes | complex):
-        return node.value
-    if isinstance(node, ast.Name) and node.id in _NAMED_LITERALS:
-        return _NAMED_LITERALS[node.id]
-    if isinstance(node, ast.List | ast.Tuple):
-        return [_literal(elt) for elt in node.elts]
-    if isinstance(node, ast.Dict):
-        if any(key is None for key in node.keys):
-            raise ValueError("** in a literal dict")
-        out = {}
-        for key, value in zip(node.keys, node.values, strict=True):
-            k = _literal(key)
-            if not isinstance(k, str | int | float | bool) and k is not None:
-                raise ValueError("unsupported dict key")
-            out[k] = _literal(value)
-        return out
-    if (
-        isinstance(node, ast.UnaryOp)
-        and isinstance(node.op, ast.USub | ast.UAdd)
-        and isinstance(node.operand, ast.Constant)
-        and isinstance(node.operand.value, int | float)
-        and not isinstance(node.operand.value, bool)
-    ):
-        value = node.operand.value
-        return -value if isinstance(node.op, ast.USub) else value
-    raise ValueError(f"not a literal: {ast.dump(node)[:80]}")
-
-
-def _dotted_name(node: ast.AST) -> str:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        return f"{_dotted_name(node.value)}.{node.attr}"
-    raise ValueError("not a function name")
-
-
-def _python_call(node: ast.AST, schemas: dict[str, dict]) -> tuple[str, dict]:
-    if not isinstance(node, ast.Call):
-        raise ValueError("not a function call")
-    name = _dotted_name(node.func)
-    # Gemma's examples wrap the call as print(tool(...)).
-    if (
-        name == "print"
-        and name not in schemas
-        and len(node.args) == 1
-        and not node.keywords
-        and isinstance(node.args[0], ast.Call)
-    ):
-        return _python_call(node.args[0], schemas)
-    if schemas and name not in schemas:
-        return name, {}  # reported as an unknown tool; its arguments do not matter
-    params = list(_properties(schemas.get(name)))
-    if len(node.args) > len(params):
-        raise ValueError(f"{name}: positional arguments not in the tool's schema")
-    args = {}
-    for param, arg in zip(params, node.args, strict=False):
-        if isinstance(arg, ast.Starred):
-            raise ValueError("*args in a tool call")
-        args[param] = _literal(arg)
-    for keyword in node.keywords:
-        if keyword.arg is None or keyword.arg in args:
-            raise ValueError(f"{name}: bad or repeated keyword argument")
-        args[keyword.arg] = _literal(keyword.value)
-    return name, args
-
-
-def parse_tool_code(body: str, tools: list[dict] | None = None) -> list[tuple[str, dict]]:
-    """Python calls, one per line (or a list of calls); positional arguments take
-    their names from the order of the tool schema's ``properties``."""
-    try:
-        tree = ast.parse(textwrap.dedent(body).strip(), mode="exec")
-    except (SyntaxError, ValueError, RecursionError) as e:
-        raise ValueError(f"tool_code is not Python: {e}") from e
-    schemas = _tool_schemas(tools)
-    calls = []
-    for stmt in tree.body:
-        if not isinstance(stmt, ast.Expr):
-            raise ValueError("tool_code may only hold calls")
-        value = stmt.value
-        nodes = value.elts if isinstance(value, ast.List | ast.Tuple) else [value]
-        calls.extend(_python_call(node, schemas) for node in nodes)
-    if not calls:
-        raise ValueError("empty tool_code")
-    return calls
-
-
-def parse_tool_call_block(body: str, tools: list[dict] | None = None) -> list[tuple[str, dict]]:
-    """What follows ``<tool_call>`` decides the format: ``{`` is hermes, ``<function=`` Qwen XML."""
-    text = body.lstrip()
-    if text.startswith("<function="):
-        return parse_qwen_xml(body, tools)
-    if text.startswith(("{", "[")):
-        return parse_hermes(body, tools)
-    raise ValueError("unknown <tool_call> format")
-
-
 # --- the streaming parser ---------------------------------------------------------------
 
 
@@ -395,13 +99,10 @@ class OutputParser:
         """``markup``: the loaded model's (None: the default markers and our own tool
         formats). ``opens_tool_call``: the prompt ends with this tool-call marker
         (``tool_choice`` forced a call), so generation starts inside the call's body."""
-        if markup is None:
-            from mlx_relay.coordinator.markup import ChatMarkup
-
-            markup = ChatMarkup.of(None)
+        markup = markup or ChatMarkup.of(None)
         self.think_start, self.think_end = markup.think_start, markup.think_end
         self.tools = tools or None
-        self._known = set(_tool_schemas(tools)) if tools else None
+        self._known = set(tool_schemas(tools)) if tools else None
 
         # Tool-call blocks: start marker -> (end marker, body parser).
         self._blocks: dict[str, tuple[str, Callable]] = {}
