@@ -20,7 +20,6 @@ from mlx_relay.coordinator.markup import ChatMarkup  # noqa: E402
 from mlx_relay.coordinator.output import Chunk, OutputProcessor  # noqa: E402
 from mlx_relay.coordinator.postprocess import OutputParser  # noqa: E402
 from mlx_relay.coordinator.sampling import Sampler, SamplingParams  # noqa: E402
-from mlx_relay.coordinator.textstream import StopStrings  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +34,7 @@ def sequence(tokenizer, prompt: list[int], **params) -> Sequence:
         slot=0,
         sampler=Sampler(request.params),
         detokenizer=tokenizer.detokenizer,
-        stops=StopStrings(request.params.stop),
-        parser=OutputParser(ChatMarkup.of(tokenizer)),
+        parser=OutputParser(ChatMarkup.of(tokenizer), stop=request.params.stop),
         pending=[],
         context=list(prompt),
     )

@@ -43,7 +43,6 @@ from mlx_relay.coordinator.postprocess import OutputParser
 from mlx_relay.coordinator.sampling import Sampler, SamplingParams
 from mlx_relay.coordinator.scheduler import PrefillPacer, next_unit, pick_group
 from mlx_relay.coordinator.slots import SlotTable, Taken
-from mlx_relay.coordinator.textstream import StopStrings
 from mlx_relay.protocol import header as hdr
 
 log = logging.getLogger("mlx_relay.engine")
@@ -103,8 +102,7 @@ class Sequence:
     slot: int
     sampler: Sampler
     detokenizer: Any
-    stops: StopStrings
-    parser: OutputParser
+    parser: OutputParser  # also cuts the stop strings
     pending: list[int]  # prompt tokens still to prefill
     position: int = 0  # tokens fed to the KV caches (sent round the ring)
     context: list[int] = field(default_factory=list)  # prompt + sampled tokens read so far
@@ -328,13 +326,13 @@ class Engine:
             slot=taken.slot,
             sampler=Sampler(request.params),
             detokenizer=self.tokenizer.detokenizer,
-            stops=StopStrings(request.params.stop),
             parser=OutputParser(
                 self.markup,
                 tools=request.tools,
                 parse_tools=request.parse_tools,
                 starts_in_reasoning=request.starts_in_reasoning,
                 opens_tool_call=request.opens_tool_call,
+                stop=request.params.stop,
             ),
             pending=list(request.prompt_tokens[cached:]),
             position=cached,

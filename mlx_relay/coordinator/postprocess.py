@@ -5,8 +5,10 @@ between the think markers) and tool-call markup never reach the client as
 content: reasoning goes out as reasoning deltas, and each tool call goes out as
 one structured call the moment its closing markup arrives.
 
-Like a stop-string holdback, only the tail that could still become a marker is
-held back; all other text is released as soon as it arrives. Whitespace that
+Stop strings are cut here too, on the same buffer: only the tail that could still
+become a marker or a stop string is held back (textstream.py), all other text is
+released as soon as it arrives, and a stop string ends the stream before any of it is
+sent. Whitespace that
 only separates content from markup (``</think>\\n\\n``, newlines between tool
 calls) is dropped, so trailing whitespace of content waits for the next
 non-whitespace character to show whether it separates text or precedes markup.
@@ -27,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mlx_relay.coordinator.markup import ChatMarkup
+from mlx_relay.coordinator.textstream import first_match, held_back
 from mlx_relay.coordinator.tool_parsers.common import tool_schemas
 
 
@@ -53,38 +56,16 @@ class Final(Delta):
     unknown_tools: list[str] = field(default_factory=list)
 
 
-def _held_prefix_len(text: str, markers: list[str]) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of a marker."""
-    best = 0
-    for marker in markers:
-        for n in range(min(len(marker) - 1, len(text)), best, -1):
-            if text.endswith(marker[:n]):
-                best = n
-                break
-    return best
-
-
-def _find_first(text: str, markers: list[str]) -> tuple[int, str] | None:
-    """The earliest complete marker in ``text`` (the longest one on a tie)."""
-    best: tuple[int, str] | None = None
-    for marker in markers:
-        i = text.find(marker)
-        if i < 0:
-            continue
-        if best is None or i < best[0] or (i == best[0] and len(marker) > len(best[1])):
-            best = (i, marker)
-    return best
-
-
 # --- the streaming parser ---------------------------------------------------------------
 
 
 class OutputParser:
     """Incrementally split generated text into content, reasoning and tool calls.
 
-    ``feed`` each detokenized segment and send the returned delta; ``finish``
-    flushes what was held back. The ``content``, ``reasoning`` and ``tool_calls``
-    attributes are the aggregates of everything returned so far.
+    ``feed`` each detokenized segment and send the returned delta; once ``stopped``
+    (a stop string completed) feed no more. ``finish`` flushes what was held back. The
+    ``content``, ``reasoning`` and ``tool_calls`` attributes are the aggregates of
+    everything returned so far.
     """
 
     def __init__(
@@ -95,9 +76,11 @@ class OutputParser:
         starts_in_reasoning: bool = False,
         parse_tools: bool = True,
         opens_tool_call: str = "",
+        stop: list[str] | None = None,
     ) -> None:
         """``markup``: the loaded model's (None: the default markers and our own tool
-        formats). ``opens_tool_call``: the prompt ends with this tool-call marker
+        formats). ``stop``: strings that end the stream, none of which is ever sent, found
+        in the raw text (inside reasoning and tool calls too). ``opens_tool_call``: the prompt ends with this tool-call marker
         (``tool_choice`` forced a call), so generation starts inside the call's body."""
         markup = markup or ChatMarkup.of(None)
         self.think_start, self.think_end = markup.think_start, markup.think_end
@@ -117,7 +100,11 @@ class OutputParser:
         self.malformed_tool_call = False
         self.unknown_tools: list[str] = []
 
+        self.stops = [s for s in stop or [] if s]
+        self.stopped = False
+
         self._buf = ""  # text not yet classified
+        self._released = 0  # the head of _buf that cannot be part of a stop string
         self._mode = "reasoning" if starts_in_reasoning else "content"
         self._block_start = ""  # start marker of the open tool-call block
         self._end_search_from = 0  # where to resume looking for its end marker
@@ -144,10 +131,11 @@ class OutputParser:
 
     def feed(self, text: str) -> Delta:
         delta = Delta()
-        if self._done:
+        if self._done or self.stopped:
             return delta
         self._buf += text
-        self._scan(delta, final=False)
+        self._find_stop()
+        self._classify(delta, final=False)
         self._record(delta)
         return delta
 
@@ -155,7 +143,7 @@ class OutputParser:
         final = Final()
         if not self._done:
             self._done = True
-            self._scan(final, final=True)
+            self._classify(final, final=True)
             if self._ws and not self._ws_after_markup:
                 final.content += self._ws
             self._ws = self._reasoning_ws = ""
@@ -169,13 +157,29 @@ class OutputParser:
         self.reasoning += delta.reasoning
         self.tool_calls.extend(delta.tool_calls)
 
+    def _find_stop(self) -> None:
+        """Cut the buffer at the first stop string; none can start in the released head."""
+        hit = first_match(self._buf, self.stops, self._released)
+        if hit is not None:
+            self._buf = self._buf[: hit[0]]
+            self.stopped = True
+
+    def _classify(self, delta: Delta, final: bool) -> None:
+        """Scan what may no longer become a stop string; hold back the rest with it."""
+        keep = 0 if final or self.stopped else held_back(self._buf, self.stops)
+        ready, tail = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
+        self._buf = ready
+        self._scan(delta, final)
+        self._released = len(self._buf)
+        self._buf += tail
+
     def _scan(self, delta: Delta, final: bool) -> None:
         """Classify as much of the buffer as is certain, in order."""
         while True:
             if self._mode == "content":
-                hit = _find_first(self._buf, self._content_markers)
+                hit = first_match(self._buf, self._content_markers)
                 if hit is None:
-                    keep = 0 if final else _held_prefix_len(self._buf, self._content_markers)
+                    keep = 0 if final else held_back(self._buf, self._content_markers)
                     self._emit_content(self._buf[: len(self._buf) - keep], delta)
                     self._buf = self._buf[len(self._buf) - keep :]
                     return
@@ -200,7 +204,7 @@ class OutputParser:
                         return
                 i = self._buf.find(self.think_end)
                 if i < 0:
-                    keep = 0 if final else _held_prefix_len(self._buf, [self.think_end])
+                    keep = 0 if final else held_back(self._buf, [self.think_end])
                     self._emit_reasoning(self._buf[: len(self._buf) - keep], delta)
                     self._buf = self._buf[len(self._buf) - keep :]
                     return
