@@ -79,9 +79,10 @@ class OutputParser:
         stop: list[str] | None = None,
     ) -> None:
         """``markup``: the loaded model's (None: the default markers and our own tool
-        formats). ``stop``: strings that end the stream, none of which is ever sent, found
-        in the raw text (inside reasoning and tool calls too). ``opens_tool_call``: the prompt ends with this tool-call marker
-        (``tool_choice`` forced a call), so generation starts inside the call's body."""
+        formats). ``opens_tool_call``: the prompt ends with this tool-call marker
+        (``tool_choice`` forced a call), so generation starts inside the call's body.
+        ``stop``: strings that end the stream, none of which is ever sent; they are found
+        in the raw text (inside reasoning and tool calls too), as mlx-lm finds them."""
         markup = markup or ChatMarkup.of(None)
         self.think_start, self.think_end = markup.think_start, markup.think_end
         self.tools = tools or None
