@@ -20,9 +20,9 @@ from typing import Any
 from mlx_relay.api.metrics import Metrics
 from mlx_relay.coordinator import constraints, requests
 from mlx_relay.coordinator.engine import Engine, EngineError, Request
+from mlx_relay.coordinator.markup import ChatMarkup
 from mlx_relay.coordinator.output import Chunk
 from mlx_relay.coordinator.pipeline import ClusterFailure, RankFailure
-from mlx_relay.coordinator.postprocess import DEFAULT_THINK_MARKERS, think_markers
 from mlx_relay.model import memory
 from mlx_relay.model.split import model_layers
 from mlx_relay.protocol import relay_pb2 as pb
@@ -54,6 +54,13 @@ class Cluster:
             raise EngineError("unavailable", not_serving(self.engine.state, self.engine.error))
         return tokenizer
 
+    def markup(self) -> ChatMarkup:
+        """The loaded model's chat markup (resolved once, at load), or EngineError."""
+        markup = self.engine.markup
+        if markup is None or self.engine.state != "serving":
+            raise EngineError("unavailable", not_serving(self.engine.state, self.engine.error))
+        return markup
+
     def build(self, request: pb.GenerateRequest) -> Request:
         """Check and render a request; nothing reaches the engine yet."""
         tokenizer = self.tokenizer()
@@ -68,10 +75,7 @@ class Cluster:
             vocab_size=len(tokenizer),
             default_max_tokens=self.engine.default_max_tokens,
         )
-        think_start, _ = think_markers(tokenizer) or DEFAULT_THINK_MARKERS
-        starts_in_reasoning = bool(request.messages) and requests.ends_in_reasoning(
-            prompt.text, think_start
-        )
+        starts_in_reasoning = bool(request.messages) and self.markup().opens_think(prompt.text)
         return Request(
             prompt_tokens=prompt.token_ids,
             params=params,
@@ -93,7 +97,7 @@ class Cluster:
         grammar, field = wanted
         with self._compiler_lock:  # built once per loaded tokenizer (up to ~1 s)
             if self._compiler is None or self._compiler.tokenizer is not tokenizer:
-                self._compiler = constraints.Compiler(tokenizer)
+                self._compiler = constraints.Compiler(tokenizer, self.markup())
             compiler = self._compiler
         return compiler.constraint(grammar, field, in_reasoning=in_reasoning)
 
@@ -110,6 +114,7 @@ class Cluster:
             tools_json=request.tools_json,
             chat_template_kwargs_json=request.chat_template_kwargs_json,
             tool_choice=request.tool_choice,
+            markup=self.markup(),
         )
 
     def submit(self, request: pb.GenerateRequest, api: str = "grpc") -> Request:
