@@ -10,6 +10,7 @@ import json
 import time
 
 import anthropic
+import grpc
 import httpx
 import openai
 import pytest
@@ -564,6 +565,23 @@ def test_metrics_move_by_the_right_amounts(served):
         _metrics(served)[("mlx_relay:requests_total", (("api", "openai"), ("outcome", "invalid")))]
         >= 1
     )
+
+
+def test_metrics_count_the_grpc_door_too(served):
+    """One registry for every door: a gRPC request shows under api="grpc"."""
+    before = _metrics(served)
+    reply = _grpc(served)
+    with pytest.raises(grpc.RpcError):
+        _grpc(served, tool_choice="nonsense")
+    after = _metrics(served)
+
+    def moved(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert moved("mlx_relay:requests_total", api="grpc", outcome=reply.finish_reason) == 1
+    assert moved("mlx_relay:requests_total", api="grpc", outcome="invalid") == 1
+    assert moved("mlx_relay:generation_tokens_total") == reply.usage.completion_tokens
 
 
 def test_health(served):

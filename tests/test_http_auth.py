@@ -124,8 +124,12 @@ def test_an_address_in_use_is_refused_at_once():
 def test_reachable_from_other_machines_without_a_token_warns(caplog, monkeypatch):
     import argparse
     import logging
+    from types import SimpleNamespace
 
     from mlx_relay.api.http import server
+    from mlx_relay.api.metrics import Metrics
+
+    cluster = SimpleNamespace(metrics=Metrics(lambda: None))  # reached only per request
 
     monkeypatch.delenv("MLX_RELAY_AUTH_TOKEN", raising=False)
     args = argparse.Namespace(
@@ -136,7 +140,7 @@ def test_reachable_from_other_machines_without_a_token_warns(caplog, monkeypatch
         tls_key="",
     )
     with caplog.at_level(logging.WARNING, logger="mlx_relay.http"):
-        http = server.start(args, cluster=None)  # the doors reach the cluster per request
+        http = server.start(args, cluster=cluster)
     try:
         assert "reachable from other machines and needs no token" in caplog.text
         assert httpx.get(f"http://127.0.0.1:{http.port}/nowhere", timeout=10).status_code == 404
@@ -144,4 +148,4 @@ def test_reachable_from_other_machines_without_a_token_warns(caplog, monkeypatch
         assert http.stop(grace=1).wait(5)
     assert not http.thread.is_alive()
     args.http_address = ""
-    assert server.start(args, cluster=None) is None
+    assert server.start(args, cluster=cluster) is None

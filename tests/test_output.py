@@ -16,10 +16,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import make_tiny_model  # noqa: E402
 
 from mlx_relay.coordinator.engine import Request, Sequence  # noqa: E402
+from mlx_relay.coordinator.markup import ChatMarkup  # noqa: E402
 from mlx_relay.coordinator.output import Chunk, OutputProcessor  # noqa: E402
 from mlx_relay.coordinator.postprocess import OutputParser  # noqa: E402
 from mlx_relay.coordinator.sampling import Sampler, SamplingParams  # noqa: E402
-from mlx_relay.coordinator.textstream import StopStrings  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +34,7 @@ def sequence(tokenizer, prompt: list[int], **params) -> Sequence:
         slot=0,
         sampler=Sampler(request.params),
         detokenizer=tokenizer.detokenizer,
-        stops=StopStrings(request.params.stop),
-        parser=OutputParser(tokenizer),
+        parser=OutputParser(ChatMarkup.of(tokenizer), stop=request.params.stop),
         pending=[],
         context=list(prompt),
     )

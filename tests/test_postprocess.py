@@ -8,6 +8,7 @@ tokenizer (the embedded default model) spells them with several ordinary tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -23,13 +24,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import make_tiny_model  # noqa: E402
 
+from mlx_relay.coordinator.markup import ChatMarkup  # noqa: E402
 from mlx_relay.coordinator.postprocess import (  # noqa: E402
     Delta,
     Final,
     OutputParser,
     ToolCall,
-    think_markers,
-    tool_call_marker,
 )
 from mlx_relay.coordinator.requests import render_prompt  # noqa: E402
 from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
@@ -180,8 +180,11 @@ def run(text: str, mode: str, tokenizer=None, **kwargs) -> Result:
     The parser gets ``parser_tokenizer`` if given, else no tokenizer at all, so
     our own parsers are exercised even when streaming through the tiny tokenizer.
     """
-    parser_tokenizer = kwargs.pop("parser_tokenizer", None)
-    parser = OutputParser(parser_tokenizer, tools=kwargs.pop("tools", TOOLS), **kwargs)
+    markup = ChatMarkup.of(kwargs.pop("parser_tokenizer", None))
+    if "think_markers" in kwargs:
+        start, end = kwargs.pop("think_markers")
+        markup = dataclasses.replace(markup, think_start=start, think_end=end)
+    parser = OutputParser(markup, tools=kwargs.pop("tools", TOOLS), **kwargs)
     if mode == "token":
         return feed_tokens(tokenizer, text, parser)
     if mode == "char":
@@ -559,9 +562,11 @@ def test_finish_is_final():
 
 
 def test_think_markers_from_tokenizer(tiny_tok, smol_tok):
-    assert think_markers(tiny_tok) == ("<think>", "</think>")
-    assert think_markers(smol_tok) is None  # SmolLM2 does not think
-    assert think_markers(None) is None
+    tiny, smol = ChatMarkup.of(tiny_tok), ChatMarkup.of(smol_tok)
+    assert (tiny.think_start, tiny.think_end, tiny.thinks) == ("<think>", "</think>", True)
+    assert not smol.thinks  # SmolLM2 does not think: the default markers apply
+    assert (smol.think_start, smol.think_end) == ("<think>", "</think>")
+    assert not ChatMarkup.of(None).thinks
     assert (tiny_tok.has_tool_calling, smol_tok.has_tool_calling) == (True, False)
 
 
@@ -616,7 +621,7 @@ def test_mlx_lm_mistral_parser_without_end_marker(tiny_dir, tmp_path):
     tok = tokenizer_with_parser(tiny_dir, tmp_path, "mistral")
     assert (tok.tool_call_start, tok.tool_call_end) == ("[TOOL_CALLS]", "")
     text = 'Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]'
-    parser = OutputParser(tok, tools=TOOLS)
+    parser = OutputParser(ChatMarkup.of(tok), tools=TOOLS)
     deltas = [parser.feed(c) for c in text]
     assert not parser.saw_tool_calls  # no end marker: the call ends with the generation
     check_case(collect(parser, deltas), "Sure.", "", [WEATHER_PARIS])
@@ -631,10 +636,10 @@ def test_mlx_lm_qwen3_coder_parser(tiny_dir, tmp_path, mode):
 
 
 def test_tool_call_marker_is_the_models_own(tiny_tok, smol_tok, tiny_dir, tmp_path):
-    assert tool_call_marker(tiny_tok) == "<tool_call>"  # mlx-lm's json_tools parser
+    assert ChatMarkup.of(tiny_tok).tool_call_start == "<tool_call>"  # mlx-lm's json_tools
     pythonic = tokenizer_with_parser(tiny_dir, tmp_path, "pythonic")
-    assert tool_call_marker(pythonic) == "<|tool_call_start|>"
-    assert tool_call_marker(smol_tok) is None  # SmolLM2's template has no tool calls
+    assert ChatMarkup.of(pythonic).tool_call_start == "<|tool_call_start|>"
+    assert ChatMarkup.of(smol_tok).tool_call_start is None  # SmolLM2 writes no tool calls
 
 
 def test_forced_call_that_does_not_parse_is_content_with_its_marker():

@@ -7,6 +7,10 @@ from mlx_relay.coordinator.scheduler import (
     PROBE_CHUNK,
     STALL_STEPS,
     PrefillPacer,
+    Scheduled,
+    Scheduler,
+    StepOutput,
+    Unit,
     next_unit,
     pick_group,
 )
@@ -54,3 +58,46 @@ def test_streams_join_the_smallest_group_with_room():
 def test_units_take_turns():
     units = ["group 0", "group 1", "prefill"]
     assert [next_unit(units, t) for t in range(4)] == ["group 0", "group 1", "prefill", "group 0"]
+
+
+# --- the engine's interface: schedule() and update_from_output() ---------------------------
+
+
+def test_nothing_runnable_schedules_nothing():
+    assert Scheduler(512).schedule([], decoding=False) is None
+
+
+def test_a_prompt_goes_in_chunks_and_its_last_token_alone_for_the_logits():
+    scheduler = Scheduler(64)
+    pending, steps = 150, []
+    while pending:
+        plan = scheduler.schedule([Unit("prefill", "seq", pending)], decoding=False)
+        steps.append((plan.tokens, plan.want_logits))
+        pending -= plan.tokens
+    assert steps == [(64, False), (64, False), (21, False), (1, True)]
+
+
+def test_decode_groups_and_prompts_take_turns():
+    scheduler = Scheduler(512)
+    units = [Unit("group", 0), Unit("group", 1), Unit("prefill", "seq", 1000)]
+    plans = [scheduler.schedule(units, decoding=True) for _ in range(4)]
+    assert [p.unit for p in plans] == [units[0], units[1], units[2], units[0]]
+    assert plans[0] == Scheduled(units[0], 1, True)  # a decode step: one token a row
+    assert plans[2].tokens == 512 and not plans[2].want_logits  # no step timed yet
+
+
+def test_what_came_back_paces_the_next_chunk_beside_streams():
+    scheduler = Scheduler(512)
+    prompt = [Unit("prefill", "seq", 1000)]
+    scheduler.update_from_output(StepOutput("group", 0.02))
+    assert scheduler.schedule(prompt, decoding=True).tokens == PROBE_CHUNK
+    scheduler.update_from_output(StepOutput("prefill", 0.032, tokens=32, want_logits=False))
+    assert scheduler.schedule(prompt, decoding=True).tokens == STALL_STEPS * 20
+    assert scheduler.schedule(prompt, decoding=False).tokens == 512  # alone: the whole chunk
+
+
+def test_steps_that_say_nothing_about_the_pace_are_ignored():
+    scheduler = Scheduler(512)
+    scheduler.update_from_output(StepOutput("group", 5.0, beside_prefill=True))
+    scheduler.update_from_output(StepOutput("prefill", 5.0, tokens=1, want_logits=True))
+    assert (scheduler.pacer.decode_step_s, scheduler.pacer.prefill_token_s) == (0.0, 0.0)

@@ -14,12 +14,15 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
+from mlx_relay.api.metrics import Metrics
 from mlx_relay.coordinator import constraints, requests
 from mlx_relay.coordinator.engine import Engine, EngineError, Request
+from mlx_relay.coordinator.markup import ChatMarkup
+from mlx_relay.coordinator.output import Chunk
 from mlx_relay.coordinator.pipeline import ClusterFailure, RankFailure
-from mlx_relay.coordinator.postprocess import DEFAULT_THINK_MARKERS, think_markers
 from mlx_relay.model import memory
 from mlx_relay.model.split import model_layers
 from mlx_relay.protocol import relay_pb2 as pb
@@ -42,6 +45,7 @@ class Cluster:
         self.last_layers = layers
         self._compiler: constraints.Compiler | None = None  # the loaded tokenizer's
         self._compiler_lock = threading.Lock()
+        self.metrics = Metrics(lambda: self.engine)  # every door's requests, by API
 
     def tokenizer(self) -> Any:
         """The loaded model's tokenizer, or EngineError('unavailable') saying why not."""
@@ -49,6 +53,13 @@ class Cluster:
         if tokenizer is None or self.engine.state != "serving":
             raise EngineError("unavailable", not_serving(self.engine.state, self.engine.error))
         return tokenizer
+
+    def markup(self) -> ChatMarkup:
+        """The loaded model's chat markup (resolved once, at load), or EngineError."""
+        markup = self.engine.markup
+        if markup is None or self.engine.state != "serving":
+            raise EngineError("unavailable", not_serving(self.engine.state, self.engine.error))
+        return markup
 
     def build(self, request: pb.GenerateRequest) -> Request:
         """Check and render a request; nothing reaches the engine yet."""
@@ -83,10 +94,7 @@ class Cluster:
                 f"{n + params.max_tokens} tokens, more than the {bound} this cluster serves per "
                 f"sequence (--max-context); lower max_tokens to at most {bound - n}"
             )
-        think_start, _ = think_markers(tokenizer) or DEFAULT_THINK_MARKERS
-        starts_in_reasoning = bool(request.messages) and requests.ends_in_reasoning(
-            prompt.text, think_start
-        )
+        starts_in_reasoning = bool(request.messages) and self.markup().opens_think(prompt.text)
         return Request(
             prompt_tokens=prompt.token_ids,
             params=params,
@@ -108,7 +116,7 @@ class Cluster:
         grammar, field = wanted
         with self._compiler_lock:  # built once per loaded tokenizer (up to ~1 s)
             if self._compiler is None or self._compiler.tokenizer is not tokenizer:
-                self._compiler = constraints.Compiler(tokenizer)
+                self._compiler = constraints.Compiler(tokenizer, self.markup())
             compiler = self._compiler
         return compiler.constraint(grammar, field, in_reasoning=in_reasoning)
 
@@ -125,11 +133,31 @@ class Cluster:
             tools_json=request.tools_json,
             chat_template_kwargs_json=request.chat_template_kwargs_json,
             tool_choice=request.tool_choice,
+            markup=self.markup(),
         )
 
-    def submit(self, request: pb.GenerateRequest) -> Request:
-        """Start generating; iterate `.chunks()`, and `.cancel()` when the caller goes."""
-        return self.engine.submit(self.build(request))
+    def submit(self, request: pb.GenerateRequest, api: str = "grpc") -> Request:
+        """Start generating; iterate `.chunks()` (or `observed`), and `.cancel()` when the
+        caller goes. A refusal is counted in the metrics under `api`, then raised."""
+        try:
+            return self.engine.submit(self.build(request))
+        except Exception as e:
+            self.metrics.refused(api, error_kind(e))
+            raise
+
+    def observed(self, req: Request, api: str) -> Iterator[Chunk]:
+        """`req`'s chunks, counted in the metrics; closing early cancels the request."""
+        observer = self.metrics.observe(req, api)
+        try:
+            for chunk in req.chunks():
+                observer.chunk(chunk)
+                yield chunk
+        except Exception as e:
+            observer.failed(error_kind(e))
+            raise
+        finally:
+            req.cancel()  # a no-op once finished; frees the slot if the caller went away
+            observer.close()
 
     def load(self, model: str = "", layers: str = "") -> None:
         """Load `model` (or the last one again) over every rank; raise why not."""
@@ -199,6 +227,17 @@ class Cluster:
                 )
             )
         return out
+
+
+def error_kind(e: BaseException) -> str:
+    """The `EngineError` kind a door reports `e` as (invalid, unavailable, ...)."""
+    if isinstance(e, requests.InvalidRequest):
+        return "invalid"
+    if isinstance(e, EngineError):
+        return e.kind
+    if isinstance(e, RankFailure):
+        return "unavailable"
+    return "internal"
 
 
 def not_serving(state: str, error: str) -> str:

@@ -33,7 +33,6 @@ from mlx_relay.coordinator import requests
 from mlx_relay.coordinator.engine import EngineError
 from mlx_relay.coordinator.output import Chunk, TokenLogprob
 from mlx_relay.coordinator.pipeline import RankFailure
-from mlx_relay.coordinator.postprocess import think_markers
 from mlx_relay.protocol import relay_pb2 as pb
 from mlx_relay.protocol.localai import backend_pb2 as lpb
 from mlx_relay.protocol.localai import backend_pb2_grpc as lpb_grpc
@@ -403,28 +402,25 @@ class LocalAIServicer(lpb_grpc.BackendServicer):
         return request
 
     def _replies(self, options: lpb.PredictOptions, context) -> Iterator[lpb.Reply]:
-        req = self.cluster.submit(self._request(options))
+        req = self.cluster.submit(self._request(options), "localai")
         context.add_callback(req.cancel)
         prompt_tokens = len(req.prompt_tokens)
         generated = 0
         logprobs: list[TokenLogprob] = []
-        try:
-            for chunk in req.chunks():
-                generated += len(chunk.token_ids)
-                logprobs += chunk.logprobs
-                delta = _delta(chunk)
-                reply = lpb.Reply(
-                    message=chunk.text.encode(),
-                    tokens=generated,
-                    prompt_tokens=prompt_tokens,
-                    chat_deltas=[delta] if delta.ByteSize() else [],
-                    logprobs=_logprob_json(chunk.logprobs),
-                )
-                if chunk.finish_reason is not None:
-                    self._finish(reply, chunk, logprobs)
-                yield reply
-        finally:
-            req.cancel()  # a no-op once finished; frees the slot if LocalAI went away
+        for chunk in self.cluster.observed(req, "localai"):
+            generated += len(chunk.token_ids)
+            logprobs += chunk.logprobs
+            delta = _delta(chunk)
+            reply = lpb.Reply(
+                message=chunk.text.encode(),
+                tokens=generated,
+                prompt_tokens=prompt_tokens,
+                chat_deltas=[delta] if delta.ByteSize() else [],
+                logprobs=_logprob_json(chunk.logprobs),
+            )
+            if chunk.finish_reason is not None:
+                self._finish(reply, chunk, logprobs)
+            yield reply
 
     def _finish(self, reply: lpb.Reply, chunk: Chunk, logprobs: list[TokenLogprob]) -> None:
         """The last reply: the engine's counts, both timings in ms, every logprob."""
@@ -470,10 +466,11 @@ class LocalAIServicer(lpb_grpc.BackendServicer):
     @_map_errors
     def ModelMetadata(self, request, context):  # noqa: N802
         tokenizer = self.cluster.tokenizer()
-        markers = think_markers(tokenizer)
-        out = lpb.ModelMetadataResponse(supports_thinking=markers is not None)
-        if markers:
-            out.tool_format.reasoning_start, out.tool_format.reasoning_end = markers
+        markup = self.cluster.markup()
+        out = lpb.ModelMetadataResponse(supports_thinking=markup.thinks)
+        if markup.thinks:
+            out.tool_format.reasoning_start = markup.think_start
+            out.tool_format.reasoning_end = markup.think_end
         if getattr(tokenizer, "has_tool_calling", False):
             out.tool_format.section_start = tokenizer.tool_call_start or ""
             out.tool_format.section_end = tokenizer.tool_call_end or ""

@@ -132,13 +132,10 @@ class RelayServicer:
     def _stream(
         self, request: pb.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GenerateChunk]:
-        req = self.cluster.submit(request)
+        req = self.cluster.submit(request, "grpc")
         context.add_callback(req.cancel)
-        try:
-            for chunk in req.chunks():
-                yield chunk_to_proto(chunk, req.request_id)
-        finally:
-            req.cancel()  # a no-op once finished; frees the slot if the client went away
+        for chunk in self.cluster.observed(req, "grpc"):
+            yield chunk_to_proto(chunk, req.request_id)
 
     @_stream_rpc
     def GenerateStream(self, request, context):  # noqa: N802 - gRPC method name

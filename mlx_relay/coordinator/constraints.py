@@ -32,7 +32,7 @@ import numpy as np
 from jsonschema import exceptions as schema_errors
 from jsonschema import validators
 
-from mlx_relay.coordinator.postprocess import DEFAULT_THINK_MARKERS, think_markers
+from mlx_relay.coordinator.markup import ChatMarkup
 from mlx_relay.coordinator.requests import InvalidRequest
 
 # Between JSON tokens: nothing, one space, or one or two newlines and an indent of at
@@ -121,7 +121,8 @@ class Compiler:
     """One tokenizer's grammars: the llguidance tokenizer (built once per loaded model),
     and compiled matchers by grammar text, copied for each request."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, markup: ChatMarkup | None = None) -> None:
+        """``markup``: the tokenizer's, resolved at load (None: resolved here)."""
         self.tokenizer = tokenizer
         hf = getattr(tokenizer, "_tokenizer", tokenizer)
         eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
@@ -131,8 +132,7 @@ class Compiler:
             raise InvalidRequest(
                 f"structured output is not available for this model's tokenizer: {e}"
             ) from e
-        _, think_end = think_markers(tokenizer) or DEFAULT_THINK_MARKERS
-        self.think_end_id = _single_token(tokenizer, think_end)
+        self.think_end_id = (markup or ChatMarkup.of(tokenizer)).think_end_id
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -152,11 +152,6 @@ class Compiler:
                     self._compiled.popitem(last=False)
         gate = self.think_end_id if in_reasoning else None
         return Constraint(compiled.deep_copy(), gate)
-
-
-def _single_token(tokenizer: Any, text: str) -> int | None:
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return ids[0] if len(ids) == 1 else None
 
 
 class Constraint:

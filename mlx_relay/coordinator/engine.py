@@ -37,13 +37,13 @@ import mlx.core as mx
 from mlx_lm.utils import load_tokenizer
 
 from mlx_relay.coordinator.constraints import Constraint, apply_mask
+from mlx_relay.coordinator.markup import ChatMarkup
 from mlx_relay.coordinator.output import Chunk, OutputProcessor
 from mlx_relay.coordinator.pipeline import ClusterFailure, Pipeline, RankFailure, Step
 from mlx_relay.coordinator.postprocess import OutputParser
 from mlx_relay.coordinator.sampling import Sampler, SamplingParams
-from mlx_relay.coordinator.scheduler import PrefillPacer, next_unit, pick_group
+from mlx_relay.coordinator.scheduler import Scheduler, StepOutput, Unit, pick_group
 from mlx_relay.coordinator.slots import SlotTable, Taken
-from mlx_relay.coordinator.textstream import StopStrings
 from mlx_relay.model import memory
 from mlx_relay.protocol import header as hdr
 
@@ -104,8 +104,7 @@ class Sequence:
     slot: int
     sampler: Sampler
     detokenizer: Any
-    stops: StopStrings
-    parser: OutputParser
+    parser: OutputParser  # also cuts the stop strings
     pending: list[int]  # prompt tokens still to prefill
     position: int = 0  # tokens fed to the KV caches (sent round the ring)
     context: list[int] = field(default_factory=list)  # prompt + sampled tokens read so far
@@ -153,6 +152,7 @@ class Engine:
         self.max_in_flight = max(1, pipeline.world_size)
         n_groups = max(pipeline.world_size, math.ceil(max_active / hdr.MAX_SEQS))
         self.tokenizer: Any = None
+        self.markup: ChatMarkup | None = None  # its chat markup, resolved once at load
         self.context_length = 0
         self.state = "starting"
         self.error = ""
@@ -166,9 +166,8 @@ class Engine:
         self._cv = threading.Condition()
         self._slots = SlotTable(max_active)
         self._reuse = False  # prompt_cache, and the model's caches can be cut back
-        self._turn = 0
         self._stop = False
-        self._pacer = PrefillPacer(prefill_chunk)
+        self._scheduler = Scheduler(prefill_chunk)  # what runs next (data in, data out)
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     # --- API for other threads -----------------------------------------------------
@@ -363,13 +362,13 @@ class Engine:
             slot=taken.slot,
             sampler=Sampler(request.params),
             detokenizer=self.tokenizer.detokenizer,
-            stops=StopStrings(request.params.stop),
             parser=OutputParser(
-                self.tokenizer,
+                self.markup,
                 tools=request.tools,
                 parse_tools=request.parse_tools,
                 starts_in_reasoning=request.starts_in_reasoning,
                 opens_tool_call=request.opens_tool_call,
+                stop=request.params.stop,
             ),
             pending=list(request.prompt_tokens[cached:]),
             position=cached,
@@ -387,15 +386,15 @@ class Engine:
                 self._finish(seq, Chunk(), reason="cancelled")
 
     # --- launching -----------------------------------------------------------------
-    def _units(self) -> list[tuple[str, Any]]:
+    def _units(self) -> list[Unit]:
         """Work that can go round the ring now, in a stable order."""
-        units: list[tuple[str, Any]] = [
-            ("group", g)
+        units = [
+            Unit("group", g)
             for g, members in enumerate(self._groups)
             if members and all(s.next_input is not None for s in members)
         ]
         units += [
-            ("single", s)
+            Unit("prefill", s, len(s.pending))
             for s in self._active
             if s.group is None and s.prefilling and not s.request.cancelled.is_set()
         ]
@@ -405,30 +404,27 @@ class Engine:
         return bool(self._units())
 
     def _launch_next(self) -> bool:
-        units = self._units()
-        if not units:
+        plan = self._scheduler.schedule(self._units(), decoding=any(self._groups))
+        if plan is None:
             return False
-        kind, unit = next_unit(units, self._turn)
-        self._turn += 1
+        unit = plan.unit
         try:
-            if kind == "group":
-                self._launch_group(unit)
+            if unit.kind == "group":
+                self._launch_group(unit.key)
             else:
-                self._launch_single(unit)
+                self._launch_single(unit.key, plan.tokens, plan.want_logits)
         except RankFailure:
             raise
         except Exception as e:  # noqa: BLE001 - rank 0's own stage failed for this unit
-            seqs = self._groups[unit] if kind == "group" else [unit]
+            seqs = self._groups[unit.key] if unit.kind == "group" else [unit.key]
             log.exception("rank 0 failed a step: %s", e)
             for seq in list(seqs):
                 self._finish(seq, EngineError("internal", f"rank 0: {e}"))
         return True
 
-    def _launch_single(self, seq: Sequence) -> None:
-        """The next prefill chunk, or the last prompt token (whose logits give token 1)."""
-        want_logits = len(seq.pending) == 1
-        chunk = self._pacer.chunk_size(decoding=any(self._groups))
-        n = 1 if want_logits else min(chunk, len(seq.pending) - 1)
+    def _launch_single(self, seq: Sequence, n: int, want_logits: bool) -> None:
+        """The next prefill chunk of `n` tokens, or the last prompt token (whose logits
+        give token 1), as the scheduler planned it."""
         tokens, seq.pending = seq.pending[:n], seq.pending[n:]
         step = self.pipeline.launch_forward(
             [seq.slot],
@@ -444,17 +440,20 @@ class Engine:
         self._track(step, [seq])
 
     def _timed(self, step: Step) -> None:
-        """Fold a finished step's duration into the averages the chunk size comes from."""
-        elapsed = time.monotonic() - step.launched_at
+        """Tell the scheduler what a finished forward step took."""
         header = step.header
         if header.cmd != hdr.CMD_FORWARD:
             return
-        if header.group != hdr.NO_GROUP:
-            # Only steps with no prefill beside them: the pace a stream keeps undisturbed.
-            if not any(s.prefilling for s in self._active):
-                self._pacer.decode_step_took(elapsed)
-        elif not step.want_logits:
-            self._pacer.prefill_chunk_took(elapsed, header.lengths[0])
+        decode = header.group != hdr.NO_GROUP
+        self._scheduler.update_from_output(
+            StepOutput(
+                kind="group" if decode else "prefill",
+                seconds=time.monotonic() - step.launched_at,
+                tokens=0 if decode else header.lengths[0],
+                want_logits=step.want_logits,
+                beside_prefill=decode and any(s.prefilling for s in self._active),
+            )
+        )
 
     def _launch_group(self, group: int) -> None:
         """One decode step of the group, fed the tokens its members sampled last, which
@@ -685,6 +684,7 @@ class Engine:
         try:
             loaded = self.pipeline.load(spec, layers)
             self.tokenizer = load_tokenizer(loaded.path)
+            self.markup = ChatMarkup.of(self.tokenizer)
             config = self.pipeline.shard.config
             self.context_length = int(config.get("max_position_embeddings") or 0)
             self._output = OutputProcessor(self.tokenizer, self.context_length)
@@ -701,7 +701,7 @@ class Engine:
         self._cancel_all("the model was freed")
         self.pipeline.unload()
         self._unpark_all()
-        self.tokenizer = self._output = None
+        self.tokenizer = self.markup = self._output = None
         self._set_state("unloaded")
         if shutdown:
             self._set_state("stopping")

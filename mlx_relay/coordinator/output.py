@@ -67,10 +67,10 @@ class OutputProcessor:
         was_reasoning = seq.parser.in_reasoning
         if token not in self.special_ids:
             seq.detokenizer.add_token(token)
-            _parse_into(chunk, seq, seq.stops.feed(seq.detokenizer.last_segment))
+            _parse_into(chunk, seq, seq.detokenizer.last_segment)
         if was_reasoning or seq.parser.in_reasoning:
             seq.reasoning_tokens += 1
-        if seq.stops.stopped:
+        if seq.parser.stopped:
             return chunk, "stop"
         if len(seq.generated) >= params.max_tokens:
             return chunk, "length"
@@ -81,10 +81,9 @@ class OutputProcessor:
     def finish(self, seq: Sequence, last: Chunk, reason: str | None) -> None:
         """Make `last` the sequence's last chunk: the text held back (a possible stop
         string's start, an open tool call), the finish reason, usage and timings."""
-        if reason in ("stop", "length") and not seq.stops.stopped:
+        if reason in ("stop", "length") and not seq.parser.stopped:
             seq.detokenizer.finalize()
-            _parse_into(last, seq, seq.stops.feed(seq.detokenizer.last_segment))
-            _parse_into(last, seq, seq.stops.flush())
+            _parse_into(last, seq, seq.detokenizer.last_segment)
         final = seq.parser.finish()
         last.text += final.content
         last.reasoning += final.reasoning

@@ -5,19 +5,17 @@ between the think markers) and tool-call markup never reach the client as
 content: reasoning goes out as reasoning deltas, and each tool call goes out as
 one structured call the moment its closing markup arrives.
 
-Like a stop-string holdback, only the tail that could still become a marker is
-held back; all other text is released as soon as it arrives. Whitespace that
+Stop strings are cut here too, on the same buffer: only the tail that could still
+become a marker or a stop string is held back (textstream.py), all other text is
+released as soon as it arrives, and a stop string ends the stream before any of it is
+sent. Whitespace that
 only separates content from markup (``</think>\\n\\n``, newlines between tool
 calls) is dropped, so trailing whitespace of content waits for the next
 non-whitespace character to show whether it separates text or precedes markup.
 
-Tool-call formats: the tokenizer's own mlx-lm parser when it has one, otherwise
-the formats below, recognised by their markup:
-
-- hermes/JSON: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-- Qwen XML: ``<tool_call><function=NAME><parameter=P>v</parameter></function></tool_call>``
-- Gemma: a fenced block opened by three backticks and ``tool_code``, holding
-  Python calls like ``func(a=1, b="x")`` (read with ``ast``, never evaluated)
+Tool-call formats come from the model's `ChatMarkup` (markup.py): the tokenizer's own
+mlx-lm parser when it has one, otherwise ours in tool_parsers/ (hermes JSON and Qwen XML
+inside ``<tool_call>``, Gemma's ``tool_code`` fence).
 
 Markup that does not parse is passed on as content and flagged as malformed,
 so a bad generation is visible instead of raising or silently vanishing.
@@ -25,22 +23,14 @@ so a bad generation is visible instead of raising or silently vanishing.
 
 from __future__ import annotations
 
-import ast
 import json
-import math
-import re
 import secrets
-import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-DEFAULT_THINK_MARKERS = ("<think>", "</think>")
-
-TOOL_CALL_START = "<tool_call>"
-TOOL_CALL_END = "</tool_call>"
-TOOL_CODE_START = "```tool_code"
-TOOL_CODE_END = "```"
+from mlx_relay.coordinator.markup import ChatMarkup
+from mlx_relay.coordinator.textstream import first_match, held_back
+from mlx_relay.coordinator.tool_parsers.common import tool_schemas
 
 
 @dataclass
@@ -66,391 +56,43 @@ class Final(Delta):
     unknown_tools: list[str] = field(default_factory=list)
 
 
-def think_markers(tokenizer: Any) -> tuple[str, str] | None:
-    """The think markers an mlx-lm TokenizerWrapper detected in the vocabulary, or None."""
-    if tokenizer is None or not getattr(tokenizer, "has_thinking", False):
-        return None
-    start, end = tokenizer.think_start, tokenizer.think_end
-    if not start or not end:
-        return None
-    return start, end
-
-
-_declared_think_markers = think_markers  # OutputParser's argument shadows the name
-
-
-def _tokenizer_tool_parser(tokenizer: Any) -> tuple[Callable, str, str] | None:
-    """mlx-lm's (parser, start marker, end marker) for this tokenizer, if it chose one.
-
-    The end marker may be empty (Mistral's ``[TOOL_CALLS]`` has none): then the
-    call runs to the end of the generation.
-    """
-    if tokenizer is None or not getattr(tokenizer, "has_tool_calling", False):
-        return None
-    parser = getattr(tokenizer, "tool_parser", None)
-    start = getattr(tokenizer, "tool_call_start", None)
-    if parser is None or not start:
-        return None
-    return parser, start, getattr(tokenizer, "tool_call_end", None) or ""
-
-
-def tool_call_marker(tokenizer: Any) -> str | None:
-    """The markup that opens a tool call for this model: mlx-lm's detected start marker,
-    else the hermes or Gemma marker its chat template writes; None if it has none."""
-    detected = _tokenizer_tool_parser(tokenizer)
-    if detected is not None:
-        return detected[1]
-    template = getattr(tokenizer, "chat_template", None)
-    template = template if isinstance(template, str) else str(template or "")
-    for marker in (TOOL_CALL_START, TOOL_CODE_START):
-        if marker in template:
-            return marker
-    return None
-
-
-def _held_prefix_len(text: str, markers: list[str]) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of a marker."""
-    best = 0
-    for marker in markers:
-        for n in range(min(len(marker) - 1, len(text)), best, -1):
-            if text.endswith(marker[:n]):
-                best = n
-                break
-    return best
-
-
-def _find_first(text: str, markers: list[str]) -> tuple[int, str] | None:
-    """The earliest complete marker in ``text`` (the longest one on a tie)."""
-    best: tuple[int, str] | None = None
-    for marker in markers:
-        i = text.find(marker)
-        if i < 0:
-            continue
-        if best is None or i < best[0] or (i == best[0] and len(marker) > len(best[1])):
-            best = (i, marker)
-    return best
-
-
-# --- tool schemas -----------------------------------------------------------------
-
-
-def _tool_schemas(tools: list[dict] | None) -> dict[str, dict]:
-    """Map tool name -> JSON schema of its parameters, from OpenAI-shaped tools."""
-    schemas = {}
-    for tool in tools or []:
-        if not isinstance(tool, dict):
-            continue
-        function = tool.get("function", tool)
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            continue
-        params = function.get("parameters")
-        schemas[function["name"]] = params if isinstance(params, dict) else {}
-    return schemas
-
-
-def _properties(schema: dict | None) -> dict[str, Any]:
-    props = (schema or {}).get("properties")
-    return props if isinstance(props, dict) else {}
-
-
-# --- hermes / JSON ------------------------------------------------------------------
-
-
-def _name_and_arguments(obj: Any) -> tuple[str, dict]:
-    """Read one call object; string arguments holding JSON are decoded exactly once."""
-    if not isinstance(obj, dict):
-        raise ValueError("a tool call must be a JSON object")
-    if isinstance(obj.get("function"), dict):
-        obj = obj["function"]
-    name = obj.get("name")
-    if not isinstance(name, str) or not name:
-        raise ValueError("a tool call needs a name")
-    args = obj.get("arguments", obj.get("parameters"))
-    if args is None:
-        args = {}
-    if isinstance(args, str):
-        args = json.loads(args) if args.strip() else {}
-    if not isinstance(args, dict):
-        raise ValueError("tool call arguments must be an object")
-    return name, args
-
-
-def parse_hermes(body: str, tools: list[dict] | None = None) -> list[tuple[str, dict]]:
-    """``{"name": ..., "arguments": {...}}``: one object, several in a row, or a list."""
-    decoder = json.JSONDecoder()
-    text = body.strip()
-    calls = []
-    pos = 0
-    while pos < len(text):
-        obj, pos = decoder.raw_decode(text, pos)
-        for item in obj if isinstance(obj, list) else [obj]:
-            calls.append(_name_and_arguments(item))
-        while pos < len(text) and (text[pos].isspace() or text[pos] == ","):
-            pos += 1
-    if not calls:
-        raise ValueError("empty tool call")
-    return calls
-
-
-# --- Qwen XML -----------------------------------------------------------------------
-
-_FUNCTION_RE = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
-_PARAMETER_RE = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
-
-
-def _as_integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        value = float(text)
-        if not value.is_integer():
-            raise
-        return int(value)
-
-
-def _as_number(text: str) -> int | float:
-    value = json.loads(text)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"not a number: {text!r}")
-    return value
-
-
-def _as_boolean(text: str) -> bool:
-    if text.lower() not in ("true", "false"):
-        raise ValueError(f"not a boolean: {text!r}")
-    return text.lower() == "true"
-
-
-def _as_container(kind: type) -> Callable[[str], Any]:
-    def convert(text: str) -> Any:
-        try:
-            value = json.loads(text)
-        except ValueError:
-            # Models sometimes write Python literals ({'a': 1}, True).
-            value = _literal(ast.parse(text, mode="eval").body)
-        if not isinstance(value, kind):
-            raise ValueError(f"not a {kind.__name__}: {text!r}")
-        return value
-
-    return convert
-
-
-def _as_null(text: str) -> None:
-    if text != "null":
-        raise ValueError(f"not null: {text!r}")
-
-
-_CONVERTERS: dict[str, Callable[[str], Any]] = {
-    "integer": _as_integer,
-    "number": _as_number,
-    "boolean": _as_boolean,
-    "object": _as_container(dict),
-    "array": _as_container(list),
-    "null": _as_null,
-}
-
-
-def _typed_value(raw: str, schema: Any) -> Any:
-    """Convert an XML parameter by its JSON-schema type; strings stay as written.
-
-    Values that do not fit their declared type are kept as strings: the tool
-    validates its own input, and a wrong type is not malformed markup.
-    """
-    types = schema.get("type") if isinstance(schema, dict) else None
-    if isinstance(types, str):
-        types = [types]
-    if not types:
-        # Without a declared type only an object or array is unambiguous.
-        try:
-            value = json.loads(raw)
-        except ValueError:
-            return raw
-        return value if isinstance(value, dict | list) else raw
-    text = raw.strip()
-    for kind in types:
-        convert = _CONVERTERS.get(str(kind).lower())
-        if convert is None:
-            continue
-        try:
-            return convert(text)
-        except (ValueError, SyntaxError, RecursionError):
-            continue
-    return raw
-
-
-def _strip_one_newline(value: str) -> str:
-    """Qwen writes each parameter value on its own line; those two newlines are markup."""
-    if value.startswith("\n"):
-        value = value[1:]
-    if value.endswith("\n"):
-        value = value[:-1]
-    return value
-
-
-def parse_qwen_xml(body: str, tools: list[dict] | None = None) -> list[tuple[str, dict]]:
-    """``<function=NAME><parameter=P>value</parameter></function>``, one or more."""
-    schemas = _tool_schemas(tools)
-    calls = []
-    for match in _FUNCTION_RE.finditer(body):
-        name = match.group(1).strip()
-        props = _properties(schemas.get(name))
-        args = {}
-        for param in _PARAMETER_RE.finditer(match.group(2)):
-            key = param.group(1).strip()
-            args[key] = _typed_value(_strip_one_newline(param.group(2)), props.get(key))
-        if _PARAMETER_RE.sub("", match.group(2)).strip():
-            raise ValueError(f"unexpected text in function {name!r}")
-        calls.append((name, args))
-    if not calls or _FUNCTION_RE.sub("", body).strip():
-        raise ValueError("not a sequence of <function=...> blocks")
-    return calls
-
-
-# --- Gemma tool_code ------------------------------------------------------------------
-
-_NAMED_LITERALS = {"true": True, "false": False, "null": None}
-
-
-def _literal(node: ast.AST) -> Any:
-    """The value of a literal expression, without evaluating anything.
-
-    JSON's true/false/null are accepted too, since templates render nested
-    values as JSON.
-    """
-    if isinstance(node, ast.Constant) and not isinstance(node.value, bytes | complex):
-        return node.value
-    if isinstance(node, ast.Name) and node.id in _NAMED_LITERALS:
-        return _NAMED_LITERALS[node.id]
-    if isinstance(node, ast.List | ast.Tuple):
-        return [_literal(elt) for elt in node.elts]
-    if isinstance(node, ast.Dict):
-        if any(key is None for key in node.keys):
-            raise ValueError("** in a literal dict")
-        out = {}
-        for key, value in zip(node.keys, node.values, strict=True):
-            k = _literal(key)
-            if not isinstance(k, str | int | float | bool) and k is not None:
-                raise ValueError("unsupported dict key")
-            out[k] = _literal(value)
-        return out
-    if (
-        isinstance(node, ast.UnaryOp)
-        and isinstance(node.op, ast.USub | ast.UAdd)
-        and isinstance(node.operand, ast.Constant)
-        and isinstance(node.operand.value, int | float)
-        and not isinstance(node.operand.value, bool)
-    ):
-        value = node.operand.value
-        return -value if isinstance(node.op, ast.USub) else value
-    raise ValueError(f"not a literal: {ast.dump(node)[:80]}")
-
-
-def _dotted_name(node: ast.AST) -> str:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        return f"{_dotted_name(node.value)}.{node.attr}"
-    raise ValueError("not a function name")
-
-
-def _python_call(node: ast.AST, schemas: dict[str, dict]) -> tuple[str, dict]:
-    if not isinstance(node, ast.Call):
-        raise ValueError("not a function call")
-    name = _dotted_name(node.func)
-    # Gemma's examples wrap the call as print(tool(...)).
-    if (
-        name == "print"
-        and name not in schemas
-        and len(node.args) == 1
-        and not node.keywords
-        and isinstance(node.args[0], ast.Call)
-    ):
-        return _python_call(node.args[0], schemas)
-    if schemas and name not in schemas:
-        return name, {}  # reported as an unknown tool; its arguments do not matter
-    params = list(_properties(schemas.get(name)))
-    if len(node.args) > len(params):
-        raise ValueError(f"{name}: positional arguments not in the tool's schema")
-    args = {}
-    for param, arg in zip(params, node.args, strict=False):
-        if isinstance(arg, ast.Starred):
-            raise ValueError("*args in a tool call")
-        args[param] = _literal(arg)
-    for keyword in node.keywords:
-        if keyword.arg is None or keyword.arg in args:
-            raise ValueError(f"{name}: bad or repeated keyword argument")
-        args[keyword.arg] = _literal(keyword.value)
-    return name, args
-
-
-def parse_tool_code(body: str, tools: list[dict] | None = None) -> list[tuple[str, dict]]:
-    """Python calls, one per line (or a list of calls); positional arguments take
-    their names from the order of the tool schema's ``properties``."""
-    try:
-        tree = ast.parse(textwrap.dedent(body).strip(), mode="exec")
-    except (SyntaxError, ValueError, RecursionError) as e:
-        raise ValueError(f"tool_code is not Python: {e}") from e
-    schemas = _tool_schemas(tools)
-    calls = []
-    for stmt in tree.body:
-        if not isinstance(stmt, ast.Expr):
-            raise ValueError("tool_code may only hold calls")
-        value = stmt.value
-        nodes = value.elts if isinstance(value, ast.List | ast.Tuple) else [value]
-        calls.extend(_python_call(node, schemas) for node in nodes)
-    if not calls:
-        raise ValueError("empty tool_code")
-    return calls
-
-
-def parse_tool_call_block(body: str, tools: list[dict] | None = None) -> list[tuple[str, dict]]:
-    """What follows ``<tool_call>`` decides the format: ``{`` is hermes, ``<function=`` Qwen XML."""
-    text = body.lstrip()
-    if text.startswith("<function="):
-        return parse_qwen_xml(body, tools)
-    if text.startswith(("{", "[")):
-        return parse_hermes(body, tools)
-    raise ValueError("unknown <tool_call> format")
-
-
 # --- the streaming parser ---------------------------------------------------------------
 
 
 class OutputParser:
     """Incrementally split generated text into content, reasoning and tool calls.
 
-    ``feed`` each detokenized segment and send the returned delta; ``finish``
-    flushes what was held back. The ``content``, ``reasoning`` and ``tool_calls``
-    attributes are the aggregates of everything returned so far.
+    ``feed`` each detokenized segment and send the returned delta; once ``stopped``
+    (a stop string completed) feed no more. ``finish`` flushes what was held back. The
+    ``content``, ``reasoning`` and ``tool_calls`` attributes are the aggregates of
+    everything returned so far.
     """
 
     def __init__(
         self,
-        tokenizer: Any = None,
+        markup: ChatMarkup | None = None,
         *,
         tools: list[dict] | None = None,
         starts_in_reasoning: bool = False,
         parse_tools: bool = True,
-        think_markers: tuple[str, str] | None = None,
         opens_tool_call: str = "",
+        stop: list[str] | None = None,
     ) -> None:
-        """``opens_tool_call``: the prompt ends with this tool-call marker (``tool_choice``
-        forced a call), so generation starts inside the call's body."""
-        markers = think_markers or _declared_think_markers(tokenizer) or DEFAULT_THINK_MARKERS
-        self.think_start, self.think_end = markers
+        """``markup``: the loaded model's (None: the default markers and our own tool
+        formats). ``opens_tool_call``: the prompt ends with this tool-call marker
+        (``tool_choice`` forced a call), so generation starts inside the call's body.
+        ``stop``: strings that end the stream, none of which is ever sent; they are found
+        in the raw text (inside reasoning and tool calls too), as mlx-lm finds them."""
+        markup = markup or ChatMarkup.of(None)
+        self.think_start, self.think_end = markup.think_start, markup.think_end
         self.tools = tools or None
-        self._known = set(_tool_schemas(tools)) if tools else None
+        self._known = set(tool_schemas(tools)) if tools else None
 
         # Tool-call blocks: start marker -> (end marker, body parser).
         self._blocks: dict[str, tuple[str, Callable]] = {}
         if parse_tools:
-            detected = _tokenizer_tool_parser(tokenizer)
-            if detected is not None:
-                parser, start, end = detected
-                self._blocks[start] = (end, self._tokenizer_parser(parser, start))
-            else:
-                self._blocks[TOOL_CALL_START] = (TOOL_CALL_END, parse_tool_call_block)
-                self._blocks[TOOL_CODE_START] = (TOOL_CODE_END, parse_tool_code)
+            for fmt in markup.tool_formats:
+                self._blocks[fmt.start] = (fmt.end, fmt.parse)
         self._content_markers = [self.think_start, *self._blocks]
 
         self.content = ""
@@ -459,7 +101,11 @@ class OutputParser:
         self.malformed_tool_call = False
         self.unknown_tools: list[str] = []
 
+        self.stops = [s for s in stop or [] if s]
+        self.stopped = False
+
         self._buf = ""  # text not yet classified
+        self._released = 0  # the head of _buf that cannot be part of a stop string
         self._mode = "reasoning" if starts_in_reasoning else "content"
         self._block_start = ""  # start marker of the open tool-call block
         self._end_search_from = 0  # where to resume looking for its end marker
@@ -486,10 +132,11 @@ class OutputParser:
 
     def feed(self, text: str) -> Delta:
         delta = Delta()
-        if self._done:
+        if self._done or self.stopped:
             return delta
         self._buf += text
-        self._scan(delta, final=False)
+        self._find_stop()
+        self._classify(delta, final=False)
         self._record(delta)
         return delta
 
@@ -497,7 +144,7 @@ class OutputParser:
         final = Final()
         if not self._done:
             self._done = True
-            self._scan(final, final=True)
+            self._classify(final, final=True)
             if self._ws and not self._ws_after_markup:
                 final.content += self._ws
             self._ws = self._reasoning_ws = ""
@@ -511,32 +158,29 @@ class OutputParser:
         self.reasoning += delta.reasoning
         self.tool_calls.extend(delta.tool_calls)
 
-    def _tokenizer_parser(self, parser: Callable, start: str) -> Callable:
-        """mlx-lm's parser takes the text between the markers and the tools, and
-        returns {"name", "arguments"} or a list of them; it raises on bad input."""
+    def _find_stop(self) -> None:
+        """Cut the buffer at the first stop string; none can start in the released head."""
+        hit = first_match(self._buf, self.stops, self._released)
+        if hit is not None:
+            self._buf = self._buf[: hit[0]]
+            self.stopped = True
 
-        def parse(body: str, tools: list[dict] | None) -> list[tuple[str, dict]]:
-            try:
-                result = parser(body, tools)
-                items = result if isinstance(result, list) else [result]
-                calls = [_name_and_arguments(item) for item in items]
-                if not calls:
-                    raise ValueError("no tool call")
-                return calls
-            except Exception as e:  # third-party parsers raise all sorts of errors
-                if start == TOOL_CALL_START:
-                    return parse_tool_call_block(body, tools)
-                raise ValueError(f"tool parser failed: {e}") from e
-
-        return parse
+    def _classify(self, delta: Delta, final: bool) -> None:
+        """Scan what may no longer become a stop string; hold back the rest with it."""
+        keep = 0 if final or self.stopped else held_back(self._buf, self.stops)
+        ready, tail = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
+        self._buf = ready
+        self._scan(delta, final)
+        self._released = len(self._buf)
+        self._buf += tail
 
     def _scan(self, delta: Delta, final: bool) -> None:
         """Classify as much of the buffer as is certain, in order."""
         while True:
             if self._mode == "content":
-                hit = _find_first(self._buf, self._content_markers)
+                hit = first_match(self._buf, self._content_markers)
                 if hit is None:
-                    keep = 0 if final else _held_prefix_len(self._buf, self._content_markers)
+                    keep = 0 if final else held_back(self._buf, self._content_markers)
                     self._emit_content(self._buf[: len(self._buf) - keep], delta)
                     self._buf = self._buf[len(self._buf) - keep :]
                     return
@@ -561,7 +205,7 @@ class OutputParser:
                         return
                 i = self._buf.find(self.think_end)
                 if i < 0:
-                    keep = 0 if final else _held_prefix_len(self._buf, [self.think_end])
+                    keep = 0 if final else held_back(self._buf, [self.think_end])
                     self._emit_reasoning(self._buf[: len(self._buf) - keep], delta)
                     self._buf = self._buf[len(self._buf) - keep :]
                     return

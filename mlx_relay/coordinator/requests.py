@@ -13,13 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_relay.coordinator.postprocess import (
-    DEFAULT_THINK_MARKERS,
-    TOOL_CALL_START,
-    TOOL_CODE_START,
-    think_markers,
-    tool_call_marker,
-)
+from mlx_relay.coordinator.markup import ChatMarkup
 from mlx_relay.coordinator.sampling import SamplingParams
 from mlx_relay.protocol import relay_pb2 as pb
 
@@ -104,12 +98,14 @@ def render_prompt(
     tools_json: str = "",
     chat_template_kwargs_json: str = "",
     tool_choice: str = "",
+    markup: ChatMarkup | None = None,
 ) -> Prompt:
     """The prompt text and tokens of a request.
 
     ``tool_choice`` 'required' or a tool's name forces a call the way the model itself
     writes one: the prompt ends with the model's tool-call marker (after closing a think
     block the template opened), and for a named tool only that tool is shown.
+    ``markup``: the model's, resolved when it was loaded (None: resolved here).
     """
     if isinstance(prompt, bytes):
         try:
@@ -138,7 +134,8 @@ def render_prompt(
                 "the model would never see them"
             )
         if forced:
-            text, opens_tool_call = _open_tool_call(tokenizer, text, choice)
+            markup = markup or ChatMarkup.of(tokenizer)
+            text, opens_tool_call = _open_tool_call(markup, text, choice)
     elif prompt:
         if forced:
             raise InvalidRequest(f"tool_choice {choice!r} needs chat messages, not a raw prompt")
@@ -153,19 +150,15 @@ def render_prompt(
     return Prompt(text, token_ids, accepted, choice, opens_tool_call)
 
 
-def _open_tool_call(tokenizer: Any, text: str, choice: str) -> tuple[str, str]:
-    marker = tool_call_marker(tokenizer)
-    if marker is None:
+def _open_tool_call(markup: ChatMarkup, text: str, choice: str) -> tuple[str, str]:
+    if markup.tool_call_start is None:
         raise InvalidRequest(
             f"tool_choice {choice!r} cannot be enforced: this model's chat template has no "
             "tool-call markup to start a call with; use 'auto'"
         )
-    think_start, think_end = think_markers(tokenizer) or DEFAULT_THINK_MARKERS
-    if ends_in_reasoning(text, think_start):
-        text = text + think_end + "\n\n"
-    # Hermes and Gemma put the call on the next line; other formats run on directly.
-    newline = "\n" if marker in (TOOL_CALL_START, TOOL_CODE_START) else ""
-    return text + marker + newline, marker
+    if markup.opens_think(text):
+        text = text + markup.think_end + "\n\n"
+    return text + markup.tool_call_opening, markup.tool_call_start
 
 
 def _tool_name(tool: dict) -> str:
@@ -227,11 +220,6 @@ def parse_tool_choice(raw: str, tools: list[dict] | None) -> str:
             f"given ({', '.join(names) or 'none given'})"
         )
     return choice
-
-
-def ends_in_reasoning(text: str, think_start: str) -> bool:
-    """Templates such as Qwen3's open the think block in the prompt itself."""
-    return text.rstrip().endswith(think_start)
 
 
 def _finite(value: float, name: str) -> float:

@@ -1,7 +1,16 @@
 """Scheduling decisions that need no ring, no device and no request: data in, data out.
 
 The engine asks these what to do next and tells them what happened, so the rules can be
-read and unit-tested on their own (tests/test_scheduler.py):
+read and unit-tested on their own (tests/test_scheduler.py). In the spirit of vLLM v1's
+`schedule()` / `update_from_output()`, `Scheduler` is the interface the engine uses:
+
+- `Scheduler.schedule(units, decoding)`: of the `Unit`s runnable now, the one to launch
+  next and what its step carries (`Scheduled`: a prompt chunk's size, whether it needs
+  logits), or None;
+- `Scheduler.update_from_output(StepOutput)`: what a finished step took, which paces the
+  next prompt chunks.
+
+It is built from these rules:
 
 - `PrefillPacer`: how many prompt tokens the next prefill chunk carries. Alone, a chunk
   is `--prefill-chunk` tokens (as mlx-lm prefills). Beside running streams it is sized
@@ -16,7 +25,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 STALL_STEPS = 4  # a prefill chunk beside running streams costs about this many decode steps
 MIN_CHUNK = 8  # tokens: below this a chunk's fixed costs dominate
@@ -63,6 +73,69 @@ def pick_group(sizes: Sequence[int], capacity: int) -> int:
 def next_unit(units: Sequence[T], turn: int) -> T:
     """Round robin over the units runnable now (their order is stable between calls)."""
     return units[turn % len(units)]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Work that can go round the ring now: a decode group, or one sequence's prompt."""
+
+    kind: str  # "group" or "prefill"
+    key: Any  # the group's index, or the engine's sequence
+    pending: int = 0  # prompt tokens still to send (a prefill)
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """The next step: which unit, how many prompt tokens (1 a row for a decode group), and
+    whether its logits are wanted (a decode step, or a prompt's last token)."""
+
+    unit: Unit
+    tokens: int
+    want_logits: bool
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What came back from a forward step, as far as scheduling cares."""
+
+    kind: str  # "group" or "prefill"
+    seconds: float  # launch to completion
+    tokens: int = 0  # prompt tokens a prefill step carried
+    want_logits: bool = True
+    beside_prefill: bool = False  # a prompt was being prefilled while it ran
+
+
+class Scheduler:
+    """What runs next, from what is runnable and what the last steps took."""
+
+    def __init__(self, prefill_chunk: int) -> None:
+        self.pacer = PrefillPacer(prefill_chunk)
+        self._turn = 0
+
+    def schedule(self, units: Sequence[Unit], decoding: bool) -> Scheduled | None:
+        """The unit to launch next (units take turns) and its step, or None if none can run.
+
+        ``decoding``: streams are running, so a prompt chunk is paced beside them. A prompt
+        is sent in chunks up to its last token, which goes alone: its logits give token 1.
+        """
+        if not units:
+            return None
+        unit = next_unit(units, self._turn)
+        self._turn += 1
+        if unit.kind == "group":
+            return Scheduled(unit, 1, True)
+        if unit.pending <= 1:
+            return Scheduled(unit, 1, True)
+        return Scheduled(unit, min(self.pacer.chunk_size(decoding), unit.pending - 1), False)
+
+    def update_from_output(self, out: StepOutput) -> None:
+        """Fold a finished step's duration into the averages the chunk size comes from."""
+        if out.kind == "group":
+            # Only steps with no prefill beside them: the pace a stream keeps undisturbed.
+            if not out.beside_prefill:
+                self.pacer.decode_step_took(out.seconds)
+        elif not out.want_logits:
+            self.pacer.prefill_chunk_took(out.seconds, out.tokens)
 
 
 def _average(old: float, new: float) -> float:

@@ -1,46 +1,36 @@
-"""Stop strings on a text stream: never send any part of a stop string.
+"""The one hold-back rule of a text stream: never send what may still turn out to be a
+stop string or a piece of markup.
 
-Only the tail that could still grow into a stop string is held back; everything
-before it goes out at once, so streaming stays smooth while a stop string split
-across tokens is still caught.
+Only the tail that could still grow into one of the watched strings is held back;
+everything before it goes out at once, so streaming stays smooth while a stop string or
+a marker split across tokens is still caught. The output parser (postprocess.py) keeps
+one buffer and applies this rule to the stop strings and to whichever markers its state
+watches for, at the same time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 
-class StopStrings:
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self._held = ""
-        self.stopped = False
 
-    def feed(self, text: str) -> str:
-        """Text safe to send now; sets `stopped` when a stop string completes."""
-        if self.stopped:
-            return ""
-        buf = self._held + text
-        if not self.stops:
-            self._held = ""
-            return buf
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped = True
-            self._held = ""
-            return buf[: min(hits)]
-        keep = self._longest_stop_prefix_suffix(buf)
-        self._held = buf[len(buf) - keep :] if keep else ""
-        return buf[: len(buf) - keep]
+def held_back(text: str, patterns: Iterable[str]) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of a pattern."""
+    best = 0
+    for pattern in patterns:
+        for n in range(min(len(pattern) - 1, len(text)), best, -1):
+            if text.endswith(pattern[:n]):
+                best = n
+                break
+    return best
 
-    def flush(self) -> str:
-        """At the end of generation the held tail was not a stop string after all."""
-        held, self._held = self._held, ""
-        return "" if self.stopped else held
 
-    def _longest_stop_prefix_suffix(self, buf: str) -> int:
-        best = 0
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(buf)), best, -1):
-                if buf.endswith(stop[:n]):
-                    best = n
-                    break
-        return best
+def first_match(text: str, patterns: Iterable[str], start: int = 0) -> tuple[int, str] | None:
+    """The earliest complete pattern in ``text[start:]`` (the longest one on a tie)."""
+    best: tuple[int, str] | None = None
+    for pattern in patterns:
+        i = text.find(pattern, start)
+        if i < 0:
+            continue
+        if best is None or i < best[0] or (i == best[0] and len(pattern) > len(best[1])):
+            best = (i, pattern)
+    return best

@@ -21,7 +21,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from mlx_relay.api.cluster import Cluster
 from mlx_relay.api.http import anthropic, ollama, openai, ops, responses
 from mlx_relay.api.http.common import Door, HttpError, as_http_error
-from mlx_relay.api.http.metrics import Metrics
 from mlx_relay.coordinator.engine import EngineError
 from mlx_relay.coordinator.pipeline import RankFailure
 from mlx_relay.coordinator.requests import InvalidRequest
@@ -61,7 +60,7 @@ def _validation_message(e: RequestValidationError) -> tuple[str, str | None]:
 
 def create_app(cluster: Cluster, *, token: str = "", max_body_bytes: int = 4 << 20) -> ASGIApp:
     """The app rank 0 serves; `token` '' lets anyone in (loopback only, by default)."""
-    door = Door(cluster, Metrics(lambda: cluster.engine))
+    door = Door(cluster, cluster.metrics)
     app = FastAPI(title="mlx-relay", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.door = door
     for module in (openai, responses, anthropic, ollama, ops):

@@ -20,12 +20,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HttpRequest
 from starlette.responses import StreamingResponse
 
-from mlx_relay.api.cluster import Cluster
-from mlx_relay.api.http.metrics import Metrics, Observer
+from mlx_relay.api.cluster import Cluster, error_kind
+from mlx_relay.api.metrics import Metrics, Observer
 from mlx_relay.coordinator import requests
-from mlx_relay.coordinator.engine import EngineError, Request
+from mlx_relay.coordinator.engine import Request
 from mlx_relay.coordinator.output import Chunk, TokenLogprob
-from mlx_relay.coordinator.pipeline import RankFailure
 from mlx_relay.coordinator.postprocess import ToolCall
 from mlx_relay.protocol import relay_pb2 as pb
 
@@ -64,13 +63,8 @@ def as_http_error(e: BaseException) -> HttpError:
     """The engine's and the request checks' errors as one HttpError."""
     if isinstance(e, HttpError):
         return e
-    if isinstance(e, requests.InvalidRequest):
-        return HttpError("invalid", str(e))
-    if isinstance(e, EngineError):
-        return HttpError(e.kind, str(e))
-    if isinstance(e, RankFailure):
-        return HttpError("unavailable", str(e))
-    return HttpError("internal", f"{type(e).__name__}: {e}")
+    kind = error_kind(e)
+    return HttpError(kind, str(e) if kind != "internal" else f"{type(e).__name__}: {e}")
 
 
 @dataclass
@@ -109,11 +103,9 @@ class Door:
     async def generate(self, request: pb.GenerateRequest, api: str) -> Output:
         """Submit now (errors come out here, before any response is sent); stream later."""
         try:
-            req = await run_in_threadpool(self.cluster.submit, request)
-        except Exception as e:  # noqa: BLE001 - mapped to the API's error
-            error = as_http_error(e)
-            self.metrics.refused(api, error.kind)
-            raise error from e
+            req = await run_in_threadpool(self.cluster.submit, request, api)
+        except Exception as e:  # noqa: BLE001 - mapped to the API's error (and counted)
+            raise as_http_error(e) from e
         return Output(req, self.metrics.observe(req, api))
 
     async def generate_n(self, request: pb.GenerateRequest, api: str, n: int) -> Choices:

@@ -1,7 +1,8 @@
-"""Prometheus metrics of the HTTP doors, in vLLM's naming style under `mlx_relay:`.
+"""Prometheus metrics of every front door, in vLLM's naming style under `mlx_relay:`.
 
-One observer per request sees the chunks where the doors' shared path (`common.Output`)
-hands them on, so every door is measured the same way and none repeats the counting.
+One observer per request sees the chunks as its door hands them on (`Cluster.observed`
+for the gRPC doors, `http.common.Output` for HTTP), labelled by API, so every door is
+measured the same way; `/metrics` on the HTTP door shows them all.
 Running and waiting requests and parked prompt caches are read from the engine at
 scrape time. Not measured here: per-rank step and per-hop transfer times (the engine
 keeps no per-rank timings yet).
