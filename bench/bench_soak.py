@@ -244,8 +244,12 @@ def soak(args: argparse.Namespace) -> dict:
                 for c in range(args.clients)
             ]
             for t in clients:
+                t.daemon = True  # Ctrl-C ends the soak early, still checked and reported
                 t.start()
-            time.sleep(args.seconds)
+            try:
+                stop.wait(args.seconds)
+            except KeyboardInterrupt:
+                print("interrupted: stopping the clients", file=sys.stderr)
             stop.set()
             for t in clients:
                 t.join(600)
