@@ -115,3 +115,21 @@ class DropLog:
     def _emit(self, fmt: str, *args: object) -> None:
         self.lines += 1
         self.log.warning(fmt, *args)
+
+
+class JunkFilter(logging.Filter):
+    """Turn a library's warning per junk message (uvicorn's "Invalid HTTP request
+    received.") into a DropLog's rate-limited lines; other records pass unchanged."""
+
+    def __init__(self, drops: DropLog, source: str, messages: tuple[str, ...]) -> None:
+        super().__init__()
+        self.drops = drops
+        self.source = source
+        self.messages = messages
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if any(m in message for m in self.messages):
+            self.drops.drop(self.source, message)
+            return False
+        return True

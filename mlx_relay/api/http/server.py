@@ -14,6 +14,8 @@ import threading
 import uvicorn
 from starlette.types import ASGIApp
 
+from mlx_relay.transport.droplog import DropLog, JunkFilter
+
 log = logging.getLogger("mlx_relay.http")
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -68,6 +70,9 @@ class HttpServer:
             self.socket.close()
             raise ListenError(f"cannot read the TLS certificate or key: {e}") from None
         self.server = uvicorn.Server(config)
+        # Junk on the port: a few lines a window, not a warning per connection.
+        junk = JunkFilter(DropLog(log, "HTTP door"), "its clients", ("Invalid HTTP request",))
+        logging.getLogger("uvicorn.error").addFilter(junk)
         self.thread = threading.Thread(target=self._run, name="http", daemon=True)
 
     @property
