@@ -193,6 +193,15 @@ def flat(samples: list[tuple[float, list[int]]], since: float, slack_mb: float) 
     return out
 
 
+def trend(samples: list[tuple[float, list[int]]], t0: float, every: float) -> list[list]:
+    """[seconds since t0, RSS MB of each rank], one sample per `every` seconds."""
+    out: list[list] = []
+    for t, rss in samples:
+        if not out or t - t0 - out[-1][0] >= every:
+            out.append([round(t - t0), *(round(r / 1e6, 1) for r in rss)])
+    return out
+
+
 def wait_idle(client: Client, max_active: int, timeout: float = 60) -> pb.StatusResponse:
     deadline = time.monotonic() + timeout
     while True:
@@ -275,6 +284,7 @@ def soak(args: argparse.Namespace) -> dict:
                     "state": status.state,
                 },
                 rss=memory,
+                rss_trend_mb=trend(samples, started, every=max(10.0, ran / 20)),
             )
             checks = {
                 "outputs_equal_solo": not tally.mismatches and tally.completed > 0,
