@@ -170,7 +170,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="run one rank of a cluster (what mlx.launch starts)",
         epilog=f"Environment: {control.SECRET_ENV} (side-channel secret, set by the launcher), "
         "MLX_RELAY_AUTH_TOKEN (gRPC bearer token), MLX_RELAY_MEMORY_LIMIT (cap on the memory "
-        "this rank may use for its shard, e.g. 8GB; default: the memory free at load time).",
+        "this rank may use for its shard and its caches, e.g. 8GB; default: the memory free at load time).",
     )
     add_serve_options(p)
     p.add_argument("--backend", default="any", help="mx.distributed backend: any, ring, mpi, jaccl")
