@@ -1,0 +1,143 @@
+"""The families people split: MoE, MLA, sliding windows, hybrid linear attention.
+
+Two levels. In process: each family's layers cut into uneven stages (the functions every
+rank runs) give logits bit-identical to the whole mlx-lm model, over a prefill and decode
+steps that pass the sliding windows. Through real clusters: concurrent greedy and seeded
+streams equal single-process mlx-lm token for token at 1, 2 and 3 uneven ranks, and a
+second chat turn reuses the first turn's caches exactly where that is exact (plain KV
+caches only) and gives mlx-lm's tokens either way.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from oracle import _load, chat_tokens, mlx_lm_tokens
+from test_prompt_cache import _mlx_lm_second_turn
+from tiny_models import MOE_FAMILIES
+
+from mlx_relay.model import sharding
+from mlx_relay.protocol import relay_pb2 as pb
+
+FAMILIES = (*MOE_FAMILIES, "gemma3_text")
+NUM_LAYERS = 6
+# Uneven splits; each puts a rank boundary between layers of different kinds somewhere
+# (qwen3_next: linear 0,1 | full 2 | linear 3,4, full 5; gpt_oss: sliding on even layers).
+SPLITS = ([(0, 6)], [(0, 2), (2, 6)], [(0, 1), (1, 4), (4, 6)], [(0, 2), (2, 3), (3, 6)])
+
+
+def _whole(model_dir):
+    return _load(str(model_dir))[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stages_equal_the_whole_model(tiny_model, family):
+    """Logits bit-identical to mlx-lm for a 40-token prefill and 10 decode steps."""
+    path = tiny_model(family, NUM_LAYERS)
+    model = _whole(path)
+    prompt = mx.array([[(7 * i + 11) % 500 + 7 for i in range(40)]])
+    steps = [mx.array([[t]]) for t in (9, 99, 199, 299, 399, 13, 31, 71, 171, 271)]
+    cache = make_prompt_cache(model)
+    expected = [model(prompt, cache=cache)[:, -1]] + [model(t, cache=cache)[:, -1] for t in steps]
+    for split in SPLITS:
+        shards = [sharding.load_shard(path, a, b, has_ends=a == 0) for a, b in split]
+        caches = [s.make_caches() for s in shards]
+
+        def forward(tokens, shards=shards, caches=caches):
+            h = sharding.embed(shards[0], tokens)
+            for shard, c in zip(shards, caches, strict=True):
+                h = sharding.run_layers(shard, h, c)
+            return sharding.head(shards[0], h)[:, -1]
+
+        got = [forward(prompt)] + [forward(t) for t in steps]
+        for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+            assert mx.array_equal(a, b).item(), f"{family} split {split}: step {i} differs"
+
+
+# (family, ranks, --layers): every family at least once over several ranks; the two
+# that failed before (MLA, hybrid linear attention) at 1, 2 and 3 ranks.
+CLUSTERS = [
+    ("deepseek_v3", 1, None),
+    ("deepseek_v3", 2, "4,2"),
+    ("deepseek_v3", 3, "1,3,2"),
+    ("qwen3_next", 1, None),
+    ("qwen3_next", 2, "1,5"),
+    ("qwen3_next", 3, "2,1,3"),
+    ("qwen3_moe", 2, "1,5"),
+    ("mixtral", 3, "2,3,1"),
+    ("gpt_oss", 3, "3,2,1"),
+    ("glm4_moe", 2, "2,4"),
+    ("gemma3_text", 3, "1,2,3"),
+]
+PROMPTS = [
+    ("Tell me about the sea.", None),
+    ("Hello! What is the weather like in Paris today, and tomorrow?", 7),
+    ("Pipelines split a model's layers across machines. " * 3 + "Explain.", None),
+    ("Write add(a, b) in Python.", 21),
+]
+MAX_TOKENS = 10
+
+
+def _request(text: str, seed: int | None) -> pb.GenerateRequest:
+    params = pb.SamplingParams(max_tokens=MAX_TOKENS)
+    if seed is not None:
+        params.temperature, params.top_p, params.seed = 0.9, 0.95, seed
+    return pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=text)], params=params)
+
+
+def _oracle(path, text: str, seed: int | None) -> list[int]:
+    prompt = chat_tokens(path, [{"role": "user", "content": text}])
+    if seed is None:
+        return mlx_lm_tokens(path, prompt, MAX_TOKENS)
+    return mlx_lm_tokens(path, prompt, MAX_TOKENS, seed=seed, sampler={"temp": 0.9, "top_p": 0.95})
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(
+    ("family", "ranks", "layers"), CLUSTERS, ids=[f"{f}-{n}ranks" for f, n, _ in CLUSTERS]
+)
+def test_cluster_equals_mlx_lm(tiny_model, cluster_factory, family, ranks, layers):
+    path = tiny_model(family, NUM_LAYERS)
+    running = cluster_factory(path, ranks, layers=layers)
+    results: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        try:
+            results[i] = list(running.client.generate(_request(*PROMPTS[i])).token_ids)
+        except Exception as e:  # noqa: BLE001 - reported below
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for i, (text, seed) in enumerate(PROMPTS):
+        assert results.get(i) == _oracle(path, text, seed), f"request {i} ({seed=})"
+
+    # A second turn: its first turn's caches are reused only if they can be cut back.
+    first = [{"role": "user", "content": PROMPTS[0][0]}]
+    turn = [
+        *first,
+        {"role": "assistant", "content": running.client.generate(_request(*PROMPTS[0])).text},
+        {"role": "user", "content": "And the mountains?"},
+    ]
+    second = running.client.generate(
+        pb.GenerateRequest(
+            messages=[pb.ChatMessage(**m) for m in turn],
+            params=pb.SamplingParams(max_tokens=MAX_TOKENS),
+        )
+    )
+    reusable = all(type(c).__name__ == "KVCache" for c in make_prompt_cache(_whole(path)))
+    if reusable:
+        assert second.usage.cached_tokens > 0
+        expected, _ = _mlx_lm_second_turn(path, chat_tokens(path, first), chat_tokens(path, turn))
+    else:
+        assert second.usage.cached_tokens == 0
+        expected = mlx_lm_tokens(path, chat_tokens(path, turn), MAX_TOKENS)
+    assert list(second.token_ids) == expected
+    status = running.client.status()
+    assert status.active_requests == 0 and status.queued_requests == 0
