@@ -11,13 +11,15 @@ caches only) and gives mlx-lm's tokens either way.
 from __future__ import annotations
 
 import threading
+import time
 
 import mlx.core as mx
 import pytest
+from conftest import start_cluster
 from mlx_lm.models.cache import make_prompt_cache
 from oracle import _load, chat_tokens, mlx_lm_tokens
 from test_prompt_cache import _mlx_lm_second_turn
-from tiny_models import MOE_FAMILIES
+from tiny_models import MOE_FAMILIES, UNSPLITTABLE_FAMILIES
 
 from mlx_relay.model import sharding
 from mlx_relay.protocol import relay_pb2 as pb
@@ -141,3 +143,46 @@ def test_cluster_equals_mlx_lm(tiny_model, cluster_factory, family, ranks, layer
     assert list(second.token_ids) == expected
     status = running.client.status()
     assert status.active_requests == 0 and status.queued_requests == 0
+
+
+@pytest.mark.parametrize("family", UNSPLITTABLE_FAMILIES)
+def test_a_family_that_cannot_be_split_is_refused_when_it_loads(tiny_model, family):
+    path = tiny_model(family, 4)
+    with pytest.raises(
+        sharding.UnsupportedFamily, match=f"'{family}' cannot be split over ranks: "
+    ):
+        sharding.load_shard(path, 0, 2, has_ends=True)
+
+
+@pytest.mark.cluster
+def test_an_unsplittable_cluster_fails_at_start_naming_the_family(tiny_model, tmp_path):
+    path = tiny_model(UNSPLITTABLE_FAMILIES[0], 4)
+    with pytest.raises(
+        AssertionError, match=r"model family 'granite' cannot be split over ranks: "
+    ):
+        start_cluster(path, 2, tmp_path / "logs", timeout=120)
+
+
+@pytest.mark.cluster
+def test_cancel_and_free_with_rotating_and_ssm_caches(tiny_model, cluster_factory):
+    """Streams cancelled mid-decode leave no state behind: the ring stays in step and a
+    freed and reloaded model answers exactly (hybrid caches: SSM + KV; gpt-oss: sliding)."""
+    hybrid = tiny_model("qwen3_next", NUM_LAYERS)
+    running = cluster_factory(hybrid, 2, layers="2,4")
+    client = running.client
+    calls = [client.stream(_request(*PROMPTS[i])) for i in (0, 1, 2)]
+    for call in calls[:2]:
+        next(iter(call))  # decoding has started
+        call.cancel()
+    rest = [t for chunk in calls[2] for t in chunk.token_ids]
+    assert rest == _oracle(hybrid, *PROMPTS[2])
+    deadline = time.monotonic() + 60
+    while client.status().active_requests and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert client.status().active_requests == 0
+    assert list(client.generate(_request(*PROMPTS[3])).token_ids) == _oracle(hybrid, *PROMPTS[3])
+
+    sliding = tiny_model("gpt_oss", NUM_LAYERS)
+    client.stub.Free(pb.FreeRequest(), timeout=60)
+    client.stub.LoadModel(pb.LoadModelRequest(model=str(sliding), layers="3,3"), timeout=120)
+    assert list(client.generate(_request(*PROMPTS[2])).token_ids) == _oracle(sliding, *PROMPTS[2])

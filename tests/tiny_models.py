@@ -30,6 +30,9 @@ EXTRA_FAMILIES = ("mistral", "phi3")
 # layers, hybrid linear attention (conv + gated-delta state). tests/test_families.py
 # runs them through clusters; they are not in FAMILIES to keep that matrix small.
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen3_next", "glm4_moe")
+# A family mlx-relay refuses at load (its forward scales embeddings and logits around
+# the layers), to test that refusal.
+UNSPLITTABLE_FAMILIES = ("granite",)
 NUM_EXPERTS = 4
 EXPERTS_PER_TOKEN = 2
 
@@ -216,7 +219,7 @@ def _config(
     sliding_window_pattern: int | None,
 ) -> dict:
     """An HF-style config.json for ``family`` with small dimensions."""
-    known = FAMILIES + EXTRA_FAMILIES + MOE_FAMILIES
+    known = FAMILIES + EXTRA_FAMILIES + MOE_FAMILIES + UNSPLITTABLE_FAMILIES
     if family not in known:
         raise ValueError(f"unknown family {family!r}; expected one of {known}")
     if hidden_size % NUM_HEADS:
@@ -273,6 +276,15 @@ def _config(
 def _moe_config(family: str, num_layers: int, hidden_size: int, head_dim: int) -> dict:
     """The expert, MLA and linear-attention settings of the non-dense families."""
     experts = {"num_experts_per_tok": EXPERTS_PER_TOKEN, "moe_intermediate_size": hidden_size}
+    if family == "granite":
+        return {
+            "embedding_multiplier": 2.0,
+            "attention_multiplier": head_dim**-0.5,
+            "residual_multiplier": 0.5,
+            "logits_scaling": 2.0,
+            "attention_bias": False,
+            "mlp_bias": False,
+        }
     if family == "qwen3_moe":  # layer 0 dense, the rest MoE
         return {
             **experts,

@@ -53,17 +53,18 @@ _MASK_KINDS: tuple[tuple[tuple[type, ...], str], ...] = (
 
 # Families that pass the structural checks but whose own forward does more than embed,
 # run the layers and apply norm and head, so a split would not give their tokens.
+_MULTIPLIERS = "its forward scales embeddings and logits by config multipliers around the layers"
 _NOT_SPLITTABLE = {
-    "granite": "it scales embeddings, residuals and logits by config multipliers",
-    "granitemoe": "it scales embeddings, residuals and logits by config multipliers",
-    "granitemoehybrid": "it scales embeddings, residuals and logits by config multipliers",
-    "minicpm": "it scales embeddings and logits by config factors",
-    "minicpm3": "it scales embeddings and logits by config factors",
-    "phi3small": "it scales embeddings and logits by config multipliers",
+    "granite": _MULTIPLIERS,
+    "granitemoe": _MULTIPLIERS,
+    "granitemoehybrid": _MULTIPLIERS,
+    "minicpm": _MULTIPLIERS,
+    "minicpm3": _MULTIPLIERS,
+    "phi3small": _MULTIPLIERS,
     "falcon_h1": "its layers take attention and SSM masks and scaled embeddings",
     "gemma3n": "its layers take per-layer inputs and share KV caches across layers",
     "gemma4_text": "its layers take per-layer inputs and share KV caches across layers",
-    "gear": "it scales its embeddings by a config multiplier",
+    "gear": "its forward scales embeddings by sqrt(hidden_size) around the layers",
 }
 
 
