@@ -22,6 +22,7 @@ from test_prompt_cache import _mlx_lm_second_turn
 from tiny_models import MOE_FAMILIES, UNSPLITTABLE_FAMILIES
 
 from mlx_relay.model import sharding
+from mlx_relay.model.kvcache import SlotCaches
 from mlx_relay.protocol import relay_pb2 as pb
 
 FAMILIES = (*MOE_FAMILIES, "gemma3_text")
@@ -186,3 +187,67 @@ def test_cancel_and_free_with_rotating_and_ssm_caches(tiny_model, cluster_factor
     client.stub.Free(pb.FreeRequest(), timeout=60)
     client.stub.LoadModel(pb.LoadModelRequest(model=str(sliding), layers="3,3"), timeout=120)
     assert list(client.generate(_request(*PROMPTS[2])).token_ids) == _oracle(sliding, *PROMPTS[2])
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "gpt_oss", "deepseek_v3", "gemma3_text"])
+def test_decode_groups_of_every_cache_kind(tiny_model, family):
+    """Sequences of different lengths prefilled alone, then decoded as one batch (KV, sliding
+    and SSM caches merged), one leaving (parked) and one joining midway: each row's
+    logits equal its own single-sequence run in mlx-lm, and the parked one goes on alone."""
+    path = tiny_model(family, NUM_LAYERS)
+    model = _whole(path)
+    shards = [sharding.load_shard(path, a, b, has_ends=a == 0) for a, b in [(0, 2), (2, 6)]]
+    slot_caches = [SlotCaches(s) for s in shards]
+    prompts = {s: [(13 * s + 5 * i) % 500 + 7 for i in range(9 + 7 * s)] for s in range(3)}
+    steps = 12
+    feed = {s: [(s * 31 + 17 * i) % 500 + 7 for i in range(steps)] for s in range(3)}
+
+    expected = {}
+    for s, prompt in prompts.items():
+        cache = make_prompt_cache(model)
+        out = [model(mx.array([prompt]), cache=cache)[:, -1]]
+        out += [model(mx.array([[t]]), cache=cache)[:, -1] for t in feed[s]]
+        expected[s] = out
+
+    def run(tokens, get):
+        h = sharding.embed(shards[0], tokens)
+        for shard, sc in zip(shards, slot_caches, strict=True):
+            h = sharding.run_layers(shard, h, get(sc))
+        return sharding.head(shards[0], h)[:, -1]
+
+    got = {s: [] for s in prompts}
+    pos = {}
+    for s in (0, 1):  # slot 2 joins later
+        got[s].append(
+            run(
+                mx.array([prompts[s]]), lambda sc, s=s: sc.for_sequence(s, 0, None, len(prompts[s]))
+            )
+        )
+        pos[s] = len(prompts[s])
+    members = [0, 1]
+    for i in range(steps):
+        if i == 4:  # slot 2 is prefilled and joins
+            s = 2
+            got[s].append(
+                run(mx.array([prompts[s]]), lambda sc: sc.for_sequence(2, 0, None, len(prompts[2])))
+            )
+            pos[s] = len(prompts[s])
+            members.append(2)
+        if i == 8:  # slot 0 finishes: parked, leaves the group
+            for sc in slot_caches:
+                sc.park([0])
+            members.remove(0)
+        tokens = mx.array([[feed[s][len(got[s]) - 1]] for s in members])
+        offsets = [pos[s] for s in members]
+        logits = run(tokens, lambda sc, o=offsets: sc.for_group(1, list(members), o))
+        for row, s in enumerate(members):
+            got[s].append(logits[row : row + 1])
+            pos[s] += 1
+    for _ in range(2):  # the parked slot's own rows, extracted from the batch, go on
+        token = mx.array([[feed[0][len(got[0]) - 1]]])
+        got[0].append(run(token, lambda sc: sc.for_sequence(0, pos[0], None, 1)))
+        pos[0] += 1
+    for s in prompts:
+        for i, (a, b) in enumerate(zip(got[s], expected[s], strict=False)):
+            assert mx.allclose(a, b, atol=1e-4).item(), f"{family}: slot {s} step {i} differs"
+            assert mx.argmax(a).item() == mx.argmax(b).item()
