@@ -23,6 +23,7 @@ from tiny_models import MOE_FAMILIES, UNSPLITTABLE_FAMILIES
 
 from mlx_relay.model import sharding
 from mlx_relay.model.kvcache import SlotCaches
+from mlx_relay.model.split import balanced_split, cost_split, default_split, layer_costs
 from mlx_relay.protocol import relay_pb2 as pb
 
 FAMILIES = (*MOE_FAMILIES, "gemma3_text")
@@ -251,3 +252,23 @@ def test_decode_groups_of_every_cache_kind(tiny_model, family):
         for i, (a, b) in enumerate(zip(got[s], expected[s], strict=False)):
             assert mx.allclose(a, b, atol=1e-4).item(), f"{family}: slot {s} step {i} differs"
             assert mx.argmax(a).item() == mx.argmax(b).item()
+
+
+def test_the_split_counts_each_layers_bytes(tiny_model):
+    """A dense first layer weighs less than an MoE layer; a token runs through only
+    some experts, so its work is less than the bytes the layer holds."""
+    path = tiny_model("deepseek_v3", NUM_LAYERS)
+    costs = layer_costs(path, NUM_LAYERS, sharding.read_config(path))
+    assert costs.held[0] < costs.held[1] == costs.held[5]
+    assert costs.work[0] == costs.held[0] and costs.work[1] < costs.held[1]
+    assert costs.ends > 0  # embedding, LM head, final norm
+    assert sum(default_split(path, NUM_LAYERS, 2)) == NUM_LAYERS
+
+    # Equal costs: the even split, or the head-balanced one; otherwise by cost.
+    for n_layers, n, head in ((30, 2, 8.0), (30, 3, 0.0), (4, 2, 100.0), (7, 3, 0.0)):
+        assert cost_split([1.0] * n_layers, n, head) == balanced_split(n_layers, n, head)
+    assert cost_split([1.0] * 30, 2, 8.0) == [11, 19]
+    assert cost_split([1, 1, 1, 1, 1, 1, 1, 1, 8], 2) == [8, 1]  # 8 light layers = 1 heavy
+    assert cost_split([6, 1, 1, 1, 1, 1, 1, 6], 2) == [4, 4]
+    assert cost_split([1.0] * 12, 3, 0.0, capacity=[1, 2, 3]) == [2, 4, 6]
+    assert cost_split([1.0] * 3, 3, 50.0) == [1, 1, 1]  # every rank keeps a layer
