@@ -37,7 +37,7 @@ def _whole(model_dir):
     return _load(str(model_dir))[0]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + ("llama", "qwen2", "qwen3", "mistral", "phi3"))
 def test_stages_equal_the_whole_model(tiny_model, family):
     """Logits bit-identical to mlx-lm for a 40-token prefill and 10 decode steps."""
     path = tiny_model(family, NUM_LAYERS)

@@ -176,7 +176,13 @@ def load_shard(path: Path, start: int, end: int, *, has_ends: bool) -> Shard:
     anything is evaluated, so peak memory is about the shard, not the whole model.
     """
     model, config = load_model(Path(path), lazy=True)
-    inner = inner_model(model)
+    try:
+        inner = inner_model(model)
+    except ValueError as e:
+        family = config.get("model_type")
+        raise UnsupportedFamily(
+            f"model family {family!r} cannot be split over ranks: {e}"
+        ) from None
     num_layers = len(inner.layers)
     if not 0 <= start < end <= num_layers:
         raise ValueError(f"layer range [{start}, {end}) outside the model's {num_layers} layers")
