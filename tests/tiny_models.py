@@ -30,6 +30,9 @@ EXTRA_FAMILIES = ("mistral", "phi3")
 # layers, hybrid linear attention (conv + gated-delta state). tests/test_families.py
 # runs them through clusters; they are not in FAMILIES to keep that matrix small.
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen3_next", "glm4_moe")
+# gemma2 scales its embeddings by sqrt(hidden_size) as a float (gemma3 rounds it to
+# bfloat16 first) and soft-caps attention and final logits.
+SCALED_FAMILIES = ("gemma2",)
 # A family mlx-relay refuses at load (its forward scales embeddings and logits around
 # the layers), to test that refusal.
 UNSPLITTABLE_FAMILIES = ("granite",)
@@ -219,7 +222,7 @@ def _config(
     sliding_window_pattern: int | None,
 ) -> dict:
     """An HF-style config.json for ``family`` with small dimensions."""
-    known = FAMILIES + EXTRA_FAMILIES + MOE_FAMILIES + UNSPLITTABLE_FAMILIES
+    known = FAMILIES + EXTRA_FAMILIES + MOE_FAMILIES + SCALED_FAMILIES + UNSPLITTABLE_FAMILIES
     if family not in known:
         raise ValueError(f"unknown family {family!r}; expected one of {known}")
     if hidden_size % NUM_HEADS:
@@ -238,7 +241,7 @@ def _config(
         "vocab_size": len(vocab),
         "max_position_embeddings": 2048,
         "rope_theta": 10000.0,
-        "tie_word_embeddings": family in ("qwen2", "qwen3", "gemma3_text"),
+        "tie_word_embeddings": family in ("qwen2", "qwen3", "gemma3_text", "gemma2"),
         "torch_dtype": "float32",
         "eos_token_id": vocab[EOS_TOKEN],
         # transformers reads config.json too and warns about e.g. phi3's
@@ -276,6 +279,12 @@ def _config(
 def _moe_config(family: str, num_layers: int, hidden_size: int, head_dim: int) -> dict:
     """The expert, MLA and linear-attention settings of the non-dense families."""
     experts = {"num_experts_per_tok": EXPERTS_PER_TOKEN, "moe_intermediate_size": hidden_size}
+    if family == "gemma2":
+        return {
+            "query_pre_attn_scalar": head_dim,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+        }
     if family == "granite":
         return {
             "embedding_multiplier": 2.0,
@@ -425,7 +434,7 @@ def make_tiny_model(
     )
     arch = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(family, family)}")
     model = arch.Model(arch.ModelArgs.from_dict(config))
-    _init_weights(model, seed, gemma=family == "gemma3_text")
+    _init_weights(model, seed, gemma=family in ("gemma3_text", "gemma2"))
     weights = dict(tree_flatten(model.parameters()))
     if config["tie_word_embeddings"]:
         # gemma3_text always builds an lm_head and drops it on load when the

@@ -39,8 +39,10 @@ from mlx_lm.models.cache import (
 )
 from mlx_lm.utils import load_model
 
-# Families whose embedding output is scaled by sqrt(hidden_size) before the first layer.
-_SCALED_EMBEDDING = ("gemma", "gemma2", "gemma3", "gemma3_text")
+# Families whose embedding output is scaled by sqrt(hidden_size) before the first layer:
+# gemma3 rounds the factor to bfloat16 first, gemma and gemma2 multiply by the float.
+_BF16_EMBED_SCALE = ("gemma3", "gemma3_text")
+_SCALED_EMBEDDING = ("gemma", "gemma2", *_BF16_EMBED_SCALE)
 
 # What mask a layer gets, by its cache's kind: the models build one mask per kind from
 # the first cache of that kind (full attention, sliding window, linear attention).
@@ -65,6 +67,12 @@ _NOT_SPLITTABLE = {
     "gemma3n": "its layers take per-layer inputs and share KV caches across layers",
     "gemma4_text": "its layers take per-layer inputs and share KV caches across layers",
     "gear": "its forward scales embeddings by sqrt(hidden_size) around the layers",
+    "afmoe": "its forward may scale embeddings by sqrt(hidden_size) (muP)",
+    "cohere": "its forward scales the logits by logit_scale",
+    "cohere2": "its forward scales the logits by logit_scale",
+    "nanochat": "its forward soft-caps the logits",
+    "muse_glimmer": "its forward scales and soft-caps the logits",
+    "recurrent_gemma": "its forward scales embeddings and soft-caps the logits",
 }
 
 
@@ -255,8 +263,11 @@ def new_caches(shard: Shard) -> list[Any]:
 def embed(shard: Shard, tokens: mx.array) -> mx.array:
     inner = shard.inner
     h = inner.embed_tokens(tokens)
-    if shard.config.get("model_type") in _SCALED_EMBEDDING:
+    family = shard.config.get("model_type")
+    if family in _BF16_EMBED_SCALE:
         h = h * mx.array(shard.config["hidden_size"] ** 0.5, mx.bfloat16).astype(h.dtype)
+    elif family in _SCALED_EMBEDDING:
+        h = h * (shard.config["hidden_size"] ** 0.5)
     return h
 
 
