@@ -16,13 +16,14 @@ import time
 import mlx.core as mx
 import pytest
 from conftest import start_cluster
-from mlx_lm.models.cache import make_prompt_cache
-from oracle import _load, chat_tokens, mlx_lm_tokens
-from test_prompt_cache import _mlx_lm_second_turn
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from oracle import _load, chat_tokens, mlx_lm_tokens, tokenizer_for
+from test_prompt_cache import _generate
 from tiny_models import MOE_FAMILIES, SCALED_FAMILIES, UNSPLITTABLE_FAMILIES
 
+from mlx_relay.coordinator.requests import encode_text
 from mlx_relay.model import sharding
-from mlx_relay.model.kvcache import SlotCaches
+from mlx_relay.model.kvcache import CacheError, SlotCaches
 from mlx_relay.model.split import balanced_split, cost_split, default_split, layer_costs
 from mlx_relay.protocol import relay_pb2 as pb
 
@@ -125,27 +126,18 @@ def test_cluster_equals_mlx_lm(tiny_model, cluster_factory, family, ranks, layer
     for i, (text, seed) in enumerate(PROMPTS):
         assert results.get(i) == _oracle(path, text, seed), f"request {i} ({seed=})"
 
-    # A second turn: its first turn's caches are reused only if they can be cut back.
+    # Prompt cache: a chat's next turn, and a raw prompt continuing the first one's
+    # prompt and output. Whatever the cluster reused, it is allowed (a state or a slid
+    # window only whole) and the tokens are mlx-lm's continuing a cache cut to it.
     first = [{"role": "user", "content": PROMPTS[0][0]}]
-    turn = [
-        *first,
-        {"role": "assistant", "content": running.client.generate(_request(*PROMPTS[0])).text},
-        {"role": "user", "content": "And the mountains?"},
-    ]
-    second = running.client.generate(
-        pb.GenerateRequest(
-            messages=[pb.ChatMessage(**m) for m in turn],
-            params=pb.SamplingParams(max_tokens=MAX_TOKENS),
-        )
-    )
-    reusable = all(type(c).__name__ == "KVCache" for c in make_prompt_cache(_whole(path)))
-    if reusable:
-        assert second.usage.cached_tokens > 0
-        expected, _ = _mlx_lm_second_turn(path, chat_tokens(path, first), chat_tokens(path, turn))
-    else:
-        assert second.usage.cached_tokens == 0
-        expected = mlx_lm_tokens(path, chat_tokens(path, turn), MAX_TOKENS)
-    assert list(second.token_ids) == expected
+    reply = running.client.generate(_request(*PROMPTS[0])).text
+    turn = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}]
+    _second_equals_mlx_lm(running, path, chat_tokens(path, first), turn)
+    raw = _continuable_prompt(path)
+    raw_reply = running.client.generate(_raw(raw, RAW_TOKENS)).text
+    first = encode_text(tokenizer_for(path), raw)
+    cached = _second_equals_mlx_lm(running, path, first, raw + raw_reply + "\nAnd then?")
+    assert cached > len(first), "continuing a prompt and its output reuses its caches"
     status = running.client.status()
     assert status.active_requests == 0 and status.queued_requests == 0
 
@@ -275,3 +267,99 @@ def test_the_split_counts_each_layers_bytes(tiny_model):
     assert cost_split([6, 1, 1, 1, 1, 1, 1, 6], 2) == [4, 4]
     assert cost_split([1.0] * 12, 3, 0.0, capacity=[1, 2, 3]) == [2, 4, 6]
     assert cost_split([1.0] * 3, 3, 50.0) == [1, 1, 1]  # every rank keeps a layer
+
+
+RAW_TOKENS = 4
+
+
+def _raw(text: str, max_tokens: int = MAX_TOKENS) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt=text, params=pb.SamplingParams(max_tokens=max_tokens))
+
+
+def _streamed_text(tokenizer, tokens: list[int]) -> str:
+    """The text a stream of `tokens` shows (the streaming detokenizer, as the server)."""
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    for t in tokens:
+        detokenizer.add_token(t)
+    detokenizer.finalize()
+    return detokenizer.text
+
+
+def _continuable_prompt(path) -> str:
+    """A raw prompt whose greedy output, as text, encodes back to the same tokens after
+    it (a random model's output often splits UTF-8 characters), so that a prompt going
+    on from prompt + output shares everything the first request's caches hold."""
+    tokenizer = tokenizer_for(path)
+    for i in range(40):
+        raw = f"Item {i}: pipelines split a model's layers across machines.\n"
+        prompt = encode_text(tokenizer, raw)
+        out = mlx_lm_tokens(path, prompt, RAW_TOKENS)
+        again = encode_text(tokenizer, raw + _streamed_text(tokenizer, out) + "\nAnd then?")
+        if again[: len(prompt) + len(out)] == prompt + out:
+            return raw
+    raise AssertionError("no prompt among 40 whose output re-encodes as itself")
+
+
+def _position(cache: list) -> int:
+    return next(c.offset for c in cache if hasattr(c, "offset"))
+
+
+def _second_equals_mlx_lm(running, path, first: list[int], second: list[dict] | str) -> int:
+    """Send `second` (chat messages or a raw prompt) after `first` ran; check the reuse
+    and the tokens against mlx-lm; return how many prompt tokens were reused."""
+    if isinstance(second, str):
+        response = running.client.generate(_raw(second))
+        tokens = encode_text(tokenizer_for(path), second)
+    else:
+        messages = [pb.ChatMessage(**m) for m in second]
+        params = pb.SamplingParams(max_tokens=MAX_TOKENS)
+        response = running.client.generate(pb.GenerateRequest(messages=messages, params=params))
+        tokens = chat_tokens(path, second)
+    cached = response.usage.cached_tokens
+    model = _whole(path)
+    cache = make_prompt_cache(model)
+    if cached:
+        _generate(path, cache, first, MAX_TOKENS if isinstance(second, list) else RAW_TOKENS)
+        held = _position(cache)
+        shard_rule = sharding.reuse_rule(cache)
+        assert cached == held or held < shard_rule[1], f"reused {cached} of {held}: not exact"
+        assert trim_prompt_cache(cache, held - cached) == held - cached
+        expected = _generate(path, cache, tokens[cached:], MAX_TOKENS)
+    else:
+        expected = mlx_lm_tokens(path, tokens, MAX_TOKENS)
+    assert list(response.token_ids) == expected
+    return cached
+
+
+def test_prefix_reuse_only_where_exact(tiny_model):
+    """A state is reused only whole, a sliding window cut back only before anything left
+    it, plain KV caches anywhere; a copied or cut cache goes on as mlx-lm's would."""
+    for family, rule in (("qwen3_next", (True, 0.0)), ("gpt_oss", (True, 8.0))):
+        path = tiny_model(family, NUM_LAYERS)
+        shard = sharding.load_shard(path, 0, NUM_LAYERS, has_ends=True)
+        assert (shard.reusable_caches, shard.cut_back_below) == rule
+        model = _whole(path)
+        prompt = [(11 * i) % 500 + 7 for i in range(6)]
+        more = [17, 71, 117]
+        for n in (6, 4):  # the whole parked cache, or a prefix of it
+            caches = SlotCaches(shard)
+
+            def run(slot, offset, tokens, source=None, caches=caches, shard=shard):
+                h = sharding.embed(shard, mx.array([tokens]))
+                c = caches.for_sequence(slot, offset, source, len(tokens))
+                return sharding.head(shard, sharding.run_layers(shard, h, c))[:, -1]
+
+            run(0, 0, prompt)
+            if not shard.usable_prefix(len(prompt), n):
+                with pytest.raises(CacheError):
+                    run(1, n, more, source=0)
+                continue
+            got = run(1, n, more, source=0)
+            reference = make_prompt_cache(model)
+            want = model(mx.array([prompt[:n] + more]), cache=reference)[:, -1]
+            assert mx.allclose(got, want, atol=1e-5).item(), f"{family}: reuse of {n}"
+            assert caches.at == {0: 6, 1: n + len(more)}
+    assert sharding.load_shard(tiny_model("llama", 4), 0, 4, has_ends=True).cut_back_below == (
+        float("inf")
+    )

@@ -19,7 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from mlx_relay.model import sharding
 
@@ -52,8 +52,8 @@ class SlotCaches:
 
         With a `source` slot, a parked cache shares the first `offset` positions with the
         new sequence: the slot's own is cut back to them; another slot's is copied up to
-        them and stays parked. Only plain KV caches are ever reused (the engine asks for
-        it only when `shard.reusable_caches`): they alone can be cut back exactly.
+        them and stays parked. The engine asks only for what `shard.usable_prefix`
+        allows: a cache that cannot be cut back is reused whole or not at all.
         """
         if offset == 0:
             self.free([slot])
@@ -64,7 +64,8 @@ class SlotCaches:
             if parked is None or self.at.get(source, 0) < offset:
                 raise CacheError(f"slot {source} holds no cache of {offset} positions to copy")
             self.free([slot])
-            self.single[slot] = [_copy_prefix(c, offset) for c in parked]
+            held = self.at[source]
+            self.single[slot] = [_copy_prefix(c, offset, held) for c in parked]
             self.at[slot] = offset
         caches = self.single.get(slot)
         if caches is None:
@@ -187,11 +188,33 @@ def _arrays(caches: list[Any]) -> list[mx.array]:
     return [a for _, a in tree_flatten([c.state for c in caches]) if isinstance(a, mx.array)]
 
 
-def _copy_prefix(cache: KVCache, n: int) -> KVCache:
-    """A new plain KV cache holding the first `n` positions of `cache`, in its own memory."""
-    out = KVCache()
-    out.keys = mx.contiguous(cache.keys[..., :n, :])
-    out.values = mx.contiguous(cache.values[..., :n, :])
-    out.offset = n
-    mx.eval(out.keys, out.values)
+def _copy_prefix(cache: Any, n: int, held: int) -> Any:
+    """A new cache of the same kind holding the first `n` of the `held` positions of
+    `cache`, in its own arrays (caches update their arrays in place). A sliding window
+    is cut only before anything left it (its buffer is then in order); a state is only
+    copied whole."""
+    if isinstance(cache, ArraysCache):
+        if n != held:
+            raise CacheError(f"an SSM state of {held} positions cannot be cut back to {n}")
+        out = ArraysCache(len(cache.cache))
+        out.cache = [None if a is None else mx.contiguous(a) for a in cache.cache]
+    elif isinstance(cache, RotatingKVCache):
+        out = RotatingKVCache(cache.max_size, cache.keep)
+        if n == cache.offset:
+            out.keys, out.values = mx.contiguous(cache.keys), mx.contiguous(cache.values)
+            out.offset, out._idx = cache.offset, cache._idx
+        elif cache.offset < cache.max_size:
+            out.keys = mx.contiguous(cache.keys[..., :n, :])
+            out.values = mx.contiguous(cache.values[..., :n, :])
+            out.offset = out._idx = n
+        else:
+            raise CacheError(f"a sliding window past {cache.max_size} cannot be cut back")
+    elif type(cache) is KVCache:
+        out = KVCache()
+        out.keys = mx.contiguous(cache.keys[..., :n, :])
+        out.values = mx.contiguous(cache.values[..., :n, :])
+        out.offset = n
+    else:
+        raise CacheError(f"a {type(cache).__name__} cannot be copied")
+    mx.eval(_arrays([out]))
     return out

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,14 +99,21 @@ class Shard:
     end: int
     num_layers: int
     has_ends: bool  # embedding, final norm and LM head live here
-    # Every layer of the whole model keeps a plain KVCache, which can be cut back to
-    # any position: a finished sequence's cache may then serve a later shared prefix.
-    # A sliding window's RotatingKVCache or an SSM's state cannot be cut back, so a
-    # model with either reuses nothing (exact only; see README).
+    # A finished sequence's caches may serve a later prompt that shares a prefix with
+    # them, where that is exact: all of what they hold always (a new prompt that
+    # continues it), a part of it only if every layer's cache can be cut back to it.
+    # Plain KV caches always can; a sliding window's only while nothing has left the
+    # window (fewer positions than `cut_back_below`); an SSM state never (see README).
     reusable_caches: bool = False
+    cut_back_below: float = 0.0
     # The model's own forward asks for array masks (create_attention_mask(...,
     # return_array=True)), e.g. DeepSeek's MLA, which adds its rope scores to the mask.
     array_masks: bool = False
+
+    def usable_prefix(self, held: int, shared: int) -> bool:
+        """Whether a parked cache holding `held` positions can start a sequence at its
+        first `shared` ones with exactly the state a fresh prefill would give."""
+        return self.reusable_caches and (shared == held or held < self.cut_back_below)
 
     @property
     def inner(self) -> nn.Module:
@@ -196,7 +204,7 @@ def load_shard(path: Path, start: int, end: int, *, has_ends: bool) -> Shard:
         raise ValueError(f"layer range [{start}, {end}) outside the model's {num_layers} layers")
     caches = make_prompt_cache(model)  # all layers still here
     check_splittable(model, config, caches)
-    reusable = all(type(c) is KVCache for c in caches)
+    reusable, cut_back_below = reuse_rule(caches)
     inner.layers = inner.layers[start:end]
     if not has_ends:
         for owner, name in ((inner, "embed_tokens"), (inner, "norm"), (model, "lm_head")):
@@ -204,8 +212,28 @@ def load_shard(path: Path, start: int, end: int, *, has_ends: bool) -> Shard:
                 owner.pop(name)
     mx.eval(model.parameters())
     return Shard(
-        model, config, start, end, num_layers, has_ends, reusable, wants_array_masks(inner)
+        model,
+        config,
+        start,
+        end,
+        num_layers,
+        has_ends,
+        reusable,
+        cut_back_below,
+        wants_array_masks(inner),
     )
+
+
+def reuse_rule(caches: list[Any]) -> tuple[bool, float]:
+    """(reusable at all, cut back exactly below this many positions) for a model whose
+    layers make these caches; the same on every rank, as it looks at all layers."""
+    kinds = {type(c) for c in caches}
+    if not kinds <= {KVCache, RotatingKVCache, ArraysCache}:
+        return False, 0.0
+    if ArraysCache in kinds:  # a state summarises every position: no going back
+        return True, 0.0
+    windows = [c.max_size for c in caches if isinstance(c, RotatingKVCache)]
+    return True, float(min(windows)) if windows else math.inf
 
 
 def check_splittable(model: nn.Module, config: dict[str, Any], caches: list[Any]) -> None:
