@@ -10,6 +10,7 @@ caches only) and gives mlx-lm's tokens either way.
 
 from __future__ import annotations
 
+import importlib
 import threading
 import time
 
@@ -19,7 +20,7 @@ from conftest import start_cluster
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from oracle import _load, chat_tokens, mlx_lm_tokens, tokenizer_for
 from test_prompt_cache import _generate
-from tiny_models import MOE_FAMILIES, SCALED_FAMILIES, UNSPLITTABLE_FAMILIES
+from tiny_models import MOE_FAMILIES, SCALED_FAMILIES, UNSPLITTABLE_FAMILIES, _config
 
 from mlx_relay.coordinator.requests import encode_text
 from mlx_relay.model import sharding
@@ -363,3 +364,14 @@ def test_prefix_reuse_only_where_exact(tiny_model):
     assert sharding.load_shard(tiny_model("llama", 4), 0, 4, has_ends=True).cut_back_below == (
         float("inf")
     )
+
+
+def test_a_cache_kind_without_a_mask_rule_is_refused():
+    """DeepSeek-V3.2 keeps a CacheList per layer (attention + indexer): no general mask
+    rule covers it, so it is refused before any weight is read."""
+    config = _config("deepseek_v3", 4, 64, None, None, None)
+    config.update(model_type="deepseek_v32", index_head_dim=16, index_n_heads=2, index_topk=8)
+    arch = importlib.import_module("mlx_lm.models.deepseek_v32")
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    with pytest.raises(sharding.UnsupportedFamily, match="'deepseek_v32'.*CacheList"):
+        sharding.check_splittable(model, config, make_prompt_cache(model))
