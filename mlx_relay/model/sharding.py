@@ -81,12 +81,20 @@ class UnsupportedFamily(ValueError):
     """A model family whose layers cannot be split over ranks exactly."""
 
 
+_KIND_OF: dict[type, str] = {}  # memo: run_layers asks for every layer of every step
+
+
 def mask_kind(cache: Any) -> str:
     """FULL, SLIDING or SSM: which of the model's masks a layer with this cache gets."""
-    for kinds, name in _MASK_KINDS:
-        if isinstance(cache, kinds):
-            return name
-    raise UnsupportedFamily(f"no mask rule for a layer with a {type(cache).__name__}")
+    kind = _KIND_OF.get(type(cache))
+    if kind is None:
+        for kinds, name in _MASK_KINDS:
+            if isinstance(cache, kinds):
+                kind = _KIND_OF[type(cache)] = name
+                break
+        else:
+            raise UnsupportedFamily(f"no mask rule for a layer with a {type(cache).__name__}")
+    return kind
 
 
 @dataclass
@@ -306,12 +314,13 @@ def run_layers(shard: Shard, h: mx.array, caches: list[Any]) -> mx.array:
     attention) holds the same positions, so their masks are equal: build each once
     from the first cache of its kind, as the models themselves do.
     """
-    masks: dict[str, Any] = {}
+    masks: dict[tuple[str, int], Any] = {}
     for layer, cache in zip(shard.inner.layers, caches, strict=True):
         kind = mask_kind(cache)
-        if kind not in masks:
-            masks[kind] = make_mask(shard, kind, h, cache)
-        h = layer(h, masks[kind], cache)
+        key = (kind, cache.max_size if kind == SLIDING else 0)  # windows may differ
+        if key not in masks:
+            masks[key] = make_mask(shard, kind, h, cache)
+        h = layer(h, masks[key], cache)
     return h
 
 
