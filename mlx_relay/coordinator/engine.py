@@ -653,6 +653,7 @@ class Engine:
             self._output = OutputProcessor(self.tokenizer, self.context_length)
             self._unpark_all()
             self._reuse = self.prompt_cache and self.pipeline.shard.reusable_caches
+            self._slots.usable = self.pipeline.shard.usable_prefix
         except Exception:
             self._set_state("unloaded")
             raise
