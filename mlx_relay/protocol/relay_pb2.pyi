@@ -266,7 +266,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., active_memory_bytes: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., free_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("model", "model_path", "world_size", "num_layers", "ranks", "state", "active_requests", "queued_requests", "backend", "error", "cached_prompts", "cached_prompt_tokens")
+    __slots__ = ("model", "model_path", "world_size", "num_layers", "ranks", "state", "active_requests", "queued_requests", "backend", "error", "cached_prompts", "cached_prompt_tokens", "requests")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +279,7 @@ class StatusResponse(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_path: str
     world_size: int
@@ -291,7 +292,30 @@ class StatusResponse(_message.Message):
     error: str
     cached_prompts: int
     cached_prompt_tokens: int
-    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., world_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., state: _Optional[str] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., backend: _Optional[str] = ..., error: _Optional[str] = ..., cached_prompts: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    requests: _containers.RepeatedCompositeFieldContainer[RequestStatus]
+    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., world_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., state: _Optional[str] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., backend: _Optional[str] = ..., error: _Optional[str] = ..., cached_prompts: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ...) -> None: ...
+
+class RequestStatus(_message.Message):
+    __slots__ = ("request_id", "phase", "prompt_tokens", "prefilled_tokens", "cached_tokens", "generated_tokens", "age_s", "time_to_first_token_s", "decode_tokens_per_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    phase: str
+    prompt_tokens: int
+    prefilled_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    age_s: float
+    time_to_first_token_s: float
+    decode_tokens_per_s: float
+    def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., age_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
     __slots__ = ("model", "layers")
