@@ -447,6 +447,15 @@ def test_anthropic_messages_with_tools_thinking_and_stream(served):
     assert again.usage.input_tokens == count.input_tokens > message.usage.input_tokens
 
 
+def test_anthropic_stop_sequence_names_the_string_that_ended_it(served):
+    reply = served.anthropic.messages.create(
+        model=served.model, messages=MESSAGES, max_tokens=40, stop_sequences=["OK"]
+    )
+    assert (reply.stop_reason, reply.stop_sequence) == ("stop_sequence", "OK")
+    plain = served.anthropic.messages.create(model=served.model, messages=MESSAGES, max_tokens=40)
+    assert plain.stop_sequence is None
+
+
 def test_anthropic_errors(served):
     with pytest.raises(anthropic.NotFoundError) as e:
         served.anthropic.messages.create(model="claude-x", max_tokens=5, messages=MESSAGES)

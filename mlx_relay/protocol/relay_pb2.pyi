@@ -160,7 +160,7 @@ class Timings(_message.Message):
     def __init__(self, time_to_first_token_s: _Optional[float] = ..., prompt_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("text", "token_ids", "reasoning", "tool_calls", "logprobs", "finish_reason", "usage", "timings", "request_id", "malformed_tool_call", "unknown_tools")
+    __slots__ = ("text", "token_ids", "reasoning", "tool_calls", "logprobs", "finish_reason", "usage", "timings", "request_id", "malformed_tool_call", "unknown_tools", "stop_sequence")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REASONING_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class GenerateChunk(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MALFORMED_TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
     UNKNOWN_TOOLS_FIELD_NUMBER: _ClassVar[int]
+    STOP_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     reasoning: str
@@ -183,10 +184,11 @@ class GenerateChunk(_message.Message):
     request_id: str
     malformed_tool_call: bool
     unknown_tools: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ..., malformed_tool_call: _Optional[bool] = ..., unknown_tools: _Optional[_Iterable[str]] = ...) -> None: ...
+    stop_sequence: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ..., malformed_tool_call: _Optional[bool] = ..., unknown_tools: _Optional[_Iterable[str]] = ..., stop_sequence: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "reasoning", "tool_calls", "logprobs", "finish_reason", "usage", "timings", "request_id", "malformed_tool_call", "unknown_tools")
+    __slots__ = ("text", "token_ids", "reasoning", "tool_calls", "logprobs", "finish_reason", "usage", "timings", "request_id", "malformed_tool_call", "unknown_tools", "stop_sequence")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REASONING_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +200,7 @@ class GenerateResponse(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MALFORMED_TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
     UNKNOWN_TOOLS_FIELD_NUMBER: _ClassVar[int]
+    STOP_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     reasoning: str
@@ -209,7 +212,8 @@ class GenerateResponse(_message.Message):
     request_id: str
     malformed_tool_call: bool
     unknown_tools: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ..., malformed_tool_call: _Optional[bool] = ..., unknown_tools: _Optional[_Iterable[str]] = ...) -> None: ...
+    stop_sequence: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ..., malformed_tool_call: _Optional[bool] = ..., unknown_tools: _Optional[_Iterable[str]] = ..., stop_sequence: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "messages", "tools_json", "chat_template_kwargs_json", "add_generation_prompt", "tool_choice")
