@@ -280,6 +280,11 @@ STOP_CASES = [
 STOP_IDS = ["held-over-three-tokens", "first-to-complete", "held-then-released"]
 
 
+def completed_stop(stops: list[str], text: str) -> str:
+    """The stop string ANSWER reaches first after `text`."""
+    return next(stop for stop in stops if ANSWER[len(text) :].startswith(stop))
+
+
 @pytest.mark.default_model
 @pytest.mark.parametrize("stops, text, also_unary", STOP_CASES, ids=STOP_IDS)
 def test_stop_strings_across_token_boundaries(smollm, stops, text, also_unary):
@@ -287,6 +292,8 @@ def test_stop_strings_across_token_boundaries(smollm, stops, text, also_unary):
     streamed = "".join(c.text for c in chunks)
     assert streamed == text
     assert chunks[-1].finish_reason == "stop"
+    # Which stop string ended it (Anthropic's stop_sequence); none when EOS did.
+    assert chunks[-1].stop_sequence == ("" if text == ANSWER else completed_stop(stops, text))
     assert not any(stop in c.text for c in chunks for stop in stops)
     tokens = [t for c in chunks for t in c.token_ids]
     tokenizer = load_tokenizer(Path(smollm.client.status().model_path))
@@ -301,6 +308,7 @@ def test_stop_strings_across_token_boundaries(smollm, stops, text, also_unary):
     if also_unary:
         whole = smollm.client.generate(_question(stop=stops))
         assert (whole.text, whole.finish_reason) == (text, "stop")
+        assert whole.stop_sequence == chunks[-1].stop_sequence
         assert list(whole.token_ids) == tokens
 
 

@@ -483,10 +483,13 @@ def cli(*argv: str) -> int:
 
 
 def test_cli_check_ok(capsys):
-    assert cli("check", str(HOSTFILES / "localhost-3.json"), "--num-layers", "30") == 0
+    hostfile = str(HOSTFILES / "localhost-3.json")
+    assert cli("check", hostfile, "--num-layers", "30", "--layers", "even") == 0
     out = capsys.readouterr().out
     assert out.startswith("OK: 3 hosts, backend ring\n")
     assert "rank 2: [20, 30)" in out
+    assert cli("check", hostfile, "--num-layers", "30") == 0  # the default: balanced
+    assert "layers: balanced, decided at load from the model's weights" in capsys.readouterr().out
 
 
 def test_cli_check_problems(tmp_path, capsys):

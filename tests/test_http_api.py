@@ -447,6 +447,15 @@ def test_anthropic_messages_with_tools_thinking_and_stream(served):
     assert again.usage.input_tokens == count.input_tokens > message.usage.input_tokens
 
 
+def test_anthropic_stop_sequence_names_the_string_that_ended_it(served):
+    reply = served.anthropic.messages.create(
+        model=served.model, messages=MESSAGES, max_tokens=40, stop_sequences=["OK"]
+    )
+    assert (reply.stop_reason, reply.stop_sequence) == ("stop_sequence", "OK")
+    plain = served.anthropic.messages.create(model=served.model, messages=MESSAGES, max_tokens=40)
+    assert plain.stop_sequence is None
+
+
 def test_anthropic_errors(served):
     with pytest.raises(anthropic.NotFoundError) as e:
         served.anthropic.messages.create(model="claude-x", max_tokens=5, messages=MESSAGES)
@@ -582,6 +591,46 @@ def test_metrics_count_the_grpc_door_too(served):
     assert moved("mlx_relay:requests_total", api="grpc", outcome=reply.finish_reason) == 1
     assert moved("mlx_relay:requests_total", api="grpc", outcome="invalid") == 1
     assert moved("mlx_relay:generation_tokens_total") == reply.usage.completion_tokens
+
+
+def test_step_times_per_rank_reach_the_metrics(served):
+    served.openai.completions.create(model=served.model, prompt="Hello", max_tokens=8)
+    deadline = time.monotonic() + 15  # workers report with their heartbeats
+    while True:
+        m = _metrics(served)
+        if m.get(("mlx_relay:rank_steps_total", (("rank", "1"),)), 0) > 0 or (
+            time.monotonic() > deadline
+        ):
+            break
+        time.sleep(0.5)
+    assert m[("mlx_relay:rank_steps_total", (("rank", "1"),))] > 0
+    assert m[("mlx_relay:rank_step_seconds_total", (("rank", "1"),))] > 0
+    assert m[("mlx_relay:ring_steps_total", (("kind", "decode"),))] > 0
+    assert m[("mlx_relay:ring_step_seconds_total", (("kind", "prefill"),))] > 0
+
+
+def test_status_lists_each_running_request(served):
+    request = pb.GenerateRequest(
+        prompt="Hello", params=pb.SamplingParams(max_tokens=400, ignore_eos=True)
+    )
+    stream = served.running.client.stream(request)
+    generated = 0
+    for chunk in stream:
+        generated += len(chunk.token_ids)
+        if generated >= 3:
+            break
+    running = served.http.get("/v1/status").json()["requests"]
+    stream.cancel()
+    assert len(running) == 1, running
+    (status,) = running
+    assert status["phase"] == "decode"
+    assert status["generated_tokens"] >= 2
+    assert status["prefilled_tokens"] == status["prompt_tokens"] > 0
+    assert status["time_to_first_token_s"] > 0 and status["decode_tokens_per_s"] > 0
+    deadline = time.monotonic() + 30  # the cancel frees the slot at the next step
+    while served.http.get("/v1/status").json()["requests"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert served.http.get("/v1/status").json()["requests"] == []
 
 
 def test_health(served):

@@ -11,7 +11,15 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model, load_tokenizer
-from tiny_models import EXTRA_FAMILIES, FAMILIES, SPECIAL_TOKENS, make_tiny_model
+from tiny_models import (
+    EXTRA_FAMILIES,
+    FAMILIES,
+    MOE_FAMILIES,
+    SCALED_FAMILIES,
+    SPECIAL_TOKENS,
+    UNSPLITTABLE_FAMILIES,
+    make_tiny_model,
+)
 
 TEXT = "Hello, world! 123 café 東京 🙂"
 MESSAGES = [
@@ -127,7 +135,22 @@ def test_chat_template(loaded):
     assert text.endswith("<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n")
 
 
-@pytest.mark.parametrize("family", FAMILIES + EXTRA_FAMILIES)
+OTHER_FAMILIES = MOE_FAMILIES + SCALED_FAMILIES + UNSPLITTABLE_FAMILIES
+
+
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
+def test_other_families_load_and_generate_varied_text(tmp_path, family):
+    """The MoE, MLA, hybrid and other families: mlx-lm loads them with no weight left
+    over or missing, and greedy decoding does not repeat one token."""
+    path = make_tiny_model(tmp_path / family, family, num_layers=4)
+    model, tokenizer = mlx_lm.load(str(path))
+    assert json.loads((path / "config.json").read_text())["model_type"] == family
+    prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    tokens = _generate(model, tokenizer, prompt, max_tokens=20)
+    assert len(set(tokens)) > 3
+
+
+@pytest.mark.parametrize("family", FAMILIES + EXTRA_FAMILIES + OTHER_FAMILIES)
 def test_deterministic(tmp_path, family):
     make_tiny_model(tmp_path / "a", family)
     mx.random.normal((3,))  # the global RNG state must not matter

@@ -25,6 +25,19 @@ FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text")
 # stay fast: mistral is llama under another model_type, phi3 fuses qkv_proj
 # and gate_up_proj.
 EXTRA_FAMILIES = ("mistral", "phi3")
+# The non-uniform families people split: mixture-of-experts (a dense first layer then
+# MoE layers where the family has one), MLA attention, alternating sliding-window
+# layers, hybrid linear attention (conv + gated-delta state). tests/test_families.py
+# runs them through clusters; they are not in FAMILIES to keep that matrix small.
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen3_next", "glm4_moe")
+# gemma2 scales its embeddings by sqrt(hidden_size) as a float (gemma3 rounds it to
+# bfloat16 first) and soft-caps attention and final logits.
+SCALED_FAMILIES = ("gemma2",)
+# A family mlx-relay refuses at load (its forward scales embeddings and logits around
+# the layers), to test that refusal.
+UNSPLITTABLE_FAMILIES = ("granite",)
+NUM_EXPERTS = 4
+EXPERTS_PER_TOKEN = 2
 
 # The trainer gives special tokens the ids 0..6 in this order.
 SPECIAL_TOKENS = (
@@ -209,8 +222,9 @@ def _config(
     sliding_window_pattern: int | None,
 ) -> dict:
     """An HF-style config.json for ``family`` with small dimensions."""
-    if family not in FAMILIES + EXTRA_FAMILIES:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES + EXTRA_FAMILIES}")
+    known = FAMILIES + EXTRA_FAMILIES + MOE_FAMILIES + SCALED_FAMILIES + UNSPLITTABLE_FAMILIES
+    if family not in known:
+        raise ValueError(f"unknown family {family!r}; expected one of {known}")
     if hidden_size % NUM_HEADS:
         raise ValueError(f"hidden_size must be a multiple of {NUM_HEADS}")
     vocab = _vocab()
@@ -227,7 +241,7 @@ def _config(
         "vocab_size": len(vocab),
         "max_position_embeddings": 2048,
         "rope_theta": 10000.0,
-        "tie_word_embeddings": family in ("qwen2", "qwen3", "gemma3_text"),
+        "tie_word_embeddings": family in ("qwen2", "qwen3", "gemma3_text", "gemma2"),
         "torch_dtype": "float32",
         "eos_token_id": vocab[EOS_TOKEN],
         # transformers reads config.json too and warns about e.g. phi3's
@@ -245,6 +259,11 @@ def _config(
             query_pre_attn_scalar=head_dim,
             rope_local_base_freq=10000.0,
         )
+    elif family == "gpt_oss":  # sliding on even layers, full on odd ones (gpt-oss's own)
+        config["sliding_window"] = sliding_window or DEFAULT_SLIDING_WINDOW // 2
+        config["layer_types"] = [
+            "full_attention" if i % 2 else "sliding_attention" for i in range(num_layers)
+        ]
     elif sliding_window is not None:
         if family not in ("llama", "mistral"):
             raise ValueError(f"mlx-lm's {family} has no sliding-window attention")
@@ -253,7 +272,87 @@ def _config(
             "full_attention" if i % pattern == pattern - 1 else "sliding_attention"
             for i in range(num_layers)
         ]
+    config.update(_moe_config(family, num_layers, hidden_size, head_dim))
     return config
+
+
+def _moe_config(family: str, num_layers: int, hidden_size: int, head_dim: int) -> dict:
+    """The expert, MLA and linear-attention settings of the non-dense families."""
+    experts = {"num_experts_per_tok": EXPERTS_PER_TOKEN, "moe_intermediate_size": hidden_size}
+    if family == "gemma2":
+        return {
+            "query_pre_attn_scalar": head_dim,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+        }
+    if family == "granite":
+        return {
+            "embedding_multiplier": 2.0,
+            "attention_multiplier": head_dim**-0.5,
+            "residual_multiplier": 0.5,
+            "logits_scaling": 2.0,
+            "attention_bias": False,
+            "mlp_bias": False,
+        }
+    if family == "qwen3_moe":  # layer 0 dense, the rest MoE
+        return {
+            **experts,
+            "num_experts": NUM_EXPERTS,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [0],
+            "norm_topk_prob": True,
+        }
+    if family in ("mixtral", "gpt_oss"):
+        return {"num_local_experts": NUM_EXPERTS, "num_experts_per_tok": EXPERTS_PER_TOKEN}
+    if family == "deepseek_v3":  # MLA; layer 0 dense, the rest routed + shared experts
+        return {
+            **experts,
+            "n_routed_experts": NUM_EXPERTS,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "moe_layer_freq": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 1.0,
+            "kv_lora_rank": 32,
+            "q_lora_rank": 48,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": head_dim,
+            "v_head_dim": head_dim,
+            "num_key_value_heads": NUM_HEADS,
+        }
+    if family == "glm4_moe":  # layer 0 dense, the rest routed + shared experts
+        return {
+            **experts,
+            "n_routed_experts": NUM_EXPERTS,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 1.0,
+            "norm_topk_prob": True,
+            "use_qk_norm": True,
+            "attention_bias": False,
+            "partial_rotary_factor": 0.5,
+            "rope_scaling": None,
+        }
+    if family == "qwen3_next":  # full attention on every 3rd layer, linear on the others
+        return {
+            **experts,
+            "num_experts": NUM_EXPERTS,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "norm_topk_prob": True,
+            "shared_expert_intermediate_size": hidden_size,
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": head_dim,
+            "linear_value_head_dim": head_dim,
+            "linear_conv_kernel_dim": 4,
+            "partial_rotary_factor": 0.5,
+            "full_attention_interval": min(3, num_layers),
+        }
+    return {}
 
 
 def _init_weights(model: nn.Module, seed: int, gemma: bool) -> None:
@@ -279,6 +378,8 @@ def _init_weights(model: nn.Module, seed: int, gemma: bool) -> None:
     new = []
     for (name, w), key in zip(params, keys, strict=True):
         fan_in = w.shape[-1]
+        if "conv1d" in name:  # (channels, kernel, 1): a depthwise filter over the kernel
+            fan_in = w.shape[1]
         if "q_norm" in name or "k_norm" in name:
             w = mx.full(w.shape, QK_NORM - 1.0 if gemma else QK_NORM)
         elif "norm" in name:
@@ -333,7 +434,7 @@ def make_tiny_model(
     )
     arch = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(family, family)}")
     model = arch.Model(arch.ModelArgs.from_dict(config))
-    _init_weights(model, seed, gemma=family == "gemma3_text")
+    _init_weights(model, seed, gemma=family in ("gemma3_text", "gemma2"))
     weights = dict(tree_flatten(model.parameters()))
     if config["tie_word_embeddings"]:
         # gemma3_text always builds an lm_head and drops it on load when the

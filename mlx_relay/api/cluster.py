@@ -207,6 +207,7 @@ class Cluster:
             out.model = loaded.spec
             out.model_path = loaded.path
             out.num_layers = loaded.num_layers
+        out.requests.extend(pb.RequestStatus(**row) for row in engine.snapshot())
         out.ranks.append(_rank0_status(loaded))
         now = time.monotonic()
         for rank, info in sorted(pipeline.worker_stats().items()):

@@ -4,8 +4,9 @@ One observer per request sees the chunks as its door hands them on (`Cluster.obs
 for the gRPC doors, `http.common.Output` for HTTP), labelled by API, so every door is
 measured the same way; `/metrics` on the HTTP door shows them all.
 Running and waiting requests and parked prompt caches are read from the engine at
-scrape time. Not measured here: per-rank step and per-hop transfer times (the engine
-keeps no per-rank timings yet).
+scrape time, and so are step times: round the ring as rank 0 sees them, and each worker's
+share as it reports it. Not measured: the transfer of each hop on its own (telling it from
+a rank's compute would take one more wait on the device per hop).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from mlx_relay.coordinator.engine import Engine, Request
@@ -51,6 +52,37 @@ class _EngineGauges(Collector):
             "1 while the engine serves a model, else 0.",
             value=1 if engine.state == "serving" and engine.running else 0,
         )
+        yield from _step_timings(engine)
+
+
+def _step_timings(engine: Engine) -> Iterator[CounterMetricFamily]:
+    """Step times: round the whole ring as rank 0 sees them, and each worker's own share
+    (from its header arriving to its output computed, receiving its input included), as
+    the workers report them with their heartbeats."""
+    ring_seconds = CounterMetricFamily(
+        PREFIX + "ring_step_seconds",
+        "Forward steps' time from launch on rank 0 to their result back on rank 0.",
+        labels=["kind"],
+    )
+    ring_steps = CounterMetricFamily(
+        PREFIX + "ring_steps", "Forward steps round the ring.", labels=["kind"]
+    )
+    for kind, count in sorted(dict(engine.step_counts).items()):
+        ring_steps.add_metric([kind], count)
+        ring_seconds.add_metric([kind], dict(engine.step_seconds).get(kind, 0.0))
+    rank_seconds = CounterMetricFamily(
+        PREFIX + "rank_step_seconds",
+        "A worker's time per forward step, from its header arriving to its output computed.",
+        labels=["rank"],
+    )
+    rank_steps = CounterMetricFamily(
+        PREFIX + "rank_steps", "Forward steps a worker took.", labels=["rank"]
+    )
+    for rank, info in sorted(engine.pipeline.worker_stats().items()):
+        if "steps" in info.stats:
+            rank_steps.add_metric([str(rank)], info.stats["steps"])
+            rank_seconds.add_metric([str(rank)], info.stats.get("step_seconds", 0.0))
+    yield from (ring_steps, ring_seconds, rank_steps, rank_seconds)
 
 
 class Metrics:

@@ -97,6 +97,7 @@ def chunk_to_proto(chunk: Chunk, request_id: str) -> pb.GenerateChunk:
         request_id=request_id,
         malformed_tool_call=chunk.malformed_tool_call,
         unknown_tools=chunk.unknown_tools,
+        stop_sequence=chunk.stop_sequence,
         tool_calls=[
             pb.ToolCall(
                 id=c.id,

@@ -168,6 +168,10 @@ class Engine:
         self._reuse = False  # prompt_cache, and the model's caches can be cut back
         self._stop = False
         self._scheduler = Scheduler(prefill_chunk)  # what runs next (data in, data out)
+        # Forward steps round the ring by kind, and their seconds from launch to back on
+        # rank 0 (read by the metrics; written by the engine thread only).
+        self.step_counts: dict[str, int] = {}
+        self.step_seconds: dict[str, float] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     # --- API for other threads -----------------------------------------------------
@@ -203,6 +207,39 @@ class Engine:
     def counts(self) -> tuple[int, int]:
         with self._cv:
             return len(self._active), len(self._waiting)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Every request queued or running, for a status page: its phase, tokens so far,
+        timings and prompt-cache hit. Read from another thread: counts may be a step old."""
+        now = time.perf_counter()
+        with self._cv:
+            waiting, active = list(self._waiting), list(self._active)
+        out: list[dict[str, Any]] = [
+            {
+                "request_id": r.request_id,
+                "phase": "queued",
+                "prompt_tokens": len(r.prompt_tokens),
+                "age_s": now - r.created,
+            }
+            for r in waiting
+        ]
+        for seq in active:
+            r, first, generated = seq.request, seq.first_token_at, len(seq.generated)
+            row = {
+                "request_id": r.request_id,
+                "phase": "prefill" if first is None else "decode",
+                "prompt_tokens": len(r.prompt_tokens),
+                "prefilled_tokens": len(r.prompt_tokens) - len(seq.pending),
+                "cached_tokens": seq.cached_tokens,
+                "generated_tokens": generated,
+                "age_s": now - r.created,
+            }
+            if first is not None:
+                row["time_to_first_token_s"] = first - r.created
+                if generated > 1 and now > first:
+                    row["decode_tokens_per_s"] = (generated - 1) / (now - first)
+            out.append(row)
+        return sorted(out, key=lambda row: -row["age_s"])
 
     def cached_prompts(self) -> tuple[int, int]:
         """Parked slots and the tokens their caches hold."""
@@ -445,10 +482,14 @@ class Engine:
         if header.cmd != hdr.CMD_FORWARD:
             return
         decode = header.group != hdr.NO_GROUP
+        seconds = time.monotonic() - step.launched_at
+        kind = "decode" if decode else "prefill"
+        self.step_counts[kind] = self.step_counts.get(kind, 0) + 1
+        self.step_seconds[kind] = self.step_seconds.get(kind, 0.0) + seconds
         self._scheduler.update_from_output(
             StepOutput(
                 kind="group" if decode else "prefill",
-                seconds=time.monotonic() - step.launched_at,
+                seconds=seconds,
                 tokens=0 if decode else header.lengths[0],
                 want_logits=step.want_logits,
                 beside_prefill=decode and any(s.prefilling for s in self._active),
@@ -690,6 +731,7 @@ class Engine:
             self._output = OutputProcessor(self.tokenizer, self.context_length)
             self._unpark_all()
             self._reuse = self.prompt_cache and self.pipeline.shard.reusable_caches
+            self._slots.usable = self.pipeline.shard.usable_prefix
         except Exception:
             self._set_state("unloaded")
             raise

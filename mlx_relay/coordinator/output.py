@@ -42,6 +42,7 @@ class Chunk:
     timings: dict[str, float] | None = None
     malformed_tool_call: bool = False
     unknown_tools: list[str] = field(default_factory=list)
+    stop_sequence: str = ""  # the stop string that ended it (finish_reason "stop")
 
 
 class OutputProcessor:
@@ -93,6 +94,7 @@ class OutputProcessor:
         if reason == "stop" and seq.parser.saw_tool_calls:
             reason = "tool_calls"
         last.finish_reason = reason
+        last.stop_sequence = seq.parser.stop_string
         request = seq.request
         last.usage = {
             "prompt_tokens": len(request.prompt_tokens),

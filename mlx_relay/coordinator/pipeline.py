@@ -23,7 +23,15 @@ import mlx.core as mx
 from mlx_relay.model import memory, sharding
 from mlx_relay.model.default_model import resolve_model
 from mlx_relay.model.kvcache import CacheError, SlotCaches
-from mlx_relay.model.split import AUTO, balanced_split, layer_ranges, split_layers
+from mlx_relay.model.split import (
+    AUTO,
+    LayerCosts,
+    cost_split,
+    default_split,
+    layer_costs,
+    layer_ranges,
+    split_layers,
+)
 from mlx_relay.model.stage import forward_stage
 from mlx_relay.protocol import header as hdr
 from mlx_relay.transport.doorbell import DoorbellTimeout
@@ -120,12 +128,11 @@ class Pipeline:
         path = resolve_model(spec)
         num_layers = sharding.count_layers(sharding.read_config(path))
         if layers == AUTO:
-            layers = memory_split(num_layers, self.world_size, self.hub)
+            costs = layer_costs(path, num_layers, sharding.read_config(path))
+            layers = memory_split(num_layers, self.world_size, self.hub, costs)
         # The default: equal work per rank, rank 0's LM head counted (the fastest split
         # under load in bench_concurrency; single-stream speed does not depend on it).
-        counts = layers or balanced_split(
-            num_layers, self.world_size, sharding.head_cost_in_layers(sharding.read_config(path))
-        )
+        counts = layers or default_split(path, num_layers, self.world_size)
         if len(counts) != self.world_size or sum(counts) != num_layers or min(counts) < 1:
             raise ValueError(
                 f"layer split {counts} does not cover {num_layers} layers over "
@@ -409,7 +416,9 @@ def hub_ready(hub: ControlHub, world_size: int, timeout: float) -> None:
     log.info("all %d workers said hello", world_size - 1)
 
 
-def memory_split(num_layers: int, world_size: int, hub: ControlHub | None) -> list[int]:
+def memory_split(
+    num_layers: int, world_size: int, hub: ControlHub | None, costs: LayerCosts | None = None
+) -> list[int]:
     """Layer counts in proportion to the memory each rank has for the model.
 
     A rank's weight is its free memory plus the memory MLX already holds there (the
@@ -430,7 +439,12 @@ def memory_split(num_layers: int, world_size: int, hub: ControlHub | None) -> li
     filled = [w if w is not None and w > 0 else fill for w in weights]
     # Within 5% of each other (ranks sharing a machine, say) is equal: the even split.
     even = max(filled) <= 1.05 * min(filled)
-    counts = split_layers(num_layers, world_size, None if even else filled)
+    if costs is not None and len(costs.held) == num_layers:  # each layer's bytes, rank 0's ends
+        counts = cost_split(
+            [float(b) for b in costs.held], world_size, costs.ends, None if even else filled
+        )
+    else:
+        counts = split_layers(num_layers, world_size, None if even else filled)
     log.info(
         "layers auto: memory per rank %s GB -> layers %s",
         [round(w / 2**30, 2) for w in filled],

@@ -103,6 +103,7 @@ class OutputParser:
 
         self.stops = [s for s in stop or [] if s]
         self.stopped = False
+        self.stop_string = ""  # the stop string that ended the output, once `stopped`
 
         self._buf = ""  # text not yet classified
         self._released = 0  # the head of _buf that cannot be part of a stop string
@@ -164,6 +165,7 @@ class OutputParser:
         if hit is not None:
             self._buf = self._buf[: hit[0]]
             self.stopped = True
+            self.stop_string = hit[1]
 
     def _classify(self, delta: Delta, final: bool) -> None:
         """Scan what may no longer become a stop string; hold back the rest with it."""

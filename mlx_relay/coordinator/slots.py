@@ -9,6 +9,7 @@ hold on every rank.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # Shorter shared prefixes (a BOS token, the first words of a chat template) are not worth
@@ -37,6 +38,9 @@ class SlotTable:
         self.free: list[int] = list(range(n))  # no caches worth keeping
         self.parked: OrderedDict[int, list[int]] = OrderedDict()  # least recent first
         self.pinned: Counter[int] = Counter()  # parked slots a pending copy will read
+        # (held, shared) -> whether a parked cache of `held` tokens serves its first
+        # `shared` exactly (Shard.usable_prefix: an SSM state only whole, say).
+        self.usable: Callable[[int, int], bool] = lambda held, shared: True
 
     def open(self) -> int:
         """Slots a new sequence can take now: empty ones and unpinned parked ones."""
@@ -55,7 +59,7 @@ class SlotTable:
         best, shared = None, 0
         for slot, tokens in self.parked.items():
             n = common_prefix_len(tokens, prompt)
-            if n > shared:
+            if n > shared and self.usable(len(tokens), min(n, len(prompt) - 1)):
                 best, shared = slot, n
         cached = min(shared, len(prompt) - 1)  # the last prompt token must run for logits
         if best is not None and (cached >= MIN_SHARED or cached == len(prompt) - 1 > 0):

@@ -36,7 +36,7 @@ def add_parser(subparsers) -> None:
     c.add_argument("file", help="the hostfile to check")
     c.add_argument("--backend", help=f"check for this backend ({', '.join(BACKENDS)})")
     c.add_argument("--num-layers", type=int, help="the model's layer count")
-    c.add_argument("--layers", help="layer counts per rank, a,b,c (or auto, balanced)")
+    c.add_argument("--layers", help="layer counts per rank, a,b,c (or auto, balanced, even)")
     c.set_defaults(func=run_check)
 
     m = sub.add_parser(
@@ -52,6 +52,9 @@ def add_parser(subparsers) -> None:
     m.set_defaults(func=run_make)
 
 
+NAMED_SPLITS = (AUTO, "balanced", "even")  # decided from the model (or memory), not counts
+
+
 def run_check(args: argparse.Namespace) -> int:
     try:
         hf = load_hostfile(args.file)
@@ -59,7 +62,8 @@ def run_check(args: argparse.Namespace) -> int:
         print(e)
         return 1
     layers = None
-    if args.layers and args.layers.strip() not in (AUTO, "balanced"):
+    spec = (args.layers or "").strip()
+    if spec and spec not in NAMED_SPLITS:
         try:
             layers = [int(x) for x in args.layers.split(",")]
         except ValueError:
@@ -76,10 +80,15 @@ def run_check(args: argparse.Namespace) -> int:
     elif not (args.backend or hf.backend):
         backend += " (mlx.launch default)"
     print(f"OK: {len(hf.hosts)} hosts, backend {backend}")
-    if args.num_layers:
+    if args.num_layers and (layers or spec == "even"):
         counts = layers or split_layers(args.num_layers, len(hf.hosts))
         spans = ", ".join(f"rank {r}: [{a}, {b})" for r, (a, b) in enumerate(layer_ranges(counts)))
         print(f"layers {counts}: {spans}")
+    elif args.num_layers:
+        print(
+            f"layers: {spec or 'balanced'}, decided at load from "
+            + ("each rank's free memory" if spec == AUTO else "the model's weights")
+        )
     return 0
 
 

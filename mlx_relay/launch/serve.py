@@ -298,12 +298,16 @@ def _run_worker(
     from mlx_relay.transport.link import ControlLink
     from mlx_relay.worker.loop import Worker
 
-    link = ControlLink(
-        endpoint, rank, secret, rank0_timeout=args.heartbeat_timeout, stats=memory.stats
-    )
+    worker: Worker | None = None
+
+    def stats() -> dict:
+        return {**memory.stats(), **(worker.timings() if worker else {})}
+
+    link = ControlLink(endpoint, rank, secret, rank0_timeout=args.heartbeat_timeout, stats=stats)
     link.hello()
     try:
-        Worker(ring, link).run()
+        worker = Worker(ring, link)
+        worker.run()
     finally:
         link.close()
     _mpi_finalize(args.backend, 0)

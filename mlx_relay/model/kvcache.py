@@ -5,6 +5,11 @@ then joins a decode group, whose caches are mlx-lm batch caches. Rank 0 and ever
 worker apply the same rule when a group's slot list changes (drop the slots that left,
 append the ones that joined), so all ranks hold identical batches without exchanging
 anything beyond the step header.
+
+Caches are of whatever kinds the model makes per layer (KVCache, RotatingKVCache for
+sliding windows, ArraysCache for conv/SSM state): each kind merges into its own batch
+form, filters, extends and extracts. Positions are kept here on the host, not read
+from the caches: an SSM state has no offset, and reading a device offset would wait.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from mlx_relay.model import sharding
 
@@ -35,32 +41,44 @@ class SlotCaches:
     def __init__(self, shard: sharding.Shard) -> None:
         self.shard = shard
         self.single: dict[int, list[Any]] = {}
+        self.at: dict[int, int] = {}  # each single sequence's position
         self.groups: dict[int, _Group] = {}
 
-    def for_sequence(self, slot: int, offset: int, source: int | None = None) -> list[Any]:
-        """The caches of one sequence outside any group; offset 0 starts afresh.
+    def for_sequence(
+        self, slot: int, offset: int, source: int | None = None, length: int = 1
+    ) -> list[Any]:
+        """The caches of one sequence outside any group, for a step of `length` tokens
+        from `offset` (offset 0 starts afresh).
 
         With a `source` slot, a parked cache shares the first `offset` positions with the
         new sequence: the slot's own is cut back to them; another slot's is copied up to
-        them and stays parked.
+        them and stays parked. The engine asks only for what `shard.usable_prefix`
+        allows: a cache that cannot be cut back is reused whole or not at all.
         """
         if offset == 0:
             self.free([slot])
             self.single[slot] = sharding.new_caches(self.shard)
+            self.at[slot] = 0
         elif source is not None and source != slot:
             parked = self.single.get(source)
-            if parked is None or not parked or parked[0].offset < offset:
+            if parked is None or self.at.get(source, 0) < offset:
                 raise CacheError(f"slot {source} holds no cache of {offset} positions to copy")
             self.free([slot])
-            self.single[slot] = [_copy_prefix(c, offset) for c in parked]
+            held = self.at[source]
+            self.single[slot] = [_copy_prefix(c, offset, held) for c in parked]
+            self.at[slot] = offset
         caches = self.single.get(slot)
         if caches is None:
             raise CacheError(f"slot {slot} has no cache at position {offset}")
-        if source == slot and caches and caches[0].offset > offset:
+        if source == slot and self.at[slot] > offset:
             for c in caches:
-                c.trim(c.offset - offset)
-        if caches and caches[0].offset != offset:
-            raise CacheError(f"slot {slot} is at position {caches[0].offset}, step says {offset}")
+                if not c.is_trimmable():
+                    raise CacheError(f"slot {slot}: a {type(c).__name__} cannot be cut back")
+                c.trim(self.at[slot] - offset)
+            self.at[slot] = offset
+        if self.at[slot] != offset:
+            raise CacheError(f"slot {slot} is at position {self.at[slot]}, step says {offset}")
+        self.at[slot] = offset + length
         return caches
 
     def for_group(self, group: int, slots: list[int], offsets: list[int]) -> list[Any]:
@@ -84,8 +102,9 @@ class SlotCaches:
         caches = self.single.get(slot)
         if caches is None:
             raise CacheError(f"slot {slot} decodes but was never prefilled")
-        if caches and caches[0].offset != offset:
-            raise CacheError(f"slot {slot} is at position {caches[0].offset}, step says {offset}")
+        if self.at[slot] != offset:
+            raise CacheError(f"slot {slot} is at position {self.at[slot]}, step says {offset}")
+        self.at[slot] = offset + 1
         return caches
 
     def _rebuild(self, group: int, current: _Group | None, slots: list[int]) -> _Group:
@@ -109,7 +128,7 @@ class SlotCaches:
                 raise CacheError(f"slot {s} joins group {group} but was never prefilled")
         if joining:
             per_sequence = [self.single.pop(s) for s in joining]
-            positions = positions + [layers[0].offset if layers else 0 for layers in per_sequence]
+            positions = positions + [self.at.pop(s) for s in joining]
             merged = [
                 type(layer[0]).merge(list(layer)) for layer in zip(*per_sequence, strict=True)
             ]
@@ -134,13 +153,15 @@ class SlotCaches:
                     i = g.slots.index(slot)
                     own = [c.extract(i) for c in g.caches]
                     # Computed in the background; then the batch arrays can go.
-                    mx.async_eval([(c.keys, c.values) for c in own])
+                    mx.async_eval(_arrays(own))
                     self.single[slot] = own
+                    self.at[slot] = g.positions[i]
         self.free_groups(slots)
 
     def free(self, slots: list[int]) -> None:
         for slot in slots:
             self.single.pop(slot, None)
+            self.at.pop(slot, None)
         self.free_groups(slots)
 
     def free_groups(self, slots: list[int]) -> None:
@@ -158,14 +179,42 @@ class SlotCaches:
 
     def clear(self) -> None:
         self.single.clear()
+        self.at.clear()
         self.groups.clear()
 
 
-def _copy_prefix(cache: KVCache, n: int) -> KVCache:
-    """A new plain KV cache holding the first `n` positions of `cache`, in its own memory."""
-    out = KVCache()
-    out.keys = mx.contiguous(cache.keys[..., :n, :])
-    out.values = mx.contiguous(cache.values[..., :n, :])
-    out.offset = n
-    mx.eval(out.keys, out.values)
+def _arrays(caches: list[Any]) -> list[mx.array]:
+    """Every array the caches hold, whatever their kinds (an SSM state may hold None)."""
+    return [a for _, a in tree_flatten([c.state for c in caches]) if isinstance(a, mx.array)]
+
+
+def _copy_prefix(cache: Any, n: int, held: int) -> Any:
+    """A new cache of the same kind holding the first `n` of the `held` positions of
+    `cache`, in its own arrays (caches update their arrays in place). A sliding window
+    is cut only before anything left it (its buffer is then in order); a state is only
+    copied whole."""
+    if isinstance(cache, ArraysCache):
+        if n != held:
+            raise CacheError(f"an SSM state of {held} positions cannot be cut back to {n}")
+        out = ArraysCache(len(cache.cache))
+        out.cache = [None if a is None else mx.contiguous(a) for a in cache.cache]
+    elif isinstance(cache, RotatingKVCache):
+        out = RotatingKVCache(cache.max_size, cache.keep)
+        if n == cache.offset:
+            out.keys, out.values = mx.contiguous(cache.keys), mx.contiguous(cache.values)
+            out.offset, out._idx = cache.offset, cache._idx
+        elif cache.offset < cache.max_size:
+            out.keys = mx.contiguous(cache.keys[..., :n, :])
+            out.values = mx.contiguous(cache.values[..., :n, :])
+            out.offset = out._idx = n
+        else:
+            raise CacheError(f"a sliding window past {cache.max_size} cannot be cut back")
+    elif type(cache) is KVCache:
+        out = KVCache()
+        out.keys = mx.contiguous(cache.keys[..., :n, :])
+        out.values = mx.contiguous(cache.values[..., :n, :])
+        out.offset = n
+    else:
+        raise CacheError(f"a {type(cache).__name__} cannot be copied")
+    mx.eval(_arrays([out]))
     return out

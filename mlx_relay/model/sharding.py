@@ -7,24 +7,94 @@ stage is run with three small functions that follow the models' own code: `embed
 `run_layers` (one mask per layer from that layer's own cache, which is exactly the
 mask the full model would build for it) and `head`. Given the same inputs they give
 bit-identical results to the full model, which the tests check for every family.
+
+Layers need not be uniform: a rank's layers may mix full attention, sliding windows
+and linear attention (conv/SSM state), dense and MoE MLPs. What mask each layer gets
+follows from its cache's kind (`mask_kind`), as in the models' own `__call__`; a
+family this cannot reproduce is refused when it loads (`check_splittable`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    BatchRotatingKVCache,
+    ConcatenateKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 from mlx_lm.utils import load_model
 
-# Families whose embedding output is scaled by sqrt(hidden_size) before the first layer.
-_SCALED_EMBEDDING = ("gemma", "gemma2", "gemma3", "gemma3_text")
+# Families whose embedding output is scaled by sqrt(hidden_size) before the first layer:
+# gemma3 rounds the factor to bfloat16 first, gemma and gemma2 multiply by the float.
+_BF16_EMBED_SCALE = ("gemma3", "gemma3_text")
+_SCALED_EMBEDDING = ("gemma", "gemma2", *_BF16_EMBED_SCALE)
+
+# What mask a layer gets, by its cache's kind: the models build one mask per kind from
+# the first cache of that kind (full attention, sliding window, linear attention).
+FULL, SLIDING, SSM = "full", "sliding", "ssm"
+_MASK_KINDS: tuple[tuple[tuple[type, ...], str], ...] = (
+    ((RotatingKVCache, BatchRotatingKVCache), SLIDING),
+    ((KVCache, BatchKVCache, QuantizedKVCache, ConcatenateKVCache), FULL),
+    ((ArraysCache,), SSM),  # MambaCache is one too
+)
+
+# Families that pass the structural checks but whose own forward does more than embed,
+# run the layers and apply norm and head, so a split would not give their tokens.
+_MULTIPLIERS = "its forward scales embeddings and logits by config multipliers around the layers"
+_NOT_SPLITTABLE = {
+    "granite": _MULTIPLIERS,
+    "granitemoe": _MULTIPLIERS,
+    "granitemoehybrid": _MULTIPLIERS,
+    "minicpm": _MULTIPLIERS,
+    "minicpm3": _MULTIPLIERS,
+    "phi3small": _MULTIPLIERS,
+    "falcon_h1": "its layers take attention and SSM masks and scaled embeddings",
+    "gemma3n": "its layers take per-layer inputs and share KV caches across layers",
+    "gemma4_text": "its layers take per-layer inputs and share KV caches across layers",
+    "gear": "its forward scales embeddings by sqrt(hidden_size) around the layers",
+    "afmoe": "its forward may scale embeddings by sqrt(hidden_size) (muP)",
+    "cohere": "its forward scales the logits by logit_scale",
+    "cohere2": "its forward scales the logits by logit_scale",
+    "nanochat": "its forward soft-caps the logits",
+    "muse_glimmer": "its forward scales and soft-caps the logits",
+    "recurrent_gemma": "its forward scales embeddings and soft-caps the logits",
+}
+
+
+class UnsupportedFamily(ValueError):
+    """A model family whose layers cannot be split over ranks exactly."""
+
+
+_KIND_OF: dict[type, str] = {}  # memo: run_layers asks for every layer of every step
+
+
+def mask_kind(cache: Any) -> str:
+    """FULL, SLIDING or SSM: which of the model's masks a layer with this cache gets."""
+    kind = _KIND_OF.get(type(cache))
+    if kind is None:
+        for kinds, name in _MASK_KINDS:
+            if isinstance(cache, kinds):
+                kind = _KIND_OF[type(cache)] = name
+                break
+        else:
+            raise UnsupportedFamily(f"no mask rule for a layer with a {type(cache).__name__}")
+    return kind
 
 
 @dataclass
@@ -37,9 +107,21 @@ class Shard:
     end: int
     num_layers: int
     has_ends: bool  # embedding, final norm and LM head live here
-    # Every layer of the whole model keeps a plain KVCache, which can be cut back to
-    # any position: a finished sequence's cache may then serve a later shared prefix.
+    # A finished sequence's caches may serve a later prompt that shares a prefix with
+    # them, where that is exact: all of what they hold always (a new prompt that
+    # continues it), a part of it only if every layer's cache can be cut back to it.
+    # Plain KV caches always can; a sliding window's only while nothing has left the
+    # window (fewer positions than `cut_back_below`); an SSM state never (see README).
     reusable_caches: bool = False
+    cut_back_below: float = 0.0
+    # The model's own forward asks for array masks (create_attention_mask(...,
+    # return_array=True)), e.g. DeepSeek's MLA, which adds its rope scores to the mask.
+    array_masks: bool = False
+
+    def usable_prefix(self, held: int, shared: int) -> bool:
+        """Whether a parked cache holding `held` positions can start a sequence at its
+        first `shared` ones with exactly the state a fresh prefill would give."""
+        return self.reusable_caches and (shared == held or held < self.cut_back_below)
 
     @property
     def inner(self) -> nn.Module:
@@ -118,18 +200,89 @@ def load_shard(path: Path, start: int, end: int, *, has_ends: bool) -> Shard:
     anything is evaluated, so peak memory is about the shard, not the whole model.
     """
     model, config = load_model(Path(path), lazy=True)
-    inner = inner_model(model)
+    try:
+        inner = inner_model(model)
+    except ValueError as e:
+        family = config.get("model_type")
+        raise UnsupportedFamily(
+            f"model family {family!r} cannot be split over ranks: {e}"
+        ) from None
     num_layers = len(inner.layers)
     if not 0 <= start < end <= num_layers:
         raise ValueError(f"layer range [{start}, {end}) outside the model's {num_layers} layers")
-    reusable = all(type(c) is KVCache for c in make_prompt_cache(model))  # all layers still here
+    caches = make_prompt_cache(model)  # all layers still here
+    check_splittable(model, config, caches)
+    reusable, cut_back_below = reuse_rule(caches)
     inner.layers = inner.layers[start:end]
     if not has_ends:
         for owner, name in ((inner, "embed_tokens"), (inner, "norm"), (model, "lm_head")):
             if name in owner:
                 owner.pop(name)
     mx.eval(model.parameters())
-    return Shard(model, config, start, end, num_layers, has_ends, reusable)
+    return Shard(
+        model,
+        config,
+        start,
+        end,
+        num_layers,
+        has_ends,
+        reusable,
+        cut_back_below,
+        wants_array_masks(inner),
+    )
+
+
+def reuse_rule(caches: list[Any]) -> tuple[bool, float]:
+    """(reusable at all, cut back exactly below this many positions) for a model whose
+    layers make these caches; the same on every rank, as it looks at all layers."""
+    kinds = {type(c) for c in caches}
+    if not kinds <= {KVCache, RotatingKVCache, ArraysCache}:
+        return False, 0.0
+    if ArraysCache in kinds:  # a state summarises every position: no going back
+        return True, 0.0
+    windows = [c.max_size for c in caches if isinstance(c, RotatingKVCache)]
+    return True, float(min(windows)) if windows else math.inf
+
+
+def check_splittable(model: nn.Module, config: dict[str, Any], caches: list[Any]) -> None:
+    """Refuse, before any weight is read, a family whose layers a stage cannot run as
+    the full model does: UnsupportedFamily names the family and the reason."""
+    family = config.get("model_type", type(model).__module__)
+
+    def refuse(why: str) -> UnsupportedFamily:
+        return UnsupportedFamily(f"model family {family!r} cannot be split over ranks: {why}")
+
+    if family in _NOT_SPLITTABLE:
+        raise refuse(_NOT_SPLITTABLE[family])
+    inner = inner_model(model)
+    for name in ("embed_tokens", "norm"):
+        if name not in inner:
+            raise refuse(
+                f"its decoder has no '{name}' (mlx-relay runs embed_tokens, the "
+                "layers, then norm and the LM head)"
+            )
+    if len(caches) != len(inner.layers):
+        raise refuse(f"it makes {len(caches)} caches for {len(inner.layers)} layers")
+    for i, cache in enumerate(caches):
+        try:
+            mask_kind(cache)
+        except UnsupportedFamily as e:
+            raise refuse(f"layer {i}: {e}") from None
+    for layer in {type(layer): layer for layer in inner.layers}.values():
+        params = list(inspect.signature(layer.__call__).parameters)
+        if len(params) != 3 or "mask" not in params[1] or "cache" not in params[2]:
+            raise refuse(
+                f"its {type(layer).__name__} takes ({', '.join(params)}), not (x, mask, cache)"
+            )
+
+
+def wants_array_masks(inner: nn.Module) -> bool:
+    """Whether the model's own forward builds its attention masks as arrays."""
+    try:
+        source = inspect.getsource(type(inner).__call__)
+    except (OSError, TypeError):
+        return False
+    return re.search(r"return_array\s*=\s*True", source) is not None
 
 
 def new_caches(shard: Shard) -> list[Any]:
@@ -146,24 +299,37 @@ def new_caches(shard: Shard) -> list[Any]:
 def embed(shard: Shard, tokens: mx.array) -> mx.array:
     inner = shard.inner
     h = inner.embed_tokens(tokens)
-    if shard.config.get("model_type") in _SCALED_EMBEDDING:
+    family = shard.config.get("model_type")
+    if family in _BF16_EMBED_SCALE:
         h = h * mx.array(shard.config["hidden_size"] ** 0.5, mx.bfloat16).astype(h.dtype)
+    elif family in _SCALED_EMBEDDING:
+        h = h * (shard.config["hidden_size"] ** 0.5)
     return h
 
 
 def run_layers(shard: Shard, h: mx.array, caches: list[Any]) -> mx.array:
     """Each layer gets the mask its own cache implies; caches of one kind share one mask.
 
-    Within a step every cache of a kind (full attention, sliding window) holds the same
-    positions, so their masks are equal: build each once, as the models themselves do.
+    Within a step every cache of a kind (full attention, sliding window, linear
+    attention) holds the same positions, so their masks are equal: build each once
+    from the first cache of its kind, as the models themselves do.
     """
-    masks: dict[type, Any] = {}
+    masks: dict[tuple[str, int], Any] = {}
     for layer, cache in zip(shard.inner.layers, caches, strict=True):
-        kind = type(cache)
-        if kind not in masks:
-            masks[kind] = create_attention_mask(h, cache)
-        h = layer(h, masks[kind], cache)
+        kind = mask_kind(cache)
+        key = (kind, cache.max_size if kind == SLIDING else 0)  # windows may differ
+        if key not in masks:
+            masks[key] = make_mask(shard, kind, h, cache)
+        h = layer(h, masks[key], cache)
     return h
+
+
+def make_mask(shard: Shard, kind: str, h: mx.array, cache: Any) -> Any:
+    """The mask the full model builds for layers of this kind (a sliding cache knows
+    its own window, which is the model's)."""
+    if kind == SSM:
+        return create_ssm_mask(h, cache)
+    return create_attention_mask(h, cache, return_array=shard.array_masks)
 
 
 def head(shard: Shard, h: mx.array) -> mx.array:

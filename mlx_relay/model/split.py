@@ -5,12 +5,26 @@ comma-separated counts (`10,12,8`), `balanced` (equal work per rank, rank 0's LM
 counted), `even` (equal layers per rank), or `auto` (by each rank's free memory, which
 only the running ranks know, so it is resolved later by the pipeline). Launchers check
 it before starting any rank, and rank 0 checks LoadModel's with the same code.
+
+Layers are not all alike (a dense first layer before MoE layers, an MoE layer's
+experts of which a token runs only a few), so where the weights are at hand the split
+counts each layer's bytes from the safetensors headers (`LayerCosts`): `balanced` the
+bytes a token's pass reads (the experts it is routed to, not all of them), with rank 0's
+LM head as before; `auto` the bytes each rank holds against its memory (rank 0's
+embedding and head included). Models of uniform layers split as they always did.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
+import statistics
+import struct
+from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
+from typing import Any
 
 AUTO = "auto"  # --layers auto: split by each rank's free memory, known only once ranks run
 
@@ -57,10 +71,135 @@ def balanced_split(num_layers: int, n: int, head_layers: float) -> list[int]:
     return split_layers(num_layers, n, [max(0.0, share - head_layers)] + [share] * (n - 1))
 
 
-def parse_layers(spec: str, num_layers: int, n: int, head_layers: float = 0.0) -> list[int]:
+@dataclass
+class LayerCosts:
+    """What each layer costs, in bytes of weights (from the checkpoint's headers)."""
+
+    held: list[int]  # bytes each layer holds in memory
+    work: list[float]  # bytes one token's pass through each layer reads
+    ends: int  # bytes outside the layers (embedding, final norm, LM head): rank 0's
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# Routed experts stacked (mlx: switch_mlp, gpt-oss: experts.*) or one by one (HF:
+# experts.N.*); shared experts ("shared_experts", "shared_expert") run for every token.
+_ROUTED = re.compile(r"\.(?:experts|switch_mlp)\.")
+
+
+def _tensor_bytes(path: Path) -> dict[str, int]:
+    """Bytes of every tensor in the checkpoint, from the safetensors headers alone."""
+    sizes: dict[str, int] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        for name, info in header.items():
+            if name != "__metadata__":
+                first, last = info["data_offsets"]
+                sizes[name] = last - first
+    return sizes
+
+
+def _active_expert_share(config: dict[str, Any]) -> float:
+    """Of a layer's routed experts, the share one token runs through (1.0 if dense)."""
+    c = config.get("text_config") or config
+    total = next(
+        (c[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if c.get(k)),
+        None,
+    )
+    active = c.get("num_experts_per_tok") or c.get("num_experts_per_token")
+    if not total or not active:
+        return 1.0
+    return min(1.0, float(active) / float(total))
+
+
+def layer_costs(path: Path, num_layers: int, config: dict[str, Any]) -> LayerCosts | None:
+    """Each layer's bytes from the model's weight files; None if they say nothing
+    (no safetensors, or no tensor named after its layer)."""
+    try:
+        sizes = _tensor_bytes(path)
+    except (OSError, ValueError, KeyError, struct.error):
+        return None
+    share = _active_expert_share(config)
+    held, work = [0] * num_layers, [0.0] * num_layers
+    ends = 0
+    for name, nbytes in sizes.items():
+        match = _LAYER.search(name)
+        if match is None:
+            ends += nbytes
+            continue
+        i = int(match.group(1))
+        if i >= num_layers:  # e.g. a multi-token-prediction layer the model drops
+            continue
+        held[i] += nbytes
+        work[i] += nbytes * (share if _ROUTED.search(name) else 1.0)
+    if not any(held):
+        return None
+    return LayerCosts(held, work, ends)
+
+
+def cost_split(
+    costs: list[float], n: int, extra0: float = 0.0, capacity: list[float] | None = None
+) -> list[int]:
+    """Contiguous layer counts that give each rank a cost in proportion to its capacity
+    as nearly as whole layers allow; rank 0 also carries `extra0` (its LM head).
+
+    Exact: dynamic programming over the cut points, minimising the sum over ranks of
+    cost^2 / capacity (least when every cost is proportional to its capacity). Among
+    equally good splits the earlier ranks get more layers, so equal costs give
+    `split_layers`'s even split and `balanced_split`'s.
+    """
+    num_layers = len(costs)
+    if n < 1:
+        raise ValueError(f"cannot split over {n} ranks")
+    if num_layers < n:
+        raise ValueError(f"{num_layers} layers cannot give each of {n} ranks at least 1")
+    cap = capacity or [1.0] * n
+    if len(cap) != n or any(not math.isfinite(c) or c <= 0 for c in cap):
+        raise ValueError(f"capacities {capacity}: need {n} finite positive numbers")
+    scale = max(sum(costs) + extra0, 1e-30)  # keep the squares in range
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c / scale)
+
+    def price(r: int, i: int, j: int) -> float:
+        cost = prefix[j] - prefix[i] + (extra0 / scale if r == 0 else 0.0)
+        return cost * cost / cap[r]
+
+    def ends(r: int, i: int) -> range:  # where rank r's layers from i may end
+        return range(i + 1, num_layers - (n - 2 - r))
+
+    # best[r][i]: the least price of placing layers i.. on ranks r..n-1
+    best = [[math.inf] * (num_layers + 1) for _ in range(n + 1)]
+    best[n][num_layers] = 0.0
+    for r in range(n - 1, -1, -1):
+        for i in range(r, num_layers - (n - 1 - r)):
+            best[r][i] = min(price(r, i, j) + best[r + 1][j] for j in ends(r, i))
+    counts, i = [], 0
+    for r in range(n):
+        bound = best[r][i] * (1 + 1e-9) + 1e-15
+        j = max(j for j in ends(r, i) if price(r, i, j) + best[r + 1][j] <= bound)
+        counts.append(j - i)
+        i = j
+    return counts
+
+
+def parse_layers(
+    spec: str,
+    num_layers: int,
+    n: int,
+    head_layers: float = 0.0,
+    costs: LayerCosts | None = None,
+) -> list[int]:
     """`--layers 10,12,8` -> [10, 12, 8], checked against the model and the ranks;
-    `--layers balanced` -> `balanced_split`."""
+    `--layers balanced` -> `cost_split` of the layers' work when `costs` are known,
+    else `balanced_split`."""
     if spec.strip() == "balanced":
+        if costs is not None and len(costs.work) == num_layers and len(set(costs.work)) > 1:
+            # Layers of unequal work: each in units of the typical layer, the head as
+            # many of those as its weights (head_layers) say.
+            typical = statistics.median(costs.work) or 1.0
+            return cost_split([w / typical for w in costs.work], n, head_layers)
         return balanced_split(num_layers, n, head_layers)
     if spec.strip() == "even":
         return split_layers(num_layers, n)
@@ -91,7 +230,13 @@ def layer_ranges(counts: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def resolve_layers(spec: str, num_layers: int, n: int, head_layers: float = 0.0) -> Layers:
+def resolve_layers(
+    spec: str,
+    num_layers: int,
+    n: int,
+    head_layers: float = 0.0,
+    costs: LayerCosts | None = None,
+) -> Layers:
     """`--layers` for a model of `num_layers` layers over `n` ranks: counts, AUTO, or
     None (the default split, left to the pipeline); ValueError says what is wrong."""
     spec = spec.strip()
@@ -99,7 +244,17 @@ def resolve_layers(spec: str, num_layers: int, n: int, head_layers: float = 0.0)
         return None
     if spec == AUTO:
         return AUTO
-    return parse_layers(spec, num_layers, n, head_layers)
+    return parse_layers(spec, num_layers, n, head_layers, costs)
+
+
+def default_split(path: Path, num_layers: int, n: int) -> list[int]:
+    """The default (`balanced`) split of the model at `path`: by each layer's bytes
+    when the weight files tell them, else by layer count with the head counted."""
+    from mlx_relay.model import sharding
+
+    config = sharding.read_config(path)
+    costs = layer_costs(path, num_layers, config)
+    return parse_layers("balanced", num_layers, n, sharding.head_cost_in_layers(config), costs)
 
 
 def model_layers(spec: str, model: str, n: int) -> Layers:
@@ -110,7 +265,8 @@ def model_layers(spec: str, model: str, n: int) -> Layers:
     from mlx_relay.model import sharding
     from mlx_relay.model.default_model import resolve_model
 
-    config = sharding.read_config(resolve_model(model))
-    return resolve_layers(
-        spec, sharding.count_layers(config), n, sharding.head_cost_in_layers(config)
-    )
+    path = resolve_model(model)
+    config = sharding.read_config(path)
+    num_layers = sharding.count_layers(config)
+    costs = layer_costs(path, num_layers, config) if spec.strip() == "balanced" else None
+    return resolve_layers(spec, num_layers, n, sharding.head_cost_in_layers(config), costs)

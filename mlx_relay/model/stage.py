@@ -25,7 +25,7 @@ def forward_stage(
     for i, (slot, offset, length) in enumerate(
         zip(header.slots, header.offsets, header.lengths, strict=True)
     ):
-        caches_i = caches.for_sequence(slot, offset, source)
+        caches_i = caches.for_sequence(slot, offset, source, length)
         out = sharding.run_layers(shard, h[i : i + 1, :length], caches_i)
         if length < h.shape[1]:
             pad = mx.zeros((1, h.shape[1] - length, out.shape[-1]), dtype=out.dtype)

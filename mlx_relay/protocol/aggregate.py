@@ -24,6 +24,7 @@ def aggregate(chunks: Iterable[pb.GenerateChunk]) -> pb.GenerateResponse:
             response.timings.CopyFrom(chunk.timings)
             response.malformed_tool_call = chunk.malformed_tool_call
             response.unknown_tools.extend(chunk.unknown_tools)
+            response.stop_sequence = chunk.stop_sequence
     response.text = "".join(text)
     response.reasoning = "".join(reasoning)
     return response

@@ -160,7 +160,7 @@ class Timings(_message.Message):
     def __init__(self, time_to_first_token_s: _Optional[float] = ..., prompt_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("text", "token_ids", "reasoning", "tool_calls", "logprobs", "finish_reason", "usage", "timings", "request_id", "malformed_tool_call", "unknown_tools")
+    __slots__ = ("text", "token_ids", "reasoning", "tool_calls", "logprobs", "finish_reason", "usage", "timings", "request_id", "malformed_tool_call", "unknown_tools", "stop_sequence")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REASONING_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class GenerateChunk(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MALFORMED_TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
     UNKNOWN_TOOLS_FIELD_NUMBER: _ClassVar[int]
+    STOP_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     reasoning: str
@@ -183,10 +184,11 @@ class GenerateChunk(_message.Message):
     request_id: str
     malformed_tool_call: bool
     unknown_tools: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ..., malformed_tool_call: _Optional[bool] = ..., unknown_tools: _Optional[_Iterable[str]] = ...) -> None: ...
+    stop_sequence: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ..., malformed_tool_call: _Optional[bool] = ..., unknown_tools: _Optional[_Iterable[str]] = ..., stop_sequence: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "reasoning", "tool_calls", "logprobs", "finish_reason", "usage", "timings", "request_id", "malformed_tool_call", "unknown_tools")
+    __slots__ = ("text", "token_ids", "reasoning", "tool_calls", "logprobs", "finish_reason", "usage", "timings", "request_id", "malformed_tool_call", "unknown_tools", "stop_sequence")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REASONING_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +200,7 @@ class GenerateResponse(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MALFORMED_TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
     UNKNOWN_TOOLS_FIELD_NUMBER: _ClassVar[int]
+    STOP_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     reasoning: str
@@ -209,7 +212,8 @@ class GenerateResponse(_message.Message):
     request_id: str
     malformed_tool_call: bool
     unknown_tools: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ..., malformed_tool_call: _Optional[bool] = ..., unknown_tools: _Optional[_Iterable[str]] = ...) -> None: ...
+    stop_sequence: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ..., malformed_tool_call: _Optional[bool] = ..., unknown_tools: _Optional[_Iterable[str]] = ..., stop_sequence: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "messages", "tools_json", "chat_template_kwargs_json", "add_generation_prompt", "tool_choice")
@@ -266,7 +270,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., active_memory_bytes: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., free_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("model", "model_path", "world_size", "num_layers", "ranks", "state", "active_requests", "queued_requests", "backend", "error", "cached_prompts", "cached_prompt_tokens")
+    __slots__ = ("model", "model_path", "world_size", "num_layers", "ranks", "state", "active_requests", "queued_requests", "backend", "error", "cached_prompts", "cached_prompt_tokens", "requests")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +283,7 @@ class StatusResponse(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_path: str
     world_size: int
@@ -291,7 +296,30 @@ class StatusResponse(_message.Message):
     error: str
     cached_prompts: int
     cached_prompt_tokens: int
-    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., world_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., state: _Optional[str] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., backend: _Optional[str] = ..., error: _Optional[str] = ..., cached_prompts: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    requests: _containers.RepeatedCompositeFieldContainer[RequestStatus]
+    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., world_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., state: _Optional[str] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., backend: _Optional[str] = ..., error: _Optional[str] = ..., cached_prompts: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ...) -> None: ...
+
+class RequestStatus(_message.Message):
+    __slots__ = ("request_id", "phase", "prompt_tokens", "prefilled_tokens", "cached_tokens", "generated_tokens", "age_s", "time_to_first_token_s", "decode_tokens_per_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    phase: str
+    prompt_tokens: int
+    prefilled_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    age_s: float
+    time_to_first_token_s: float
+    decode_tokens_per_s: float
+    def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., age_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
     __slots__ = ("model", "layers")

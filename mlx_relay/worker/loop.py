@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import time
 import traceback
 from typing import Any
 
@@ -46,6 +47,10 @@ class Worker:
         self.shard: sharding.Shard | None = None
         self.caches: SlotCaches | None = None
         self._posted: mx.array | None = None  # the last step's send, alive until it ran
+        # Forward steps taken, and the seconds from each one's header arriving to its output
+        # computed (receiving its input included): rank 0 shows them as metrics per rank.
+        self.steps = 0
+        self.step_seconds = 0.0
 
     def run(self) -> None:
         """The loop: sleep until a step's doorbell rings, take the step, pass it on."""
@@ -65,6 +70,7 @@ class Worker:
             except DoorbellTimeout:
                 continue  # what arrived was not a signed header: it was dropped
             self.link.state = "busy"
+            started = time.perf_counter()
             try:
                 payload = self.ring.post_recv_payload(
                     hdr.payload_nbytes_shape(header), header.payload_dtype
@@ -75,10 +81,17 @@ class Worker:
                 log.error("rank %d: the ring broke: %s; waiting for rank 0's word", self.rank, e)
                 self.link.ring_broken(str(e))
                 raise SystemExit(EXIT_RING_BROKEN) from None
+            if header.cmd == hdr.CMD_FORWARD:
+                self.steps += 1
+                self.step_seconds += time.perf_counter() - started
             self.link.done_step = header.step_id  # rank 0 can tell who holds an overdue step
             if header.cmd == hdr.CMD_SHUTDOWN:
                 log.info("rank %d: shutdown", self.rank)
                 return
+
+    def timings(self) -> dict[str, float]:
+        """For the side channel's stats (read from the heartbeat thread)."""
+        return {"steps": self.steps, "step_seconds": self.step_seconds}
 
     def step(self, header: hdr.StepHeader, payload: mx.array | None) -> mx.array | None:
         """Act on one step; returns the payload to forward (the header is updated in place).

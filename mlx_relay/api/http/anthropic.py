@@ -215,6 +215,7 @@ class MessageStream:
         self.blocks: list[dict[str, Any]] = []
         self.open = ""  # the type of the block being streamed
         self.stop_reason: str | None = None
+        self.stop_sequence = ""  # the stop string that ended the answer, if one did
         self.usage: dict[str, int] = {}
 
     def message(self) -> dict[str, Any]:
@@ -225,7 +226,7 @@ class MessageStream:
             "model": self.model,
             "content": self.blocks,
             "stop_reason": self.stop_reason,
-            "stop_sequence": None,
+            "stop_sequence": self.stop_sequence or None,
             "usage": {
                 "input_tokens": self.usage.get("prompt_tokens", self.input_tokens),
                 "output_tokens": self.usage.get("completion_tokens", 0),
@@ -271,13 +272,18 @@ class MessageStream:
         if chunk.finish_reason is not None:
             events += self._close()
             self.stop_reason = STOP_REASONS.get(chunk.finish_reason, "end_turn")
+            if chunk.stop_sequence:
+                self.stop_reason, self.stop_sequence = "stop_sequence", chunk.stop_sequence
             self.usage = dict(chunk.usage or {})
             events.append(
                 (
                     "message_delta",
                     {
                         "type": "message_delta",
-                        "delta": {"stop_reason": self.stop_reason, "stop_sequence": None},
+                        "delta": {
+                            "stop_reason": self.stop_reason,
+                            "stop_sequence": self.stop_sequence or None,
+                        },
                         "usage": {"output_tokens": self.usage.get("completion_tokens", 0)},
                     },
                 )

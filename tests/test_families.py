@@ -1,0 +1,377 @@
+"""The families people split: MoE, MLA, sliding windows, hybrid linear attention.
+
+Two levels. In process: each family's layers cut into uneven stages (the functions every
+rank runs) give logits bit-identical to the whole mlx-lm model, over a prefill and decode
+steps that pass the sliding windows. Through real clusters: concurrent greedy and seeded
+streams equal single-process mlx-lm token for token at 1, 2 and 3 uneven ranks, and a
+second chat turn reuses the first turn's caches exactly where that is exact (plain KV
+caches only) and gives mlx-lm's tokens either way.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import time
+
+import mlx.core as mx
+import pytest
+from conftest import start_cluster
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from oracle import _load, chat_tokens, mlx_lm_tokens, tokenizer_for
+from test_prompt_cache import _generate
+from tiny_models import MOE_FAMILIES, SCALED_FAMILIES, UNSPLITTABLE_FAMILIES, _config
+
+from mlx_relay.coordinator.requests import encode_text
+from mlx_relay.model import sharding
+from mlx_relay.model.kvcache import CacheError, SlotCaches
+from mlx_relay.model.split import balanced_split, cost_split, default_split, layer_costs
+from mlx_relay.protocol import relay_pb2 as pb
+
+FAMILIES = (*MOE_FAMILIES, "gemma3_text")
+NUM_LAYERS = 6
+# Uneven splits; each puts a rank boundary between layers of different kinds somewhere
+# (qwen3_next: linear 0,1 | full 2 | linear 3,4, full 5; gpt_oss: sliding on even layers).
+SPLITS = ([(0, 6)], [(0, 2), (2, 6)], [(0, 1), (1, 4), (4, 6)], [(0, 2), (2, 3), (3, 6)])
+
+
+def _whole(model_dir):
+    return _load(str(model_dir))[0]
+
+
+@pytest.mark.parametrize(
+    "family", FAMILIES + SCALED_FAMILIES + ("llama", "qwen2", "qwen3", "mistral", "phi3")
+)
+def test_stages_equal_the_whole_model(tiny_model, family):
+    """Logits bit-identical to mlx-lm for a 40-token prefill and 10 decode steps."""
+    # gemma2 at a width whose sqrt is not a bfloat16 (gemma3 rounds it, gemma2 does not).
+    path = tiny_model(family, NUM_LAYERS, **({"hidden_size": 96} if family == "gemma2" else {}))
+    model = _whole(path)
+    prompt = mx.array([[(7 * i + 11) % 500 + 7 for i in range(40)]])
+    steps = [mx.array([[t]]) for t in (9, 99, 199, 299, 399, 13, 31, 71, 171, 271)]
+    cache = make_prompt_cache(model)
+    expected = [model(prompt, cache=cache)[:, -1]] + [model(t, cache=cache)[:, -1] for t in steps]
+    for split in SPLITS:
+        shards = [sharding.load_shard(path, a, b, has_ends=a == 0) for a, b in split]
+        caches = [s.make_caches() for s in shards]
+
+        def forward(tokens, shards=shards, caches=caches):
+            h = sharding.embed(shards[0], tokens)
+            for shard, c in zip(shards, caches, strict=True):
+                h = sharding.run_layers(shard, h, c)
+            return sharding.head(shards[0], h)[:, -1]
+
+        got = [forward(prompt)] + [forward(t) for t in steps]
+        for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+            assert mx.array_equal(a, b).item(), f"{family} split {split}: step {i} differs"
+
+
+# (family, ranks, --layers): every family at least once over several ranks; the two
+# that failed before (MLA, hybrid linear attention) at 1, 2 and 3 ranks.
+CLUSTERS = [
+    ("deepseek_v3", 1, None),
+    ("deepseek_v3", 2, "4,2"),
+    ("deepseek_v3", 3, "1,3,2"),
+    ("qwen3_next", 1, None),
+    ("qwen3_next", 2, "1,5"),
+    ("qwen3_next", 3, "2,1,3"),
+    ("qwen3_moe", 2, "1,5"),
+    ("mixtral", 3, "2,3,1"),
+    ("gpt_oss", 3, "3,2,1"),
+    ("glm4_moe", 2, "2,4"),
+    ("gemma3_text", 3, "1,2,3"),
+]
+PROMPTS = [
+    ("Tell me about the sea.", None),
+    ("Hello! What is the weather like in Paris today, and tomorrow?", 7),
+    ("Pipelines split a model's layers across machines. " * 3 + "Explain.", None),
+    ("Write add(a, b) in Python.", 21),
+]
+MAX_TOKENS = 10
+
+
+def _request(text: str, seed: int | None) -> pb.GenerateRequest:
+    params = pb.SamplingParams(max_tokens=MAX_TOKENS)
+    if seed is not None:
+        params.temperature, params.top_p, params.seed = 0.9, 0.95, seed
+    return pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=text)], params=params)
+
+
+def _oracle(path, text: str, seed: int | None) -> list[int]:
+    prompt = chat_tokens(path, [{"role": "user", "content": text}])
+    if seed is None:
+        return mlx_lm_tokens(path, prompt, MAX_TOKENS)
+    return mlx_lm_tokens(path, prompt, MAX_TOKENS, seed=seed, sampler={"temp": 0.9, "top_p": 0.95})
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(
+    ("family", "ranks", "layers"), CLUSTERS, ids=[f"{f}-{n}ranks" for f, n, _ in CLUSTERS]
+)
+def test_cluster_equals_mlx_lm(tiny_model, cluster_factory, family, ranks, layers):
+    path = tiny_model(family, NUM_LAYERS)
+    running = cluster_factory(path, ranks, layers=layers)
+    results: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        try:
+            results[i] = list(running.client.generate(_request(*PROMPTS[i])).token_ids)
+        except Exception as e:  # noqa: BLE001 - reported below
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for i, (text, seed) in enumerate(PROMPTS):
+        assert results.get(i) == _oracle(path, text, seed), f"request {i} ({seed=})"
+
+    # Prompt cache: a chat's next turn, and a raw prompt continuing the first one's
+    # prompt and output. Whatever the cluster reused, it is allowed (a state or a slid
+    # window only whole) and the tokens are mlx-lm's continuing a cache cut to it.
+    first = [{"role": "user", "content": PROMPTS[0][0]}]
+    reply = running.client.generate(_request(*PROMPTS[0])).text
+    turn = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}]
+    _second_equals_mlx_lm(running, path, chat_tokens(path, first), turn)
+    raw = _continuable_prompt(path)
+    raw_reply = running.client.generate(_raw(raw, RAW_TOKENS)).text
+    first = encode_text(tokenizer_for(path), raw)
+    cached = _second_equals_mlx_lm(running, path, first, raw + raw_reply + "\nAnd then?")
+    assert cached > len(first), "continuing a prompt and its output reuses its caches"
+    status = running.client.status()
+    assert status.active_requests == 0 and status.queued_requests == 0
+
+
+@pytest.mark.parametrize("family", UNSPLITTABLE_FAMILIES)
+def test_a_family_that_cannot_be_split_is_refused_when_it_loads(tiny_model, family):
+    path = tiny_model(family, 4)
+    with pytest.raises(
+        sharding.UnsupportedFamily, match=f"'{family}' cannot be split over ranks: "
+    ):
+        sharding.load_shard(path, 0, 2, has_ends=True)
+
+
+@pytest.mark.cluster
+def test_an_unsplittable_cluster_fails_at_start_naming_the_family(tiny_model, tmp_path):
+    path = tiny_model(UNSPLITTABLE_FAMILIES[0], 4)
+    with pytest.raises(
+        AssertionError, match=r"model family 'granite' cannot be split over ranks: "
+    ):
+        start_cluster(path, 2, tmp_path / "logs", timeout=120)
+
+
+@pytest.mark.cluster
+def test_cancel_and_free_with_rotating_and_ssm_caches(tiny_model, cluster_factory):
+    """Streams cancelled mid-decode leave no state behind: the ring stays in step and a
+    freed and reloaded model answers exactly (hybrid caches: SSM + KV; gpt-oss: sliding)."""
+    hybrid = tiny_model("qwen3_next", NUM_LAYERS)
+    running = cluster_factory(hybrid, 2, layers="2,4")
+    client = running.client
+    calls = [client.stream(_request(*PROMPTS[i])) for i in (0, 1, 2)]
+    for call in calls[:2]:
+        next(iter(call))  # decoding has started
+        call.cancel()
+    rest = [t for chunk in calls[2] for t in chunk.token_ids]
+    assert rest == _oracle(hybrid, *PROMPTS[2])
+    deadline = time.monotonic() + 60
+    while client.status().active_requests and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert client.status().active_requests == 0
+    assert list(client.generate(_request(*PROMPTS[3])).token_ids) == _oracle(hybrid, *PROMPTS[3])
+
+    sliding = tiny_model("gpt_oss", NUM_LAYERS)
+    client.stub.Free(pb.FreeRequest(), timeout=60)
+    client.stub.LoadModel(pb.LoadModelRequest(model=str(sliding), layers="3,3"), timeout=120)
+    assert list(client.generate(_request(*PROMPTS[2])).token_ids) == _oracle(sliding, *PROMPTS[2])
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "gpt_oss", "deepseek_v3", "gemma3_text"])
+def test_decode_groups_of_every_cache_kind(tiny_model, family):
+    """Sequences of different lengths prefilled alone, then decoded as one batch (KV, sliding
+    and SSM caches merged), one leaving (parked) and one joining midway: each row's
+    logits equal its own single-sequence run in mlx-lm, and the parked one goes on alone."""
+    path = tiny_model(family, NUM_LAYERS)
+    model = _whole(path)
+    shards = [sharding.load_shard(path, a, b, has_ends=a == 0) for a, b in [(0, 2), (2, 6)]]
+    slot_caches = [SlotCaches(s) for s in shards]
+    prompts = {s: [(13 * s + 5 * i) % 500 + 7 for i in range(9 + 7 * s)] for s in range(3)}
+    steps = 12
+    feed = {s: [(s * 31 + 17 * i) % 500 + 7 for i in range(steps)] for s in range(3)}
+
+    expected = {}
+    for s, prompt in prompts.items():
+        cache = make_prompt_cache(model)
+        out = [model(mx.array([prompt]), cache=cache)[:, -1]]
+        out += [model(mx.array([[t]]), cache=cache)[:, -1] for t in feed[s]]
+        expected[s] = out
+
+    def run(tokens, get):
+        h = sharding.embed(shards[0], tokens)
+        for shard, sc in zip(shards, slot_caches, strict=True):
+            h = sharding.run_layers(shard, h, get(sc))
+        return sharding.head(shards[0], h)[:, -1]
+
+    got = {s: [] for s in prompts}
+    pos = {}
+    for s in (0, 1):  # slot 2 joins later
+        got[s].append(
+            run(
+                mx.array([prompts[s]]), lambda sc, s=s: sc.for_sequence(s, 0, None, len(prompts[s]))
+            )
+        )
+        pos[s] = len(prompts[s])
+    members = [0, 1]
+    for i in range(steps):
+        if i == 4:  # slot 2 is prefilled and joins
+            s = 2
+            got[s].append(
+                run(mx.array([prompts[s]]), lambda sc: sc.for_sequence(2, 0, None, len(prompts[2])))
+            )
+            pos[s] = len(prompts[s])
+            members.append(2)
+        if i == 8:  # slot 0 finishes: parked, leaves the group
+            for sc in slot_caches:
+                sc.park([0])
+            members.remove(0)
+        tokens = mx.array([[feed[s][len(got[s]) - 1]] for s in members])
+        offsets = [pos[s] for s in members]
+        logits = run(tokens, lambda sc, o=offsets: sc.for_group(1, list(members), o))
+        for row, s in enumerate(members):
+            got[s].append(logits[row : row + 1])
+            pos[s] += 1
+    for _ in range(2):  # the parked slot's own rows, extracted from the batch, go on
+        token = mx.array([[feed[0][len(got[0]) - 1]]])
+        got[0].append(run(token, lambda sc: sc.for_sequence(0, pos[0], None, 1)))
+        pos[0] += 1
+    for s in prompts:
+        for i, (a, b) in enumerate(zip(got[s], expected[s], strict=False)):
+            assert mx.allclose(a, b, atol=1e-4).item(), f"{family}: slot {s} step {i} differs"
+            assert mx.argmax(a).item() == mx.argmax(b).item()
+
+
+def test_the_split_counts_each_layers_bytes(tiny_model):
+    """A dense first layer weighs less than an MoE layer; a token runs through only
+    some experts, so its work is less than the bytes the layer holds."""
+    path = tiny_model("deepseek_v3", NUM_LAYERS)
+    costs = layer_costs(path, NUM_LAYERS, sharding.read_config(path))
+    assert costs.held[0] < costs.held[1] == costs.held[5]
+    assert costs.work[0] == costs.held[0] and costs.work[1] < costs.held[1]
+    assert costs.ends > 0  # embedding, LM head, final norm
+    assert sum(default_split(path, NUM_LAYERS, 2)) == NUM_LAYERS
+
+    # Equal costs: the even split, or the head-balanced one; otherwise by cost.
+    for n_layers, n, head in ((30, 2, 8.0), (30, 3, 0.0), (4, 2, 100.0), (7, 3, 0.0)):
+        assert cost_split([1.0] * n_layers, n, head) == balanced_split(n_layers, n, head)
+    assert cost_split([1.0] * 30, 2, 8.0) == [11, 19]
+    assert cost_split([1, 1, 1, 1, 1, 1, 1, 1, 8], 2) == [8, 1]  # 8 light layers = 1 heavy
+    assert cost_split([6, 1, 1, 1, 1, 1, 1, 6], 2) == [4, 4]
+    assert cost_split([1.0] * 12, 3, 0.0, capacity=[1, 2, 3]) == [2, 4, 6]
+    assert cost_split([1.0] * 3, 3, 50.0) == [1, 1, 1]  # every rank keeps a layer
+
+
+RAW_TOKENS = 4
+
+
+def _raw(text: str, max_tokens: int = MAX_TOKENS) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt=text, params=pb.SamplingParams(max_tokens=max_tokens))
+
+
+def _streamed_text(tokenizer, tokens: list[int]) -> str:
+    """The text a stream of `tokens` shows (the streaming detokenizer, as the server)."""
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    for t in tokens:
+        detokenizer.add_token(t)
+    detokenizer.finalize()
+    return detokenizer.text
+
+
+def _continuable_prompt(path) -> str:
+    """A raw prompt whose greedy output, as text, encodes back to the same tokens after
+    it (a random model's output often splits UTF-8 characters), so that a prompt going
+    on from prompt + output shares everything the first request's caches hold."""
+    tokenizer = tokenizer_for(path)
+    for i in range(40):
+        raw = f"Item {i}: pipelines split a model's layers across machines.\n"
+        prompt = encode_text(tokenizer, raw)
+        out = mlx_lm_tokens(path, prompt, RAW_TOKENS)
+        again = encode_text(tokenizer, raw + _streamed_text(tokenizer, out) + "\nAnd then?")
+        if again[: len(prompt) + len(out)] == prompt + out:
+            return raw
+    raise AssertionError("no prompt among 40 whose output re-encodes as itself")
+
+
+def _position(cache: list) -> int:
+    return next(c.offset for c in cache if hasattr(c, "offset"))
+
+
+def _second_equals_mlx_lm(running, path, first: list[int], second: list[dict] | str) -> int:
+    """Send `second` (chat messages or a raw prompt) after `first` ran; check the reuse
+    and the tokens against mlx-lm; return how many prompt tokens were reused."""
+    if isinstance(second, str):
+        response = running.client.generate(_raw(second))
+        tokens = encode_text(tokenizer_for(path), second)
+    else:
+        messages = [pb.ChatMessage(**m) for m in second]
+        params = pb.SamplingParams(max_tokens=MAX_TOKENS)
+        response = running.client.generate(pb.GenerateRequest(messages=messages, params=params))
+        tokens = chat_tokens(path, second)
+    cached = response.usage.cached_tokens
+    model = _whole(path)
+    cache = make_prompt_cache(model)
+    if cached:
+        _generate(path, cache, first, MAX_TOKENS if isinstance(second, list) else RAW_TOKENS)
+        held = _position(cache)
+        shard_rule = sharding.reuse_rule(cache)
+        assert cached == held or held < shard_rule[1], f"reused {cached} of {held}: not exact"
+        assert trim_prompt_cache(cache, held - cached) == held - cached
+        expected = _generate(path, cache, tokens[cached:], MAX_TOKENS)
+    else:
+        expected = mlx_lm_tokens(path, tokens, MAX_TOKENS)
+    assert list(response.token_ids) == expected
+    return cached
+
+
+def test_prefix_reuse_only_where_exact(tiny_model):
+    """A state is reused only whole, a sliding window cut back only before anything left
+    it, plain KV caches anywhere; a copied or cut cache goes on as mlx-lm's would."""
+    for family, rule in (("qwen3_next", (True, 0.0)), ("gpt_oss", (True, 8.0))):
+        path = tiny_model(family, NUM_LAYERS)
+        shard = sharding.load_shard(path, 0, NUM_LAYERS, has_ends=True)
+        assert (shard.reusable_caches, shard.cut_back_below) == rule
+        model = _whole(path)
+        prompt = [(11 * i) % 500 + 7 for i in range(6)]
+        more = [17, 71, 117]
+        for n in (6, 4):  # the whole parked cache, or a prefix of it
+            caches = SlotCaches(shard)
+
+            def run(slot, offset, tokens, source=None, caches=caches, shard=shard):
+                h = sharding.embed(shard, mx.array([tokens]))
+                c = caches.for_sequence(slot, offset, source, len(tokens))
+                return sharding.head(shard, sharding.run_layers(shard, h, c))[:, -1]
+
+            run(0, 0, prompt)
+            if not shard.usable_prefix(len(prompt), n):
+                with pytest.raises(CacheError):
+                    run(1, n, more, source=0)
+                continue
+            got = run(1, n, more, source=0)
+            reference = make_prompt_cache(model)
+            want = model(mx.array([prompt[:n] + more]), cache=reference)[:, -1]
+            assert mx.allclose(got, want, atol=1e-5).item(), f"{family}: reuse of {n}"
+            assert caches.at == {0: 6, 1: n + len(more)}
+    assert sharding.load_shard(tiny_model("llama", 4), 0, 4, has_ends=True).cut_back_below == (
+        float("inf")
+    )
+
+
+def test_a_cache_kind_without_a_mask_rule_is_refused():
+    """DeepSeek-V3.2 keeps a CacheList per layer (attention + indexer): no general mask
+    rule covers it, so it is refused before any weight is read."""
+    config = _config("deepseek_v3", 4, 64, None, None, None)
+    config.update(model_type="deepseek_v32", index_head_dim=16, index_n_heads=2, index_topk=8)
+    arch = importlib.import_module("mlx_lm.models.deepseek_v32")
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    with pytest.raises(sharding.UnsupportedFamily, match="'deepseek_v32'.*CacheList"):
+        sharding.check_splittable(model, config, make_prompt_cache(model))
