@@ -47,8 +47,9 @@ _TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 # config): their cache size follows from the config alone.
 ATTENTION_FAMILIES = frozenset(
     "llama mistral qwen2 qwen3 qwen2_moe qwen3_moe mixtral phi phi3 gemma gemma2 gemma3 "
-    "gemma3_text starcoder2 olmo olmo2 cohere smollm3 granite internlm2 exaone".split()
+    "gemma3_text starcoder2 olmo olmo2 cohere smollm3 granite internlm2 exaone glm4_moe".split()
 )
+MLA_FAMILIES = frozenset({"deepseek_v3", "kimi_k2"})  # one latent + one rotary key per position
 
 
 class ShardTooBig(ValueError):
@@ -129,19 +130,22 @@ def model_context(path: Path) -> int:
 def _layer_caches(path: str, start: int, end: int) -> tuple[int, tuple[int | None, ...]]:
     """(bytes per cached position of one layer, each layer's window or None for full).
 
-    Raises CacheUnknown for a model whose caches are not plain or sliding-window KV.
+    Raises CacheUnknown for a model whose caches are not plain, sliding-window or MLA KV.
     """
     config = _read_config(path)
     family = str(config.get("model_type", ""))
     layer_types = config.get("layer_types")
-    if family not in ATTENTION_FAMILIES and not _plain_caches(family):
+    if not (
+        family in ATTENTION_FAMILIES
+        or family in MLA_FAMILIES
+        or isinstance(layer_types, list)
+        or _plain_caches(family)
+    ):
         raise CacheUnknown(f"model_type {family!r} makes caches of its own kind")
-    heads = int(config.get("num_attention_heads") or 0)
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or (int(config.get("hidden_size", 0)) // max(heads, 1)))
-    if not (kv_heads and head_dim):
-        raise CacheUnknown(f"model_type {family!r}: no KV heads or head dim in its config")
-    per_position = 2 * kv_heads * head_dim * _dtype_bytes(Path(path), config)
+    try:
+        per_position = _position_values(family, config) * _dtype_bytes(Path(path), config)
+    except (TypeError, ValueError) as e:
+        raise CacheUnknown(f"model_type {family!r}: {e}") from None
     window = config.get("sliding_window")
     windows: list[int | None] = []
     for layer in range(start, end):
@@ -156,6 +160,21 @@ def _layer_caches(path: str, start: int, end: int) -> tuple[int, tuple[int | Non
         else:
             windows.append(None)
     return per_position, tuple(windows)
+
+
+def _position_values(family: str, config: dict[str, Any]) -> int:
+    """Values one layer caches per position: keys and values of every KV head, or for
+    MLA (DeepSeek V3) the compressed latent and the rotary key, as mlx-lm keeps them."""
+    if family in MLA_FAMILIES:
+        return int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])
+    if "kv_lora_rank" in config:
+        raise ValueError("MLA attention of a family whose cache layout is not known here")
+    heads = int(config.get("num_attention_heads") or 0)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or (int(config.get("hidden_size", 0)) // max(heads, 1)))
+    if not (kv_heads and head_dim):
+        raise ValueError("no KV heads or head dim in its config")
+    return 2 * kv_heads * head_dim
 
 
 def _plain_caches(family: str) -> bool:
