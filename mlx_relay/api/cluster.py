@@ -65,6 +65,13 @@ class Cluster:
         """Check and render a request; nothing reaches the engine yet."""
         tokenizer = self.tokenizer()
         prompt = self.render(request)
+        pixel_values = None
+        if prompt.images:  # rank 0 encodes them when the prefill starts
+            pipeline = self.engine.pipeline
+            loaded, shard = pipeline.loaded, pipeline.shard
+            config = shard.config if shard is not None else {}
+            path = loaded.path if loaded is not None else None
+            pixel_values = requests.encode_images(prompt, path, config)
         context = self.engine.context_length
         if context and len(prompt.token_ids) >= context:
             raise requests.InvalidRequest(
@@ -85,6 +92,7 @@ class Cluster:
             starts_in_reasoning=starts_in_reasoning,
             opens_tool_call=prompt.opens_tool_call,
             constraint=self._constraint(tokenizer, request, starts_in_reasoning),
+            pixel_values=pixel_values,
         )
 
     def _constraint(

@@ -84,13 +84,20 @@ class ImageProcessor:
         self.processor = _mlx_vlm().load_processor(path, add_detokenizer=False)
 
     def encode(self, text: str, images: list[bytes]) -> Encoded:
-        """Expand each image placeholder of `text` and preprocess `images` (file bytes),
-        as mlx-vlm's generate does (no special tokens added: the template has them)."""
+        """Expand each image placeholder of `text` and preprocess `images` (file bytes)
+        with the model's processor, as mlx-vlm's generate does."""
         pictures = [decode_image(i, data) for i, data in enumerate(images)]
-        out = self.processor(text=[text], images=pictures, add_special_tokens=False)
-        ids = np.asarray(out["input_ids"]).reshape(-1).tolist()
-        pixels = np.asarray(out["pixel_values"])
-        return Encoded([int(t) for t in ids], pixels)
+        try:  # (its kwargs go to the image processor too, which refuses tokenizer ones)
+            out = self.processor(text=[text], images=pictures)
+        except Exception as e:  # noqa: BLE001 - the processor's reasons are the client's
+            raise VisionError(f"the model's image processor refused the request: {e}") from e
+        ids = [int(t) for t in np.asarray(out["input_ids"]).reshape(-1).tolist()]
+        # mlx-lm's rule for text prompts: no BOS added when the template wrote one.
+        tokenizer = getattr(self.processor, "tokenizer", None)
+        bos = getattr(tokenizer, "bos_token_id", None)
+        if bos is not None and ids[:2] == [bos, bos]:
+            ids = ids[1:]
+        return Encoded(ids, np.asarray(out["pixel_values"]))
 
 
 @functools.lru_cache(maxsize=2)

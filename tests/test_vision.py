@@ -1,0 +1,157 @@
+"""Vision-language models: images in chat, encoded on rank 0, the decoder split over ranks.
+
+The oracle is single-process mlx-vlm on the same tiny random-weight llava (made at test
+time: a 2-layer CLIP tower, a projector, a 4-layer llama) and the same prompt text and
+images: its own processor expands the image token and preprocesses the pixels, and its
+own `generate_step` decodes greedily. The cluster must give its tokens exactly, at 1
+rank and at 2 uneven ranks (the workers hold language-model layers only).
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from functools import lru_cache
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_vlm", reason="the vision extra (mlx-vlm) is not installed")
+
+import mlx.core as mx  # noqa: E402
+from conftest import start_cluster  # noqa: E402
+from mlx_vlm.generate.ar import generate_step  # noqa: E402
+from mlx_vlm.utils import load_model, load_processor  # noqa: E402
+from PIL import Image  # noqa: E402
+from tiny_models import make_tiny_vlm  # noqa: E402
+
+from mlx_relay.model import sharding, vision  # noqa: E402
+from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
+
+MAX_TOKENS = 12
+NUM_LAYERS = 4
+QUESTION = "Describe the picture."
+
+
+def _png(seed: int, size: tuple[int, int] = (40, 32)) -> bytes:
+    """A small picture of random colours (not the model's 28x28: the processor resizes)."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory) -> Path:
+    return make_tiny_vlm(tmp_path_factory.mktemp("llava"), num_layers=NUM_LAYERS)
+
+
+@lru_cache(maxsize=2)
+def _mlx_vlm(path: str):
+    return load_model(Path(path)), load_processor(Path(path))
+
+
+def _prompt_text(path: Path, images: int, text: str) -> str:
+    """The chat as the model's template renders it, images as content parts before the text."""
+    _, processor = _mlx_vlm(str(path))
+    content = [{"type": "image"}] * images + [{"type": "text", "text": text}]
+    messages = [{"role": "user", "content": content if images else text}]
+    return processor.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+
+
+def mlx_vlm_tokens(path: Path, images: list[bytes], text: str = QUESTION) -> list[int]:
+    """Single-process mlx-vlm: its processor, its model, its greedy generate_step."""
+    model, processor = _mlx_vlm(str(path))
+    prompt = _prompt_text(path, len(images), text)
+    pictures = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+    inputs = processor(text=[prompt], images=pictures or None)
+    pixels = mx.array(inputs["pixel_values"]) if images else None
+    steps = generate_step(
+        mx.array(inputs["input_ids"]), model, pixels, None, max_tokens=MAX_TOKENS, temperature=0.0
+    )
+    return [int(token) for token, _ in steps]
+
+
+def _request(images: list[bytes], text: str = QUESTION) -> pb.GenerateRequest:
+    message = pb.ChatMessage(role="user", content=text, images=images)
+    return pb.GenerateRequest(messages=[message], params=pb.SamplingParams(max_tokens=MAX_TOKENS))
+
+
+def test_stages_equal_mlx_vlm(vlm):
+    """In process: merged embeddings on rank 0's stage, the decoder cut into stages, greedy
+    tokens equal to mlx-vlm's; the stages after rank 0 hold no vision tower."""
+    image = _png(1)
+    want = mlx_vlm_tokens(vlm, [image])
+    encoded = vision.processor_for(str(vlm)).encode(_prompt_text(vlm, 1, QUESTION), [image])
+    for split in ([(0, 4)], [(0, 1), (1, 4)], [(0, 3), (3, 4)]):
+        shards = [sharding.load_shard(vlm, a, b, has_ends=a == 0) for a, b in split]
+        assert all("vision_tower" not in s.model for s in shards[1:])
+        caches = [s.make_caches() for s in shards]
+        h = vision.input_embeddings(shards[0].model, encoded.token_ids, encoded.pixel_values)
+        got = []
+        for _ in range(MAX_TOKENS):
+            for shard, c in zip(shards, caches, strict=True):
+                h = sharding.run_layers(shard, h, c)
+            token = int(mx.argmax(sharding.head(shards[0], h)[:, -1], axis=-1).item())
+            got.append(token)
+            h = sharding.embed(shards[0], mx.array([[token]]))
+        assert got == want, f"split {split}"
+
+
+@pytest.fixture(scope="module", params=[(1, None), (2, "1,3")], ids=["1rank", "2ranks"])
+def vlm_cluster(request, vlm, tmp_path_factory):
+    ranks, layers = request.param
+    running = start_cluster(vlm, ranks, tmp_path_factory.mktemp("logs"), layers=layers)
+    yield running
+    running.stop()
+
+
+@pytest.mark.cluster
+def test_image_chat_equals_mlx_vlm(vlm, vlm_cluster):
+    """Two different images at once, then a text-only chat; then the first prompt again
+    with another image (same tokens, other pixels: no cache of the first may serve it)."""
+    client = vlm_cluster.client
+    images = [_png(1), _png(2)]
+    results: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        try:
+            results[i] = list(client.generate(_request([images[i]])).token_ids)
+        except Exception as e:  # noqa: BLE001 - reported below
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for i, image in enumerate(images):
+        assert results.get(i) == mlx_vlm_tokens(vlm, [image]), f"image {i}"
+    assert results[0] != results[1], "different images give different answers"
+
+    text = list(client.generate(_request([])).token_ids)
+    assert text == mlx_vlm_tokens(vlm, [])
+    third = _png(3)
+    again = list(client.generate(_request([third])).token_ids)
+    assert again == mlx_vlm_tokens(vlm, [third])
+
+
+@pytest.mark.cluster
+def test_a_file_that_is_no_image_is_invalid_argument(vlm_cluster):
+    with pytest.raises(grpc.RpcError) as e:
+        vlm_cluster.client.generate(_request([b"not a picture"]))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "image 0 is not an image file" in e.value.details()
+
+
+@pytest.mark.cluster
+def test_images_to_a_text_only_model_are_invalid_argument(tiny_model, cluster_factory):
+    running = cluster_factory(tiny_model("llama", 2), 1)
+    with pytest.raises(grpc.RpcError) as e:
+        running.client.generate(_request([_png(1)]))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "text-only" in e.value.details() and "llava" in e.value.details()
