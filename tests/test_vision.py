@@ -9,6 +9,7 @@ rank and at 2 uneven ranks (the workers hold language-model layers only).
 
 from __future__ import annotations
 
+import base64
 import io
 import threading
 from functools import lru_cache
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import openai
 import pytest
 
 pytest.importorskip("mlx_vlm", reason="the vision extra (mlx-vlm) is not installed")
@@ -27,6 +29,7 @@ from mlx_vlm.utils import load_model, load_processor  # noqa: E402
 from PIL import Image  # noqa: E402
 from tiny_models import make_tiny_vlm  # noqa: E402
 
+from mlx_relay.launch.local import free_ports  # noqa: E402
 from mlx_relay.model import sharding, vision  # noqa: E402
 from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
 
@@ -105,7 +108,16 @@ def test_stages_equal_mlx_vlm(vlm):
 @pytest.fixture(scope="module", params=[(1, None), (2, "1,3")], ids=["1rank", "2ranks"])
 def vlm_cluster(request, vlm, tmp_path_factory):
     ranks, layers = request.param
-    running = start_cluster(vlm, ranks, tmp_path_factory.mktemp("logs"), layers=layers)
+    port = free_ports(1)[0]
+    running = start_cluster(
+        vlm,
+        ranks,
+        tmp_path_factory.mktemp("logs"),
+        "--http-address",
+        f"127.0.0.1:{port}",
+        layers=layers,
+    )
+    running.http_base = f"http://127.0.0.1:{port}/v1"
     yield running
     running.stop()
 
@@ -154,4 +166,26 @@ def test_images_to_a_text_only_model_are_invalid_argument(tiny_model, cluster_fa
     with pytest.raises(grpc.RpcError) as e:
         running.client.generate(_request([_png(1)]))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "text-only" in e.value.details() and "llava" in e.value.details()
+    assert "reads text only" in e.value.details() and "llava" in e.value.details()
+
+
+@pytest.mark.cluster
+def test_openai_image_url_data_urls_reach_the_model(vlm, vlm_cluster):
+    """OpenAI's image_url parts with base64 data: URLs give the gRPC door's answer;
+    an http(s) URL is refused with a 400 (the server fetches nothing)."""
+    client = openai.OpenAI(base_url=vlm_cluster.http_base, api_key="none", max_retries=0)
+    image = _png(4)
+    url = "data:image/png;base64," + base64.b64encode(image).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]
+    messages = [{"role": "user", "content": content}]
+    reply = client.chat.completions.create(
+        model=str(vlm), messages=messages, max_tokens=MAX_TOKENS, temperature=0
+    )
+    grpc_reply = vlm_cluster.client.generate(_request([image]))
+    assert list(grpc_reply.token_ids) == mlx_vlm_tokens(vlm, [image])
+    assert reply.choices[0].message.content == grpc_reply.text
+    assert reply.usage.completion_tokens == MAX_TOKENS
+    content[0]["image_url"]["url"] = "https://example.com/cat.png"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=str(vlm), messages=messages, max_tokens=2)
+    assert "data: URLs" in e.value.message

@@ -307,8 +307,8 @@ def encode_images(prompt: Prompt, model_path: str | None, config: dict[str, Any]
         family = config.get("model_type", "unknown")
         supported = ", ".join(vision.VLM_FAMILIES)
         raise InvalidRequest(
-            f"the request has {len(prompt.images)} image(s) but the loaded model "
-            f"({family}) is text-only; images need a vision-language model ({supported})"
+            f"the request has {len(prompt.images)} image(s), but the loaded model "
+            f"({family}) reads text only; images need a vision-language model ({supported})"
         )
     try:
         encoded = vision.processor_for(str(model_path)).encode(prompt.text, prompt.images)
