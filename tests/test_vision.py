@@ -56,22 +56,30 @@ def _mlx_vlm(path: str):
     return load_model(Path(path)), load_processor(Path(path))
 
 
-def _prompt_text(path: Path, images: int, text: str) -> str:
+def _prompt_text(path: Path, images: int, text: str, system: str = "") -> str:
     """The chat as the model's template renders it, images as content parts before the text."""
     _, processor = _mlx_vlm(str(path))
     content = [{"type": "image"}] * images + [{"type": "text", "text": text}]
-    messages = [{"role": "user", "content": content if images else text}]
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": content if images else text})
     return processor.tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
     )
 
 
-def mlx_vlm_tokens(path: Path, images: list[bytes], text: str = QUESTION) -> list[int]:
-    """Single-process mlx-vlm: its processor, its model, its greedy generate_step."""
-    model, processor = _mlx_vlm(str(path))
-    prompt = _prompt_text(path, len(images), text)
+def _mlx_vlm_inputs(path: Path, images: list[bytes], text: str, system: str = ""):
+    _, processor = _mlx_vlm(str(path))
+    prompt = _prompt_text(path, len(images), text, system)
     pictures = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
-    inputs = processor(text=[prompt], images=pictures or None)
+    return processor(text=[prompt], images=pictures or None)
+
+
+def mlx_vlm_tokens(
+    path: Path, images: list[bytes], text: str = QUESTION, system: str = ""
+) -> list[int]:
+    """Single-process mlx-vlm: its processor, its model, its greedy generate_step."""
+    model, _ = _mlx_vlm(str(path))
+    inputs = _mlx_vlm_inputs(path, images, text, system)
     pixels = mx.array(inputs["pixel_values"]) if images else None
     steps = generate_step(
         mx.array(inputs["input_ids"]), model, pixels, None, max_tokens=MAX_TOKENS, temperature=0.0
@@ -79,9 +87,15 @@ def mlx_vlm_tokens(path: Path, images: list[bytes], text: str = QUESTION) -> lis
     return [int(token) for token, _ in steps]
 
 
-def _request(images: list[bytes], text: str = QUESTION) -> pb.GenerateRequest:
-    message = pb.ChatMessage(role="user", content=text, images=images)
-    return pb.GenerateRequest(messages=[message], params=pb.SamplingParams(max_tokens=MAX_TOKENS))
+def _messages(images: list[bytes], text: str = QUESTION, system: str = "") -> list:
+    messages = [pb.ChatMessage(role="system", content=system)] if system else []
+    return [*messages, pb.ChatMessage(role="user", content=text, images=images)]
+
+
+def _request(images: list[bytes], text: str = QUESTION, system: str = "") -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        messages=_messages(images, text, system), params=pb.SamplingParams(max_tokens=MAX_TOKENS)
+    )
 
 
 def test_stages_equal_mlx_vlm(vlm):
@@ -150,6 +164,44 @@ def test_image_chat_equals_mlx_vlm(vlm, vlm_cluster):
     third = _png(3)
     again = list(client.generate(_request([third])).token_ids)
     assert again == mlx_vlm_tokens(vlm, [third])
+
+
+@pytest.mark.cluster
+def test_two_images_and_a_shared_system_prompt(vlm, vlm_cluster):
+    """Two images in one message; Tokenize expands both as mlx-vlm's processor does. A
+    text chat leaves its caches behind; an image chat sharing its system prompt reuses
+    them up to its first image token only, and both give mlx-vlm's tokens."""
+    client = vlm_cluster.client
+    pair = [_png(5), _png(6, (20, 50))]
+    assert list(client.generate(_request(pair)).token_ids) == mlx_vlm_tokens(vlm, pair)
+    tokens = client.stub.Tokenize(pb.TokenizeRequest(messages=_messages(pair)), timeout=60)
+    expected = _mlx_vlm_inputs(vlm, pair, QUESTION)["input_ids"]
+    assert list(tokens.token_ids) == np.asarray(expected).reshape(-1).tolist()
+
+    system = "You are a helpful assistant. " * 4
+    text = client.generate(_request([], "Hello!", system))
+    assert list(text.token_ids) == mlx_vlm_tokens(vlm, [], "Hello!", system)
+    image = _png(7)
+    reply = client.generate(_request([image], system=system))
+    assert list(reply.token_ids) == mlx_vlm_tokens(vlm, [image], system=system)
+    assert reply.usage.cached_tokens > 16, "the system prompt's caches served"
+
+
+@pytest.mark.cluster
+def test_image_tokens_typed_as_text_lend_no_cache_to_an_image(vlm, vlm_cluster):
+    """A text chat that spells out the image tokens encodes to exactly the tokens of an
+    image chat; its parked caches hold no image, so the image chat must not reuse them."""
+    client = vlm_cluster.client
+    image = _png(8)
+    spelled = "<image>" * 4 + QUESTION
+    encoded = _mlx_vlm_inputs(vlm, [image], QUESTION)["input_ids"]
+    text = client.generate(_request([], spelled))
+    assert list(text.token_ids) == mlx_vlm_tokens(vlm, [], spelled)
+    tokens = client.stub.Tokenize(pb.TokenizeRequest(messages=_messages([], spelled)), timeout=60)
+    assert list(tokens.token_ids) == np.asarray(encoded).reshape(-1).tolist()
+    reply = client.generate(_request([image]))
+    assert list(reply.token_ids) == mlx_vlm_tokens(vlm, [image])
+    assert reply.usage.cached_tokens == 0
 
 
 @pytest.mark.cluster

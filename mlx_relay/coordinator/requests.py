@@ -35,6 +35,7 @@ class Prompt:
     tool_choice: str = "auto"
     opens_tool_call: str = ""  # the tool-call marker the prompt ends with, if forced
     images: list[bytes] = field(default_factory=list)  # image files, in the order shown
+    pixel_values: Any = None  # the images preprocessed (encode_images), for rank 0
 
 
 def _json_field(raw: str, name: str, kind: type) -> Any:
@@ -299,9 +300,9 @@ def sampling_params(
     )
 
 
-def encode_images(prompt: Prompt, model_path: str | None, config: dict[str, Any]) -> Any:
+def encode_images(prompt: Prompt, model_path: str | None, config: dict[str, Any]) -> None:
     """Expand the image placeholders of `prompt.token_ids` and preprocess its images
-    with the model's own (mlx-vlm) processor; returns the pixel values. A model that
+    (`prompt.pixel_values`) with the model's own (mlx-vlm) processor. A model that
     takes no images, or an image that is not one, is the client's error."""
     if not vision.is_vlm(config) or model_path is None:
         family = config.get("model_type", "unknown")
@@ -322,4 +323,4 @@ def encode_images(prompt: Prompt, model_path: str | None, config: dict[str, Any]
             "images would not be seen"
         )
     prompt.token_ids = encoded.token_ids
-    return encoded.pixel_values
+    prompt.pixel_values = encoded.pixel_values
