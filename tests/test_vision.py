@@ -119,9 +119,13 @@ def test_stages_equal_mlx_vlm(vlm):
         assert got == want, f"split {split}"
 
 
-@pytest.fixture(scope="module", params=[(1, None), (2, "1,3")], ids=["1rank", "2ranks"])
+# 2 ranks prefill in chunks of 6 tokens: an image prompt's embeddings go in slices, one
+# of them cutting through the image tokens.
+@pytest.fixture(
+    scope="module", params=[(1, None, 512), (2, "1,3", 6)], ids=["1rank", "2ranks-chunked"]
+)
 def vlm_cluster(request, vlm, tmp_path_factory):
-    ranks, layers = request.param
+    ranks, layers, chunk = request.param
     port = free_ports(1)[0]
     running = start_cluster(
         vlm,
@@ -129,6 +133,8 @@ def vlm_cluster(request, vlm, tmp_path_factory):
         tmp_path_factory.mktemp("logs"),
         "--http-address",
         f"127.0.0.1:{port}",
+        "--prefill-chunk",
+        str(chunk),
         layers=layers,
     )
     running.http_base = f"http://127.0.0.1:{port}/v1"
