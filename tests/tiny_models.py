@@ -443,3 +443,111 @@ def make_tiny_model(
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     return path
+
+
+# A tiny llava (mlx-vlm): a CLIP vision tower of 2 layers on 28x28 images in 14x14 patches
+# (4 image tokens once the CLS token is dropped), a 2-layer MLP projector, and a llama
+# language model. The chat template writes "<image>" for an image part, which the
+# processor expands to one "<image>" token per image feature.
+IMAGE_TOKEN = "<image>"
+VLM_IMAGE_SIZE = 28
+VLM_PATCH_SIZE = 14
+VLM_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{%- for part in content if part.type == 'text' %}{{- part.text }}{%- endfor %}",
+    "{%- for part in content %}{%- if part.type in ('image', 'image_url') %}{{- '<image>' }}"
+    "{%- elif part.type == 'text' %}{{- part.text }}{%- endif %}{%- endfor %}",
+)
+assert VLM_CHAT_TEMPLATE != CHAT_TEMPLATE
+
+
+def make_tiny_vlm(
+    path: pathlib.Path, *, num_layers: int = 4, hidden_size: int = 64, seed: int = 0
+) -> pathlib.Path:
+    """Write a tiny random-weight llava model (mlx-vlm's layout) into ``path``; return it.
+
+    The tokenizer is the text models' plus one added special token, ``<image>``, at the
+    end of the vocabulary; ``preprocessor_config.json`` is a CLIP image processor for
+    28x28 images.
+    """
+    from mlx_vlm.models import llava
+
+    path = write_tokenizer(path)
+    tokenizer_json = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
+    image_id = len(tokenizer_json["model"]["vocab"])
+    added = {
+        "id": image_id,
+        "content": IMAGE_TOKEN,
+        "single_word": False,
+        "lstrip": False,
+        "rstrip": False,
+        "normalized": False,
+        "special": True,
+    }
+    tokenizer_json["added_tokens"].append(added)
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer_json), encoding="utf-8")
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    tokenizer_config["added_tokens_decoder"][str(image_id)] = {
+        k: v for k, v in added.items() if k != "id"
+    }
+    tokenizer_config["chat_template"] = VLM_CHAT_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    text = _config("llama", num_layers, hidden_size, False, None, None)
+    text["vocab_size"] = image_id + 1
+    config = {
+        "model_type": "llava",
+        "architectures": ["LlavaForConditionalGeneration"],
+        "image_token_index": image_id,
+        "vision_feature_layer": -2,
+        "vision_feature_select_strategy": "default",
+        "vocab_size": image_id + 1,
+        "eos_token_id": text["eos_token_id"],
+        "torch_dtype": "float32",
+        "tie_word_embeddings": False,
+        "text_config": text,
+        "vision_config": {
+            "model_type": "clip_vision_model",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": VLM_IMAGE_SIZE,
+            "patch_size": VLM_PATCH_SIZE,
+            "projection_dim": 32,
+            "num_channels": 3,
+            "layer_norm_eps": 1e-5,
+        },
+    }
+    model_config = llava.ModelConfig.from_dict(config)
+    model_config.text_config = llava.TextConfig.from_dict(text)
+    model_config.vision_config = llava.VisionConfig.from_dict(config["vision_config"])
+    model = llava.Model(model_config)
+    _init_weights(model, seed, gemma=False)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    mean, std = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+    processor = {
+        "image_processor_type": "CLIPImageProcessor",
+        "processor_class": "LlavaProcessor",
+        "do_resize": True,
+        "size": {"shortest_edge": VLM_IMAGE_SIZE},
+        "do_center_crop": True,
+        "crop_size": {"height": VLM_IMAGE_SIZE, "width": VLM_IMAGE_SIZE},
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": mean,
+        "image_std": std,
+        "do_convert_rgb": True,
+        "resample": 3,
+    }
+    (path / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+    extra = {
+        "processor_class": "LlavaProcessor",
+        "patch_size": VLM_PATCH_SIZE,
+        "vision_feature_select_strategy": "default",
+        "image_token": IMAGE_TOKEN,
+        "num_additional_image_tokens": 1,
+    }
+    (path / "processor_config.json").write_text(json.dumps(extra, indent=2))
+    return path

@@ -104,6 +104,7 @@ class Cluster:
             starts_in_reasoning=starts_in_reasoning,
             opens_tool_call=prompt.opens_tool_call,
             constraint=self._constraint(tokenizer, request, starts_in_reasoning),
+            pixel_values=prompt.pixel_values,  # rank 0 encodes them as the prefill starts
         )
 
     def _constraint(
@@ -126,7 +127,7 @@ class Cluster:
             prompt: str | bytes = request.text
         else:
             prompt = request.prompt_bytes if request.prompt_bytes else request.prompt
-        return requests.render_prompt(
+        rendered = requests.render_prompt(
             self.tokenizer(),
             prompt=prompt,
             messages=list(request.messages),
@@ -135,6 +136,13 @@ class Cluster:
             tool_choice=request.tool_choice,
             markup=self.markup(),
         )
+        if rendered.images:  # image tokens expanded, pixels ready (or InvalidRequest)
+            pipeline = self.engine.pipeline
+            loaded, shard = pipeline.loaded, pipeline.shard
+            requests.encode_images(
+                rendered, loaded.path if loaded else None, shard.config if shard else {}
+            )
+        return rendered
 
     def submit(self, request: pb.GenerateRequest, api: str = "grpc") -> Request:
         """Start generating; iterate `.chunks()` (or `observed`), and `.cancel()` when the

@@ -44,7 +44,7 @@ from mlx_relay.coordinator.postprocess import OutputParser
 from mlx_relay.coordinator.sampling import Sampler, SamplingParams
 from mlx_relay.coordinator.scheduler import Scheduler, StepOutput, Unit, pick_group
 from mlx_relay.coordinator.slots import SlotTable, Taken
-from mlx_relay.model import memory
+from mlx_relay.model import memory, vision
 from mlx_relay.protocol import header as hdr
 
 log = logging.getLogger("mlx_relay.engine")
@@ -68,6 +68,9 @@ class Request:
     starts_in_reasoning: bool = False
     opens_tool_call: str = ""  # tool_choice forced a call: the prompt ends in its marker
     constraint: Constraint | None = None  # a grammar the output must follow
+    # A vision-language request's preprocessed images (prompt_tokens then hold one image
+    # token per image feature): rank 0 merges them into the prompt's embeddings.
+    pixel_values: Any = None
     created: float = field(default_factory=time.perf_counter)
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -117,11 +120,27 @@ class Sequence:
     group: int | None = None
     in_flight: int = 0  # steps of this sequence now round the ring
     first_token_at: float | None = None
+    # An image request's merged prompt embeddings, from its first prefill chunk on.
+    embeddings: mx.array | None = None
 
     @property
     def prefilling(self) -> bool:
         """Prompt tokens left to send: known in advance, so several chunks may be in flight."""
         return self.first_token_at is None and bool(self.pending)
+
+
+def _has_images(seq: Sequence) -> bool:
+    return seq.request.pixel_values is not None
+
+
+def _cached_before_images(request: Request, cached: int, image_token: int) -> int:
+    """An image request reuses a parked cache only where it ends before the first
+    image token: past it, equal token ids need not mean equal images."""
+    if request.pixel_values is None or not cached:
+        return cached
+    prompt = request.prompt_tokens
+    first = prompt.index(image_token) if image_token in prompt else len(prompt)
+    return cached if cached <= first else 0
 
 
 def _constrained(seq: Sequence) -> bool:
@@ -393,7 +412,8 @@ class Engine:
         self._free_slot(taken.slot)  # it may hold an evicted cache on every rank
 
     def _new_sequence(self, request: Request, taken: Taken) -> Sequence:
-        cached = taken.cached
+        image_token = vision.image_token_id(self.pipeline.shard.config)
+        cached = _cached_before_images(request, taken.cached, image_token)
         return Sequence(
             request=request,
             slot=taken.slot,
@@ -470,11 +490,26 @@ class Engine:
             [n],
             want_logits=want_logits,
             reuse_from=seq.taken.source if seq.taken and seq.cached_tokens else None,
+            embeddings=self._image_embeddings(seq, n),
         )
         self._launched_first(seq)
         seq.position += n
         seq.context.extend(tokens)
         self._track(step, [seq])
+
+    def _image_embeddings(self, seq: Sequence, n: int) -> mx.array | None:
+        """For an image request, its prompt's merged embeddings for the next `n` prompt
+        positions (vision tower and projector run once, at the first chunk); else None."""
+        if seq.request.pixel_values is None:
+            return None
+        if seq.embeddings is None:
+            seq.embeddings = vision.input_embeddings(
+                self.pipeline.shard.model, seq.request.prompt_tokens, seq.request.pixel_values
+            )
+        out = seq.embeddings[:, seq.position : seq.position + n]
+        if seq.position + n >= len(seq.request.prompt_tokens):
+            seq.embeddings = None  # the prompt is all sent; decode embeds tokens
+        return out
 
     def _timed(self, step: Step) -> None:
         """Tell the scheduler what a finished forward step took."""
@@ -673,7 +708,9 @@ class Engine:
         elif seq.taken is not None:  # its first step failed on rank 0: reset the slot
             self._launched_first(seq)
             self._free_slot(seq.slot)
-        elif self._reuse and isinstance(last, Chunk) and seq.position:
+        elif self._reuse and isinstance(last, Chunk) and seq.position and not _has_images(seq):
+            # (an image request's caches are not parked: its image tokens' ids say
+            # nothing of the image, so a later prompt could match them wrongly)
             # It ended normally: its caches stay for a later prompt sharing a prefix
             # (after its steps still in flight: the park step follows them everywhere).
             self._launch_free([seq.slot], park=True)

@@ -187,6 +187,7 @@ class Pipeline:
         group: int = hdr.NO_GROUP,
         want_logits: bool,
         reuse_from: int | None = None,
+        embeddings: mx.array | None = None,
     ) -> Step:
         """Post rank 0's layers for one step and send it round the ring.
 
@@ -194,7 +195,9 @@ class Pipeline:
         before): nothing here waits for it. A decode group (one token per sequence)
         runs as one batch; otherwise each sequence (a prefill chunk, right-padded to
         the widest) runs alone on its own cache. `reuse_from`: the one sequence starts
-        from that slot's parked cache, cut back to its offset.
+        from that slot's parked cache, cut back to its offset. `embeddings` (1, width,
+        hidden): a prefill chunk's input embeddings, used instead of embedding `tokens`
+        (an image request's prompt, with the image features merged in on rank 0).
         """
         if self.shard is None or self.caches is None:
             raise RuntimeError("no model loaded")
@@ -208,7 +211,7 @@ class Pipeline:
             lengths=list(lengths),
             source=hdr.NO_SOURCE if reuse_from is None else reuse_from,
         )
-        h = sharding.embed(self.shard, tokens)
+        h = sharding.embed(self.shard, tokens) if embeddings is None else embeddings
         try:
             h = forward_stage(self.shard, self.caches, header, h)
         except CacheError as e:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_relay.coordinator.markup import ChatMarkup
 from mlx_relay.coordinator.sampling import SamplingParams
+from mlx_relay.model import vision
 from mlx_relay.protocol import relay_pb2 as pb
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -33,6 +34,8 @@ class Prompt:
     tools: list[dict] | None = None
     tool_choice: str = "auto"
     opens_tool_call: str = ""  # the tool-call marker the prompt ends with, if forced
+    images: list[bytes] = field(default_factory=list)  # image files, in the order shown
+    pixel_values: Any = None  # the images preprocessed (encode_images), for rank 0
 
 
 def _json_field(raw: str, name: str, kind: type) -> Any:
@@ -52,6 +55,9 @@ def _message_dict(i: int, m: pb.ChatMessage) -> dict[str, Any]:
         raise InvalidRequest(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}")
     out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
     out["content"] = m.content
+    if m.images:  # OpenAI-style parts, as chat templates of vision models expect them
+        parts: list[dict[str, Any]] = [{"type": "image"} for _ in m.images]
+        out["content"] = parts + ([{"type": "text", "text": m.content}] if m.content else [])
     if m.tool_calls:
         out["tool_calls"] = [
             {
@@ -147,7 +153,8 @@ def render_prompt(
         raise InvalidRequest("the prompt encodes to no tokens")
     # A named tool is the only one shown, and the only one the parser accepts.
     accepted = [t for t in tools if _tool_name(t) == choice] if named else tools
-    return Prompt(text, token_ids, accepted, choice, opens_tool_call)
+    images = [image for m in messages for image in m.images]
+    return Prompt(text, token_ids, accepted, choice, opens_tool_call, images)
 
 
 def _open_tool_call(markup: ChatMarkup, text: str, choice: str) -> tuple[str, str]:
@@ -192,6 +199,8 @@ def merge_same_roles(messages: list[dict]) -> list[dict]:
             prev is not None
             and prev["role"] == m["role"]
             and set(prev) == set(m) == {"role", "content"}
+            and isinstance(prev["content"], str)
+            and isinstance(m["content"], str)
         ):
             out[-1] = {"role": m["role"], "content": f"{prev['content']}\n\n{m['content']}"}
         else:
@@ -289,3 +298,29 @@ def sampling_params(
         top_logprobs=p.top_logprobs,
         **penalties,
     )
+
+
+def encode_images(prompt: Prompt, model_path: str | None, config: dict[str, Any]) -> None:
+    """Expand the image placeholders of `prompt.token_ids` and preprocess its images
+    (`prompt.pixel_values`) with the model's own (mlx-vlm) processor. A model that
+    takes no images, or an image that is not one, is the client's error."""
+    if not vision.is_vlm(config) or model_path is None:
+        family = config.get("model_type", "unknown")
+        supported = ", ".join(vision.VLM_FAMILIES)
+        raise InvalidRequest(
+            f"the request has {len(prompt.images)} image(s), but the loaded model "
+            f"({family}) reads text only; images need a vision-language model ({supported})"
+        )
+    try:
+        encoded = vision.processor_for(str(model_path)).encode(prompt.text, prompt.images)
+    except vision.VisionError as e:
+        raise InvalidRequest(str(e)) from e
+    image_id = vision.image_token_id(config)
+    placed = sum(1 for t in encoded.token_ids if t == image_id)
+    if not placed:
+        raise InvalidRequest(
+            "the model's chat template put no image placeholder in the prompt, so the "
+            "images would not be seen"
+        )
+    prompt.token_ids = encoded.token_ids
+    prompt.pixel_values = encoded.pixel_values

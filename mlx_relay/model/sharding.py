@@ -40,6 +40,8 @@ from mlx_lm.models.cache import (
 )
 from mlx_lm.utils import load_model
 
+from mlx_relay.model import vision
+
 # Families whose embedding output is scaled by sqrt(hidden_size) before the first layer:
 # gemma3 rounds the factor to bfloat16 first, gemma and gemma2 multiply by the float.
 _BF16_EMBED_SCALE = ("gemma3", "gemma3_text")
@@ -117,6 +119,10 @@ class Shard:
     # The model's own forward asks for array masks (create_attention_mask(...,
     # return_array=True)), e.g. DeepSeek's MLA, which adds its rope scores to the mask.
     array_masks: bool = False
+    # A vision-language model loaded through mlx-vlm: its decoder is
+    # model.language_model.model, its head model.language_model.lm_head, and rank 0
+    # also holds the vision tower and projector (model/vision.py).
+    vision: bool = False
 
     def usable_prefix(self, held: int, shared: int) -> bool:
         """Whether a parked cache holding `held` positions can start a sequence at its
@@ -125,7 +131,12 @@ class Shard:
 
     @property
     def inner(self) -> nn.Module:
-        return inner_model(self.model)
+        return self.model.language_model.model if self.vision else inner_model(self.model)
+
+    @property
+    def outer(self) -> nn.Module:
+        """The module holding the LM head: the language model of a VLM, else the model."""
+        return self.model.language_model if self.vision else self.model
 
     def make_caches(self) -> list[Any]:
         return new_caches(self)
@@ -199,25 +210,34 @@ def load_shard(path: Path, start: int, end: int, *, has_ends: bool) -> Shard:
     The weights are opened lazily; the layers of other ranks are dropped before
     anything is evaluated, so peak memory is about the shard, not the whole model.
     """
-    model, config = load_model(Path(path), lazy=True)
-    try:
-        inner = inner_model(model)
-    except ValueError as e:
-        family = config.get("model_type")
-        raise UnsupportedFamily(
-            f"model family {family!r} cannot be split over ranks: {e}"
-        ) from None
+    config = read_config(Path(path))
+    if vision.is_vlm(config):
+        model, config = vision.load_vlm(Path(path))
+        inner, outer = model.language_model.model, model.language_model
+    else:
+        model, config = load_model(Path(path), lazy=True)
+        try:
+            inner = inner_model(model)
+        except ValueError as e:
+            family = config.get("model_type")
+            raise UnsupportedFamily(
+                f"model family {family!r} cannot be split over ranks: {e}"
+            ) from None
+        outer = model
     num_layers = len(inner.layers)
     if not 0 <= start < end <= num_layers:
         raise ValueError(f"layer range [{start}, {end}) outside the model's {num_layers} layers")
     caches = make_prompt_cache(model)  # all layers still here
-    check_splittable(model, config, caches)
+    check_splittable(model, config, caches, inner)
     reusable, cut_back_below = reuse_rule(caches)
     inner.layers = inner.layers[start:end]
     if not has_ends:
-        for owner, name in ((inner, "embed_tokens"), (inner, "norm"), (model, "lm_head")):
+        for owner, name in ((inner, "embed_tokens"), (inner, "norm"), (outer, "lm_head")):
             if name in owner:
                 owner.pop(name)
+        for name in vision.ENCODER_PARTS:  # a VLM's vision tower and projector: rank 0's
+            if name in model:
+                model.pop(name)
     mx.eval(model.parameters())
     return Shard(
         model,
@@ -229,6 +249,7 @@ def load_shard(path: Path, start: int, end: int, *, has_ends: bool) -> Shard:
         reusable,
         cut_back_below,
         wants_array_masks(inner),
+        vision.is_vlm(config),
     )
 
 
@@ -244,9 +265,12 @@ def reuse_rule(caches: list[Any]) -> tuple[bool, float]:
     return True, float(min(windows)) if windows else math.inf
 
 
-def check_splittable(model: nn.Module, config: dict[str, Any], caches: list[Any]) -> None:
+def check_splittable(
+    model: nn.Module, config: dict[str, Any], caches: list[Any], inner: nn.Module | None = None
+) -> None:
     """Refuse, before any weight is read, a family whose layers a stage cannot run as
-    the full model does: UnsupportedFamily names the family and the reason."""
+    the full model does: UnsupportedFamily names the family and the reason. `inner`:
+    the decoder, where it is not `inner_model(model)` (a VLM's language model)."""
     family = config.get("model_type", type(model).__module__)
 
     def refuse(why: str) -> UnsupportedFamily:
@@ -254,7 +278,7 @@ def check_splittable(model: nn.Module, config: dict[str, Any], caches: list[Any]
 
     if family in _NOT_SPLITTABLE:
         raise refuse(_NOT_SPLITTABLE[family])
-    inner = inner_model(model)
+    inner = inner if inner is not None else inner_model(model)
     for name in ("embed_tokens", "norm"):
         if name not in inner:
             raise refuse(
@@ -335,8 +359,8 @@ def make_mask(shard: Shard, kind: str, h: mx.array, cache: Any) -> Any:
 def head(shard: Shard, h: mx.array) -> mx.array:
     """Final norm and LM head (tied embeddings when the model has no lm_head)."""
     h = shard.inner.norm(h)
-    if "lm_head" in shard.model:
-        logits = shard.model.lm_head(h)
+    if "lm_head" in shard.outer:
+        logits = shard.outer.lm_head(h)
     else:
         logits = shard.inner.embed_tokens.as_linear(h)
     cap = shard.config.get("final_logit_softcapping")

@@ -7,6 +7,8 @@ by `common.collect`. The Responses API is in `responses.py`.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -52,9 +54,14 @@ def error_body(e: HttpError) -> dict[str, Any]:
 
 
 # --- request schemas ------------------------------------------------------------------
+class ImageUrl(Lenient):
+    url: str
+
+
 class ContentPart(Lenient):
     type: str
     text: str | None = None
+    image_url: ImageUrl | str | None = None
 
 
 class FunctionIn(Lenient):
@@ -152,31 +159,55 @@ class DetokenizeRequest(Lenient):
 
 
 # --- translation ----------------------------------------------------------------------
-def text_content(content: str | list[ContentPart] | None, where: str) -> str:
-    """A message's text; image and audio parts are refused until vision models are served."""
+def message_content(content: str | list[ContentPart] | None, where: str) -> tuple[str, list[bytes]]:
+    """A message's text and its images (`image_url` parts with base64 data: URLs; the
+    server fetches nothing). A text-only model refuses the images (Cluster.build)."""
     if content is None or isinstance(content, str):
-        return content or ""
-    texts = []
+        return content or "", []
+    texts, images = [], []
     for i, part in enumerate(content):
         if part.type in ("text", "input_text", "output_text") and part.text is not None:
             texts.append(part.text)
+        elif part.type == "image_url" and part.image_url is not None:
+            images.append(image_bytes(part.image_url, f"{where}.content[{i}].image_url"))
         else:
             raise HttpError(
                 "invalid",
-                f"{where}.content[{i}] is a {part.type!r} part: this server reads text only "
-                "(images and audio are not supported yet)",
+                f"{where}.content[{i}] is a {part.type!r} part: this server reads text and "
+                "image_url parts only (audio and files are not supported)",
                 f"{where}.content",
             )
-    return "".join(texts)
+    return "".join(texts), images
+
+
+def image_bytes(image: ImageUrl | str, where: str) -> bytes:
+    """The file bytes of a `data:image/...;base64,...` URL; other URLs are refused."""
+    url = image if isinstance(image, str) else image.url
+    head, comma, data = url.partition(",")
+    if not (url.startswith("data:") and comma and head.endswith(";base64")):
+        raise HttpError(
+            "invalid",
+            f"{where}: only base64 data: URLs (data:image/png;base64,...) are accepted; "
+            "the server does not fetch images from the network",
+            where,
+        )
+    try:
+        return base64.b64decode(data, validate=True)
+    except binascii.Error as e:
+        raise HttpError(
+            "invalid", f"{where}: the data: URL is not valid base64 ({e})", where
+        ) from None
 
 
 def chat_messages(messages: list[MessageIn]) -> list[pb.ChatMessage]:
     out = []
     for i, m in enumerate(messages):
+        text, images = message_content(m.content, f"messages[{i}]")
         out.append(
             pb.ChatMessage(
                 role=m.role,
-                content=text_content(m.content, f"messages[{i}]"),
+                content=text,
+                images=images,
                 name=m.name or "",
                 tool_call_id=m.tool_call_id or "",
                 reasoning=m.reasoning_content or m.reasoning or "",

@@ -1,0 +1,132 @@
+"""Vision-language models: loaded through mlx-vlm, images encoded on rank 0 only.
+
+A VLM here is a vision tower and projector in front of a plain decoder. Rank 0 turns
+a prompt with images into input embeddings exactly as mlx-vlm's own model does (text
+embeddings with the projected image features spliced in at the image tokens), and the
+decoder's layers are split over ranks like any text model's: the workers never see an
+image, only hidden states. Only families whose image features merge into the input
+embeddings before the first layer, and whose decoder then runs with ordinary positions,
+are accepted (`VLM_FAMILIES`); Qwen2-VL's multimodal rope, say, would need positions
+the stages do not carry.
+
+mlx-vlm is an optional extra (`pip install 'mlx-relay[vision]'`): it is imported only
+when a VLM is loaded or an image request arrives.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+# model_type -> its decoder families in mlx-vlm (checked by mlx-vlm's LanguageModel).
+VLM_FAMILIES = {"llava": ("llama", "qwen2")}
+# Modules of a VLM that only rank 0 holds (workers drop them before any weight is read).
+ENCODER_PARTS = ("vision_tower", "multi_modal_projector")
+MAX_IMAGE_BYTES = 20 * 2**20
+
+
+class VisionError(ValueError):
+    """An image request this model or this installation cannot serve; says why."""
+
+
+def is_vlm(config: dict[str, Any]) -> bool:
+    """Whether the model is a vision-language model that mlx-relay loads with mlx-vlm."""
+    return config.get("model_type") in VLM_FAMILIES
+
+
+def _mlx_vlm() -> Any:
+    try:
+        import mlx_vlm.utils
+    except ImportError as e:
+        raise VisionError(
+            "this is a vision-language model; it needs mlx-vlm "
+            "(pip install 'mlx-relay[vision]'): " + str(e)
+        ) from e
+    return mlx_vlm.utils
+
+
+def load_vlm(path: Path) -> tuple[nn.Module, dict[str, Any]]:
+    """The whole VLM, lazily (nothing read yet), and its config with the text model's
+    settings (hidden size, context length ...) at the top level as text models have."""
+    utils = _mlx_vlm()
+    model = utils.load_model(Path(path), lazy=True)
+    config = dict(utils.load_config(Path(path)))
+    text = config.get("text_config") or {}
+    family = text.get("model_type")
+    allowed = VLM_FAMILIES[config["model_type"]]
+    if family not in allowed:
+        raise VisionError(
+            f"{config['model_type']} with a {family!r} language model is not supported "
+            f"(only {', '.join(allowed)})"
+        )
+    return model, {**text, **{k: v for k, v in config.items() if k != "text_config"}}
+
+
+@dataclass
+class Encoded:
+    """A prompt with images, as the model sees it: image tokens expanded, pixels ready."""
+
+    token_ids: list[int]
+    pixel_values: np.ndarray
+
+
+class ImageProcessor:
+    """mlx-vlm's processor for one model dir: prompt text plus images to tokens and pixels."""
+
+    def __init__(self, path: str) -> None:
+        self.processor = _mlx_vlm().load_processor(path, add_detokenizer=False)
+
+    def encode(self, text: str, images: list[bytes]) -> Encoded:
+        """Expand each image placeholder of `text` and preprocess `images` (file bytes)
+        with the model's processor, as mlx-vlm's generate does."""
+        pictures = [decode_image(i, data) for i, data in enumerate(images)]
+        try:  # (its kwargs go to the image processor too, which refuses tokenizer ones)
+            out = self.processor(text=[text], images=pictures)
+        except Exception as e:  # noqa: BLE001 - the processor's reasons are the client's
+            raise VisionError(f"the model's image processor refused the request: {e}") from e
+        ids = [int(t) for t in np.asarray(out["input_ids"]).reshape(-1).tolist()]
+        # mlx-lm's rule for text prompts: no BOS added when the template wrote one.
+        tokenizer = getattr(self.processor, "tokenizer", None)
+        bos = getattr(tokenizer, "bos_token_id", None)
+        if bos is not None and ids[:2] == [bos, bos]:
+            ids = ids[1:]
+        return Encoded(ids, np.asarray(out["pixel_values"]))
+
+
+@functools.lru_cache(maxsize=2)
+def processor_for(path: str) -> ImageProcessor:
+    return ImageProcessor(path)
+
+
+def decode_image(i: int, data: bytes) -> Any:
+    """File bytes (PNG, JPEG, ...) to an RGB PIL image, or VisionError naming the image."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not data:
+        raise VisionError(f"image {i} is empty")
+    if len(data) > MAX_IMAGE_BYTES:
+        raise VisionError(f"image {i} is {len(data)} bytes, at most {MAX_IMAGE_BYTES}")
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except (UnidentifiedImageError, OSError) as e:
+        raise VisionError(f"image {i} is not an image file PIL can read: {e}") from None
+    return image.convert("RGB")
+
+
+def image_token_id(config: dict[str, Any]) -> int:
+    return int(config.get("image_token_index", config.get("image_token_id", -1)))
+
+
+def input_embeddings(model: nn.Module, token_ids: list[int], pixel_values: np.ndarray) -> mx.array:
+    """The merged input embeddings (1, len(token_ids), hidden) of a prompt with images,
+    computed by the model's own mlx-vlm code: vision tower, projector, splice."""
+    features = model.get_input_embeddings(mx.array([token_ids]), mx.array(pixel_values))
+    return features.inputs_embeds
