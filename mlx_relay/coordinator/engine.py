@@ -473,6 +473,9 @@ class Engine:
         except RankFailure:
             raise
         except Exception as e:  # noqa: BLE001 - rank 0's own stage failed for this unit
+            broken = self.pipeline.ring_failure(e)
+            if broken is not None:  # the input it waited for never came: a rank is gone
+                raise broken from e
             seqs = self._groups[unit.key] if unit.kind == "group" else [unit.key]
             log.exception("rank 0 failed a step: %s", e)
             for seq in list(seqs):

@@ -378,6 +378,14 @@ class Pipeline:
             + (f"; {suspect.reason}" if suspect else ""),
         )
 
+    def ring_failure(self, e: Exception) -> ClusterFailure | None:
+        """`e`, raised while rank 0 posted a step (its input was a receive from the
+        ring), as the cluster failure it is when the ring broke; None otherwise."""
+        if self.ring is None or not isinstance(e, RuntimeError) or "[ring]" not in str(e):
+            return None
+        broken = self._ring_broken(e, self.ring.prev)
+        return broken if isinstance(broken, ClusterFailure) else None
+
     def _ring_broken(self, e: RuntimeError, neighbour: int) -> Exception:
         """mx.distributed raised: if a rank is gone, the ring broke with it, so name it.
 
