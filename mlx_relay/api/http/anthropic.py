@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from mlx_relay.api.http.common import Door, HttpError, Output, sampling
+from mlx_relay.api.http.common import Door, HttpError, Output, sampling, tool_call
 from mlx_relay.api.http.schemas import Lenient, dumps, sse
 from mlx_relay.coordinator.output import Chunk
 from mlx_relay.protocol import relay_pb2 as pb
@@ -130,15 +130,7 @@ def chat_messages(body: CountRequest) -> list[pb.ChatMessage]:
             elif b.type in ("thinking", "redacted_thinking"):
                 reasoning.append(b.thinking or "")
             elif b.type == "tool_use" and m.role == "assistant":
-                calls.append(
-                    pb.ToolCall(
-                        id=b.id or "",
-                        type="function",
-                        function=pb.ToolCallFunction(
-                            name=b.name or "", arguments=dumps(b.input or {})
-                        ),
-                    )
-                )
+                calls.append(tool_call(b.name or "", dumps(b.input or {}), b.id or ""))
             elif b.type == "tool_result" and m.role == "user":
                 out.append(
                     pb.ChatMessage(

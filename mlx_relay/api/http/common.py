@@ -21,6 +21,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import StreamingResponse
 
 from mlx_relay.api.cluster import Cluster, error_kind
+from mlx_relay.api.http.schemas import dumps
 from mlx_relay.api.metrics import Metrics, Observer
 from mlx_relay.coordinator import requests
 from mlx_relay.coordinator.engine import Request
@@ -57,6 +58,13 @@ class HttpError(Exception):
     @property
     def status(self) -> int:
         return STATUS.get(self.kind, 500)
+
+
+def tool_call(name: str, arguments: Any, id: str = "", type: str = "function") -> pb.ToolCall:
+    """An earlier assistant turn's call as the wire carries it; the APIs send arguments as
+    JSON text (OpenAI), an object (Ollama, Anthropic's input), or either."""
+    text = arguments if isinstance(arguments, str) else dumps(arguments)
+    return pb.ToolCall(id=id, type=type, function=pb.ToolCallFunction(name=name, arguments=text))
 
 
 def as_http_error(e: BaseException) -> HttpError:

@@ -18,7 +18,15 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
-from mlx_relay.api.http.common import Collected, Door, HttpError, Output, collect, sampling
+from mlx_relay.api.http.common import (
+    Collected,
+    Door,
+    HttpError,
+    Output,
+    collect,
+    sampling,
+    tool_call,
+)
 from mlx_relay.api.http.schemas import Lenient, dumps
 from mlx_relay.coordinator.output import Chunk
 from mlx_relay.protocol import relay_pb2 as pb
@@ -134,16 +142,7 @@ def chat_messages(messages: list[Message]) -> list[pb.ChatMessage]:
                 reasoning=m.thinking or "",
                 name=m.tool_name or "",
                 tool_calls=[
-                    pb.ToolCall(
-                        type="function",
-                        function=pb.ToolCallFunction(
-                            name=c.function.name,
-                            arguments=c.function.arguments
-                            if isinstance(c.function.arguments, str)
-                            else dumps(c.function.arguments),
-                        ),
-                    )
-                    for c in m.tool_calls or []
+                    tool_call(c.function.name, c.function.arguments) for c in m.tool_calls or []
                 ],
             )
         )

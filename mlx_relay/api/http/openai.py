@@ -23,6 +23,7 @@ from mlx_relay.api.http.common import (
     HttpError,
     response_format_json,
     sampling,
+    tool_call,
     total_usage,
 )
 from mlx_relay.api.http.schemas import Lenient, dumps, sse
@@ -212,16 +213,7 @@ def chat_messages(messages: list[MessageIn]) -> list[pb.ChatMessage]:
                 tool_call_id=m.tool_call_id or "",
                 reasoning=m.reasoning_content or m.reasoning or "",
                 tool_calls=[
-                    pb.ToolCall(
-                        id=c.id,
-                        type=c.type,
-                        function=pb.ToolCallFunction(
-                            name=c.function.name,
-                            arguments=c.function.arguments
-                            if isinstance(c.function.arguments, str)
-                            else dumps(c.function.arguments),
-                        ),
-                    )
+                    tool_call(c.function.name, c.function.arguments, c.id, c.type)
                     for c in m.tool_calls or []
                 ],
             )

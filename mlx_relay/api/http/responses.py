@@ -14,7 +14,14 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from mlx_relay.api.http.common import Door, HttpError, Output, response_format_json, sampling
+from mlx_relay.api.http.common import (
+    Door,
+    HttpError,
+    Output,
+    response_format_json,
+    sampling,
+    tool_call,
+)
 from mlx_relay.api.http.openai import error_body
 from mlx_relay.api.http.schemas import Lenient, dumps, sse
 from mlx_relay.coordinator.output import Chunk
@@ -91,13 +98,7 @@ class ResponsesRequest(Lenient):
             if item.type == "message":
                 out.append(pb.ChatMessage(role=item.role or "user", content=_text(item, i)))
             elif item.type == "function_call":
-                call = pb.ToolCall(
-                    id=item.call_id or "",
-                    type="function",
-                    function=pb.ToolCallFunction(
-                        name=item.name or "", arguments=item.arguments or "{}"
-                    ),
-                )
+                call = tool_call(item.name or "", item.arguments or "{}", item.call_id or "")
                 if out and out[-1].role == "assistant" and not out[-1].content:
                     out[-1].tool_calls.append(call)
                 else:
