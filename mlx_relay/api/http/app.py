@@ -60,7 +60,7 @@ def _validation_message(e: RequestValidationError) -> tuple[str, str | None]:
 
 def create_app(cluster: Cluster, *, token: str = "", max_body_bytes: int = 4 << 20) -> ASGIApp:
     """The app rank 0 serves; `token` '' lets anyone in (loopback only, by default)."""
-    door = Door(cluster, cluster.metrics)
+    door = Door(cluster)
     app = FastAPI(title="mlx-relay", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.door = door
     for module in (openai, responses, anthropic, ollama, ops):

@@ -77,10 +77,13 @@ def as_http_error(e: BaseException) -> HttpError:
 
 @dataclass
 class Door:
-    """What a door's handlers need: the cluster, and the metrics its requests feed."""
+    """What a door's handlers need: the cluster (and the metrics its requests feed)."""
 
     cluster: Cluster
-    metrics: Metrics
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.cluster.metrics
 
     def model_id(self) -> str:
         """The loaded model's name as the APIs list it ('' when none is loaded)."""
