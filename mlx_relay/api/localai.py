@@ -29,6 +29,7 @@ import grpc
 
 from mlx_relay.api.auth import TokenAuth
 from mlx_relay.api.cluster import Cluster, not_serving
+from mlx_relay.api.service import grpc_status
 from mlx_relay.coordinator import requests
 from mlx_relay.coordinator.engine import EngineError
 from mlx_relay.coordinator.output import Chunk, TokenLogprob
@@ -43,15 +44,6 @@ TOKEN_ENV = "LOCALAI_GRPC_AUTH_TOKEN"  # what LocalAI gives the backends it star
 MISMATCH = "model identity mismatch"  # LocalAI's router matches this text with NOT_FOUND
 LOAD_WAIT_S = 600.0  # LoadModel waits this long at most for a cluster still loading
 
-_STATUS = {
-    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
-    "unavailable": grpc.StatusCode.UNAVAILABLE,
-    "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "internal": grpc.StatusCode.INTERNAL,
-    "cancelled": grpc.StatusCode.CANCELLED,
-    "precondition": grpc.StatusCode.FAILED_PRECONDITION,
-}
-
 
 class NotFound(Exception):
     """A request for another model than the one LoadModel loaded."""
@@ -61,13 +53,9 @@ def _map_errors(fn: Callable) -> Callable:
     """The engine's errors as gRPC statuses, for unary and streaming methods alike."""
 
     def abort(context: grpc.ServicerContext, e: Exception) -> None:
-        if isinstance(e, requests.InvalidRequest):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if isinstance(e, NotFound):
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        if isinstance(e, EngineError):
-            context.abort(_STATUS[e.kind], str(e))
-        context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        context.abort(grpc_status(e), str(e))
 
     errors = (requests.InvalidRequest, NotFound, EngineError, RankFailure)
 

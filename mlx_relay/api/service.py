@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from mlx_relay.api.cluster import Cluster
+from mlx_relay.api.cluster import Cluster, error_kind
 from mlx_relay.coordinator import requests
 from mlx_relay.coordinator.engine import EngineError
 from mlx_relay.coordinator.output import Chunk
@@ -28,7 +28,7 @@ log = logging.getLogger("mlx_relay.service")
 
 SERVICE_NAME = "mlx_relay.v1.Relay"
 
-_STATUS = {
+_STATUS = {  # an EngineError's kind (api.cluster.error_kind) as a gRPC status
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -62,12 +62,13 @@ def _statuses(request: Any, context: grpc.ServicerContext) -> Iterator[None]:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
     try:
         yield
-    except requests.InvalidRequest as e:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-    except EngineError as e:
-        context.abort(_STATUS[e.kind], str(e))
-    except RankFailure as e:
-        context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+    except (requests.InvalidRequest, EngineError, RankFailure) as e:
+        context.abort(grpc_status(e), str(e))
+
+
+def grpc_status(e: Exception) -> grpc.StatusCode:
+    """The gRPC status a gRPC door answers the engine's or the request checks' error with."""
+    return _STATUS[error_kind(e)]
 
 
 def _rpc(fn: Callable) -> Callable:
