@@ -1,7 +1,7 @@
 """Single-stream speed of 1, 2 and 3 ranks against single-process mlx-lm, side by side.
 
     .venv/bin/python bench/bench_pipeline.py [--model default | --shape tiny] [--tokens 128]
-        [--rounds 5] [--ranks 1,2,3] [--gpus G]
+        [--rounds 5] [--ranks 1,2,3] [--gpus G] [--hop-modes eager,ready]
 
 Every configuration runs in this one invocation on the same model and prompt, so the
 printed ratios compare like with like on whatever machine runs it. All of them stay
@@ -145,6 +145,11 @@ def main() -> int:
     ap.add_argument("--shape", choices=shapes.NAMES, help="a random-weight model of this shape")
     ap.add_argument("--gpus", type=int, default=0, help="CUDA: rank r runs on GPU r mod G")
     ap.add_argument("--serve-args", default="", help="extra options for every cluster")
+    ap.add_argument(
+        "--hop-modes",
+        default="auto",
+        help="comma-separated --hop-mode values: each multi-rank size runs once per mode",
+    )
     ap.add_argument("--prompt-tokens", type=int, default=0, help="lengthen the prompt to about N")
     ap.add_argument(
         "--cores-per-rank",
@@ -177,13 +182,18 @@ def main() -> int:
         )
         stack.callback(base.close)
         runners["mlx_lm (1 process)"] = base.run
-        for n in sizes:  # every cluster stays up, idle on its doorbells, between its turns
+        modes = args.hop_modes.split(",")
+        configs = [(n, mode) for n in sizes for mode in (modes if n > 1 else ["auto"])]
+        for n, mode in configs:  # every cluster stays up, idle on its doorbells, between turns
             address = f"127.0.0.1:{free_ports(1)[0]}"
             logs = Path(tempfile.mkdtemp(prefix="bench-logs-"))
             cluster = stack.enter_context(
                 LocalCluster(
                     n,
-                    ["--model", args.model, "--no-prompt-cache", *args.serve_args.split()],
+                    [
+                        *("--model", args.model, "--no-prompt-cache", "--hop-mode", mode),
+                        *args.serve_args.split(),
+                    ],
                     grpc_address=address,
                     log_dir=logs,
                     rank_env={r: gpu_env(r, args.gpus) for r in range(n)},
@@ -194,6 +204,7 @@ def main() -> int:
                 pin_all_threads(proc.pid, core_set(rank, per_rank))
             client = stack.enter_context(Client(address, timeout=600))
             label = f"mlx-relay {n} rank{'s' if n > 1 else ''}"
+            label += f" {mode}" if len(modes) > 1 and n > 1 else ""
             runners[label] = lambda c=client: cluster_run(c, args.tokens, prompt)
         for run in runners.values():  # warm-up
             run()
@@ -203,7 +214,7 @@ def main() -> int:
                 results[label].append(run())
             print(f"round {i + 1}/{args.rounds} done", file=sys.stderr)
     print(f"prompt {base.prompt_tokens} tokens; median of {args.rounds} interleaved rounds")
-    print(f"{'config':<22}{'decode tok/s':>14}{'ratio':>8}{'TTFT ms':>10}{'ratio':>8}")
+    print(f"{'config':<28}{'decode tok/s':>14}{'ratio':>8}{'TTFT ms':>10}{'ratio':>8}")
     reference = results["mlx_lm (1 process)"]
     for label, runs in results.items():
         # Ratios are taken within a round (runs seconds apart), then the median over rounds.
@@ -215,11 +226,11 @@ def main() -> int:
         ttft_ratio = statistics.median(
             r["ttft"] / b["ttft"] for r, b in zip(runs, reference, strict=True)
         )
-        print(f"{label:<22}{tps:>14.2f}{tps_ratio:>8.3f}{ttft * 1000:>10.1f}{ttft_ratio:>8.3f}")
+        print(f"{label:<28}{tps:>14.2f}{tps_ratio:>8.3f}{ttft * 1000:>10.1f}{ttft_ratio:>8.3f}")
     print("decode ratio to mlx_lm, round by round:")
     for label, runs in results.items():
         ratios = [r["decode_tps"] / b["decode_tps"] for r, b in zip(runs, reference, strict=True)]
-        print(f"  {label:<20}" + " ".join(f"{x:.3f}" for x in ratios))
+        print(f"  {label:<28}" + " ".join(f"{x:.3f}" for x in ratios))
     return 0
 
 

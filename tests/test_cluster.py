@@ -16,23 +16,29 @@ MESSAGES = [
     {"role": "user", "content": "Tell me a story about a café in Tokyo 🙂 with 3 cats."},
 ]
 
-# (ranks, family, layers, uneven explicit split): layer counts that do not divide evenly.
+# (ranks, family, layers, uneven explicit split, hop mode): layer counts that do not
+# divide evenly; on a 2-core machine `auto` gives ready hops, so eager ones are asked for.
 CONFIGS = [
-    (1, "llama", 5, None),
-    (2, "qwen3", 5, None),
-    (3, "gemma3_text", 7, None),
-    (3, "llama", 7, "1,4,2"),
-    (2, "qwen2", 5, "4,1"),
+    (1, "llama", 5, None, "auto"),
+    (2, "qwen3", 5, None, "auto"),
+    (3, "gemma3_text", 7, None, "auto"),
+    (3, "llama", 7, "1,4,2", "eager"),
+    (2, "qwen2", 5, "4,1", "auto"),
+    (2, "qwen3", 5, None, "eager"),
 ]
 
 
 @pytest.fixture(
-    scope="module", params=CONFIGS, ids=lambda c: f"{c[0]}ranks-{c[1]}-{c[3] or 'even'}"
+    scope="module",
+    params=CONFIGS,
+    ids=lambda c: f"{c[0]}ranks-{c[1]}-{c[3] or 'even'}-{c[4]}",
 )
 def served(request, tiny_model, tmp_path_factory):
-    n, family, num_layers, layers = request.param
+    n, family, num_layers, layers, hops = request.param
     model = tiny_model(family, num_layers)
-    running = start_cluster(model, n, tmp_path_factory.mktemp("logs"), layers=layers)
+    running = start_cluster(
+        model, n, tmp_path_factory.mktemp("logs"), "--hop-mode", hops, layers=layers
+    )
     yield model, running, n
     running.stop()
     assert_gone(running.pids)

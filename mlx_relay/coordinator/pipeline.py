@@ -10,6 +10,7 @@ run locally.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import socket
@@ -73,17 +74,19 @@ class ClusterFailure(RankFailure):
 class Step:
     """A step launched round the ring, completed later in launch order.
 
-    Launching posts rank 0's part; announcing sends it on once computed (header on the
-    doorbell, payload on the ring); completing takes the header back and posts the
-    receive of the payload, giving the logits as a graph still to be computed: the
-    caller posts what depends on them (the next step) before it reads them, so the
-    device never idles while the host waits.
+    Launching posts rank 0's part; announcing sends it on (header on the doorbell,
+    payload on the ring): at once with eager hops, else once computed. Completing takes
+    the header back and the payload's receive (posted at launch with eager hops, else
+    now), giving the logits as a graph still to be computed: the caller posts what
+    depends on them (the next step) before it reads them, so the device never idles
+    while the host waits.
     """
 
     header: hdr.StepHeader
     want_logits: bool
     hidden: mx.array | None = None
     posted: mx.array | None = None  # the payload's send in flight, kept alive
+    returned: mx.array | None = None  # eager hops: the return's receive, posted at launch
     launched_at: float = field(default_factory=time.monotonic)
     tag: Any = None  # the engine's own bookkeeping
 
@@ -251,7 +254,7 @@ class Pipeline:
             self._in_flight.popleft()
             self.announce()
             step.posted = None
-            _, step.hidden = self._receive(step.header)
+            _, step.hidden = self._receive(step)
         if not step.want_logits:
             if self.world_size == 1:
                 mx.eval(step.hidden)  # done when it returns, as on a ring: it is timed
@@ -273,14 +276,29 @@ class Pipeline:
 
     # --- the ring ------------------------------------------------------------------
     def _launch(self, step: Step, payload: mx.array | None) -> None:
-        """Post rank 0's part of the step; `announce` sends it on once it is computed."""
+        """Post rank 0's part of the step and, with eager hops, send it on and post the
+        receive of what comes back; otherwise `announce` sends it once it is computed."""
         self._step_id += 1
         step.header.step_id = self._step_id
         self._outstanding[step.header.step_id] = step
-        if payload is not None:
-            mx.async_eval(payload)
-        self._unannounced.append((step, payload))
         self._in_flight.append(step)
+        if not self.ring.eager:
+            if payload is not None:
+                mx.async_eval(payload)
+            self._unannounced.append((step, payload))
+            return
+        back = dataclasses.replace(step.header)
+        hdr.set_returned_payload(back)
+        try:
+            step.posted = self.ring.send(step.header, payload)
+        except RuntimeError as e:
+            raise self._ring_broken(e, self.ring.next) from e
+        try:
+            step.returned = self.ring.post_recv_payload(
+                hdr.payload_nbytes_shape(back), back.payload_dtype
+            )
+        except RuntimeError as e:
+            raise self._ring_broken(e, self.ring.prev) from e
 
     def announce(self) -> None:
         """Send on every launched step, in launch order, each once its payload is
@@ -308,24 +326,34 @@ class Pipeline:
         self._launch(step, payload)
         self._in_flight.popleft()
         self.announce()
-        back, out = self._receive(header)
+        back, out = self._receive(step)
         if out is not None:
             mx.eval(out)
         self.done(step)
         return back
 
-    def _receive(self, header: hdr.StepHeader) -> tuple[hdr.StepHeader, mx.array | None]:
+    def _receive(self, step: Step) -> tuple[hdr.StepHeader, mx.array | None]:
         """The header that came back, and the receive of its payload, posted. A failed
         step's payload (zeros) is received all the same, so the ring stays in step."""
+        header = step.header
         back = self._wait_for_return(header)
-        if back.step_id != header.step_id or back.cmd != header.cmd:
+        expected = dataclasses.replace(header)
+        hdr.set_returned_payload(expected)
+        shape = hdr.payload_nbytes_shape(back)
+        if (
+            back.step_id != header.step_id
+            or back.cmd != header.cmd
+            or shape != hdr.payload_nbytes_shape(expected)
+        ):
             raise ClusterFailure(
                 -1, "", f"ranks out of step: sent {header.describe()}, got {back.describe()}"
             )
-        try:
-            out = self.ring.post_recv_payload(hdr.payload_nbytes_shape(back), back.payload_dtype)
-        except RuntimeError as e:
-            raise self._ring_broken(e, self.ring.prev) from e
+        out, step.returned = step.returned, None
+        if not self.ring.eager:
+            try:
+                out = self.ring.post_recv_payload(shape, back.payload_dtype)
+            except RuntimeError as e:
+                raise self._ring_broken(e, self.ring.prev) from e
         if back.error_mask:
             raise self._failure(back)
         return back, out

@@ -76,6 +76,17 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ),
     ("--prefill-chunk", dict(type=int, default=512, help="prompt tokens per step")),
     (
+        "--hop-mode",
+        dict(
+            default="auto",
+            choices=["auto", "eager", "ready"],
+            help="eager: each rank queues its part of a step as soon as rank 0 decides it, "
+            "and keeps one core spinning on the receive while busy (fastest where cores are "
+            "spare); ready: a rank starts its part once its input has arrived (nothing spins); "
+            "auto: eager with the ring backend and 4+ cores per rank on the machine",
+        ),
+    ),
+    (
         "--default-max-tokens",
         dict(type=int, default=256, help="max_tokens when a request has none"),
     ),
@@ -254,13 +265,17 @@ def _serve(args: argparse.Namespace) -> int:
             return _fatal(rank, e)
 
     from mlx_relay.transport.doorbell import Doorbell, doorbell_endpoints
-    from mlx_relay.transport.ring import Ring
+    from mlx_relay.transport.ring import Ring, choose_hop_mode
 
     secret = control.cluster_secret()
     hosts = rank_hosts(size)
     ring = None
     if size > 1:
-        ring = Ring(group, Doorbell(rank, size, doorbell_endpoints(size, hosts), secret))
+        mode = choose_hop_mode(
+            args.hop_mode, _backend_in_use(args.backend), _cores(), hosts.count(hosts[rank])
+        )
+        log.info("rank %d: %s hops", rank, mode)
+        ring = Ring(group, Doorbell(rank, size, doorbell_endpoints(size, hosts), secret), mode)
     endpoint = control_endpoint(args, hosts)
     if rank == 0:
         return _run_rank0(args, ring, endpoint, secret, layer_counts)
@@ -327,6 +342,23 @@ def _rank_before_init() -> int | str:
         if value.isdigit():
             return int(value)
     return 0 if not _distributed() else "?"
+
+
+def _backend_in_use(requested: str) -> str:
+    """The backend `mx.distributed.init(backend=requested)` joined (MLX does not say)."""
+    if requested != "any":
+        return requested
+    if "OMPI_COMM_WORLD_RANK" in os.environ or "PMI_RANK" in os.environ:
+        return "mpi"
+    return "ring"
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
 
 
 def _distributed() -> bool:

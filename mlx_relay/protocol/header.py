@@ -151,6 +151,22 @@ def payload_nbytes_shape(header: StepHeader) -> tuple[int, ...]:
     return tuple(header.payload_shape)
 
 
+def set_returned_payload(header: StepHeader) -> None:
+    """Make `header` announce what the last rank sends back to rank 0 for it.
+
+    A forward step returns each row's last position (all the LM head needs) when rank 0
+    asked for output; anything else returns nothing. Rank 0 knows this when it launches
+    a step, so it can post the receive at once.
+    """
+    wanted = header.cmd == CMD_FORWARD and header.flags & FLAG_WANT_OUTPUT
+    if wanted and header.payload_kind == PAYLOAD_HIDDEN:
+        rows, _, hidden = header.payload_shape
+        header.payload_shape = (rows, 1, hidden)
+    else:
+        header.payload_kind = PAYLOAD_NONE
+        header.payload_shape = (0, 0, 0)
+
+
 def encode(header: StepHeader) -> np.ndarray:
     n = header.n_seqs
     if n > MAX_SEQS:

@@ -6,6 +6,8 @@ the ring backend allows. Nothing here decides anything: the header says what fol
 
 from __future__ import annotations
 
+import threading
+
 import mlx.core as mx
 import numpy as np
 
@@ -32,6 +34,42 @@ def dtype_name(dtype: mx.Dtype) -> str:
     raise ValueError(f"dtype {dtype} cannot travel on the ring")
 
 
+# How a hop is timed (`--hop-mode`). EAGER: a step is announced when it is decided, and
+# every receive is posted at once, so each rank builds and queues its part of the step
+# while the ranks before it still compute; a busy rank keeps one core spinning on its
+# posted receive (MLX's ring backend polls its socket). READY: a step is announced once
+# its payload is computed and a receive is posted only when its data is there: nothing
+# spins, but every hop adds a wake-up and the next rank's graph building to the token.
+EAGER = "eager"
+READY = "ready"
+AUTO = "auto"
+HOP_MODES = (EAGER, READY)
+# Cores a rank needs for eager hops to pay: its compute, plus one spinning on a receive.
+EAGER_CORES_PER_RANK = 4
+
+
+def choose_hop_mode(requested: str, backend: str, cores: int, ranks_here: int) -> str:
+    """The hop mode for `--hop-mode requested` (AUTO or one of HOP_MODES).
+
+    AUTO picks EAGER where a spinning receive costs nothing the rank needs: a ring or
+    JACCL backend (their receives run on a stream of their own; MPI calls from a second
+    thread are not safe under MLX's plain MPI_Init) and EAGER_CORES_PER_RANK cores per
+    rank on this machine. With fewer (a 2-core box running 2 ranks) the spinning
+    threads take the cores the ranks compute on, and READY is several times faster.
+    """
+    if requested != AUTO:
+        if requested not in HOP_MODES:
+            raise ValueError(f"hop mode {requested!r}: expected auto, eager or ready")
+        if requested == EAGER and backend == "mpi":
+            raise ValueError(
+                "eager hops need the ring or jaccl backend (MPI is not thread-safe here)"
+            )
+        return requested
+    if backend == "mpi" or cores < EAGER_CORES_PER_RANK * max(1, ranks_here):
+        return READY
+    return EAGER
+
+
 class Ring:
     """One hop: the header over the doorbell, the payload over the ring.
 
@@ -39,22 +77,34 @@ class Ring:
     `mx.async_eval`, never waited for here, so a rank builds its next graph while its
     device computes and the link carries the last one. The streams run posted
     operations in the order they were posted, which keeps every rank's payload sends
-    and receives paired. Headers travel on the doorbell (see doorbell.py), once the
-    payload they announce is computed: a receive is posted only when its data is
-    there. An earlier header (sent when the step is decided) would let the next rank
-    build its graph sooner, but its receive then waits inside the device's streams: on
-    a CPU the ring backend busy-polls the core the rank computes on, and on CUDA the
-    receiving kernels spin on the GPU; with two ranks sharing one H200 that stalled the
-    first decode step for good.
+    and receives paired. In EAGER mode sends and receives each run on a CPU stream of
+    their own, so a receive posted before its data arrived waits there, not in front of
+    the rank's computation or its sends.
     """
 
-    def __init__(self, group: mx.distributed.Group, doorbell: Doorbell) -> None:
+    def __init__(self, group: mx.distributed.Group, doorbell: Doorbell, mode: str = READY) -> None:
+        if mode not in HOP_MODES:
+            raise ValueError(f"hop mode {mode!r}: expected one of {', '.join(HOP_MODES)}")
         self.group = group
         self.doorbell = doorbell
+        self.mode = mode
+        self.eager = mode == EAGER
         self.rank = group.rank()
         self.size = group.size()
         self.next = (self.rank + 1) % self.size
         self.prev = (self.rank - 1) % self.size
+        self._streams = threading.local()
+
+    def _stream(self, kind: str) -> mx.Stream | None:
+        """EAGER: this thread's CPU stream for `kind` (sends or receives), made on first
+        use (MLX streams belong to the thread that made them); READY: the default."""
+        if not self.eager:
+            return None
+        stream = getattr(self._streams, kind, None)
+        if stream is None:
+            stream = mx.new_stream(mx.cpu)
+            setattr(self._streams, kind, stream)
+        return stream
 
     def send_header(self, header: hdr.StepHeader) -> None:
         """Announce a step to the right neighbour: one signed zmq message."""
@@ -67,13 +117,16 @@ class Ring:
             return None
         if payload is None or tuple(payload.shape) != shape:
             raise hdr.ProtocolError(f"{header.describe()} announces a payload of shape {shape}")
-        sent = mx.distributed.send(payload, self.next, group=self.group)
+        sent = mx.distributed.send(
+            payload, self.next, group=self.group, stream=self._stream("send")
+        )
         mx.async_eval(sent)
         return sent
 
     def send(self, header: hdr.StepHeader, payload: mx.array | None = None) -> mx.array | None:
-        """Wait for the payload, announce it, and post its send."""
-        if payload is not None:
+        """Announce the step and post its payload's send: at once in EAGER mode, once
+        the payload is computed in READY mode."""
+        if payload is not None and not self.eager:
             mx.eval(payload)
         self.send_header(header)
         return self.send_payload(header, payload)
@@ -86,7 +139,9 @@ class Ring:
         """Post the receive of a payload of known shape (None for no payload)."""
         if not shape:
             return None
-        payload = mx.distributed.recv(shape, mx_dtype(dtype), self.prev, group=self.group)
+        payload = mx.distributed.recv(
+            shape, mx_dtype(dtype), self.prev, group=self.group, stream=self._stream("recv")
+        )
         mx.async_eval(payload)
         return payload
 

@@ -114,24 +114,18 @@ class Worker:
         return self._outgoing(header, out)
 
     def _outgoing(self, header: hdr.StepHeader, out: mx.array | None) -> mx.array | None:
-        """The last rank returns hidden states only when rank 0 asked for them, and then
-        only each row's last position: all the LM head needs, so the return hop of a
-        512-token prefill chunk carries one position instead of 512."""
+        """The last rank returns what `hdr.set_returned_payload` says rank 0 awaits: a
+        forward step's hidden states only when rank 0 asked for them, and then only each
+        row's last position, so the return hop of a 512-token prefill chunk carries one
+        position instead of 512."""
         if out is not None and out.dtype != mx_dtype(header.payload_dtype):
             out = out.astype(mx_dtype(header.payload_dtype))
         if not self.is_last:
             return out
-        if (
-            header.cmd == hdr.CMD_FORWARD
-            and header.flags & hdr.FLAG_WANT_OUTPUT
-            and out is not None
-        ):
-            out = out[:, -1:, :]
-            header.payload_shape = tuple(out.shape)
-            return out
-        header.payload_kind = hdr.PAYLOAD_NONE
-        header.payload_shape = (0, 0, 0)
-        return None
+        hdr.set_returned_payload(header)
+        if header.payload_kind == hdr.PAYLOAD_NONE or out is None:
+            return None
+        return out[:, -1:, :]
 
     def _zeros_like_announced(self, header: hdr.StepHeader) -> mx.array | None:
         shape = hdr.payload_nbytes_shape(header)
