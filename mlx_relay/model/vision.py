@@ -15,6 +15,8 @@ when a VLM is loaded or an image request arrives.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import io
 from dataclasses import dataclass
@@ -98,6 +100,67 @@ class ImageProcessor:
         if bos is not None and ids[:2] == [bos, bos]:
             ids = ids[1:]
         return Encoded(ids, np.asarray(out["pixel_values"]))
+
+
+class MessageParts:
+    """A message's text and images in the order a client gave them, as the gRPC message
+    carries them: the text joined, each image with its offset in that text."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.images: list[bytes] = []
+        self.offsets: list[int] = []
+        self._length = 0
+
+    def text(self, text: str) -> None:
+        self.texts.append(text)
+        self._length += len(text)
+
+    def image(self, data: bytes) -> None:
+        self.images.append(data)
+        self.offsets.append(self._length)
+
+    def fields(self) -> dict[str, Any]:
+        """`pb.ChatMessage` fields: content, images, image_offsets (left empty when every
+        image comes first, which is what no offsets mean)."""
+        at = self.offsets if any(self.offsets) else []
+        return {"content": "".join(self.texts), "images": self.images, "image_offsets": at}
+
+
+def content_parts(content: str, images: int, offsets: list[int]) -> list[dict[str, Any]]:
+    """A message's text and `images` image placeholders as OpenAI-style content parts,
+    in order (no offsets: the images first), as vision models' chat templates read them."""
+    if offsets and len(offsets) != images:
+        raise VisionError(f"image_offsets has {len(offsets)} entries for {images} image(s)")
+    at = list(offsets) or [0] * images
+    if at != sorted(at) or (at and at[-1] > len(content)):
+        raise VisionError(
+            f"image_offsets {at} must never decrease and stay within the content's "
+            f"{len(content)} characters"
+        )
+    parts: list[dict[str, Any]] = []
+    start = 0
+    for offset in at:
+        if offset > start:
+            parts.append({"type": "text", "text": content[start:offset]})
+            start = offset
+        parts.append({"type": "image"})
+    if start < len(content):
+        parts.append({"type": "text", "text": content[start:]})
+    return parts
+
+
+def b64decode_image(data: str, where: str) -> bytes:
+    """An image sent as base64 text (a `data:...;base64,` prefix allowed) to its bytes."""
+    head, comma, rest = data.partition(",")
+    if data.startswith("data:") and comma:
+        if not head.endswith(";base64"):
+            raise VisionError(f"{where}: a data: URL must be base64 (data:image/png;base64,...)")
+        data = rest
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise VisionError(f"{where}: the image is not valid base64 ({e})") from None
 
 
 @functools.lru_cache(maxsize=2)
