@@ -33,7 +33,7 @@ from PIL import Image  # noqa: E402
 from tiny_models import make_tiny_vlm  # noqa: E402
 
 from mlx_relay.launch.local import free_ports  # noqa: E402
-from mlx_relay.model import sharding, vision  # noqa: E402
+from mlx_relay.model import memory, sharding, split, vision  # noqa: E402
 from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
 from mlx_relay.protocol.localai import backend_pb2 as lpb  # noqa: E402
 from mlx_relay.protocol.localai import backend_pb2_grpc as lpb_grpc  # noqa: E402
@@ -109,8 +109,8 @@ def test_stages_equal_mlx_vlm(vlm):
     image = _png(1)
     want = mlx_vlm_tokens(vlm, [image])
     encoded = vision.processor_for(str(vlm)).encode(_prompt_text(vlm, 1, QUESTION), [image])
-    for split in ([(0, 4)], [(0, 1), (1, 4)], [(0, 3), (3, 4)]):
-        shards = [sharding.load_shard(vlm, a, b, has_ends=a == 0) for a, b in split]
+    for ranges in ([(0, 4)], [(0, 1), (1, 4)], [(0, 3), (3, 4)]):
+        shards = [sharding.load_shard(vlm, a, b, has_ends=a == 0) for a, b in ranges]
         assert all("vision_tower" not in s.model for s in shards[1:])
         caches = [s.make_caches() for s in shards]
         h = vision.input_embeddings(shards[0].model, encoded.token_ids, encoded.pixel_values)
@@ -121,7 +121,35 @@ def test_stages_equal_mlx_vlm(vlm):
             token = int(mx.argmax(sharding.head(shards[0], h)[:, -1], axis=-1).item())
             got.append(token)
             h = sharding.embed(shards[0], mx.array([[token]]))
-        assert got == want, f"split {split}"
+        assert got == want, f"split {ranges}"
+
+
+def test_the_vision_tower_is_rank_0s_in_the_byte_counts(vlm):
+    """The tower's own `layers.N` are not the language model's layers: the memory check
+    (shard_nbytes) and the split by bytes (layer_costs) give each layer the language
+    model's bytes only, and the tower and projector to rank 0, with the embedding."""
+    weights: dict[str, mx.array] = {}
+    for f in vlm.glob("*.safetensors"):
+        weights.update(mx.load(str(f)))
+    assert any(k.startswith("vision_tower.") and ".layers.0." in k for k in weights)
+
+    def nbytes(prefix: str | tuple[str, ...]) -> int:
+        return sum(a.nbytes for k, a in weights.items() if k.startswith(prefix))
+
+    layer = [nbytes(f"language_model.model.layers.{i}.") for i in range(NUM_LAYERS)]
+    encoder = nbytes(("vision_tower.", "multi_modal_projector."))
+    total = nbytes("")
+    rank0_rest = total - sum(layer)  # embedding, norm, head, tower, projector
+    assert encoder > 0 and rank0_rest > encoder
+
+    costs = split.layer_costs(vlm, NUM_LAYERS, sharding.read_config(vlm))
+    assert costs is not None and costs.held == layer
+    assert costs.ends == rank0_rest
+    for start, end in [(0, 1), (1, 3), (0, 4)]:
+        assert memory.shard_nbytes(vlm, start, end) == sum(layer[start:end])
+    ranks = [memory.shard_nbytes(vlm, a, b, ends=a == 0) for a, b in [(0, 1), (1, 3), (3, 4)]]
+    assert ranks[0] == layer[0] + rank0_rest
+    assert sum(ranks) == total
 
 
 # 2 ranks prefill in chunks of 6 tokens: an image prompt's embeddings go in slices, one

@@ -38,6 +38,13 @@ class VisionError(ValueError):
     """An image request this model or this installation cannot serve; says why."""
 
 
+def encoder_tensor(name: str) -> bool:
+    """Whether a checkpoint tensor is the vision tower's or the projector's: rank 0's, like
+    the embedding, whatever `layers.N` its name has (the tower's own layers are not the
+    language model's). mlx-vlm names them at the top (`vision_tower.`), HF under `model.`."""
+    return any(part in ENCODER_PARTS for part in name.split(".")[:2])
+
+
 def is_vlm(config: dict[str, Any]) -> bool:
     """Whether the model is a vision-language model that mlx-relay loads with mlx-vlm."""
     return config.get("model_type") in VLM_FAMILIES
