@@ -6,8 +6,10 @@ embeddings with the projected image features spliced in at the image tokens), an
 decoder's layers are split over ranks like any text model's: the workers never see an
 image, only hidden states. Only families whose image features merge into the input
 embeddings before the first layer, and whose decoder then runs with ordinary positions,
-are accepted (`VLM_FAMILIES`); Qwen2-VL's multimodal rope, say, would need positions
-the stages do not carry.
+are accepted (`VLM_FAMILIES`: llava, gemma3); Qwen2-VL's multimodal rope, say, would
+need positions the stages do not carry. What a family's own forward does to the merged
+embeddings before its first layer (gemma3's sqrt(hidden) scale) is done here too, and
+its layers keep the caches its language model makes (gemma3's sliding windows).
 
 mlx-vlm is an optional extra (`pip install 'mlx-relay[vision]'`): it is imported only
 when a VLM is loaded or an image request arrives.
@@ -28,7 +30,11 @@ import mlx.nn as nn
 import numpy as np
 
 # model_type -> its decoder families in mlx-vlm (checked by mlx-vlm's LanguageModel).
-VLM_FAMILIES = {"llava": ("llama", "qwen2")}
+VLM_FAMILIES = {"llava": ("llama", "qwen2"), "gemma3": ("gemma3_text",)}
+# Families whose language model multiplies its input embeddings, image features merged
+# in, by sqrt(hidden_size) rounded to bfloat16 inside its forward (mlx-vlm's gemma3 does;
+# its get_input_embeddings divides the image features by the same root beforehand).
+SCALED_INPUT_EMBEDDINGS = ("gemma3",)
 # Modules of a VLM that only rank 0 holds (workers drop them before any weight is read).
 ENCODER_PARTS = ("vision_tower", "multi_modal_projector")
 MAX_IMAGE_BYTES = 20 * 2**20
@@ -75,7 +81,29 @@ def load_vlm(path: Path) -> tuple[nn.Module, dict[str, Any]]:
             f"{config['model_type']} with a {family!r} language model is not supported "
             f"(only {', '.join(allowed)})"
         )
+    if hasattr(model.language_model, "make_cache"):  # (sliding windows stay windows)
+        model.make_cache = functools.partial(_mlx_lm_caches, model.language_model)
     return model, {**text, **{k: v for k, v in config.items() if k != "text_config"}}
+
+
+def _mlx_lm_caches(language_model: nn.Module) -> list[Any]:
+    """The caches the language model makes for itself, as mlx-lm's classes, which the
+    stages, batching and prefix reuse know: a sliding-window layer keeps its window."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    out: list[Any] = []
+    for cache in language_model.make_cache():
+        kind = type(cache).__name__
+        if kind == "KVCache":
+            out.append(KVCache())
+        elif kind == "RotatingKVCache":
+            out.append(RotatingKVCache(max_size=cache.max_size, keep=cache.keep))
+        else:
+            raise VisionError(
+                f"its language model keeps a {kind} per layer; mlx-relay splits vision "
+                "models with plain or sliding-window KV caches only"
+            )
+    return out
 
 
 @dataclass
@@ -198,5 +226,11 @@ def image_token_id(config: dict[str, Any]) -> int:
 def input_embeddings(model: nn.Module, token_ids: list[int], pixel_values: np.ndarray) -> mx.array:
     """The merged input embeddings (1, len(token_ids), hidden) of a prompt with images,
     computed by the model's own mlx-vlm code: vision tower, projector, splice."""
-    features = model.get_input_embeddings(mx.array([token_ids]), mx.array(pixel_values))
-    return features.inputs_embeds
+    ids = mx.array([token_ids])
+    # (the attention mask of the prompt, all of it, as mlx-vlm's generate passes it)
+    features = model.get_input_embeddings(ids, mx.array(pixel_values), mask=mx.ones_like(ids))
+    h = features.inputs_embeds
+    if model.config.model_type in SCALED_INPUT_EMBEDDINGS:  # what its forward does first
+        hidden = model.language_model.config.hidden_size
+        h = h * mx.array(hidden**0.5, mx.bfloat16).astype(h.dtype)
+    return h
