@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
@@ -248,10 +249,12 @@ def _request(images: list[bytes], text: str = QUESTION) -> pb.GenerateRequest:
 
 @pytest.mark.cluster
 def test_image_chats_equal_mlx_vlm(vlm, cluster):
-    """Two images, one after the other, then a text-only chat: mlx-vlm's greedy tokens."""
-    first, second = _png(2), _png(3, (20, 50))
-    for image in (first, second):
-        got = list(cluster.client.generate(_request([image])).token_ids)
-        assert got == mlx_vlm_tokens(vlm, [image])
+    """Two images at once (their sliding-window caches batched), then a text-only chat:
+    mlx-vlm's greedy tokens."""
+    images = [_png(2), _png(3, (20, 50))]
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda i: cluster.client.generate(_request([i])), images))
+    for image, answer in zip(images, answers, strict=True):
+        assert list(answer.token_ids) == mlx_vlm_tokens(vlm, [image])
     text = list(cluster.client.generate(_request([])).token_ids)
     assert text == mlx_vlm_tokens(vlm, [])
