@@ -52,7 +52,9 @@ TEMPLATE = CHAT_TEMPLATE.replace(
 assert TEMPLATE != CHAT_TEMPLATE
 
 
-def make_tiny_gemma3_vlm(path: Path, *, num_layers: int = NUM_LAYERS, seed: int = 0) -> Path:
+def make_tiny_gemma3_vlm(
+    path: Path, *, num_layers: int = NUM_LAYERS, hidden_size: int = 64, seed: int = 0
+) -> Path:
     """A tiny random-weight Gemma 3 VLM in mlx-vlm's layout, with its processor files."""
     path = write_tokenizer(path)
     tokenizer = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
@@ -76,7 +78,7 @@ def make_tiny_gemma3_vlm(path: Path, *, num_layers: int = NUM_LAYERS, seed: int 
     (path / "tokenizer_config.json").write_text(json.dumps(config_json, indent=2))
 
     vocab = ids[SOFT] + 1
-    text = _config("gemma3_text", num_layers, 64, True, WINDOW, 2)
+    text = _config("gemma3_text", num_layers, hidden_size, True, WINDOW, 2)
     text.update(vocab_size=vocab, mm_tokens_per_image=IMAGE_TOKENS, rope_scaling=None)
     config = {
         "model_type": "gemma3",

@@ -1,7 +1,8 @@
 """Anthropic's Messages API: `/v1/messages` (streaming and not) and `count_tokens`.
 
 Content blocks map onto chat messages: `tool_use` blocks become the assistant's tool
-calls, `tool_result` blocks tool messages, `thinking` blocks its reasoning. The answer
+calls, `tool_result` blocks tool messages, `thinking` blocks its reasoning, `image`
+blocks with base64 sources the user's images, where they stand among its text. The answer
 is built by `MessageStream` from the engine's chunks; a non-streaming answer is the
 message that stream builds, its events dropped.
 """
