@@ -251,7 +251,7 @@ BAD = {
         "Messages[0].tool_calls",
     ),
     "tools not JSON": (_chat(Tools="[{"), "INVALID_ARGUMENT", "tools"),
-    "an image": (_chat(Images=["aGk="]), "INVALID_ARGUMENT", "text-only"),
+    "an image": (_chat(Images=["aGk="]), "INVALID_ARGUMENT", "reads text only"),
     "grammar that does not parse": (
         _chat(Grammar="root ::= missing"),
         "INVALID_ARGUMENT",

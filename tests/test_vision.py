@@ -15,7 +15,9 @@ import threading
 from functools import lru_cache
 from pathlib import Path
 
+import anthropic
 import grpc
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -25,13 +27,16 @@ pytest.importorskip("mlx_vlm", reason="the vision extra (mlx-vlm) is not install
 import mlx.core as mx  # noqa: E402
 from conftest import start_cluster  # noqa: E402
 from mlx_vlm.generate.ar import generate_step  # noqa: E402
-from mlx_vlm.utils import load_model, load_processor  # noqa: E402
+from mlx_vlm.prompt_utils import apply_chat_template  # noqa: E402
+from mlx_vlm.utils import load_config, load_model, load_processor  # noqa: E402
 from PIL import Image  # noqa: E402
 from tiny_models import make_tiny_vlm  # noqa: E402
 
 from mlx_relay.launch.local import free_ports  # noqa: E402
-from mlx_relay.model import sharding, vision  # noqa: E402
+from mlx_relay.model import memory, sharding, split, vision  # noqa: E402
 from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
+from mlx_relay.protocol.localai import backend_pb2 as lpb  # noqa: E402
+from mlx_relay.protocol.localai import backend_pb2_grpc as lpb_grpc  # noqa: E402
 
 MAX_TOKENS = 12
 NUM_LAYERS = 4
@@ -75,11 +80,11 @@ def _mlx_vlm_inputs(path: Path, images: list[bytes], text: str, system: str = ""
 
 
 def mlx_vlm_tokens(
-    path: Path, images: list[bytes], text: str = QUESTION, system: str = ""
+    path: Path, images: list[bytes], text: str = QUESTION, system: str = "", inputs=None
 ) -> list[int]:
     """Single-process mlx-vlm: its processor, its model, its greedy generate_step."""
     model, _ = _mlx_vlm(str(path))
-    inputs = _mlx_vlm_inputs(path, images, text, system)
+    inputs = inputs or _mlx_vlm_inputs(path, images, text, system)
     pixels = mx.array(inputs["pixel_values"]) if images else None
     steps = generate_step(
         mx.array(inputs["input_ids"]), model, pixels, None, max_tokens=MAX_TOKENS, temperature=0.0
@@ -104,8 +109,8 @@ def test_stages_equal_mlx_vlm(vlm):
     image = _png(1)
     want = mlx_vlm_tokens(vlm, [image])
     encoded = vision.processor_for(str(vlm)).encode(_prompt_text(vlm, 1, QUESTION), [image])
-    for split in ([(0, 4)], [(0, 1), (1, 4)], [(0, 3), (3, 4)]):
-        shards = [sharding.load_shard(vlm, a, b, has_ends=a == 0) for a, b in split]
+    for ranges in ([(0, 4)], [(0, 1), (1, 4)], [(0, 3), (3, 4)]):
+        shards = [sharding.load_shard(vlm, a, b, has_ends=a == 0) for a, b in ranges]
         assert all("vision_tower" not in s.model for s in shards[1:])
         caches = [s.make_caches() for s in shards]
         h = vision.input_embeddings(shards[0].model, encoded.token_ids, encoded.pixel_values)
@@ -116,7 +121,35 @@ def test_stages_equal_mlx_vlm(vlm):
             token = int(mx.argmax(sharding.head(shards[0], h)[:, -1], axis=-1).item())
             got.append(token)
             h = sharding.embed(shards[0], mx.array([[token]]))
-        assert got == want, f"split {split}"
+        assert got == want, f"split {ranges}"
+
+
+def test_the_vision_tower_is_rank_0s_in_the_byte_counts(vlm):
+    """The tower's own `layers.N` are not the language model's layers: the memory check
+    (shard_nbytes) and the split by bytes (layer_costs) give each layer the language
+    model's bytes only, and the tower and projector to rank 0, with the embedding."""
+    weights: dict[str, mx.array] = {}
+    for f in vlm.glob("*.safetensors"):
+        weights.update(mx.load(str(f)))
+    assert any(k.startswith("vision_tower.") and ".layers.0." in k for k in weights)
+
+    def nbytes(prefix: str | tuple[str, ...]) -> int:
+        return sum(a.nbytes for k, a in weights.items() if k.startswith(prefix))
+
+    layer = [nbytes(f"language_model.model.layers.{i}.") for i in range(NUM_LAYERS)]
+    encoder = nbytes(("vision_tower.", "multi_modal_projector."))
+    total = nbytes("")
+    rank0_rest = total - sum(layer)  # embedding, norm, head, tower, projector
+    assert encoder > 0 and rank0_rest > encoder
+
+    costs = split.layer_costs(vlm, NUM_LAYERS, sharding.read_config(vlm))
+    assert costs is not None and costs.held == layer
+    assert costs.ends == rank0_rest
+    for start, end in [(0, 1), (1, 3), (0, 4)]:
+        assert memory.shard_nbytes(vlm, start, end) == sum(layer[start:end])
+    ranks = [memory.shard_nbytes(vlm, a, b, ends=a == 0) for a, b in [(0, 1), (1, 3), (3, 4)]]
+    assert ranks[0] == layer[0] + rank0_rest
+    assert sum(ranks) == total
 
 
 # 2 ranks prefill in chunks of 6 tokens: an image prompt's embeddings go in slices, one
@@ -126,18 +159,22 @@ def test_stages_equal_mlx_vlm(vlm):
 )
 def vlm_cluster(request, vlm, tmp_path_factory):
     ranks, layers, chunk = request.param
-    port = free_ports(1)[0]
+    port, localai_port = free_ports(2)
     running = start_cluster(
         vlm,
         ranks,
         tmp_path_factory.mktemp("logs"),
         "--http-address",
         f"127.0.0.1:{port}",
+        "--localai-address",
+        f"127.0.0.1:{localai_port}",
         "--prefill-chunk",
         str(chunk),
         layers=layers,
     )
-    running.http_base = f"http://127.0.0.1:{port}/v1"
+    running.http_root = f"http://127.0.0.1:{port}"
+    running.http_base = running.http_root + "/v1"
+    running.localai = f"127.0.0.1:{localai_port}"
     yield running
     running.stop()
 
@@ -220,11 +257,46 @@ def test_a_file_that_is_no_image_is_invalid_argument(vlm_cluster):
 
 @pytest.mark.cluster
 def test_images_to_a_text_only_model_are_invalid_argument(tiny_model, cluster_factory):
-    running = cluster_factory(tiny_model("llama", 2), 1)
+    """Every door refuses an image to a text-only model as a bad request that says why:
+    gRPC, OpenAI, Anthropic, Ollama (chat and generate) and LocalAI."""
+    model = tiny_model("llama", 2)
+    port, localai_port = free_ports(2)
+    running = cluster_factory(
+        model,
+        1,
+        "--http-address",
+        f"127.0.0.1:{port}",
+        "--localai-address",
+        f"127.0.0.1:{localai_port}",
+    )
     with pytest.raises(grpc.RpcError) as e:
         running.client.generate(_request([_png(1)]))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "reads text only" in e.value.details() and "llava" in e.value.details()
+
+    image = _b64(_png(1))
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+        bodies = {
+            "/v1/chat/completions": {
+                "messages": [{"role": "user", "content": [_openai_part(_png(1))]}],
+            },
+            "/v1/messages": {
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": [_anthropic_block(_png(1))]}],
+            },
+            "/api/chat": {"messages": [{"role": "user", "content": "Hi", "images": [image]}]},
+            "/api/generate": {"prompt": "Hi", "images": [image]},
+        }
+        for path, body in bodies.items():
+            answer = http.post(path, json={"model": str(model), "stream": False, **body})
+            assert answer.status_code == 400, (path, answer.text)
+            assert "reads text only" in answer.text, (path, answer.text)
+    with grpc.insecure_channel(f"127.0.0.1:{localai_port}") as channel:
+        options = lpb.PredictOptions(Prompt="Hi", Images=[image])
+        with pytest.raises(grpc.RpcError) as e:
+            lpb_grpc.BackendStub(channel).Predict(options, timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "reads text only" in e.value.details()
 
 
 @pytest.mark.cluster
@@ -247,3 +319,174 @@ def test_openai_image_url_data_urls_reach_the_model(vlm, vlm_cluster):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=str(vlm), messages=messages, max_tokens=2)
     assert "data: URLs" in e.value.message
+
+
+def _b64(image: bytes) -> str:
+    return base64.b64encode(image).decode()
+
+
+def _openai_part(part: str | bytes) -> dict:
+    if isinstance(part, bytes):
+        return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + _b64(part)}}
+    return {"type": "text", "text": part}
+
+
+def _anthropic_block(part: str | bytes) -> dict:
+    if isinstance(part, bytes):
+        source = {"type": "base64", "media_type": "image/png", "data": _b64(part)}
+        return {"type": "image", "source": source}
+    return {"type": "text", "text": part}
+
+
+def _openai_text(cluster, vlm: Path, parts: list[str | bytes]) -> str:
+    """The OpenAI door's greedy answer to one user message of `parts` (text or image)."""
+    client = openai.OpenAI(base_url=cluster.http_base, api_key="none", max_retries=0)
+    reply = client.chat.completions.create(
+        model=str(vlm),
+        messages=[{"role": "user", "content": [_openai_part(p) for p in parts]}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    assert reply.usage.completion_tokens == MAX_TOKENS
+    return reply.choices[0].message.content
+
+
+@pytest.mark.cluster
+def test_anthropic_image_blocks_equal_the_openai_door(vlm, vlm_cluster):
+    """Anthropic's base64 image blocks, through its SDK, give the OpenAI door's answer for
+    the same image and text; a url source is refused with a 400 that says why."""
+    image = _png(9)
+    want = _openai_text(vlm_cluster, vlm, [image, QUESTION])
+    client = anthropic.Anthropic(base_url=vlm_cluster.http_root, api_key="none", max_retries=0)
+    content = [_anthropic_block(image), _anthropic_block(QUESTION)]
+    reply = client.messages.create(
+        model=str(vlm),
+        max_tokens=MAX_TOKENS,  # (greedy: the server's default temperature is 0)
+        messages=[{"role": "user", "content": content}],
+    )
+    assert reply.content[0].text == want
+    assert reply.usage.output_tokens == MAX_TOKENS
+    content[0]["source"] = {"type": "url", "url": "https://example.com/cat.png"}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(
+            model=str(vlm), max_tokens=2, messages=[{"role": "user", "content": content}]
+        )
+    said = e.value.body["error"]["message"]
+    assert "only base64 image sources" in said and "not 'url'" in said, said
+
+
+@pytest.mark.cluster
+def test_ollama_images_equal_the_openai_door(vlm, vlm_cluster):
+    """Ollama's `images` (base64 strings, shown before the text) on a chat message and on
+    generate give the OpenAI door's answer; bad base64 is a 400 naming the image."""
+    image = _png(10)
+    want = _openai_text(vlm_cluster, vlm, [image, QUESTION])
+    options = {"temperature": 0, "num_predict": MAX_TOKENS}
+    with httpx.Client(base_url=vlm_cluster.http_root, timeout=120) as http:
+        message = {"role": "user", "content": QUESTION, "images": [_b64(image)]}
+        chat = http.post(
+            "/api/chat",
+            json={"model": str(vlm), "messages": [message], "stream": False, "options": options},
+        )
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["message"]["content"] == want
+        generate = http.post(
+            "/api/generate",
+            json={
+                "model": str(vlm),
+                "prompt": QUESTION,
+                "images": [_b64(image)],
+                "stream": False,
+                "options": options,
+            },
+        )
+        assert generate.status_code == 200, generate.text
+        assert generate.json()["response"] == want
+        message["images"] = ["not base64!"]
+        bad = http.post("/api/chat", json={"model": str(vlm), "messages": [message]})
+        assert bad.status_code == 400
+        assert "messages[0].images[0]" in bad.text and "base64" in bad.text
+
+
+@pytest.mark.cluster
+def test_localai_images_equal_the_openai_door(vlm, vlm_cluster):
+    """LocalAI's `PredictOptions.Images` (base64) are shown with the last user message,
+    as LocalAI's own mlx-vlm backend shows them: the OpenAI door's answer, streamed or not."""
+    image = _png(11)
+    want = _openai_text(vlm_cluster, vlm, [image, QUESTION])
+    options = lpb.PredictOptions(
+        Messages=[lpb.Message(role="user", content=QUESTION)],
+        UseTokenizerTemplate=True,
+        Images=[_b64(image)],
+        Tokens=MAX_TOKENS,
+        Temperature=0,
+    )
+    with grpc.insecure_channel(vlm_cluster.localai) as channel:
+        stub = lpb_grpc.BackendStub(channel)
+        reply = stub.Predict(options, timeout=120)
+        assert reply.message.decode() == want
+        assert reply.tokens == MAX_TOKENS
+        streamed = b"".join(r.message for r in stub.PredictStream(options, timeout=120))
+        assert streamed.decode() == want
+        options.Images[:] = ["%%%"]
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Predict(options, timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "Images[0]" in e.value.details()
+
+
+# An image between two pieces of text, as a client wrote the message.
+BETWEEN = ["Look at this: ", "How many colours are in it?"]
+
+
+@pytest.mark.cluster
+def test_an_image_between_texts_stays_there(vlm, vlm_cluster):
+    """[text, image, text] renders in that order (mlx-vlm's llava prompt helper keeps the
+    order too): gRPC's image_offsets give mlx-vlm's tokens for the same parts, and the
+    OpenAI and Anthropic doors place the image the same way."""
+    image = _png(12)
+    _, processor = _mlx_vlm(str(vlm))
+    content = [{"type": "text", "text": BETWEEN[0]}, {"type": "image"}]
+    content.append({"type": "text", "text": BETWEEN[1]})
+    prompt = apply_chat_template(
+        processor, load_config(vlm), [{"role": "user", "content": content}], num_images=1
+    )
+    assert prompt.index(BETWEEN[0]) < prompt.index("<image>") < prompt.index(BETWEEN[1])
+    picture = Image.open(io.BytesIO(image)).convert("RGB")
+    want = mlx_vlm_tokens(vlm, [image], inputs=processor(text=[prompt], images=[picture]))
+
+    message = pb.ChatMessage(
+        role="user", content="".join(BETWEEN), images=[image], image_offsets=[len(BETWEEN[0])]
+    )
+    request = pb.GenerateRequest(
+        messages=[message],
+        params=pb.SamplingParams(max_tokens=MAX_TOKENS),
+        chat_template_kwargs_json='{"enable_thinking": false}',  # mlx-vlm's default
+    )
+    reply = vlm_cluster.client.generate(request)
+    assert list(reply.token_ids) == want
+    first = pb.ChatMessage(role="user", content="".join(BETWEEN), images=[image])
+    request.messages[0].CopyFrom(first)
+    assert list(vlm_cluster.client.generate(request).token_ids) != want, "the place matters"
+
+    parts = [BETWEEN[0], image, BETWEEN[1]]
+    text = _openai_text(vlm_cluster, vlm, parts)
+    request.messages[0].CopyFrom(message)
+    request.ClearField("chat_template_kwargs_json")
+    assert text == vlm_cluster.client.generate(request).text
+    client = anthropic.Anthropic(base_url=vlm_cluster.http_root, api_key="none", max_retries=0)
+    answer = client.messages.create(
+        model=str(vlm),
+        max_tokens=MAX_TOKENS,  # (greedy: the server's default temperature is 0)
+        messages=[{"role": "user", "content": [_anthropic_block(p) for p in parts]}],
+    )
+    assert answer.content[0].text == text
+
+
+@pytest.mark.cluster
+def test_image_offsets_that_do_not_fit_are_invalid_argument(vlm_cluster):
+    message = pb.ChatMessage(role="user", content="Hi", images=[_png(1)], image_offsets=[5])
+    with pytest.raises(grpc.RpcError) as e:
+        vlm_cluster.client.generate(pb.GenerateRequest(messages=[message]))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "messages[0].image_offsets" in e.value.details()

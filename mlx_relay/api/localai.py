@@ -34,6 +34,7 @@ from mlx_relay.coordinator import requests
 from mlx_relay.coordinator.engine import EngineError
 from mlx_relay.coordinator.output import Chunk, TokenLogprob
 from mlx_relay.coordinator.pipeline import RankFailure
+from mlx_relay.model import vision
 from mlx_relay.protocol import relay_pb2 as pb
 from mlx_relay.protocol.localai import backend_pb2 as lpb
 from mlx_relay.protocol.localai import backend_pb2_grpc as lpb_grpc
@@ -191,11 +192,11 @@ def _params(options: lpb.PredictOptions, vocab_size: int) -> pb.SamplingParams:
 
 def generate_request(options: lpb.PredictOptions, vocab_size: int) -> pb.GenerateRequest:
     """The engine's request for LocalAI's PredictOptions (validation is the engine's)."""
-    for field in ("Images", "Videos", "Audios"):
+    for field in ("Videos", "Audios"):
         if getattr(options, field):
             raise requests.InvalidRequest(
-                f"{field}: mlx-relay serves a text-only language model; use a vision or "
-                "audio backend for media"
+                f"{field}: mlx-relay serves language and vision-language models; use an "
+                "audio or video backend for these"
             )
     request = pb.GenerateRequest(
         params=_params(options, vocab_size),
@@ -207,9 +208,26 @@ def generate_request(options: lpb.PredictOptions, vocab_size: int) -> pb.Generat
     )
     if options.Messages and (options.UseTokenizerTemplate or not options.Prompt):
         request.messages.extend(_messages(options))
+    elif options.Images:  # as LocalAI's mlx-vlm backend does: the prompt as a user message
+        request.messages.append(pb.ChatMessage(role="user", content=options.Prompt))
     else:
         request.prompt = options.Prompt
+    if options.Images:
+        _attach_images(request.messages, options.Images)
     return request
+
+
+def _attach_images(messages: Iterable[pb.ChatMessage], images: Iterable[str]) -> None:
+    """LocalAI sends a request's images (base64) apart from its messages; like its mlx-vlm
+    backend, show them with the last user message, before its text."""
+    users = [m for m in messages if m.role == "user"]
+    if not users:
+        raise requests.InvalidRequest("Images: the request has no user message to show them in")
+    for i, data in enumerate(images):
+        try:
+            users[-1].images.append(vision.b64decode_image(data, f"Images[{i}]"))
+        except vision.VisionError as e:
+            raise requests.InvalidRequest(str(e)) from None
 
 
 # --- chunks -> Reply ---------------------------------------------------------------------

@@ -55,9 +55,11 @@ def _message_dict(i: int, m: pb.ChatMessage) -> dict[str, Any]:
         raise InvalidRequest(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}")
     out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
     out["content"] = m.content
-    if m.images:  # OpenAI-style parts, as chat templates of vision models expect them
-        parts: list[dict[str, Any]] = [{"type": "image"} for _ in m.images]
-        out["content"] = parts + ([{"type": "text", "text": m.content}] if m.content else [])
+    if m.images:  # OpenAI-style parts in the client's order, as vision templates read them
+        try:
+            out["content"] = vision.content_parts(m.content, len(m.images), list(m.image_offsets))
+        except vision.VisionError as e:
+            raise InvalidRequest(f"messages[{i}].{e}") from e
     if m.tool_calls:
         out["tool_calls"] = [
             {

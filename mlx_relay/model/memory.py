@@ -30,6 +30,8 @@ from typing import Any
 import mlx.core as mx
 import psutil
 
+from mlx_relay.model import vision
+
 log = logging.getLogger("mlx_relay.memory")
 
 MEMORY_LIMIT_ENV = "MLX_RELAY_MEMORY_LIMIT"  # cap on the memory this rank may use, e.g. 8GB
@@ -214,7 +216,8 @@ def cache_nbytes(path: Path, start: int, end: int, tokens: int) -> int:
 
 def shard_nbytes(path: Path, start: int, end: int, *, ends: bool = False) -> int:
     """Bytes of layers [start, end), plus with `ends` every tensor outside the layers
-    (embedding, final norm, LM head), from the safetensors headers: no weight is read."""
+    (embedding, final norm, LM head; a VLM's vision tower and projector), from the
+    safetensors headers: no weight is read."""
     total = 0
     for f in sorted(Path(path).glob("*.safetensors")):
         with open(f, "rb") as fh:
@@ -223,7 +226,7 @@ def shard_nbytes(path: Path, start: int, end: int, *, ends: bool = False) -> int
         for name, info in tensors.items():
             if name == "__metadata__":
                 continue
-            match = _LAYER_NAME.search(name)
+            match = None if vision.encoder_tensor(name) else _LAYER_NAME.search(name)
             if (match and start <= int(match.group(1)) < end) or (ends and not match):
                 first, last = info["data_offsets"]
                 total += last - first

@@ -120,11 +120,14 @@ def layer_costs(path: Path, num_layers: int, config: dict[str, Any]) -> LayerCos
         sizes = _tensor_bytes(path)
     except (OSError, ValueError, KeyError, struct.error):
         return None
+    from mlx_relay.model import vision
+
     share = _active_expert_share(config)
     held, work = [0] * num_layers, [0.0] * num_layers
     ends = 0
     for name, nbytes in sizes.items():
-        match = _LAYER.search(name)
+        # (a VLM's vision tower and projector are rank 0's, like the embedding)
+        match = None if vision.encoder_tensor(name) else _LAYER.search(name)
         if match is None:
             ends += nbytes
             continue

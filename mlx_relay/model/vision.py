@@ -6,8 +6,10 @@ embeddings with the projected image features spliced in at the image tokens), an
 decoder's layers are split over ranks like any text model's: the workers never see an
 image, only hidden states. Only families whose image features merge into the input
 embeddings before the first layer, and whose decoder then runs with ordinary positions,
-are accepted (`VLM_FAMILIES`); Qwen2-VL's multimodal rope, say, would need positions
-the stages do not carry.
+are accepted (`VLM_FAMILIES`: llava, gemma3); Qwen2-VL's multimodal rope, say, would
+need positions the stages do not carry. What a family's own forward does to the merged
+embeddings before its first layer (gemma3's sqrt(hidden) scale) is done here too, and
+its layers keep the caches its language model makes (gemma3's sliding windows).
 
 mlx-vlm is an optional extra (`pip install 'mlx-relay[vision]'`): it is imported only
 when a VLM is loaded or an image request arrives.
@@ -15,6 +17,8 @@ when a VLM is loaded or an image request arrives.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import io
 from dataclasses import dataclass
@@ -26,7 +30,11 @@ import mlx.nn as nn
 import numpy as np
 
 # model_type -> its decoder families in mlx-vlm (checked by mlx-vlm's LanguageModel).
-VLM_FAMILIES = {"llava": ("llama", "qwen2")}
+VLM_FAMILIES = {"llava": ("llama", "qwen2"), "gemma3": ("gemma3_text",)}
+# Families whose language model multiplies its input embeddings, image features merged
+# in, by sqrt(hidden_size) rounded to bfloat16 inside its forward (mlx-vlm's gemma3 does;
+# its get_input_embeddings divides the image features by the same root beforehand).
+SCALED_INPUT_EMBEDDINGS = ("gemma3",)
 # Modules of a VLM that only rank 0 holds (workers drop them before any weight is read).
 ENCODER_PARTS = ("vision_tower", "multi_modal_projector")
 MAX_IMAGE_BYTES = 20 * 2**20
@@ -34,6 +42,13 @@ MAX_IMAGE_BYTES = 20 * 2**20
 
 class VisionError(ValueError):
     """An image request this model or this installation cannot serve; says why."""
+
+
+def encoder_tensor(name: str) -> bool:
+    """Whether a checkpoint tensor is the vision tower's or the projector's: rank 0's, like
+    the embedding, whatever `layers.N` its name has (the tower's own layers are not the
+    language model's). mlx-vlm names them at the top (`vision_tower.`), HF under `model.`."""
+    return any(part in ENCODER_PARTS for part in name.split(".")[:2])
 
 
 def is_vlm(config: dict[str, Any]) -> bool:
@@ -66,7 +81,29 @@ def load_vlm(path: Path) -> tuple[nn.Module, dict[str, Any]]:
             f"{config['model_type']} with a {family!r} language model is not supported "
             f"(only {', '.join(allowed)})"
         )
+    if hasattr(model.language_model, "make_cache"):  # (sliding windows stay windows)
+        model.make_cache = functools.partial(_mlx_lm_caches, model.language_model)
     return model, {**text, **{k: v for k, v in config.items() if k != "text_config"}}
+
+
+def _mlx_lm_caches(language_model: nn.Module) -> list[Any]:
+    """The caches the language model makes for itself, as mlx-lm's classes, which the
+    stages, batching and prefix reuse know: a sliding-window layer keeps its window."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    out: list[Any] = []
+    for cache in language_model.make_cache():
+        kind = type(cache).__name__
+        if kind == "KVCache":
+            out.append(KVCache())
+        elif kind == "RotatingKVCache":
+            out.append(RotatingKVCache(max_size=cache.max_size, keep=cache.keep))
+        else:
+            raise VisionError(
+                f"its language model keeps a {kind} per layer; mlx-relay splits vision "
+                "models with plain or sliding-window KV caches only"
+            )
+    return out
 
 
 @dataclass
@@ -100,6 +137,67 @@ class ImageProcessor:
         return Encoded(ids, np.asarray(out["pixel_values"]))
 
 
+class MessageParts:
+    """A message's text and images in the order a client gave them, as the gRPC message
+    carries them: the text joined, each image with its offset in that text."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.images: list[bytes] = []
+        self.offsets: list[int] = []
+        self._length = 0
+
+    def text(self, text: str) -> None:
+        self.texts.append(text)
+        self._length += len(text)
+
+    def image(self, data: bytes) -> None:
+        self.images.append(data)
+        self.offsets.append(self._length)
+
+    def fields(self) -> dict[str, Any]:
+        """`pb.ChatMessage` fields: content, images, image_offsets (left empty when every
+        image comes first, which is what no offsets mean)."""
+        at = self.offsets if any(self.offsets) else []
+        return {"content": "".join(self.texts), "images": self.images, "image_offsets": at}
+
+
+def content_parts(content: str, images: int, offsets: list[int]) -> list[dict[str, Any]]:
+    """A message's text and `images` image placeholders as OpenAI-style content parts,
+    in order (no offsets: the images first), as vision models' chat templates read them."""
+    if offsets and len(offsets) != images:
+        raise VisionError(f"image_offsets has {len(offsets)} entries for {images} image(s)")
+    at = list(offsets) or [0] * images
+    if at != sorted(at) or (at and at[-1] > len(content)):
+        raise VisionError(
+            f"image_offsets {at} must never decrease and stay within the content's "
+            f"{len(content)} characters"
+        )
+    parts: list[dict[str, Any]] = []
+    start = 0
+    for offset in at:
+        if offset > start:
+            parts.append({"type": "text", "text": content[start:offset]})
+            start = offset
+        parts.append({"type": "image"})
+    if start < len(content):
+        parts.append({"type": "text", "text": content[start:]})
+    return parts
+
+
+def b64decode_image(data: str, where: str) -> bytes:
+    """An image sent as base64 text (a `data:...;base64,` prefix allowed) to its bytes."""
+    head, comma, rest = data.partition(",")
+    if data.startswith("data:") and comma:
+        if not head.endswith(";base64"):
+            raise VisionError(f"{where}: a data: URL must be base64 (data:image/png;base64,...)")
+        data = rest
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise VisionError(f"{where}: the image is not valid base64 ({e})") from None
+
+
 @functools.lru_cache(maxsize=2)
 def processor_for(path: str) -> ImageProcessor:
     return ImageProcessor(path)
@@ -128,5 +226,11 @@ def image_token_id(config: dict[str, Any]) -> int:
 def input_embeddings(model: nn.Module, token_ids: list[int], pixel_values: np.ndarray) -> mx.array:
     """The merged input embeddings (1, len(token_ids), hidden) of a prompt with images,
     computed by the model's own mlx-vlm code: vision tower, projector, splice."""
-    features = model.get_input_embeddings(mx.array([token_ids]), mx.array(pixel_values))
-    return features.inputs_embeds
+    ids = mx.array([token_ids])
+    # (the attention mask of the prompt, all of it, as mlx-vlm's generate passes it)
+    features = model.get_input_embeddings(ids, mx.array(pixel_values), mask=mx.ones_like(ids))
+    h = features.inputs_embeds
+    if model.config.model_type in SCALED_INPUT_EMBEDDINGS:  # what its forward does first
+        hidden = model.language_model.config.hidden_size
+        h = h * mx.array(hidden**0.5, mx.bfloat16).astype(h.dtype)
+    return h

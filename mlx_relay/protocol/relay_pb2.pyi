@@ -27,7 +27,7 @@ class ToolCall(_message.Message):
     def __init__(self, id: _Optional[str] = ..., type: _Optional[str] = ..., function: _Optional[_Union[ToolCallFunction, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning", "images")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning", "images", "image_offsets")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class ChatMessage(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     REASONING_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
@@ -42,7 +43,8 @@ class ChatMessage(_message.Message):
     name: str
     reasoning: str
     images: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ..., reasoning: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    image_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ..., reasoning: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ..., image_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "xtc_probability", "xtc_threshold", "repetition_penalty", "repetition_context_size", "presence_penalty", "frequency_penalty", "logit_bias", "stop", "logprobs", "top_logprobs")

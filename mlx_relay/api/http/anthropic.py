@@ -1,7 +1,8 @@
 """Anthropic's Messages API: `/v1/messages` (streaming and not) and `count_tokens`.
 
 Content blocks map onto chat messages: `tool_use` blocks become the assistant's tool
-calls, `tool_result` blocks tool messages, `thinking` blocks its reasoning. The answer
+calls, `tool_result` blocks tool messages, `thinking` blocks its reasoning, `image`
+blocks with base64 sources the user's images, where they stand among its text. The answer
 is built by `MessageStream` from the engine's chunks; a non-streaming answer is the
 message that stream builds, its events dropped.
 """
@@ -19,6 +20,7 @@ from fastapi import APIRouter, Request
 from mlx_relay.api.http.common import Door, HttpError, Output, sampling, tool_call
 from mlx_relay.api.http.schemas import Lenient, dumps, sse
 from mlx_relay.coordinator.output import Chunk
+from mlx_relay.model import vision
 from mlx_relay.protocol import relay_pb2 as pb
 
 API = "anthropic"
@@ -40,8 +42,18 @@ def error_body(e: HttpError) -> dict[str, Any]:
     }
 
 
+class Source(Lenient):
+    """An image block's source: base64 data (a url source is refused: nothing is fetched)."""
+
+    type: str
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
 class Block(Lenient):
     type: str
+    source: Source | None = None
     text: str | None = None
     thinking: str | None = None
     id: str | None = None
@@ -122,11 +134,13 @@ def chat_messages(body: CountRequest) -> list[pb.ChatMessage]:
                 "invalid", f"messages[{i}].role must be 'user' or 'assistant'", "messages"
             )
         blocks = [Block(type="text", text=m.content)] if isinstance(m.content, str) else m.content
-        texts, reasoning, calls = [], [], []
+        parts, reasoning, calls = vision.MessageParts(), [], []
         for j, b in enumerate(blocks):
             where = f"messages[{i}].content[{j}]"
             if b.type == "text":
-                texts.append(b.text or "")
+                parts.text(b.text or "")
+            elif b.type == "image" and m.role == "user":
+                parts.image(_image(b, where))
             elif b.type in ("thinking", "redacted_thinking"):
                 reasoning.append(b.thinking or "")
             elif b.type == "tool_use" and m.role == "assistant":
@@ -143,19 +157,37 @@ def chat_messages(body: CountRequest) -> list[pb.ChatMessage]:
                 raise HttpError(
                     "invalid",
                     f"{where} is a {b.type!r} block, which this server does not take in a "
-                    f"{m.role} message (images and documents are not supported yet)",
+                    f"{m.role} message (documents are not supported; images only in user "
+                    "messages)",
                     "messages",
                 )
-        if texts or reasoning or calls:
+        if parts.texts or parts.images or reasoning or calls:
             out.append(
                 pb.ChatMessage(
                     role=m.role,
-                    content="".join(texts),
+                    **parts.fields(),
                     reasoning="".join(reasoning),
                     tool_calls=calls,
                 )
             )
     return out
+
+
+def _image(block: Block, where: str) -> bytes:
+    """An `image` block's file bytes: base64 sources only (the server fetches nothing)."""
+    source = block.source
+    kind = source.type if source else None
+    if source is None or kind != "base64" or not source.data:
+        raise HttpError(
+            "invalid",
+            f"{where}: only base64 image sources are accepted (source.type 'base64' with "
+            f"the file's data), not {kind!r}: the server does not fetch images",
+            where,
+        )
+    try:
+        return vision.b64decode_image(source.data, f"{where}.source.data")
+    except vision.VisionError as e:
+        raise HttpError("invalid", str(e), where) from None
 
 
 @dataclass

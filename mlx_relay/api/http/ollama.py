@@ -29,6 +29,7 @@ from mlx_relay.api.http.common import (
 )
 from mlx_relay.api.http.schemas import Lenient, dumps
 from mlx_relay.coordinator.output import Chunk
+from mlx_relay.model import vision
 from mlx_relay.protocol import relay_pb2 as pb
 
 API = "ollama"
@@ -126,19 +127,26 @@ class ShowRequest(Lenient):
     name: str | None = None
 
 
-def _no_images(images: list[str] | None, where: str) -> None:
-    if images:
-        raise HttpError("invalid", f"{where}: images are not supported yet (text models only)")
+def _images(images: list[str] | None, where: str) -> list[bytes]:
+    """Ollama's images (base64 strings) as file bytes; they are shown before the text.
+    A text-only model refuses them (Cluster.build)."""
+    out = []
+    for i, data in enumerate(images or []):
+        try:
+            out.append(vision.b64decode_image(data, f"{where}[{i}]"))
+        except vision.VisionError as e:
+            raise HttpError("invalid", str(e), where) from None
+    return out
 
 
 def chat_messages(messages: list[Message]) -> list[pb.ChatMessage]:
     out = []
     for i, m in enumerate(messages):
-        _no_images(m.images, f"messages[{i}]")
         out.append(
             pb.ChatMessage(
                 role=m.role,
                 content=m.content,
+                images=_images(m.images, f"messages[{i}].images"),
                 reasoning=m.thinking or "",
                 name=m.tool_name or "",
                 tool_calls=[
@@ -274,8 +282,14 @@ def router(door: Door) -> APIRouter:
     async def generate(body: GenerateRequest, request: Request) -> Any:
         started = time.perf_counter()
         model = door.check_model(body.model)
-        _no_images(body.images, "images")
-        if not body.prompt and not body.system:  # Ollama's way to load a model: it is loaded
+        images = _images(body.images, "images")
+        if images and body.raw:
+            raise HttpError(
+                "invalid",
+                "images need the chat template to place them; a raw prompt cannot carry them",
+                "raw",
+            )
+        if not (body.prompt or body.system or images):  # Ollama's way to load a model: it is loaded
             return {
                 "model": body.model,
                 "created_at": _now(),
@@ -288,7 +302,7 @@ def router(door: Door) -> APIRouter:
             req = pb.GenerateRequest(prompt=body.prompt, params=params)
         else:
             messages = [pb.ChatMessage(role="system", content=body.system)] if body.system else []
-            messages.append(pb.ChatMessage(role="user", content=body.prompt))
+            messages.append(pb.ChatMessage(role="user", content=body.prompt, images=images))
             req = pb.GenerateRequest(
                 messages=messages, params=params, chat_template_kwargs_json=body.kwargs()
             )

@@ -7,8 +7,6 @@ by `common.collect`. The Responses API is in `responses.py`.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -28,6 +26,7 @@ from mlx_relay.api.http.common import (
 )
 from mlx_relay.api.http.schemas import Lenient, dumps, sse
 from mlx_relay.coordinator.output import Chunk, TokenLogprob
+from mlx_relay.model import vision
 from mlx_relay.protocol import relay_pb2 as pb
 
 API = "openai"
@@ -160,17 +159,19 @@ class DetokenizeRequest(Lenient):
 
 
 # --- translation ----------------------------------------------------------------------
-def message_content(content: str | list[ContentPart] | None, where: str) -> tuple[str, list[bytes]]:
-    """A message's text and its images (`image_url` parts with base64 data: URLs; the
-    server fetches nothing). A text-only model refuses the images (Cluster.build)."""
+def message_content(content: str | list[ContentPart] | None, where: str) -> dict[str, Any]:
+    """A message's text and its images where they are among the text (`image_url` parts
+    with base64 data: URLs; the server fetches nothing), as `pb.ChatMessage` fields. A
+    text-only model refuses the images (Cluster.build)."""
+    parts = vision.MessageParts()
     if content is None or isinstance(content, str):
-        return content or "", []
-    texts, images = [], []
+        parts.text(content or "")
+        return parts.fields()
     for i, part in enumerate(content):
         if part.type in ("text", "input_text", "output_text") and part.text is not None:
-            texts.append(part.text)
+            parts.text(part.text)
         elif part.type == "image_url" and part.image_url is not None:
-            images.append(image_bytes(part.image_url, f"{where}.content[{i}].image_url"))
+            parts.image(image_bytes(part.image_url, f"{where}.content[{i}].image_url"))
         else:
             raise HttpError(
                 "invalid",
@@ -178,14 +179,13 @@ def message_content(content: str | list[ContentPart] | None, where: str) -> tupl
                 "image_url parts only (audio and files are not supported)",
                 f"{where}.content",
             )
-    return "".join(texts), images
+    return parts.fields()
 
 
 def image_bytes(image: ImageUrl | str, where: str) -> bytes:
     """The file bytes of a `data:image/...;base64,...` URL; other URLs are refused."""
     url = image if isinstance(image, str) else image.url
-    head, comma, data = url.partition(",")
-    if not (url.startswith("data:") and comma and head.endswith(";base64")):
+    if not url.startswith("data:"):
         raise HttpError(
             "invalid",
             f"{where}: only base64 data: URLs (data:image/png;base64,...) are accepted; "
@@ -193,22 +193,18 @@ def image_bytes(image: ImageUrl | str, where: str) -> bytes:
             where,
         )
     try:
-        return base64.b64decode(data, validate=True)
-    except binascii.Error as e:
-        raise HttpError(
-            "invalid", f"{where}: the data: URL is not valid base64 ({e})", where
-        ) from None
+        return vision.b64decode_image(url, where)
+    except vision.VisionError as e:
+        raise HttpError("invalid", str(e), where) from None
 
 
 def chat_messages(messages: list[MessageIn]) -> list[pb.ChatMessage]:
     out = []
     for i, m in enumerate(messages):
-        text, images = message_content(m.content, f"messages[{i}]")
         out.append(
             pb.ChatMessage(
                 role=m.role,
-                content=text,
-                images=images,
+                **message_content(m.content, f"messages[{i}]"),
                 name=m.name or "",
                 tool_call_id=m.tool_call_id or "",
                 reasoning=m.reasoning_content or m.reasoning or "",
