@@ -20,7 +20,13 @@ from conftest import start_cluster
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from oracle import _load, chat_tokens, mlx_lm_tokens, tokenizer_for
 from test_prompt_cache import _generate
-from tiny_models import MOE_FAMILIES, SCALED_FAMILIES, UNSPLITTABLE_FAMILIES, _config
+from tiny_models import (
+    MOE_FAMILIES,
+    MULTIPLIER_FAMILIES,
+    SCALED_FAMILIES,
+    UNSPLITTABLE_FAMILIES,
+    _config,
+)
 
 from mlx_relay.coordinator.requests import encode_text
 from mlx_relay.model import sharding
@@ -40,7 +46,11 @@ def _whole(model_dir):
 
 
 @pytest.mark.parametrize(
-    "family", FAMILIES + SCALED_FAMILIES + ("llama", "qwen2", "qwen3", "mistral", "phi3")
+    "family",
+    FAMILIES
+    + SCALED_FAMILIES
+    + MULTIPLIER_FAMILIES
+    + ("llama", "qwen2", "qwen3", "mistral", "phi3"),
 )
 def test_stages_equal_the_whole_model(tiny_model, family):
     """Logits bit-identical to mlx-lm for a 40-token prefill and 10 decode steps."""
@@ -156,7 +166,8 @@ def test_a_family_that_cannot_be_split_is_refused_when_it_loads(tiny_model, fami
 def test_an_unsplittable_cluster_fails_at_start_naming_the_family(tiny_model, tmp_path):
     path = tiny_model(UNSPLITTABLE_FAMILIES[0], 4)
     with pytest.raises(
-        AssertionError, match=r"model family 'granite' cannot be split over ranks: "
+        AssertionError,
+        match=f"model family '{UNSPLITTABLE_FAMILIES[0]}' cannot be split over ranks: ",
     ):
         start_cluster(path, 2, tmp_path / "logs", timeout=120)
 

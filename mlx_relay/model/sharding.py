@@ -21,8 +21,10 @@ import inspect
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
@@ -42,10 +44,48 @@ from mlx_lm.utils import load_model
 
 from mlx_relay.model import vision
 
-# Families whose embedding output is scaled by sqrt(hidden_size) before the first layer:
-# gemma3 rounds the factor to bfloat16 first, gemma and gemma2 multiply by the float.
-_BF16_EMBED_SCALE = ("gemma3", "gemma3_text")
-_SCALED_EMBEDDING = ("gemma", "gemma2", *_BF16_EMBED_SCALE)
+# What each family's own forward does around the layers besides embed_tokens, the final
+# norm and the LM head, written as that forward writes it (the same operations in the same
+# order, so results are bit-identical). Each op gets the model's own ModelArgs, so a
+# default the config leaves out is the model's. EMBED: on embed_tokens' output; PRE_HEAD:
+# on the final norm's output, before the head; LOGITS: on the head's output.
+_Op = Callable[[Any, mx.array], mx.array]
+
+
+def _softcap(cap: float | None, x: mx.array) -> mx.array:
+    return mx.tanh(x / cap) * cap if cap else x
+
+
+def _minicpm_pre_head(a: Any, h: mx.array) -> mx.array:
+    """minicpm scales the normed state down before an untied head only."""
+    return h if a.tie_word_embeddings else h / (a.hidden_size / a.dim_model_base)
+
+
+_EMBED_OPS: dict[str, _Op] = {
+    "gemma": lambda a, h: h * (a.hidden_size**0.5),
+    "gemma2": lambda a, h: h * (a.hidden_size**0.5),
+    # gemma3 rounds the factor to bfloat16 first
+    "gemma3_text": lambda a, h: h * mx.array(a.hidden_size**0.5, mx.bfloat16).astype(h.dtype),
+    "granite": lambda a, h: h * a.embedding_multiplier,
+    "granitemoe": lambda a, h: h * a.embedding_multiplier,
+    "granitemoehybrid": lambda a, h: h * a.embedding_multiplier,
+    "minicpm": lambda a, h: h * a.scale_emb,
+    "minicpm3": lambda a, h: h * a.scale_emb,
+    "afmoe": lambda a, h: h * math.sqrt(a.hidden_size) if a.mup_enabled else h,
+    "gear": lambda a, h: h * math.sqrt(a.hidden_size),
+    "muse_glimmer": lambda a, h: mx.fast.rms_norm(h, None, a.rms_norm_eps),
+}
+_PRE_HEAD_OPS: dict[str, _Op] = {"minicpm": _minicpm_pre_head, "minicpm3": _minicpm_pre_head}
+_LOGITS_OPS: dict[str, _Op] = {
+    "gemma2": lambda a, x: _softcap(a.final_logit_softcapping, x),
+    "gear": lambda a, x: _softcap(a.final_logit_softcapping, x),
+    "granite": lambda a, x: x / a.logits_scaling,
+    "granitemoe": lambda a, x: x / a.logits_scaling,
+    "granitemoehybrid": lambda a, x: x / a.logits_scaling,
+    "cohere": lambda a, x: x * a.logit_scale,
+    "cohere2": lambda a, x: x * a.logit_scale,
+    "muse_glimmer": lambda a, x: _softcap(a.final_logit_softcapping, x * a.output_multiplier),
+}
 
 # What mask a layer gets, by its cache's kind: the models build one mask per kind from
 # the first cache of that kind (full attention, sliding window, linear attention).
@@ -60,21 +100,11 @@ _MASK_KINDS: tuple[tuple[tuple[type, ...], str], ...] = (
 # run the layers and apply norm and head, so a split would not give their tokens.
 _MULTIPLIERS = "its forward scales embeddings and logits by config multipliers around the layers"
 _NOT_SPLITTABLE = {
-    "granite": _MULTIPLIERS,
-    "granitemoe": _MULTIPLIERS,
-    "granitemoehybrid": _MULTIPLIERS,
-    "minicpm": _MULTIPLIERS,
-    "minicpm3": _MULTIPLIERS,
     "phi3small": _MULTIPLIERS,
     "falcon_h1": "its layers take attention and SSM masks and scaled embeddings",
     "gemma3n": "its layers take per-layer inputs and share KV caches across layers",
     "gemma4_text": "its layers take per-layer inputs and share KV caches across layers",
-    "gear": "its forward scales embeddings by sqrt(hidden_size) around the layers",
-    "afmoe": "its forward may scale embeddings by sqrt(hidden_size) (muP)",
-    "cohere": "its forward scales the logits by logit_scale",
-    "cohere2": "its forward scales the logits by logit_scale",
     "nanochat": "its forward soft-caps the logits",
-    "muse_glimmer": "its forward scales and soft-caps the logits",
     "recurrent_gemma": "its forward scales embeddings and soft-caps the logits",
 }
 
@@ -320,15 +350,16 @@ def new_caches(shard: Shard) -> list[Any]:
     return caches
 
 
+def model_args(shard: Shard) -> Any:
+    """The model's own ModelArgs (the config with the model's defaults filled in)."""
+    return getattr(shard.outer, "args", None) or SimpleNamespace(**shard.config)
+
+
 def embed(shard: Shard, tokens: mx.array) -> mx.array:
-    inner = shard.inner
-    h = inner.embed_tokens(tokens)
-    family = shard.config.get("model_type")
-    if family in _BF16_EMBED_SCALE:
-        h = h * mx.array(shard.config["hidden_size"] ** 0.5, mx.bfloat16).astype(h.dtype)
-    elif family in _SCALED_EMBEDDING:
-        h = h * (shard.config["hidden_size"] ** 0.5)
-    return h
+    """Token embeddings as the family's own forward feeds them to its first layer."""
+    h = shard.inner.embed_tokens(tokens)
+    op = _EMBED_OPS.get(shard.config.get("model_type", ""))
+    return op(model_args(shard), h) if op else h
 
 
 def run_layers(shard: Shard, h: mx.array, caches: list[Any]) -> mx.array:
@@ -357,13 +388,16 @@ def make_mask(shard: Shard, kind: str, h: mx.array, cache: Any) -> Any:
 
 
 def head(shard: Shard, h: mx.array) -> mx.array:
-    """Final norm and LM head (tied embeddings when the model has no lm_head)."""
+    """Final norm and LM head (tied embeddings when the model has no lm_head), with
+    whatever the family's own forward does around them (the tables above)."""
+    family = shard.config.get("model_type", "")
     h = shard.inner.norm(h)
+    if op := _PRE_HEAD_OPS.get(family):
+        h = op(model_args(shard), h)
     if "lm_head" in shard.outer:
         logits = shard.outer.lm_head(h)
     else:
         logits = shard.inner.embed_tokens.as_linear(h)
-    cap = shard.config.get("final_logit_softcapping")
-    if cap:
-        logits = mx.tanh(logits / cap) * cap
+    if op := _LOGITS_OPS.get(family):
+        logits = op(model_args(shard), logits)
     return logits
