@@ -13,14 +13,24 @@ from __future__ import annotations
 import importlib
 import threading
 import time
+from math import inf
 
 import mlx.core as mx
 import pytest
 from conftest import start_cluster
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    ChunkedKVCache,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 from oracle import _load, chat_tokens, mlx_lm_tokens, tokenizer_for
 from test_prompt_cache import _generate
 from tiny_models import (
+    CACHELIST_FAMILIES,
     MOE_FAMILIES,
     MULTIPLIER_FAMILIES,
     SCALED_FAMILIES,
@@ -34,7 +44,7 @@ from mlx_relay.model.kvcache import CacheError, SlotCaches
 from mlx_relay.model.split import balanced_split, cost_split, default_split, layer_costs
 from mlx_relay.protocol import relay_pb2 as pb
 
-FAMILIES = (*MOE_FAMILIES, "gemma3_text")
+FAMILIES = (*MOE_FAMILIES, *CACHELIST_FAMILIES, "gemma3_text")
 NUM_LAYERS = 6
 # Uneven splits; each puts a rank boundary between layers of different kinds somewhere
 # (qwen3_next: linear 0,1 | full 2 | linear 3,4, full 5; gpt_oss: sliding on even layers).
@@ -82,6 +92,9 @@ CLUSTERS = [
     ("deepseek_v3", 1, None),
     ("deepseek_v3", 2, "4,2"),
     ("deepseek_v3", 3, "1,3,2"),
+    ("deepseek_v32", 1, None),
+    ("deepseek_v32", 2, "2,4"),
+    ("deepseek_v32", 3, "2,1,3"),
     ("qwen3_next", 1, None),
     ("qwen3_next", 2, "1,5"),
     ("qwen3_next", 3, "2,1,3"),
@@ -197,7 +210,9 @@ def test_cancel_and_free_with_rotating_and_ssm_caches(tiny_model, cluster_factor
     assert list(client.generate(_request(*PROMPTS[2])).token_ids) == _oracle(sliding, *PROMPTS[2])
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "gpt_oss", "deepseek_v3", "gemma3_text"])
+@pytest.mark.parametrize(
+    "family", ["qwen3_next", "gpt_oss", "deepseek_v3", "deepseek_v32", "gemma3_text"]
+)
 def test_decode_groups_of_every_cache_kind(tiny_model, family):
     """Sequences of different lengths prefilled alone, then decoded as one batch (KV, sliding
     and SSM caches merged), one leaving (parked) and one joining midway: each row's
@@ -314,7 +329,7 @@ def _continuable_prompt(path) -> str:
 
 
 def _position(cache: list) -> int:
-    return next(c.offset for c in cache if hasattr(c, "offset"))
+    return next(c.offset for c in sharding.flat_caches(cache) if hasattr(c, "offset"))
 
 
 def _second_equals_mlx_lm(running, path, first: list[int], second: list[dict] | str) -> int:
@@ -347,7 +362,8 @@ def _second_equals_mlx_lm(running, path, first: list[int], second: list[dict] | 
 def test_prefix_reuse_only_where_exact(tiny_model):
     """A state is reused only whole, a sliding window cut back only before anything left
     it, plain KV caches anywhere; a copied or cut cache goes on as mlx-lm's would."""
-    for family, rule in (("qwen3_next", (True, 0.0)), ("gpt_oss", (True, 8.0))):
+    rules = (("qwen3_next", (True, 0.0)), ("gpt_oss", (True, 8.0)), ("deepseek_v32", (True, inf)))
+    for family, rule in rules:
         path = tiny_model(family, NUM_LAYERS)
         shard = sharding.load_shard(path, 0, NUM_LAYERS, has_ends=True)
         assert (shard.reusable_caches, shard.cut_back_below) == rule
@@ -372,17 +388,28 @@ def test_prefix_reuse_only_where_exact(tiny_model):
             want = model(mx.array([prompt[:n] + more]), cache=reference)[:, -1]
             assert mx.allclose(got, want, atol=1e-5).item(), f"{family}: reuse of {n}"
             assert caches.at == {0: 6, 1: n + len(more)}
-    assert sharding.load_shard(tiny_model("llama", 4), 0, 4, has_ends=True).cut_back_below == (
-        float("inf")
-    )
+    assert sharding.load_shard(tiny_model("llama", 4), 0, 4, has_ends=True).cut_back_below == inf
 
 
-def test_a_cache_kind_without_a_mask_rule_is_refused():
-    """DeepSeek-V3.2 keeps a CacheList per layer (attention + indexer): no general mask
-    rule covers it, so it is refused before any weight is read."""
-    config = _config("deepseek_v3", 4, 64, None, None, None)
-    config.update(model_type="deepseek_v32", index_head_dim=16, index_n_heads=2, index_topk=8)
-    arch = importlib.import_module("mlx_lm.models.deepseek_v32")
+def test_a_cache_kind_without_a_mask_rule_is_refused(tiny_model):
+    """A layer cache of a kind no general mask rule covers (llama4's chunked attention),
+    alone or inside a CacheList, is refused before any weight is read."""
+    config = _config("llama", 4, 64, None, None, None)
+    arch = importlib.import_module("mlx_lm.models.llama")
     model = arch.Model(arch.ModelArgs.from_dict(config))
-    with pytest.raises(sharding.UnsupportedFamily, match="'deepseek_v32'.*CacheList"):
-        sharding.check_splittable(model, config, make_prompt_cache(model))
+    for cache in (ChunkedKVCache(8), CacheList(ArraysCache(2), ChunkedKVCache(8))):
+        with pytest.raises(sharding.UnsupportedFamily, match="'llama'.*ChunkedKVCache"):
+            sharding.check_splittable(model, config, [cache] * 4)
+
+
+def test_a_cachelist_takes_its_mask_from_its_attention_cache():
+    """As DeepSeek-V3.2 (attention + indexer) and Baichuan-M1 (conv state + KV or sliding
+    window) build their masks: from the first attention cache in the list."""
+    window = RotatingKVCache(max_size=8)
+    assert sharding.mask_source(CacheList(ArraysCache(2), window)) is window
+    first = KVCache()
+    assert sharding.mask_source(CacheList(first, KVCache())) is first
+    state = ArraysCache(2)
+    assert sharding.mask_source(CacheList(state)) is state
+    assert sharding.reuse_rule([CacheList(KVCache(), KVCache())] * 2) == (True, inf)
+    assert sharding.reuse_rule([CacheList(ArraysCache(2), window)]) == (True, 0.0)

@@ -30,6 +30,9 @@ EXTRA_FAMILIES = ("mistral", "phi3")
 # layers, hybrid linear attention (conv + gated-delta state). tests/test_families.py
 # runs them through clusters; they are not in FAMILIES to keep that matrix small.
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen3_next", "glm4_moe")
+# A family whose layers each keep a CacheList (DeepSeek-V3.2: MLA attention's cache and
+# its sparse indexer's), otherwise deepseek_v3's MLA + MoE.
+CACHELIST_FAMILIES = ("deepseek_v32",)
 # gemma2 scales its embeddings by sqrt(hidden_size) as a float (gemma3 rounds it to
 # bfloat16 first) and soft-caps attention and final logits.
 SCALED_FAMILIES = ("gemma2",)
@@ -241,6 +244,7 @@ def _config(
         FAMILIES
         + EXTRA_FAMILIES
         + MOE_FAMILIES
+        + CACHELIST_FAMILIES
         + SCALED_FAMILIES
         + MULTIPLIER_FAMILIES
         + UNSPLITTABLE_FAMILIES
@@ -413,6 +417,13 @@ def _moe_config(family: str, num_layers: int, hidden_size: int, head_dim: int) -
         }
     if family in ("mixtral", "gpt_oss"):
         return {"num_local_experts": NUM_EXPERTS, "num_experts_per_tok": EXPERTS_PER_TOKEN}
+    if family == "deepseek_v32":  # deepseek_v3 plus a sparse indexer (top 8 positions)
+        return {
+            **_moe_config("deepseek_v3", num_layers, hidden_size, head_dim),
+            "index_head_dim": 16,
+            "index_n_heads": 2,
+            "index_topk": 8,
+        }
     if family == "deepseek_v3":  # MLA; layer 0 dense, the rest routed + shared experts
         return {
             **experts,

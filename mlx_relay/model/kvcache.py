@@ -7,7 +7,7 @@ append the ones that joined), so all ranks hold identical batches without exchan
 anything beyond the step header.
 
 Caches are of whatever kinds the model makes per layer (KVCache, RotatingKVCache for
-sliding windows, ArraysCache for conv/SSM state): each kind merges into its own batch
+sliding windows, ArraysCache for conv/SSM state, a CacheList of several): each kind merges into its own batch
 form, filters, extends and extracts. Positions are kept here on the host, not read
 from the caches: an SSM state has no offset, and reading a device offset would wait.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from mlx_relay.model import sharding
 
@@ -193,6 +193,8 @@ def _copy_prefix(cache: Any, n: int, held: int) -> Any:
     `cache`, in its own arrays (caches update their arrays in place). A sliding window
     is cut only before anything left it (its buffer is then in order); a state is only
     copied whole."""
+    if isinstance(cache, CacheList):
+        return CacheList(*(_copy_prefix(c, n, held) for c in cache.caches))
     if isinstance(cache, ArraysCache):
         if n != held:
             raise CacheError(f"an SSM state of {held} positions cannot be cut back to {n}")

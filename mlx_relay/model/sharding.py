@@ -34,6 +34,7 @@ from mlx_lm.models.cache import (
     ArraysCache,
     BatchKVCache,
     BatchRotatingKVCache,
+    CacheList,
     ConcatenateKVCache,
     KVCache,
     QuantizedKVCache,
@@ -127,6 +128,30 @@ def mask_kind(cache: Any) -> str:
         else:
             raise UnsupportedFamily(f"no mask rule for a layer with a {type(cache).__name__}")
     return kind
+
+
+def mask_source(cache: Any) -> Any:
+    """The cache a layer's mask is built from: the cache itself, or for a CacheList
+    (several caches for one layer: DeepSeek-V3.2's attention and indexer, a conv state
+    and a KV cache) its first attention cache, else its first state, as the models
+    that make CacheLists build their masks."""
+    if type(cache) is not CacheList:
+        return cache
+    inner = [mask_source(c) for c in cache.caches]
+    for c in inner:
+        if mask_kind(c) != SSM:
+            return c
+    if not inner:
+        raise UnsupportedFamily("no mask rule for a layer with an empty CacheList")
+    return inner[0]
+
+
+def flat_caches(caches: list[Any]) -> list[Any]:
+    """The caches inside any CacheList, one flat list."""
+    out: list[Any] = []
+    for c in caches:
+        out.extend(flat_caches(list(c.caches)) if isinstance(c, CacheList) else [c])
+    return out
 
 
 @dataclass
@@ -286,6 +311,7 @@ def load_shard(path: Path, start: int, end: int, *, has_ends: bool) -> Shard:
 def reuse_rule(caches: list[Any]) -> tuple[bool, float]:
     """(reusable at all, cut back exactly below this many positions) for a model whose
     layers make these caches; the same on every rank, as it looks at all layers."""
+    caches = flat_caches(caches)  # a CacheList is reusable where all it holds is
     kinds = {type(c) for c in caches}
     if not kinds <= {KVCache, RotatingKVCache, ArraysCache}:
         return False, 0.0
@@ -319,7 +345,7 @@ def check_splittable(
         raise refuse(f"it makes {len(caches)} caches for {len(inner.layers)} layers")
     for i, cache in enumerate(caches):
         try:
-            mask_kind(cache)
+            mask_kind(mask_source(cache))
         except UnsupportedFamily as e:
             raise refuse(f"layer {i}: {e}") from None
     for layer in {type(layer): layer for layer in inner.layers}.values():
@@ -371,10 +397,11 @@ def run_layers(shard: Shard, h: mx.array, caches: list[Any]) -> mx.array:
     """
     masks: dict[tuple[str, int], Any] = {}
     for layer, cache in zip(shard.inner.layers, caches, strict=True):
-        kind = mask_kind(cache)
-        key = (kind, cache.max_size if kind == SLIDING else 0)  # windows may differ
+        source = mask_source(cache)
+        kind = mask_kind(source)
+        key = (kind, source.max_size if kind == SLIDING else 0)  # windows may differ
         if key not in masks:
-            masks[key] = make_mask(shard, kind, h, cache)
+            masks[key] = make_mask(shard, kind, h, source)
         h = layer(h, masks[key], cache)
     return h
 
