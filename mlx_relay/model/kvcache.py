@@ -79,11 +79,14 @@ class SlotCaches:
         if self.at[slot] != offset:
             raise CacheError(f"slot {slot} is at position {self.at[slot]}, step says {offset}")
         self.at[slot] = offset + length
+        self._quantize(caches)
         return caches
 
     def for_group(self, group: int, slots: list[int], offsets: list[int]) -> list[Any]:
         """The batch caches of a decode group holding exactly `slots`, in that order,
         for a step of one token per row (they move on by one position)."""
+        if self.shard.kv is not None:  # quantized caches have no batch form
+            return sharding.Rows(self._own(s, o) for s, o in zip(slots, offsets, strict=True))
         current = self.groups.get(group)
         if current is None and len(slots) == 1:
             # A group of one decodes on the sequence's own cache, as single-process
@@ -105,7 +108,19 @@ class SlotCaches:
         if self.at[slot] != offset:
             raise CacheError(f"slot {slot} is at position {self.at[slot]}, step says {offset}")
         self.at[slot] = offset + 1
+        self._quantize(caches)
         return caches
+
+    def _quantize(self, caches: list[Any]) -> None:
+        """With --kv-bits: each plain KV cache that holds at least --quantized-kv-start
+        positions becomes a QuantizedKVCache, before the step, which is the state
+        mlx-lm's maybe_quantize_kv_cache leaves it in after the step before."""
+        kv = self.shard.kv
+        if kv is None:
+            return
+        for i, c in enumerate(caches):
+            if type(c) is KVCache and not c.empty() and c.offset >= kv.start:
+                caches[i] = c.to_quantized(group_size=kv.group_size, bits=kv.bits)
 
     def _rebuild(self, group: int, current: _Group | None, slots: list[int]) -> _Group:
         kept_slots, caches, positions = (

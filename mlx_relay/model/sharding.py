@@ -22,7 +22,7 @@ import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -154,6 +154,39 @@ def flat_caches(caches: list[Any]) -> list[Any]:
     return out
 
 
+@dataclass(frozen=True)
+class KVQuant:
+    """mlx-lm's --kv-bits, --kv-group-size and --quantized-kv-start: a layer's plain KV
+    cache becomes a QuantizedKVCache once it holds `start` positions, after the step
+    that filled it, as mlx_lm.generate's maybe_quantize_kv_cache does. Every rank
+    quantizes the same way: rank 0 sends this in the load document."""
+
+    bits: int
+    group_size: int = 64
+    start: int = 0
+
+    def __post_init__(self) -> None:
+        if self.bits not in (2, 3, 4, 5, 6, 8):
+            raise ValueError(f"--kv-bits must be 2, 3, 4, 5, 6 or 8, not {self.bits}")
+        if self.group_size not in (32, 64, 128):
+            raise ValueError(f"--kv-group-size must be 32, 64 or 128, not {self.group_size}")
+        if self.start < 0:
+            raise ValueError(f"--quantized-kv-start must be >= 0, not {self.start}")
+
+    @classmethod
+    def of(cls, value: KVQuant | dict[str, int] | None) -> KVQuant | None:
+        """From a load document's dict (None: no quantization)."""
+        return cls(**value) if isinstance(value, dict) else value
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class Rows(list):
+    """A decode group's caches as one cache list per row, each row run alone: quantized
+    KV caches have no batch form (mlx-lm does not batch them either)."""
+
+
 @dataclass
 class Shard:
     """One rank's part of the model: layers [start, end), plus embedding and head on rank 0."""
@@ -178,6 +211,7 @@ class Shard:
     # model.language_model.model, its head model.language_model.lm_head, and rank 0
     # also holds the vision tower and projector (model/vision.py).
     vision: bool = False
+    kv: KVQuant | None = None  # quantized KV caches
 
     def usable_prefix(self, held: int, shared: int) -> bool:
         """Whether a parked cache holding `held` positions can start a sequence at its
@@ -259,12 +293,21 @@ def fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def load_shard(path: Path, start: int, end: int, *, has_ends: bool) -> Shard:
+def load_shard(
+    path: Path,
+    start: int,
+    end: int,
+    *,
+    has_ends: bool,
+    kv: KVQuant | dict[str, int] | None = None,
+) -> Shard:
     """Load only layers [start, end) (plus the ends on rank 0) and evaluate only those.
 
     The weights are opened lazily; the layers of other ranks are dropped before
     anything is evaluated, so peak memory is about the shard, not the whole model.
+    `kv`: quantize the plain KV caches (see KVQuant).
     """
+    kv = KVQuant.of(kv)
     config = read_config(Path(path))
     if vision.is_vlm(config):
         model, config = vision.load_vlm(Path(path))
@@ -285,6 +328,11 @@ def load_shard(path: Path, start: int, end: int, *, has_ends: bool) -> Shard:
     caches = make_prompt_cache(model)  # all layers still here
     check_splittable(model, config, caches, inner)
     reusable, cut_back_below = reuse_rule(caches)
+    if kv is not None:
+        check_quantizable(config, caches)
+        # A prefix's quantized keys depend on when each position was quantized (which
+        # step), so a parked cache would not give what a fresh prefill gives.
+        reusable, cut_back_below = False, 0.0
     inner.layers = inner.layers[start:end]
     if not has_ends:
         for owner, name in ((inner, "embed_tokens"), (inner, "norm"), (outer, "lm_head")):
@@ -305,7 +353,19 @@ def load_shard(path: Path, start: int, end: int, *, has_ends: bool) -> Shard:
         cut_back_below,
         wants_array_masks(inner),
         vision.is_vlm(config),
+        kv,
     )
+
+
+def check_quantizable(config: dict[str, Any], caches: list[Any]) -> None:
+    """Refuse --kv-bits for a model with sliding-window caches, which mlx-lm cannot
+    quantize either (RotatingKVCache.to_quantized is not implemented)."""
+    if any(isinstance(c, RotatingKVCache) for c in caches):
+        family = config.get("model_type")
+        raise UnsupportedFamily(
+            f"model family {family!r}: --kv-bits cannot quantize its sliding-window "
+            "caches (mlx-lm cannot either); serve it without --kv-bits"
+        )
 
 
 def reuse_rule(caches: list[Any]) -> tuple[bool, float]:
@@ -395,6 +455,9 @@ def run_layers(shard: Shard, h: mx.array, caches: list[Any]) -> mx.array:
     attention) holds the same positions, so their masks are equal: build each once
     from the first cache of its kind, as the models themselves do.
     """
+    if isinstance(caches, Rows):
+        rows = [run_layers(shard, h[i : i + 1], c) for i, c in enumerate(caches)]
+        return mx.concatenate(rows, axis=0)
     masks: dict[tuple[str, int], Any] = {}
     for layer, cache in zip(shard.inner.layers, caches, strict=True):
         source = mask_source(cache)
