@@ -103,10 +103,21 @@ def test_stages_equal_mlx_lm_with_quantized_caches(tiny_model, family):
     assert quantized and all(c.bits == BITS and c.group_size == GROUP for c in quantized)
 
 
-def test_sliding_window_caches_are_refused_at_load(tiny_model):
+def test_caches_that_cannot_be_quantized_are_refused_at_load(tiny_model):
+    """Sliding windows (mlx-lm cannot quantize them either), and MLA's rotary key of 8
+    values (not a multiple of the group size): refused when the shard loads, on every
+    rank (a worker's shard too), never at generation time."""
     path = tiny_model("gpt_oss", 4)
     with pytest.raises(sharding.UnsupportedFamily, match="'gpt_oss'.*--kv-bits.*sliding-window"):
         sharding.load_shard(path, 0, 2, has_ends=True, kv=KV)
+    path = tiny_model("deepseek_v3", 4, hidden_size=HIDDEN)
+    for start, end, ends in ((0, 2, True), (2, 4, False)):
+        with pytest.raises(
+            sharding.UnsupportedFamily,
+            match="'deepseek_v3': its caches cannot be quantized with --kv-bits 4 "
+            "--kv-group-size 32: .*divisible by the quantization group size",
+        ):
+            sharding.load_shard(path, start, end, has_ends=ends, kv=KV)
     with pytest.raises(ValueError, match="--kv-bits must be"):
         sharding.KVQuant(bits=7)
 

@@ -112,15 +112,10 @@ class SlotCaches:
         return caches
 
     def _quantize(self, caches: list[Any]) -> None:
-        """With --kv-bits: each plain KV cache that holds at least --quantized-kv-start
-        positions becomes a QuantizedKVCache, before the step, which is the state
-        mlx-lm's maybe_quantize_kv_cache leaves it in after the step before."""
-        kv = self.shard.kv
-        if kv is None:
-            return
-        for i, c in enumerate(caches):
-            if type(c) is KVCache and not c.empty() and c.offset >= kv.start:
-                caches[i] = c.to_quantized(group_size=kv.group_size, bits=kv.bits)
+        """With --kv-bits: quantize before the step what mlx-lm quantizes after the one
+        before (sharding.quantize_caches), which is the same state."""
+        if self.shard.kv is not None:
+            sharding.quantize_caches(caches, self.shard.kv)
 
     def _rebuild(self, group: int, current: _Group | None, slots: list[int]) -> _Group:
         kept_slots, caches, positions = (

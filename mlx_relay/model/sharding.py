@@ -29,6 +29,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import (
     ArraysCache,
@@ -329,7 +330,6 @@ def load_shard(
     check_splittable(model, config, caches, inner)
     reusable, cut_back_below = reuse_rule(caches)
     if kv is not None:
-        check_quantizable(config, caches)
         # A prefix's quantized keys depend on when each position was quantized (which
         # step), so a parked cache would not give what a fresh prefill gives.
         reusable, cut_back_below = False, 0.0
@@ -342,7 +342,7 @@ def load_shard(
             if name in model:
                 model.pop(name)
     mx.eval(model.parameters())
-    return Shard(
+    shard = Shard(
         model,
         config,
         start,
@@ -355,17 +355,50 @@ def load_shard(
         vision.is_vlm(config),
         kv,
     )
+    if kv is not None:
+        check_quantizable(shard, caches)
+    return shard
 
 
-def check_quantizable(config: dict[str, Any], caches: list[Any]) -> None:
-    """Refuse --kv-bits for a model with sliding-window caches, which mlx-lm cannot
-    quantize either (RotatingKVCache.to_quantized is not implemented)."""
-    if any(isinstance(c, RotatingKVCache) for c in caches):
-        family = config.get("model_type")
+def quantize_caches(caches: list[Any], kv: KVQuant) -> None:
+    """Turn each plain KV cache holding at least `kv.start` positions into a
+    QuantizedKVCache, in place: the state mlx-lm's maybe_quantize_kv_cache leaves after
+    a step (it quantizes what has `to_quantized`: not states, not CacheLists)."""
+    for i, c in enumerate(caches):
+        if type(c) is KVCache and not c.empty() and c.offset >= kv.start:
+            caches[i] = c.to_quantized(group_size=kv.group_size, bits=kv.bits)
+
+
+def check_quantizable(shard: Shard, all_caches: list[Any]) -> None:
+    """Refuse --kv-bits, at load, for a model whose caches cannot be quantized: sliding
+    windows (mlx-lm cannot either), or a cached dimension that is not a multiple of the
+    group size or an attention that cannot read quantized caches, which a step of this
+    shard's layers on two zero positions and then one more on quantized caches shows."""
+    kv = shard.kv
+    assert kv is not None
+    family = shard.config.get("model_type")
+    if any(isinstance(c, RotatingKVCache) for c in all_caches):
         raise UnsupportedFamily(
             f"model family {family!r}: --kv-bits cannot quantize its sliding-window "
             "caches (mlx-lm cannot either); serve it without --kv-bits"
         )
+    text = shard.config.get("text_config") or shard.config
+    floats = [
+        a.dtype
+        for _, a in tree_flatten(shard.inner.layers[0].parameters())
+        if mx.issubdtype(a.dtype, mx.floating)
+    ]
+    h = mx.zeros((1, 2, int(text["hidden_size"])), floats[0] if floats else mx.float32)
+    caches = new_caches(shard)
+    try:
+        mx.eval(run_layers(shard, h, caches))
+        quantize_caches(caches, KVQuant(kv.bits, kv.group_size, 0))
+        mx.eval(run_layers(shard, h[:, :1], caches))
+    except Exception as e:  # noqa: BLE001 - whatever mlx says, it is why
+        raise UnsupportedFamily(
+            f"model family {family!r}: its caches cannot be quantized with --kv-bits "
+            f"{kv.bits} --kv-group-size {kv.group_size}: {e}"
+        ) from None
 
 
 def reuse_rule(caches: list[Any]) -> tuple[bool, float]:
