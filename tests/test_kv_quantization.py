@@ -123,7 +123,14 @@ def test_caches_that_cannot_be_quantized_are_refused_at_load(tiny_model):
 
 
 def test_the_memory_estimate_counts_quantized_caches(tiny_model):
+    """The estimate equals the bytes mlx-lm's quantized caches really take."""
     path = tiny_model("llama", NUM_LAYERS, hidden_size=HIDDEN)
+    model = _load(str(path))[0]
+    cache = make_prompt_cache(model)
+    model(mx.array([[(3 * i) % 500 + 7 for i in range(999)]]), cache=cache)
+    maybe_quantize_kv_cache(cache, 0, GROUP, BITS)
+    model(mx.array([[9]]), cache=cache)
+    real = sum(c.nbytes for c in cache)
     saved = memory.plan()
     try:
         plain = memory.cache_nbytes(path, 0, NUM_LAYERS, 1000)
@@ -140,6 +147,7 @@ def test_the_memory_estimate_counts_quantized_caches(tiny_model):
     # Per position and layer: 2 x 2 KV heads x head dim 32 = 128 float32 values, 512
     # bytes; quantized: 128 x 4 bits = 64 bytes + a float32 scale and bias per 32 values.
     assert quantized * 512 == plain * (64 + 2 * 4 * 128 // GROUP)
+    assert quantized == real
 
 
 def _generate_concurrently(client) -> list[object]:

@@ -100,14 +100,15 @@ _MASK_KINDS: tuple[tuple[tuple[type, ...], str], ...] = (
 
 # Families that pass the structural checks but whose own forward does more than embed,
 # run the layers and apply norm and head, so a split would not give their tokens.
-_MULTIPLIERS = "its forward scales embeddings and logits by config multipliers around the layers"
 _NOT_SPLITTABLE = {
-    "phi3small": _MULTIPLIERS,
+    "phi3small": "its final norm is final_layernorm and its head masks fixed dummy token "
+    "ids besides its muP multipliers",
     "falcon_h1": "its layers take attention and SSM masks and scaled embeddings",
     "gemma3n": "its layers take per-layer inputs and share KV caches across layers",
     "gemma4_text": "its layers take per-layer inputs and share KV caches across layers",
     "nanochat": "its forward soft-caps the logits",
-    "recurrent_gemma": "its forward scales embeddings and soft-caps the logits",
+    "recurrent_gemma": "its final norm is final_norm and every layer gets the attention "
+    "layers' mask",
 }
 
 
