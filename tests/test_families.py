@@ -188,26 +188,38 @@ def test_an_unsplittable_cluster_fails_at_start_naming_the_family(tiny_model, tm
 @pytest.mark.cluster
 def test_cancel_and_free_with_rotating_and_ssm_caches(tiny_model, cluster_factory):
     """Streams cancelled mid-decode leave no state behind: the ring stays in step and a
-    freed and reloaded model answers exactly (hybrid caches: SSM + KV; gpt-oss: sliding)."""
+    freed and reloaded model answers exactly (hybrid caches: SSM + KV; gpt-oss: sliding;
+    deepseek_v32: a CacheList per layer)."""
     hybrid = tiny_model("qwen3_next", NUM_LAYERS)
     running = cluster_factory(hybrid, 2, layers="2,4")
     client = running.client
-    calls = [client.stream(_request(*PROMPTS[i])) for i in (0, 1, 2)]
-    for call in calls[:2]:
-        next(iter(call))  # decoding has started
-        call.cancel()
-    rest = [t for chunk in calls[2] for t in chunk.token_ids]
-    assert rest == _oracle(hybrid, *PROMPTS[2])
-    deadline = time.monotonic() + 60
-    while client.status().active_requests and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert client.status().active_requests == 0
-    assert list(client.generate(_request(*PROMPTS[3])).token_ids) == _oracle(hybrid, *PROMPTS[3])
+    _cancel_two_and_finish(client, hybrid)
 
     sliding = tiny_model("gpt_oss", NUM_LAYERS)
     client.stub.Free(pb.FreeRequest(), timeout=60)
     client.stub.LoadModel(pb.LoadModelRequest(model=str(sliding), layers="3,3"), timeout=120)
     assert list(client.generate(_request(*PROMPTS[2])).token_ids) == _oracle(sliding, *PROMPTS[2])
+
+    listed = tiny_model("deepseek_v32", NUM_LAYERS)
+    client.stub.Free(pb.FreeRequest(), timeout=60)
+    client.stub.LoadModel(pb.LoadModelRequest(model=str(listed), layers="4,2"), timeout=120)
+    _cancel_two_and_finish(client, listed)
+
+
+def _cancel_two_and_finish(client, path) -> None:
+    """Three streams at once, two cancelled once decoding started: the third and a
+    later request give mlx-lm's tokens, and nothing stays active."""
+    calls = [client.stream(_request(*PROMPTS[i])) for i in (0, 1, 2)]
+    for call in calls[:2]:
+        next(iter(call))  # decoding has started
+        call.cancel()
+    rest = [t for chunk in calls[2] for t in chunk.token_ids]
+    assert rest == _oracle(path, *PROMPTS[2])
+    deadline = time.monotonic() + 60
+    while client.status().active_requests and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert client.status().active_requests == 0
+    assert list(client.generate(_request(*PROMPTS[3])).token_ids) == _oracle(path, *PROMPTS[3])
 
 
 @pytest.mark.parametrize(

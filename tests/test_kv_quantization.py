@@ -150,19 +150,19 @@ def test_the_memory_estimate_counts_quantized_caches(tiny_model):
     assert quantized == real
 
 
+def _request(text: str, seed: int | None) -> pb.GenerateRequest:
+    params = pb.SamplingParams(max_tokens=MAX_TOKENS)
+    if seed is not None:
+        params.temperature, params.top_p, params.seed = 0.9, 0.95, seed
+    return pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=text)], params=params)
+
+
 def _generate_concurrently(client) -> list[object]:
     results: list[object] = [None] * len(PROMPTS)
 
     def run(i: int) -> None:
-        text, seed = PROMPTS[i]
-        params = pb.SamplingParams(max_tokens=MAX_TOKENS)
-        if seed is not None:
-            params.temperature, params.top_p, params.seed = 0.9, 0.95, seed
-        request = pb.GenerateRequest(
-            messages=[pb.ChatMessage(role="user", content=text)], params=params
-        )
         try:
-            results[i] = list(client.generate(request).token_ids)
+            results[i] = list(client.generate(_request(*PROMPTS[i])).token_ids)
         except Exception as e:  # noqa: BLE001 - reported by the caller's assert
             results[i] = e
 
@@ -189,6 +189,14 @@ def test_clusters_with_kv_bits_equal_mlx_lm(tiny_model, tmp_path, ranks, layers)
             assert tokens == want, f"request {i} at {ranks} ranks"
         status = running.client.status()
         assert status.active_requests == 0 and status.queued_requests == 0
+        if ranks == 2:  # a stream cancelled mid-decode leaves the others exact
+            cancelled = running.client.stream(_request(*PROMPTS[0]))
+            kept = running.client.stream(_request(*PROMPTS[1]))
+            next(iter(cancelled))
+            cancelled.cancel()
+            assert [t for chunk in kept for t in chunk.token_ids] == expected[1]
+            again = running.client.generate(_request(*PROMPTS[2]))
+            assert list(again.token_ids) == expected[2]
     finally:
         running.stop()
         assert_gone(running.pids)
