@@ -39,7 +39,7 @@ from tiny_models import (
 )
 
 from mlx_relay.coordinator.requests import encode_text
-from mlx_relay.model import sharding
+from mlx_relay.model import memory, sharding
 from mlx_relay.model.kvcache import CacheError, SlotCaches
 from mlx_relay.model.split import balanced_split, cost_split, default_split, layer_costs
 from mlx_relay.protocol import relay_pb2 as pb
@@ -425,3 +425,20 @@ def test_a_cachelist_takes_its_mask_from_its_attention_cache():
     assert sharding.mask_source(CacheList(state)) is state
     assert sharding.reuse_rule([CacheList(KVCache(), KVCache())] * 2) == (True, inf)
     assert sharding.reuse_rule([CacheList(ArraysCache(2), window)]) == (True, 0.0)
+
+
+def test_the_cache_estimate_counts_a_cachelist(tiny_model):
+    """DeepSeek-V3.2's CacheList (MLA latent + rotary key, indexer keys), from the config
+    alone, to the byte of what mlx-lm allocates; the parts of a split add up."""
+    path = tiny_model("deepseek_v32", NUM_LAYERS)
+    model = _whole(path)
+    caches = make_prompt_cache(model)
+    model(mx.array([list(range(5, 45))]), cache=caches)
+    for _ in range(300):  # past the first 256 positions
+        model(mx.array([[7]]), cache=caches)
+    flat = sharding.flat_caches(caches)
+    mx.eval([c.state for c in flat])
+    real = sum(c.keys.nbytes + c.values.nbytes for c in flat)
+    assert memory.cache_nbytes(path, 0, NUM_LAYERS, 340) == real
+    parts = memory.cache_nbytes(path, 0, 2, 340) + memory.cache_nbytes(path, 2, NUM_LAYERS, 340)
+    assert parts == real

@@ -50,6 +50,9 @@ ATTENTION_FAMILIES = frozenset(
     "gemma3_text starcoder2 olmo olmo2 cohere smollm3 granite internlm2 exaone glm4_moe".split()
 )
 MLA_FAMILIES = frozenset({"deepseek_v3", "kimi_k2"})  # one latent + one rotary key per position
+# MLA plus a sparse indexer, whose CacheList also keeps one indexer key per position
+# (stored as keys and as values).
+MLA_INDEXER_FAMILIES = frozenset({"deepseek_v32"})
 
 
 class ShardTooBig(ValueError):
@@ -168,6 +171,7 @@ def _layer_caches(path: str, start: int, end: int) -> tuple[int, tuple[int | Non
     if not (
         family in ATTENTION_FAMILIES
         or family in MLA_FAMILIES
+        or family in MLA_INDEXER_FAMILIES
         or isinstance(layer_types, list)
         or _plain_caches(family)
     ):
@@ -197,6 +201,9 @@ def _position_values(family: str, config: dict[str, Any]) -> int:
     MLA (DeepSeek V3) the compressed latent and the rotary key, as mlx-lm keeps them."""
     if family in MLA_FAMILIES:
         return int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])
+    if family in MLA_INDEXER_FAMILIES:
+        latent = int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])
+        return latent + 2 * int(config["index_head_dim"])
     if "kv_lora_rank" in config:
         raise ValueError("MLA attention of a family whose cache layout is not known here")
     heads = int(config.get("num_attention_heads") or 0)
