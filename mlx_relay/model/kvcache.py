@@ -7,9 +7,11 @@ append the ones that joined), so all ranks hold identical batches without exchan
 anything beyond the step header.
 
 Caches are of whatever kinds the model makes per layer (KVCache, RotatingKVCache for
-sliding windows, ArraysCache for conv/SSM state, a CacheList of several): each kind merges into its own batch
-form, filters, extends and extracts. Positions are kept here on the host, not read
-from the caches: an SSM state has no offset, and reading a device offset would wait.
+sliding windows, ArraysCache for conv/SSM state, a CacheList of several): each kind
+merges into its own batch form, filters, extends and extracts. Positions are kept here
+on the host, not read from the caches: an SSM state has no offset, and reading a device
+offset would wait. With --kv-bits, plain KV caches are quantized as mlx-lm does, and a
+decode group runs row by row on them (sharding.Rows): they have no batch form.
 """
 
 from __future__ import annotations

@@ -247,10 +247,12 @@ def cache_nbytes(path: Path, start: int, end: int, tokens: int) -> int:
     per_position, windows = _layer_caches(str(path), start, end)
     held = math.ceil(tokens / CACHE_STEP) * CACHE_STEP
     full = per_position  # a full-attention layer's bytes per position
-    if _plan.kv_bits and held > _plan.quantized_kv_start:
+    config = _read_config(str(path))
+    quantized = config.get("model_type") not in MLA_INDEXER_FAMILIES  # CacheLists stay
+    if _plan.kv_bits and quantized and tokens > _plan.quantized_kv_start:
         # Quantized (as QuantizedKVCache): each value packed into kv_bits bits, plus a
         # scale and a bias per group of kv_group_size values, in the model's dtype.
-        dtype = _dtype_bytes(Path(path), _read_config(str(path)))
+        dtype = _dtype_bytes(Path(path), config)
         values = per_position // dtype
         full = values * _plan.kv_bits // 8 + 2 * dtype * values // _plan.kv_group_size
     return sum(full * held if w is None else per_position * min(held, w) for w in windows)
