@@ -9,13 +9,20 @@ which is much cheaper than starting rank processes per family.
 
 from __future__ import annotations
 
+import importlib
+import json
 import threading
 
+import mlx.core as mx
 import pytest
 from conftest import assert_gone, start_cluster
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from mlx_lm.utils import load_model
 from test_families import _oracle, _request
-from tiny_models import MULTIPLIER_FAMILIES
+from tiny_models import MULTIPLIER_FAMILIES, _init_weights, make_tiny_model
 
+from mlx_relay.model import sharding
 from mlx_relay.protocol import relay_pb2 as pb
 
 NUM_LAYERS = 6
@@ -67,3 +74,39 @@ def test_clusters_equal_mlx_lm(models, tmp_path, ranks):
     finally:
         running.stop()
         assert_gone(running.pids)
+
+
+def test_gear_conv_mixer_layers_stage_exact(tmp_path):
+    """gear with its conv-mixer layers (ArraysCache state) between sliding and full
+    attention, which the tiny gear of the cluster test leaves out (transformers refuses
+    that layer type in config.json, so mlx_lm.load cannot read its tokenizer): stages
+    cut unevenly give the whole model's logits bit for bit (mlx-lm's load_model)."""
+    path = make_tiny_model(tmp_path / "gear", "gear", num_layers=NUM_LAYERS)
+    config = json.loads((path / "config.json").read_text())
+    kinds = ("conv_mixer", "sliding_attention", "full_attention")
+    config["layer_types"] = [kinds[i % 3] for i in range(NUM_LAYERS)]
+    arch = importlib.import_module("mlx_lm.models.gear")
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    _init_weights(model, 0, gemma=False)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config))
+    model = load_model(path)[0]
+    assert isinstance(make_prompt_cache(model)[0], ArraysCache)
+    prompt = mx.array([[(7 * i + 11) % 500 + 7 for i in range(40)]])
+    steps = [mx.array([[t]]) for t in (9, 99, 199, 299, 399, 13, 31, 71, 171, 271)]
+    cache = make_prompt_cache(model)
+    expected = [model(prompt, cache=cache)[:, -1]] + [model(t, cache=cache)[:, -1] for t in steps]
+    for split in ([(0, 2), (2, 6)], [(0, 1), (1, 4), (4, 6)]):
+        shards = [sharding.load_shard(path, a, b, has_ends=a == 0) for a, b in split]
+        caches = [s.make_caches() for s in shards]
+
+        def forward(tokens, shards=shards, caches=caches):
+            h = sharding.embed(shards[0], tokens)
+            for shard, c in zip(shards, caches, strict=True):
+                h = sharding.run_layers(shard, h, c)
+            return sharding.head(shards[0], h)[:, -1]
+
+        got = [forward(prompt)] + [forward(t) for t in steps]
+        for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+            assert mx.array_equal(a, b).item(), f"gear split {split}: step {i} differs"
