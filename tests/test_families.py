@@ -13,22 +13,38 @@ from __future__ import annotations
 import importlib
 import threading
 import time
+from math import inf
 
 import mlx.core as mx
 import pytest
 from conftest import start_cluster
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    ChunkedKVCache,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 from oracle import _load, chat_tokens, mlx_lm_tokens, tokenizer_for
 from test_prompt_cache import _generate
-from tiny_models import MOE_FAMILIES, SCALED_FAMILIES, UNSPLITTABLE_FAMILIES, _config
+from tiny_models import (
+    CACHELIST_FAMILIES,
+    MOE_FAMILIES,
+    MULTIPLIER_FAMILIES,
+    SCALED_FAMILIES,
+    UNSPLITTABLE_FAMILIES,
+    _config,
+)
 
 from mlx_relay.coordinator.requests import encode_text
-from mlx_relay.model import sharding
+from mlx_relay.model import memory, sharding
 from mlx_relay.model.kvcache import CacheError, SlotCaches
 from mlx_relay.model.split import balanced_split, cost_split, default_split, layer_costs
 from mlx_relay.protocol import relay_pb2 as pb
 
-FAMILIES = (*MOE_FAMILIES, "gemma3_text")
+FAMILIES = (*MOE_FAMILIES, *CACHELIST_FAMILIES, "gemma3_text")
 NUM_LAYERS = 6
 # Uneven splits; each puts a rank boundary between layers of different kinds somewhere
 # (qwen3_next: linear 0,1 | full 2 | linear 3,4, full 5; gpt_oss: sliding on even layers).
@@ -40,7 +56,11 @@ def _whole(model_dir):
 
 
 @pytest.mark.parametrize(
-    "family", FAMILIES + SCALED_FAMILIES + ("llama", "qwen2", "qwen3", "mistral", "phi3")
+    "family",
+    FAMILIES
+    + SCALED_FAMILIES
+    + MULTIPLIER_FAMILIES
+    + ("llama", "qwen2", "qwen3", "mistral", "phi3"),
 )
 def test_stages_equal_the_whole_model(tiny_model, family):
     """Logits bit-identical to mlx-lm for a 40-token prefill and 10 decode steps."""
@@ -72,6 +92,9 @@ CLUSTERS = [
     ("deepseek_v3", 1, None),
     ("deepseek_v3", 2, "4,2"),
     ("deepseek_v3", 3, "1,3,2"),
+    ("deepseek_v32", 1, None),
+    ("deepseek_v32", 2, "2,4"),
+    ("deepseek_v32", 3, "2,1,3"),
     ("qwen3_next", 1, None),
     ("qwen3_next", 2, "1,5"),
     ("qwen3_next", 3, "2,1,3"),
@@ -156,7 +179,8 @@ def test_a_family_that_cannot_be_split_is_refused_when_it_loads(tiny_model, fami
 def test_an_unsplittable_cluster_fails_at_start_naming_the_family(tiny_model, tmp_path):
     path = tiny_model(UNSPLITTABLE_FAMILIES[0], 4)
     with pytest.raises(
-        AssertionError, match=r"model family 'granite' cannot be split over ranks: "
+        AssertionError,
+        match=f"model family '{UNSPLITTABLE_FAMILIES[0]}' cannot be split over ranks: ",
     ):
         start_cluster(path, 2, tmp_path / "logs", timeout=120)
 
@@ -164,29 +188,43 @@ def test_an_unsplittable_cluster_fails_at_start_naming_the_family(tiny_model, tm
 @pytest.mark.cluster
 def test_cancel_and_free_with_rotating_and_ssm_caches(tiny_model, cluster_factory):
     """Streams cancelled mid-decode leave no state behind: the ring stays in step and a
-    freed and reloaded model answers exactly (hybrid caches: SSM + KV; gpt-oss: sliding)."""
+    freed and reloaded model answers exactly (hybrid caches: SSM + KV; gpt-oss: sliding;
+    deepseek_v32: a CacheList per layer)."""
     hybrid = tiny_model("qwen3_next", NUM_LAYERS)
     running = cluster_factory(hybrid, 2, layers="2,4")
     client = running.client
-    calls = [client.stream(_request(*PROMPTS[i])) for i in (0, 1, 2)]
-    for call in calls[:2]:
-        next(iter(call))  # decoding has started
-        call.cancel()
-    rest = [t for chunk in calls[2] for t in chunk.token_ids]
-    assert rest == _oracle(hybrid, *PROMPTS[2])
-    deadline = time.monotonic() + 60
-    while client.status().active_requests and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert client.status().active_requests == 0
-    assert list(client.generate(_request(*PROMPTS[3])).token_ids) == _oracle(hybrid, *PROMPTS[3])
+    _cancel_two_and_finish(client, hybrid)
 
     sliding = tiny_model("gpt_oss", NUM_LAYERS)
     client.stub.Free(pb.FreeRequest(), timeout=60)
     client.stub.LoadModel(pb.LoadModelRequest(model=str(sliding), layers="3,3"), timeout=120)
     assert list(client.generate(_request(*PROMPTS[2])).token_ids) == _oracle(sliding, *PROMPTS[2])
 
+    listed = tiny_model("deepseek_v32", NUM_LAYERS)
+    client.stub.Free(pb.FreeRequest(), timeout=60)
+    client.stub.LoadModel(pb.LoadModelRequest(model=str(listed), layers="4,2"), timeout=120)
+    _cancel_two_and_finish(client, listed)
 
-@pytest.mark.parametrize("family", ["qwen3_next", "gpt_oss", "deepseek_v3", "gemma3_text"])
+
+def _cancel_two_and_finish(client, path) -> None:
+    """Three streams at once, two cancelled once decoding started: the third and a
+    later request give mlx-lm's tokens, and nothing stays active."""
+    calls = [client.stream(_request(*PROMPTS[i])) for i in (0, 1, 2)]
+    for call in calls[:2]:
+        next(iter(call))  # decoding has started
+        call.cancel()
+    rest = [t for chunk in calls[2] for t in chunk.token_ids]
+    assert rest == _oracle(path, *PROMPTS[2])
+    deadline = time.monotonic() + 60
+    while client.status().active_requests and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert client.status().active_requests == 0
+    assert list(client.generate(_request(*PROMPTS[3])).token_ids) == _oracle(path, *PROMPTS[3])
+
+
+@pytest.mark.parametrize(
+    "family", ["qwen3_next", "gpt_oss", "deepseek_v3", "deepseek_v32", "gemma3_text"]
+)
 def test_decode_groups_of_every_cache_kind(tiny_model, family):
     """Sequences of different lengths prefilled alone, then decoded as one batch (KV, sliding
     and SSM caches merged), one leaving (parked) and one joining midway: each row's
@@ -303,7 +341,7 @@ def _continuable_prompt(path) -> str:
 
 
 def _position(cache: list) -> int:
-    return next(c.offset for c in cache if hasattr(c, "offset"))
+    return next(c.offset for c in sharding.flat_caches(cache) if hasattr(c, "offset"))
 
 
 def _second_equals_mlx_lm(running, path, first: list[int], second: list[dict] | str) -> int:
@@ -336,7 +374,8 @@ def _second_equals_mlx_lm(running, path, first: list[int], second: list[dict] | 
 def test_prefix_reuse_only_where_exact(tiny_model):
     """A state is reused only whole, a sliding window cut back only before anything left
     it, plain KV caches anywhere; a copied or cut cache goes on as mlx-lm's would."""
-    for family, rule in (("qwen3_next", (True, 0.0)), ("gpt_oss", (True, 8.0))):
+    rules = (("qwen3_next", (True, 0.0)), ("gpt_oss", (True, 8.0)), ("deepseek_v32", (True, inf)))
+    for family, rule in rules:
         path = tiny_model(family, NUM_LAYERS)
         shard = sharding.load_shard(path, 0, NUM_LAYERS, has_ends=True)
         assert (shard.reusable_caches, shard.cut_back_below) == rule
@@ -361,17 +400,45 @@ def test_prefix_reuse_only_where_exact(tiny_model):
             want = model(mx.array([prompt[:n] + more]), cache=reference)[:, -1]
             assert mx.allclose(got, want, atol=1e-5).item(), f"{family}: reuse of {n}"
             assert caches.at == {0: 6, 1: n + len(more)}
-    assert sharding.load_shard(tiny_model("llama", 4), 0, 4, has_ends=True).cut_back_below == (
-        float("inf")
-    )
+    assert sharding.load_shard(tiny_model("llama", 4), 0, 4, has_ends=True).cut_back_below == inf
 
 
-def test_a_cache_kind_without_a_mask_rule_is_refused():
-    """DeepSeek-V3.2 keeps a CacheList per layer (attention + indexer): no general mask
-    rule covers it, so it is refused before any weight is read."""
-    config = _config("deepseek_v3", 4, 64, None, None, None)
-    config.update(model_type="deepseek_v32", index_head_dim=16, index_n_heads=2, index_topk=8)
-    arch = importlib.import_module("mlx_lm.models.deepseek_v32")
+def test_a_cache_kind_without_a_mask_rule_is_refused(tiny_model):
+    """A layer cache of a kind no general mask rule covers (llama4's chunked attention),
+    alone or inside a CacheList, is refused before any weight is read."""
+    config = _config("llama", 4, 64, None, None, None)
+    arch = importlib.import_module("mlx_lm.models.llama")
     model = arch.Model(arch.ModelArgs.from_dict(config))
-    with pytest.raises(sharding.UnsupportedFamily, match="'deepseek_v32'.*CacheList"):
-        sharding.check_splittable(model, config, make_prompt_cache(model))
+    for cache in (ChunkedKVCache(8), CacheList(ArraysCache(2), ChunkedKVCache(8))):
+        with pytest.raises(sharding.UnsupportedFamily, match="'llama'.*ChunkedKVCache"):
+            sharding.check_splittable(model, config, [cache] * 4)
+
+
+def test_a_cachelist_takes_its_mask_from_its_attention_cache():
+    """As DeepSeek-V3.2 (attention + indexer) and Baichuan-M1 (conv state + KV or sliding
+    window) build their masks: from the first attention cache in the list."""
+    window = RotatingKVCache(max_size=8)
+    assert sharding.mask_source(CacheList(ArraysCache(2), window)) is window
+    first = KVCache()
+    assert sharding.mask_source(CacheList(first, KVCache())) is first
+    state = ArraysCache(2)
+    assert sharding.mask_source(CacheList(state)) is state
+    assert sharding.reuse_rule([CacheList(KVCache(), KVCache())] * 2) == (True, inf)
+    assert sharding.reuse_rule([CacheList(ArraysCache(2), window)]) == (True, 0.0)
+
+
+def test_the_cache_estimate_counts_a_cachelist(tiny_model):
+    """DeepSeek-V3.2's CacheList (MLA latent + rotary key, indexer keys), from the config
+    alone, to the byte of what mlx-lm allocates; the parts of a split add up."""
+    path = tiny_model("deepseek_v32", NUM_LAYERS)
+    model = _whole(path)
+    caches = make_prompt_cache(model)
+    model(mx.array([list(range(5, 45))]), cache=caches)
+    for _ in range(300):  # past the first 256 positions
+        model(mx.array([[7]]), cache=caches)
+    flat = sharding.flat_caches(caches)
+    mx.eval([c.state for c in flat])
+    real = sum(c.keys.nbytes + c.values.nbytes for c in flat)
+    assert memory.cache_nbytes(path, 0, NUM_LAYERS, 340) == real
+    parts = memory.cache_nbytes(path, 0, 2, 340) + memory.cache_nbytes(path, 2, NUM_LAYERS, 340)
+    assert parts == real

@@ -12,9 +12,11 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model, load_tokenizer
 from tiny_models import (
+    CACHELIST_FAMILIES,
     EXTRA_FAMILIES,
     FAMILIES,
     MOE_FAMILIES,
+    MULTIPLIER_FAMILIES,
     SCALED_FAMILIES,
     SPECIAL_TOKENS,
     UNSPLITTABLE_FAMILIES,
@@ -135,7 +137,13 @@ def test_chat_template(loaded):
     assert text.endswith("<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n")
 
 
-OTHER_FAMILIES = MOE_FAMILIES + SCALED_FAMILIES + UNSPLITTABLE_FAMILIES
+OTHER_FAMILIES = (
+    MOE_FAMILIES
+    + CACHELIST_FAMILIES
+    + MULTIPLIER_FAMILIES
+    + SCALED_FAMILIES
+    + UNSPLITTABLE_FAMILIES
+)
 
 
 @pytest.mark.parametrize("family", OTHER_FAMILIES)

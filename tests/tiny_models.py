@@ -30,12 +30,30 @@ EXTRA_FAMILIES = ("mistral", "phi3")
 # layers, hybrid linear attention (conv + gated-delta state). tests/test_families.py
 # runs them through clusters; they are not in FAMILIES to keep that matrix small.
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen3_next", "glm4_moe")
+# A family whose layers each keep a CacheList (DeepSeek-V3.2: MLA attention's cache and
+# its sparse indexer's), otherwise deepseek_v3's MLA + MoE.
+CACHELIST_FAMILIES = ("deepseek_v32",)
 # gemma2 scales its embeddings by sqrt(hidden_size) as a float (gemma3 rounds it to
 # bfloat16 first) and soft-caps attention and final logits.
 SCALED_FAMILIES = ("gemma2",)
-# A family mlx-relay refuses at load (its forward scales embeddings and logits around
-# the layers), to test that refusal.
-UNSPLITTABLE_FAMILIES = ("granite",)
+# Families whose own forward scales embeddings and/or logits by config multipliers
+# around the layers (rank 0's embed and head apply the same); some also mix MoE,
+# sliding-window, MLA, mamba or conv layers.
+MULTIPLIER_FAMILIES = (
+    "granite",
+    "granitemoe",
+    "granitemoehybrid",
+    "minicpm",
+    "minicpm3",
+    "cohere",
+    "cohere2",
+    "afmoe",
+    "gear",
+    "muse_glimmer",
+)
+# A family mlx-relay refuses at load (its decoder is not model.model.layers and its
+# layers are not embed_tokens ... norm), to test that refusal.
+UNSPLITTABLE_FAMILIES = ("nanochat",)
 NUM_EXPERTS = 4
 EXPERTS_PER_TOKEN = 2
 
@@ -222,7 +240,15 @@ def _config(
     sliding_window_pattern: int | None,
 ) -> dict:
     """An HF-style config.json for ``family`` with small dimensions."""
-    known = FAMILIES + EXTRA_FAMILIES + MOE_FAMILIES + SCALED_FAMILIES + UNSPLITTABLE_FAMILIES
+    known = (
+        FAMILIES
+        + EXTRA_FAMILIES
+        + MOE_FAMILIES
+        + CACHELIST_FAMILIES
+        + SCALED_FAMILIES
+        + MULTIPLIER_FAMILIES
+        + UNSPLITTABLE_FAMILIES
+    )
     if family not in known:
         raise ValueError(f"unknown family {family!r}; expected one of {known}")
     if hidden_size % NUM_HEADS:
@@ -273,7 +299,103 @@ def _config(
             for i in range(num_layers)
         ]
     config.update(_moe_config(family, num_layers, hidden_size, head_dim))
+    config.update(_multiplier_config(family, num_layers, hidden_size, head_dim))
     return config
+
+
+def _multiplier_config(family: str, num_layers: int, hidden_size: int, head_dim: int) -> dict:
+    """The config multipliers (and the layer mixes) of MULTIPLIER_FAMILIES."""
+    experts = {"num_local_experts": NUM_EXPERTS, "num_experts_per_tok": EXPERTS_PER_TOKEN}
+    window = DEFAULT_SLIDING_WINDOW // 2
+    granite = {
+        "embedding_multiplier": 2.0,
+        "attention_multiplier": head_dim**-0.5,
+        "residual_multiplier": 0.5,
+        "logits_scaling": 0.5,
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+    minicpm = {"dim_model_base": hidden_size // 2, "scale_depth": 1.4, "scale_emb": 3}
+    if family == "granite":
+        return granite
+    if family == "granitemoe":
+        return {**granite, **experts}
+    if family == "granitemoehybrid":  # mamba layers, attention on every 3rd, MoE MLPs
+        return {
+            **granite,
+            **experts,
+            "shared_intermediate_size": hidden_size,
+            "layer_types": ["attention" if i % 3 == 2 else "mamba" for i in range(num_layers)],
+            "mamba_n_heads": 4,
+            "mamba_expand": 2,  # transformers checks heads x head dim = 2 x hidden
+            "mamba_d_head": 2 * hidden_size // 4,
+            "mamba_proj_bias": False,
+            "mamba_d_state": 16,
+            "mamba_d_conv": 4,
+            "mamba_n_groups": 1,
+            "mamba_conv_bias": True,
+            "position_embedding_type": "rope",
+        }
+    if family == "minicpm":
+        return minicpm
+    if family == "minicpm3":  # MLA attention
+        return {
+            **minicpm,
+            "q_lora_rank": 48,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": head_dim,
+            "qk_rope_head_dim": 8,
+            "rope_scaling": {
+                "original_max_position_embeddings": 2048,
+                "short_factor": 1.0,
+                "long_factor": 1.0,
+            },
+        }
+    if family in ("cohere", "cohere2"):  # cohere2: sliding window but on every 3rd layer
+        return {
+            "logit_scale": 0.5,
+            "layer_norm_eps": 1e-5,
+            **(
+                {"sliding_window": window, "sliding_window_pattern": 3}
+                if family == "cohere2"
+                else {}
+            ),
+        }
+    if family == "afmoe":  # dense first layer then MoE; sliding on all but every 3rd
+        return {
+            "layer_types": [
+                "full_attention" if i % 3 == 2 else "sliding_attention" for i in range(num_layers)
+            ],
+            "moe_intermediate_size": hidden_size,
+            "num_experts": NUM_EXPERTS,
+            "num_experts_per_tok": EXPERTS_PER_TOKEN,
+            "num_shared_experts": 1,
+            "num_dense_layers": 1,
+            "sliding_window": window,
+            "mup_enabled": True,
+        }
+    if family == "gear":  # sqrt(hidden)-scaled embeddings, soft-capped logits. No
+        # conv_mixer layers: transformers refuses that layer type in config.json.
+        return {
+            "layer_types": [
+                "full_attention" if i % 3 == 2 else "sliding_attention" for i in range(num_layers)
+            ],
+            "sliding_window": window,
+            "final_logit_softcapping": 30.0,
+            "query_pre_attn_scalar": head_dim,
+        }
+    if family == "muse_glimmer":  # normed embeddings; scaled and soft-capped logits
+        return {
+            "layer_types": [
+                "full_attention" if i % 3 == 2 else "sliding_attention" for i in range(num_layers)
+            ],
+            "sliding_window": window,
+            "output_multiplier": 0.5,
+            "final_logit_softcapping": 20.0,
+        }
+    if family == "nanochat":
+        return {"num_key_value_heads": NUM_HEADS}
+    return {}
 
 
 def _moe_config(family: str, num_layers: int, hidden_size: int, head_dim: int) -> dict:
@@ -285,15 +407,6 @@ def _moe_config(family: str, num_layers: int, hidden_size: int, head_dim: int) -
             "attn_logit_softcapping": 50.0,
             "final_logit_softcapping": 30.0,
         }
-    if family == "granite":
-        return {
-            "embedding_multiplier": 2.0,
-            "attention_multiplier": head_dim**-0.5,
-            "residual_multiplier": 0.5,
-            "logits_scaling": 2.0,
-            "attention_bias": False,
-            "mlp_bias": False,
-        }
     if family == "qwen3_moe":  # layer 0 dense, the rest MoE
         return {
             **experts,
@@ -304,6 +417,13 @@ def _moe_config(family: str, num_layers: int, hidden_size: int, head_dim: int) -
         }
     if family in ("mixtral", "gpt_oss"):
         return {"num_local_experts": NUM_EXPERTS, "num_experts_per_tok": EXPERTS_PER_TOKEN}
+    if family == "deepseek_v32":  # deepseek_v3 plus a sparse indexer (top 8 positions)
+        return {
+            **_moe_config("deepseek_v3", num_layers, hidden_size, head_dim),
+            "index_head_dim": 16,
+            "index_n_heads": 2,
+            "index_topk": 8,
+        }
     if family == "deepseek_v3":  # MLA; layer 0 dense, the rest routed + shared experts
         return {
             **experts,
@@ -378,7 +498,9 @@ def _init_weights(model: nn.Module, seed: int, gemma: bool) -> None:
     new = []
     for (name, w), key in zip(params, keys, strict=True):
         fan_in = w.shape[-1]
-        if "conv1d" in name:  # (channels, kernel, 1): a depthwise filter over the kernel
+        if (
+            "conv1d" in name and w.ndim == 3
+        ):  # (channels, kernel, 1): a depthwise filter over the kernel
             fan_in = w.shape[1]
         if "q_norm" in name or "k_norm" in name:
             w = mx.full(w.shape, QK_NORM - 1.0 if gemma else QK_NORM)

@@ -147,12 +147,13 @@ class Pipeline:
         except memory.ShardTooBig as e:
             raise RankFailure(0, socket.gethostname(), str(e), hdr.ERR_OUT_OF_MEMORY) from e
         fp = sharding.fingerprint(path)
-        document = {"model": spec, "ranges": ranges, "fingerprint": fp}
+        kv = memory.plan().kv_quantization()  # quantized KV caches: the same on every rank
+        document = {"model": spec, "ranges": ranges, "fingerprint": fp, "kv": kv}
         try:
             if self.world_size > 1:
                 self._command(hdr.CMD_LOAD, bytes_payload(json.dumps(document).encode()))
             start, end = ranges[0]
-            self.shard = sharding.load_shard(path, start, end, has_ends=True)
+            self.shard = sharding.load_shard(path, start, end, has_ends=True, kv=kv)
             self.caches = SlotCaches(self.shard)
         except Exception:
             if self.world_size > 1:  # the ranks that did load let go again

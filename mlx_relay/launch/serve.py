@@ -74,6 +74,35 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
             "ends)",
         ),
     ),
+    (
+        "--kv-bits",
+        dict(
+            type=int,
+            default=0,
+            choices=(0, 2, 3, 4, 5, 6, 8),
+            help="quantize the KV caches to this many bits (2, 3, 4, 5, 6 or 8), as mlx-lm's "
+            "--kv-bits: smaller caches, slightly different tokens; every rank quantizes the "
+            "same way (default 0: not quantized)",
+        ),
+    ),
+    (
+        "--kv-group-size",
+        dict(
+            type=int,
+            default=64,
+            choices=(32, 64, 128),
+            help="with --kv-bits: values per quantization group (the head dim's divisor)",
+        ),
+    ),
+    (
+        "--quantized-kv-start",
+        dict(
+            type=int,
+            default=5000,
+            help="with --kv-bits: a sequence's caches are quantized once they hold this many "
+            "tokens (mlx-lm's default 5000)",
+        ),
+    ),
     ("--prefill-chunk", dict(type=int, default=512, help="prompt tokens per step")),
     (
         "--hop-mode",
@@ -256,7 +285,14 @@ def _serve(args: argparse.Namespace) -> int:
     )
     from mlx_relay.model import memory
 
-    memory.configure(args.max_active, args.max_context)  # what each load checks to fit
+    # What each load checks to fit, and how rank 0's loads quantize the KV caches.
+    memory.configure(
+        args.max_active,
+        args.max_context,
+        args.kv_bits,
+        args.kv_group_size,
+        args.quantized_kv_start,
+    )
     layer_counts = None
     if facts is not None:
         try:

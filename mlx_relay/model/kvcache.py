@@ -7,9 +7,11 @@ append the ones that joined), so all ranks hold identical batches without exchan
 anything beyond the step header.
 
 Caches are of whatever kinds the model makes per layer (KVCache, RotatingKVCache for
-sliding windows, ArraysCache for conv/SSM state): each kind merges into its own batch
-form, filters, extends and extracts. Positions are kept here on the host, not read
-from the caches: an SSM state has no offset, and reading a device offset would wait.
+sliding windows, ArraysCache for conv/SSM state, a CacheList of several): each kind
+merges into its own batch form, filters, extends and extracts. Positions are kept here
+on the host, not read from the caches: an SSM state has no offset, and reading a device
+offset would wait. With --kv-bits, plain KV caches are quantized as mlx-lm does, and a
+decode group runs row by row on them (sharding.Rows): they have no batch form.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from mlx_relay.model import sharding
 
@@ -79,11 +81,14 @@ class SlotCaches:
         if self.at[slot] != offset:
             raise CacheError(f"slot {slot} is at position {self.at[slot]}, step says {offset}")
         self.at[slot] = offset + length
+        self._quantize(caches)
         return caches
 
     def for_group(self, group: int, slots: list[int], offsets: list[int]) -> list[Any]:
         """The batch caches of a decode group holding exactly `slots`, in that order,
         for a step of one token per row (they move on by one position)."""
+        if self.shard.kv is not None:  # quantized caches have no batch form
+            return sharding.Rows(self._own(s, o) for s, o in zip(slots, offsets, strict=True))
         current = self.groups.get(group)
         if current is None and len(slots) == 1:
             # A group of one decodes on the sequence's own cache, as single-process
@@ -105,7 +110,14 @@ class SlotCaches:
         if self.at[slot] != offset:
             raise CacheError(f"slot {slot} is at position {self.at[slot]}, step says {offset}")
         self.at[slot] = offset + 1
+        self._quantize(caches)
         return caches
+
+    def _quantize(self, caches: list[Any]) -> None:
+        """With --kv-bits: quantize before the step what mlx-lm quantizes after the one
+        before (sharding.quantize_caches), which is the same state."""
+        if self.shard.kv is not None:
+            sharding.quantize_caches(caches, self.shard.kv)
 
     def _rebuild(self, group: int, current: _Group | None, slots: list[int]) -> _Group:
         kept_slots, caches, positions = (
@@ -193,6 +205,8 @@ def _copy_prefix(cache: Any, n: int, held: int) -> Any:
     `cache`, in its own arrays (caches update their arrays in place). A sliding window
     is cut only before anything left it (its buffer is then in order); a state is only
     copied whole."""
+    if isinstance(cache, CacheList):
+        return CacheList(*(_copy_prefix(c, n, held) for c in cache.caches))
     if isinstance(cache, ArraysCache):
         if n != held:
             raise CacheError(f"an SSM state of {held} positions cannot be cut back to {n}")

@@ -52,6 +52,9 @@ ATTENTION_FAMILIES = frozenset(
     "gemma3_text starcoder2 olmo olmo2 cohere smollm3 granite internlm2 exaone glm4_moe".split()
 )
 MLA_FAMILIES = frozenset({"deepseek_v3", "kimi_k2"})  # one latent + one rotary key per position
+# MLA plus a sparse indexer, whose CacheList also keeps one indexer key per position
+# (stored as keys and as values).
+MLA_INDEXER_FAMILIES = frozenset({"deepseek_v32"})
 
 
 class ShardTooBig(ValueError):
@@ -68,20 +71,50 @@ class Plan:
 
     max_active: int = 0  # 0: the caches are not checked (a bare Pipeline, as in tests)
     max_context: int = 0  # 0: the model's own context
+    # --kv-bits (0: plain caches), --kv-group-size, --quantized-kv-start: rank 0 sends
+    # them to every rank in the load document (kv_quantization).
+    kv_bits: int = 0
+    kv_group_size: int = 64
+    quantized_kv_start: int = 0
+
+    def kv_quantization(self) -> dict[str, int] | None:
+        """The load document's setting for quantized KV caches (sharding.KVQuant)."""
+        if not self.kv_bits:
+            return None
+        return {
+            "bits": self.kv_bits,
+            "group_size": self.kv_group_size,
+            "start": self.quantized_kv_start,
+        }
 
 
 _plan = Plan()
 
 
-def configure(max_active: int, max_context: int) -> None:
-    """`--max-active` and `--max-context` of this rank, for every later `check_fits`."""
+def configure(
+    max_active: int,
+    max_context: int,
+    kv_bits: int = 0,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 0,
+) -> None:
+    """`--max-active`, `--max-context` and the KV quantization options of this rank, for
+    every later `check_fits` and load."""
     if max_context < 0:
         raise ValueError("--max-context must be >= 0 (0: the model's context)")
     _plan.max_active, _plan.max_context = max_active, max_context
+    _plan.kv_bits, _plan.kv_group_size = kv_bits or 0, kv_group_size
+    _plan.quantized_kv_start = quantized_kv_start
 
 
 def plan() -> Plan:
-    return Plan(_plan.max_active, _plan.max_context)
+    return Plan(
+        _plan.max_active,
+        _plan.max_context,
+        _plan.kv_bits,
+        _plan.kv_group_size,
+        _plan.quantized_kv_start,
+    )
 
 
 def sequence_bound(model_context: int) -> int:
@@ -140,6 +173,7 @@ def _layer_caches(path: str, start: int, end: int) -> tuple[int, tuple[int | Non
     if not (
         family in ATTENTION_FAMILIES
         or family in MLA_FAMILIES
+        or family in MLA_INDEXER_FAMILIES
         or isinstance(layer_types, list)
         or _plain_caches(family)
     ):
@@ -169,6 +203,9 @@ def _position_values(family: str, config: dict[str, Any]) -> int:
     MLA (DeepSeek V3) the compressed latent and the rotary key, as mlx-lm keeps them."""
     if family in MLA_FAMILIES:
         return int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])
+    if family in MLA_INDEXER_FAMILIES:
+        latent = int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])
+        return latent + 2 * int(config["index_head_dim"])
     if "kv_lora_rank" in config:
         raise ValueError("MLA attention of a family whose cache layout is not known here")
     heads = int(config.get("num_attention_heads") or 0)
@@ -211,7 +248,16 @@ def cache_nbytes(path: Path, start: int, end: int, tokens: int) -> int:
     (CacheUnknown if the model's caches are of another kind)."""
     per_position, windows = _layer_caches(str(path), start, end)
     held = math.ceil(tokens / CACHE_STEP) * CACHE_STEP
-    return sum(per_position * (held if w is None else min(held, w)) for w in windows)
+    full = per_position  # a full-attention layer's bytes per position
+    config = _read_config(str(path))
+    quantized = config.get("model_type") not in MLA_INDEXER_FAMILIES  # CacheLists stay
+    if _plan.kv_bits and quantized and tokens > _plan.quantized_kv_start:
+        # Quantized (as QuantizedKVCache): each value packed into kv_bits bits, plus a
+        # scale and a bias per group of kv_group_size values, in the model's dtype.
+        dtype = _dtype_bytes(Path(path), config)
+        values = per_position // dtype
+        full = values * _plan.kv_bits // 8 + 2 * dtype * values // _plan.kv_group_size
+    return sum(full * held if w is None else per_position * min(held, w) for w in windows)
 
 
 def shard_nbytes(path: Path, start: int, end: int, *, ends: bool = False) -> int:

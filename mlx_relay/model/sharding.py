@@ -21,17 +21,21 @@ import inspect
 import json
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import (
     ArraysCache,
     BatchKVCache,
     BatchRotatingKVCache,
+    CacheList,
     ConcatenateKVCache,
     KVCache,
     QuantizedKVCache,
@@ -42,10 +46,48 @@ from mlx_lm.utils import load_model
 
 from mlx_relay.model import vision
 
-# Families whose embedding output is scaled by sqrt(hidden_size) before the first layer:
-# gemma3 rounds the factor to bfloat16 first, gemma and gemma2 multiply by the float.
-_BF16_EMBED_SCALE = ("gemma3", "gemma3_text")
-_SCALED_EMBEDDING = ("gemma", "gemma2", *_BF16_EMBED_SCALE)
+# What each family's own forward does around the layers besides embed_tokens, the final
+# norm and the LM head, written as that forward writes it (the same operations in the same
+# order, so results are bit-identical). Each op gets the model's own ModelArgs, so a
+# default the config leaves out is the model's. EMBED: on embed_tokens' output; PRE_HEAD:
+# on the final norm's output, before the head; LOGITS: on the head's output.
+_Op = Callable[[Any, mx.array], mx.array]
+
+
+def _softcap(cap: float | None, x: mx.array) -> mx.array:
+    return mx.tanh(x / cap) * cap if cap else x
+
+
+def _minicpm_pre_head(a: Any, h: mx.array) -> mx.array:
+    """minicpm scales the normed state down before an untied head only."""
+    return h if a.tie_word_embeddings else h / (a.hidden_size / a.dim_model_base)
+
+
+_EMBED_OPS: dict[str, _Op] = {
+    "gemma": lambda a, h: h * (a.hidden_size**0.5),
+    "gemma2": lambda a, h: h * (a.hidden_size**0.5),
+    # gemma3 rounds the factor to bfloat16 first
+    "gemma3_text": lambda a, h: h * mx.array(a.hidden_size**0.5, mx.bfloat16).astype(h.dtype),
+    "granite": lambda a, h: h * a.embedding_multiplier,
+    "granitemoe": lambda a, h: h * a.embedding_multiplier,
+    "granitemoehybrid": lambda a, h: h * a.embedding_multiplier,
+    "minicpm": lambda a, h: h * a.scale_emb,
+    "minicpm3": lambda a, h: h * a.scale_emb,
+    "afmoe": lambda a, h: h * math.sqrt(a.hidden_size) if a.mup_enabled else h,
+    "gear": lambda a, h: h * math.sqrt(a.hidden_size),
+    "muse_glimmer": lambda a, h: mx.fast.rms_norm(h, None, a.rms_norm_eps),
+}
+_PRE_HEAD_OPS: dict[str, _Op] = {"minicpm": _minicpm_pre_head, "minicpm3": _minicpm_pre_head}
+_LOGITS_OPS: dict[str, _Op] = {
+    "gemma2": lambda a, x: _softcap(a.final_logit_softcapping, x),
+    "gear": lambda a, x: _softcap(a.final_logit_softcapping, x),
+    "granite": lambda a, x: x / a.logits_scaling,
+    "granitemoe": lambda a, x: x / a.logits_scaling,
+    "granitemoehybrid": lambda a, x: x / a.logits_scaling,
+    "cohere": lambda a, x: x * a.logit_scale,
+    "cohere2": lambda a, x: x * a.logit_scale,
+    "muse_glimmer": lambda a, x: _softcap(a.final_logit_softcapping, x * a.output_multiplier),
+}
 
 # What mask a layer gets, by its cache's kind: the models build one mask per kind from
 # the first cache of that kind (full attention, sliding window, linear attention).
@@ -58,24 +100,15 @@ _MASK_KINDS: tuple[tuple[tuple[type, ...], str], ...] = (
 
 # Families that pass the structural checks but whose own forward does more than embed,
 # run the layers and apply norm and head, so a split would not give their tokens.
-_MULTIPLIERS = "its forward scales embeddings and logits by config multipliers around the layers"
 _NOT_SPLITTABLE = {
-    "granite": _MULTIPLIERS,
-    "granitemoe": _MULTIPLIERS,
-    "granitemoehybrid": _MULTIPLIERS,
-    "minicpm": _MULTIPLIERS,
-    "minicpm3": _MULTIPLIERS,
-    "phi3small": _MULTIPLIERS,
+    "phi3small": "its final norm is final_layernorm and its head masks fixed dummy token "
+    "ids besides its muP multipliers",
     "falcon_h1": "its layers take attention and SSM masks and scaled embeddings",
     "gemma3n": "its layers take per-layer inputs and share KV caches across layers",
     "gemma4_text": "its layers take per-layer inputs and share KV caches across layers",
-    "gear": "its forward scales embeddings by sqrt(hidden_size) around the layers",
-    "afmoe": "its forward may scale embeddings by sqrt(hidden_size) (muP)",
-    "cohere": "its forward scales the logits by logit_scale",
-    "cohere2": "its forward scales the logits by logit_scale",
     "nanochat": "its forward soft-caps the logits",
-    "muse_glimmer": "its forward scales and soft-caps the logits",
-    "recurrent_gemma": "its forward scales embeddings and soft-caps the logits",
+    "recurrent_gemma": "its final norm is final_norm and every layer gets the attention "
+    "layers' mask",
 }
 
 
@@ -97,6 +130,63 @@ def mask_kind(cache: Any) -> str:
         else:
             raise UnsupportedFamily(f"no mask rule for a layer with a {type(cache).__name__}")
     return kind
+
+
+def mask_source(cache: Any) -> Any:
+    """The cache a layer's mask is built from: the cache itself, or for a CacheList
+    (several caches for one layer: DeepSeek-V3.2's attention and indexer, a conv state
+    and a KV cache) its first attention cache, else its first state, as the models
+    that make CacheLists build their masks."""
+    if type(cache) is not CacheList:
+        return cache
+    inner = [mask_source(c) for c in cache.caches]
+    for c in inner:
+        if mask_kind(c) != SSM:
+            return c
+    if not inner:
+        raise UnsupportedFamily("no mask rule for a layer with an empty CacheList")
+    return inner[0]
+
+
+def flat_caches(caches: list[Any]) -> list[Any]:
+    """The caches inside any CacheList, one flat list."""
+    out: list[Any] = []
+    for c in caches:
+        out.extend(flat_caches(list(c.caches)) if isinstance(c, CacheList) else [c])
+    return out
+
+
+@dataclass(frozen=True)
+class KVQuant:
+    """mlx-lm's --kv-bits, --kv-group-size and --quantized-kv-start: a layer's plain KV
+    cache becomes a QuantizedKVCache once it holds `start` positions, after the step
+    that filled it, as mlx_lm.generate's maybe_quantize_kv_cache does. Every rank
+    quantizes the same way: rank 0 sends this in the load document."""
+
+    bits: int
+    group_size: int = 64
+    start: int = 0
+
+    def __post_init__(self) -> None:
+        if self.bits not in (2, 3, 4, 5, 6, 8):
+            raise ValueError(f"--kv-bits must be 2, 3, 4, 5, 6 or 8, not {self.bits}")
+        if self.group_size not in (32, 64, 128):
+            raise ValueError(f"--kv-group-size must be 32, 64 or 128, not {self.group_size}")
+        if self.start < 0:
+            raise ValueError(f"--quantized-kv-start must be >= 0, not {self.start}")
+
+    @classmethod
+    def of(cls, value: KVQuant | dict[str, int] | None) -> KVQuant | None:
+        """From a load document's dict (None: no quantization)."""
+        return cls(**value) if isinstance(value, dict) else value
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class Rows(list):
+    """A decode group's caches as one cache list per row, each row run alone: quantized
+    KV caches have no batch form (mlx-lm does not batch them either)."""
 
 
 @dataclass
@@ -123,6 +213,7 @@ class Shard:
     # model.language_model.model, its head model.language_model.lm_head, and rank 0
     # also holds the vision tower and projector (model/vision.py).
     vision: bool = False
+    kv: KVQuant | None = None  # quantized KV caches
 
     def usable_prefix(self, held: int, shared: int) -> bool:
         """Whether a parked cache holding `held` positions can start a sequence at its
@@ -204,12 +295,21 @@ def fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def load_shard(path: Path, start: int, end: int, *, has_ends: bool) -> Shard:
+def load_shard(
+    path: Path,
+    start: int,
+    end: int,
+    *,
+    has_ends: bool,
+    kv: KVQuant | dict[str, int] | None = None,
+) -> Shard:
     """Load only layers [start, end) (plus the ends on rank 0) and evaluate only those.
 
     The weights are opened lazily; the layers of other ranks are dropped before
     anything is evaluated, so peak memory is about the shard, not the whole model.
+    `kv`: quantize the plain KV caches (see KVQuant).
     """
+    kv = KVQuant.of(kv)
     config = read_config(Path(path))
     if vision.is_vlm(config):
         model, config = vision.load_vlm(Path(path))
@@ -230,6 +330,10 @@ def load_shard(path: Path, start: int, end: int, *, has_ends: bool) -> Shard:
     caches = make_prompt_cache(model)  # all layers still here
     check_splittable(model, config, caches, inner)
     reusable, cut_back_below = reuse_rule(caches)
+    if kv is not None:
+        # A prefix's quantized keys depend on when each position was quantized (which
+        # step), so a parked cache would not give what a fresh prefill gives.
+        reusable, cut_back_below = False, 0.0
     inner.layers = inner.layers[start:end]
     if not has_ends:
         for owner, name in ((inner, "embed_tokens"), (inner, "norm"), (outer, "lm_head")):
@@ -239,7 +343,7 @@ def load_shard(path: Path, start: int, end: int, *, has_ends: bool) -> Shard:
             if name in model:
                 model.pop(name)
     mx.eval(model.parameters())
-    return Shard(
+    shard = Shard(
         model,
         config,
         start,
@@ -250,12 +354,58 @@ def load_shard(path: Path, start: int, end: int, *, has_ends: bool) -> Shard:
         cut_back_below,
         wants_array_masks(inner),
         vision.is_vlm(config),
+        kv,
     )
+    if kv is not None:
+        check_quantizable(shard, caches)
+    return shard
+
+
+def quantize_caches(caches: list[Any], kv: KVQuant) -> None:
+    """Turn each plain KV cache holding at least `kv.start` positions into a
+    QuantizedKVCache, in place: the state mlx-lm's maybe_quantize_kv_cache leaves after
+    a step (it quantizes what has `to_quantized`: not states, not CacheLists)."""
+    for i, c in enumerate(caches):
+        if type(c) is KVCache and not c.empty() and c.offset >= kv.start:
+            caches[i] = c.to_quantized(group_size=kv.group_size, bits=kv.bits)
+
+
+def check_quantizable(shard: Shard, all_caches: list[Any]) -> None:
+    """Refuse --kv-bits, at load, for a model whose caches cannot be quantized: sliding
+    windows (mlx-lm cannot either), or a cached dimension that is not a multiple of the
+    group size or an attention that cannot read quantized caches, which a step of this
+    shard's layers on two zero positions and then one more on quantized caches shows."""
+    kv = shard.kv
+    assert kv is not None
+    family = shard.config.get("model_type")
+    if any(isinstance(c, RotatingKVCache) for c in all_caches):
+        raise UnsupportedFamily(
+            f"model family {family!r}: --kv-bits cannot quantize its sliding-window "
+            "caches (mlx-lm cannot either); serve it without --kv-bits"
+        )
+    text = shard.config.get("text_config") or shard.config
+    floats = [
+        a.dtype
+        for _, a in tree_flatten(shard.inner.layers[0].parameters())
+        if mx.issubdtype(a.dtype, mx.floating)
+    ]
+    h = mx.zeros((1, 2, int(text["hidden_size"])), floats[0] if floats else mx.float32)
+    caches = new_caches(shard)
+    try:
+        mx.eval(run_layers(shard, h, caches))
+        quantize_caches(caches, KVQuant(kv.bits, kv.group_size, 0))
+        mx.eval(run_layers(shard, h[:, :1], caches))
+    except Exception as e:  # noqa: BLE001 - whatever mlx says, it is why
+        raise UnsupportedFamily(
+            f"model family {family!r}: its caches cannot be quantized with --kv-bits "
+            f"{kv.bits} --kv-group-size {kv.group_size}: {e}"
+        ) from None
 
 
 def reuse_rule(caches: list[Any]) -> tuple[bool, float]:
     """(reusable at all, cut back exactly below this many positions) for a model whose
     layers make these caches; the same on every rank, as it looks at all layers."""
+    caches = flat_caches(caches)  # a CacheList is reusable where all it holds is
     kinds = {type(c) for c in caches}
     if not kinds <= {KVCache, RotatingKVCache, ArraysCache}:
         return False, 0.0
@@ -289,7 +439,7 @@ def check_splittable(
         raise refuse(f"it makes {len(caches)} caches for {len(inner.layers)} layers")
     for i, cache in enumerate(caches):
         try:
-            mask_kind(cache)
+            mask_kind(mask_source(cache))
         except UnsupportedFamily as e:
             raise refuse(f"layer {i}: {e}") from None
     for layer in {type(layer): layer for layer in inner.layers}.values():
@@ -320,15 +470,16 @@ def new_caches(shard: Shard) -> list[Any]:
     return caches
 
 
+def model_args(shard: Shard) -> Any:
+    """The model's own ModelArgs (the config with the model's defaults filled in)."""
+    return getattr(shard.outer, "args", None) or SimpleNamespace(**shard.config)
+
+
 def embed(shard: Shard, tokens: mx.array) -> mx.array:
-    inner = shard.inner
-    h = inner.embed_tokens(tokens)
-    family = shard.config.get("model_type")
-    if family in _BF16_EMBED_SCALE:
-        h = h * mx.array(shard.config["hidden_size"] ** 0.5, mx.bfloat16).astype(h.dtype)
-    elif family in _SCALED_EMBEDDING:
-        h = h * (shard.config["hidden_size"] ** 0.5)
-    return h
+    """Token embeddings as the family's own forward feeds them to its first layer."""
+    h = shard.inner.embed_tokens(tokens)
+    op = _EMBED_OPS.get(shard.config.get("model_type", ""))
+    return op(model_args(shard), h) if op else h
 
 
 def run_layers(shard: Shard, h: mx.array, caches: list[Any]) -> mx.array:
@@ -338,12 +489,16 @@ def run_layers(shard: Shard, h: mx.array, caches: list[Any]) -> mx.array:
     attention) holds the same positions, so their masks are equal: build each once
     from the first cache of its kind, as the models themselves do.
     """
+    if isinstance(caches, Rows):
+        rows = [run_layers(shard, h[i : i + 1], c) for i, c in enumerate(caches)]
+        return mx.concatenate(rows, axis=0)
     masks: dict[tuple[str, int], Any] = {}
     for layer, cache in zip(shard.inner.layers, caches, strict=True):
-        kind = mask_kind(cache)
-        key = (kind, cache.max_size if kind == SLIDING else 0)  # windows may differ
+        source = mask_source(cache)
+        kind = mask_kind(source)
+        key = (kind, source.max_size if kind == SLIDING else 0)  # windows may differ
         if key not in masks:
-            masks[key] = make_mask(shard, kind, h, cache)
+            masks[key] = make_mask(shard, kind, h, source)
         h = layer(h, masks[key], cache)
     return h
 
@@ -357,13 +512,16 @@ def make_mask(shard: Shard, kind: str, h: mx.array, cache: Any) -> Any:
 
 
 def head(shard: Shard, h: mx.array) -> mx.array:
-    """Final norm and LM head (tied embeddings when the model has no lm_head)."""
+    """Final norm and LM head (tied embeddings when the model has no lm_head), with
+    whatever the family's own forward does around them (the tables above)."""
+    family = shard.config.get("model_type", "")
     h = shard.inner.norm(h)
+    if op := _PRE_HEAD_OPS.get(family):
+        h = op(model_args(shard), h)
     if "lm_head" in shard.outer:
         logits = shard.outer.lm_head(h)
     else:
         logits = shard.inner.embed_tokens.as_linear(h)
-    cap = shard.config.get("final_logit_softcapping")
-    if cap:
-        logits = mx.tanh(logits / cap) * cap
+    if op := _LOGITS_OPS.get(family):
+        logits = op(model_args(shard), logits)
     return logits

@@ -163,7 +163,8 @@ class Worker:
                     f"model at {path} differs from rank 0's (config or weight files differ)"
                 )
             memory.check_fits(path, start, end)
-            self.shard = sharding.load_shard(path, start, end, has_ends=False)
+            kv = spec.get("kv")  # rank 0's KV quantization, not this rank's flags
+            self.shard = sharding.load_shard(path, start, end, has_ends=False, kv=kv)
             self.caches = SlotCaches(self.shard)
         except StepError:
             raise

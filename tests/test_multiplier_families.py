@@ -1,0 +1,112 @@
+"""Families whose own forward scales embeddings and/or logits by config multipliers
+around the layers (granite, minicpm, cohere, afmoe, gear, muse_glimmer ...): rank 0's
+embed and head apply exactly what each model's `__call__` does, so clusters give
+single-process mlx-lm's tokens at 1, 2 and 3 uneven ranks, greedy and seeded.
+
+One cluster per rank count; each family is loaded into it in turn (Free, LoadModel),
+which is much cheaper than starting rank processes per family.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import threading
+
+import mlx.core as mx
+import pytest
+from conftest import assert_gone, start_cluster
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from mlx_lm.utils import load_model
+from test_families import _oracle, _request
+from tiny_models import MULTIPLIER_FAMILIES, _init_weights, make_tiny_model
+
+from mlx_relay.model import sharding
+from mlx_relay.protocol import relay_pb2 as pb
+
+NUM_LAYERS = 6
+LAYERS = {1: None, 2: "2,4", 3: "1,3,2"}  # uneven
+PROMPTS = [("Tell me about the sea.", None), ("Write add(a, b) in Python.", 21)]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model):
+    return {family: tiny_model(family, NUM_LAYERS) for family in MULTIPLIER_FAMILIES}
+
+
+def _generate_concurrently(client) -> list[object]:
+    results: list[object] = [None] * len(PROMPTS)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = list(client.generate(_request(*PROMPTS[i])).token_ids)
+        except Exception as e:  # noqa: BLE001 - reported by the caller's assert
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return results
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("ranks", sorted(LAYERS))
+def test_clusters_equal_mlx_lm(models, tmp_path, ranks):
+    layers = LAYERS[ranks]
+    families = list(models)
+    running = start_cluster(models[families[0]], ranks, tmp_path / "logs", layers=layers)
+    try:
+        client = running.client
+        for i, family in enumerate(families):
+            path = models[family]
+            if i:
+                client.stub.Free(pb.FreeRequest(), timeout=60)
+                load = pb.LoadModelRequest(model=str(path), layers=layers or "")
+                client.stub.LoadModel(load, timeout=120)
+            got = _generate_concurrently(client)
+            for (text, seed), tokens in zip(PROMPTS, got, strict=True):
+                assert tokens == _oracle(path, text, seed), f"{family} at {ranks} ranks, {seed=}"
+        status = client.status()
+        assert status.active_requests == 0 and status.queued_requests == 0
+    finally:
+        running.stop()
+        assert_gone(running.pids)
+
+
+def test_gear_conv_mixer_layers_stage_exact(tmp_path):
+    """gear with its conv-mixer layers (ArraysCache state) between sliding and full
+    attention, which the tiny gear of the cluster test leaves out (transformers refuses
+    that layer type in config.json, so mlx_lm.load cannot read its tokenizer): stages
+    cut unevenly give the whole model's logits bit for bit (mlx-lm's load_model)."""
+    path = make_tiny_model(tmp_path / "gear", "gear", num_layers=NUM_LAYERS)
+    config = json.loads((path / "config.json").read_text())
+    kinds = ("conv_mixer", "sliding_attention", "full_attention")
+    config["layer_types"] = [kinds[i % 3] for i in range(NUM_LAYERS)]
+    arch = importlib.import_module("mlx_lm.models.gear")
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    _init_weights(model, 0, gemma=False)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config))
+    model = load_model(path)[0]
+    assert isinstance(make_prompt_cache(model)[0], ArraysCache)
+    prompt = mx.array([[(7 * i + 11) % 500 + 7 for i in range(40)]])
+    steps = [mx.array([[t]]) for t in (9, 99, 199, 299, 399, 13, 31, 71, 171, 271)]
+    cache = make_prompt_cache(model)
+    expected = [model(prompt, cache=cache)[:, -1]] + [model(t, cache=cache)[:, -1] for t in steps]
+    for split in ([(0, 2), (2, 6)], [(0, 1), (1, 4), (4, 6)]):
+        shards = [sharding.load_shard(path, a, b, has_ends=a == 0) for a, b in split]
+        caches = [s.make_caches() for s in shards]
+
+        def forward(tokens, shards=shards, caches=caches):
+            h = sharding.embed(shards[0], tokens)
+            for shard, c in zip(shards, caches, strict=True):
+                h = sharding.run_layers(shard, h, c)
+            return sharding.head(shards[0], h)[:, -1]
+
+        got = [forward(prompt)] + [forward(t) for t in steps]
+        for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+            assert mx.array_equal(a, b).item(), f"gear split {split}: step {i} differs"
