@@ -51,13 +51,16 @@ def _collect(client, request, cancel_after: int | None, out: dict, key: int) -> 
     out[key] = (tokens, "".join(text), finish)
 
 
-@pytest.fixture(scope="module")
-def busy_cluster(tiny_model, tmp_path_factory):
+@pytest.fixture(scope="module", params=["auto", "eager"], ids=lambda m: f"{m}-hops")
+def busy_cluster(tiny_model, tmp_path_factory, request):
+    """Three ranks, many groups in flight; eager hops too (auto is ready on 2 cores)."""
     model = tiny_model("llama", 7)
     running = start_cluster(
         model,
         3,
         tmp_path_factory.mktemp("logs"),
+        "--hop-mode",
+        request.param,
         "--max-active",
         "8",
         "--max-queue",

@@ -123,10 +123,11 @@ def test_conversations_sharing_a_system_prompt_keep_their_own_caches(tiny_model,
     assert list(reply.token_ids) == expected
 
 
-def test_reuse_survives_concurrent_decoding(tiny_model, cluster_factory):
+@pytest.mark.parametrize("hops", ["auto", "eager"])
+def test_reuse_survives_concurrent_decoding(tiny_model, cluster_factory, hops):
     """Caches parked out of a batched decode group are the sequence's own rows."""
     model = tiny_model("qwen3", 4)
-    running = cluster_factory(model, 3)
+    running = cluster_factory(model, 3, "--hop-mode", hops)
     prompts = [
         [{"role": "user", "content": f"Question {i}: why is the sky blue?"}] for i in range(4)
     ]

@@ -112,7 +112,8 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
             help="eager: each rank queues its part of a step as soon as rank 0 decides it, "
             "and keeps one core spinning on the receive while busy (fastest where cores are "
             "spare); ready: a rank starts its part once its input has arrived (nothing spins); "
-            "auto: eager with the ring backend and 4+ cores per rank on the machine",
+            "auto: eager with the ring backend on a GPU rank alone on its machine or a CPU "
+            "rank with 4+ cores",
         ),
     ),
     (
@@ -308,7 +309,11 @@ def _serve(args: argparse.Namespace) -> int:
     ring = None
     if size > 1:
         mode = choose_hop_mode(
-            args.hop_mode, _backend_in_use(args.backend), _cores(), hosts.count(hosts[rank])
+            args.hop_mode,
+            _backend_in_use(args.backend),
+            on_gpu=mx.default_device() == mx.gpu,
+            cores=_cores(),
+            ranks_here=hosts.count(hosts[rank]),
         )
         log.info("rank %d: %s hops", rank, mode)
         ring = Ring(group, Doorbell(rank, size, doorbell_endpoints(size, hosts), secret), mode)

@@ -48,26 +48,31 @@ HOP_MODES = (EAGER, READY)
 EAGER_CORES_PER_RANK = 4
 
 
-def choose_hop_mode(requested: str, backend: str, cores: int, ranks_here: int) -> str:
+def choose_hop_mode(
+    requested: str, backend: str, *, on_gpu: bool, cores: int, ranks_here: int
+) -> str:
     """The hop mode for `--hop-mode requested` (AUTO or one of HOP_MODES).
 
-    AUTO picks EAGER where a spinning receive costs nothing the rank needs: a ring or
-    JACCL backend (their receives run on a stream of their own; MPI calls from a second
-    thread are not safe under MLX's plain MPI_Init) and EAGER_CORES_PER_RANK cores per
-    rank on this machine. With fewer (a 2-core box running 2 ranks) the spinning
-    threads take the cores the ranks compute on, and READY is several times faster.
+    AUTO picks EAGER where what it costs is free. Its receives run on CPU streams of
+    their own, which MPI does not allow (MLX's plain MPI_Init is not thread-safe). A
+    posted receive spins one core, so a CPU rank needs EAGER_CORES_PER_RANK cores (on
+    a 2-core box running 2 ranks the spinning threads take the cores the ranks compute
+    on, and READY is several times faster). On a GPU the next rank's kernels wait on
+    the device for their input; where ranks share the GPU (more than one rank on this
+    machine) that wait can starve the rank it waits for: two ranks on one H100 stalled
+    at their first decode step. So a GPU rank hops eagerly only alone on its machine.
     """
     if requested != AUTO:
         if requested not in HOP_MODES:
             raise ValueError(f"hop mode {requested!r}: expected auto, eager or ready")
         if requested == EAGER and backend == "mpi":
-            raise ValueError(
-                "eager hops need the ring or jaccl backend (MPI is not thread-safe here)"
-            )
+            raise ValueError("eager hops need the ring or jaccl backend, not mpi")
         return requested
-    if backend == "mpi" or cores < EAGER_CORES_PER_RANK * max(1, ranks_here):
+    if backend == "mpi":
         return READY
-    return EAGER
+    if on_gpu:
+        return EAGER if ranks_here == 1 else READY
+    return EAGER if cores >= EAGER_CORES_PER_RANK * max(1, ranks_here) else READY
 
 
 class Ring:
