@@ -258,7 +258,7 @@ def test_a_file_that_is_no_image_is_invalid_argument(vlm_cluster):
 @pytest.mark.cluster
 def test_images_to_a_text_only_model_are_invalid_argument(tiny_model, cluster_factory):
     """Every door refuses an image to a text-only model as a bad request that says why:
-    gRPC, OpenAI, Anthropic, Ollama (chat and generate) and LocalAI."""
+    gRPC, OpenAI (chat and Responses), Anthropic, Ollama (chat and generate) and LocalAI."""
     model = tiny_model("llama", 2)
     port, localai_port = free_ports(2)
     running = cluster_factory(
@@ -291,6 +291,12 @@ def test_images_to_a_text_only_model_are_invalid_argument(tiny_model, cluster_fa
             answer = http.post(path, json={"model": str(model), "stream": False, **body})
             assert answer.status_code == 400, (path, answer.text)
             assert "reads text only" in answer.text, (path, answer.text)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(
+            model=str(model), input=[_responses_message([_png(1), "Hi"])], max_output_tokens=2
+        )
+    assert "reads text only" in e.value.message and "llava" in e.value.message
     with grpc.insecure_channel(f"127.0.0.1:{localai_port}") as channel:
         options = lpb.PredictOptions(Prompt="Hi", Images=[image])
         with pytest.raises(grpc.RpcError) as e:
@@ -329,6 +335,17 @@ def _openai_part(part: str | bytes) -> dict:
     if isinstance(part, bytes):
         return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + _b64(part)}}
     return {"type": "text", "text": part}
+
+
+def _responses_message(parts: list[str | bytes]) -> dict:
+    """A Responses API user message of `parts`: input_text, input_image (a data: URL)."""
+    content = [
+        {"type": "input_image", "image_url": "data:image/png;base64," + _b64(p), "detail": "auto"}
+        if isinstance(p, bytes)
+        else {"type": "input_text", "text": p}
+        for p in parts
+    ]
+    return {"type": "message", "role": "user", "content": content}
 
 
 def _anthropic_block(part: str | bytes) -> dict:
@@ -373,6 +390,45 @@ def test_anthropic_image_blocks_equal_the_openai_door(vlm, vlm_cluster):
         )
     said = e.value.body["error"]["message"]
     assert "only base64 image sources" in said and "not 'url'" in said, said
+
+
+@pytest.mark.cluster
+def test_responses_input_images_equal_the_openai_door(vlm, vlm_cluster):
+    """The Responses API's input_image parts (base64 data: URLs), through the SDK, streamed
+    and not, give the chat door's answer for the same parts, an image between two texts
+    kept in its place; an http(s) URL or a file_id is refused with a 400 that says why."""
+    client = openai.OpenAI(base_url=vlm_cluster.http_base, api_key="none", max_retries=0)
+    image = _png(13)
+    between = [BETWEEN[0], image, BETWEEN[1]]
+    wants = [_openai_text(vlm_cluster, vlm, p) for p in ([image, QUESTION], between)]
+    first = _openai_text(vlm_cluster, vlm, [image, "".join(BETWEEN)])
+    assert wants[1] != first, "the image's place matters"
+    for parts, want in zip(([image, QUESTION], between), wants, strict=True):
+        asked = {
+            "model": str(vlm),
+            "input": [_responses_message(parts)],
+            "max_output_tokens": MAX_TOKENS,
+            "temperature": 0,
+        }
+        reply = client.responses.create(**asked)
+        assert reply.output_text == want
+        assert reply.usage.output_tokens == MAX_TOKENS
+        events = list(client.responses.create(**asked, stream=True))
+        deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert deltas == want
+        assert events[-1].type == "response.incomplete"  # (stopped at max_output_tokens)
+        assert events[-1].response.output_text == want
+
+    message = _responses_message([image, QUESTION])
+    message["content"][0]["image_url"] = "https://example.com/cat.png"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=str(vlm), input=[message], max_output_tokens=2)
+    assert "input[0].content[0].image_url" in e.value.message
+    assert "data: URLs" in e.value.message and "does not fetch" in e.value.message
+    message["content"][0] = {"type": "input_image", "file_id": "file-123", "detail": "auto"}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=str(vlm), input=[message], max_output_tokens=2)
+    assert "data: URL" in e.value.message and "file_id is not accepted" in e.value.message
 
 
 @pytest.mark.cluster

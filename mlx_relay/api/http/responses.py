@@ -1,8 +1,10 @@
-"""OpenAI's Responses API (`POST /v1/responses`): text, reasoning and function calls.
+"""OpenAI's Responses API (`POST /v1/responses`): text, images, reasoning, function calls.
 
 `ResponseStream` turns the engine's chunks into the API's output items and the events
 that build them; a non-streaming answer is the response that stream completes. Nothing
 is stored: `previous_response_id` is refused, the whole conversation comes as `input`.
+`input_image` parts (base64 data: URLs) stay where they are among a message's text, as
+on the chat door, whose decoder they share.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from mlx_relay.api.http.common import (
     sampling,
     tool_call,
 )
-from mlx_relay.api.http.openai import error_body
+from mlx_relay.api.http.openai import error_body, image_bytes
 from mlx_relay.api.http.schemas import Lenient, dumps, sse
 from mlx_relay.coordinator.output import Chunk
+from mlx_relay.model import vision
 from mlx_relay.protocol import relay_pb2 as pb
 
 API = "responses"
@@ -33,6 +36,8 @@ API = "responses"
 class Part(Lenient):
     type: str
     text: str | None = None
+    image_url: str | None = None  # input_image: a data: URL (http(s) URLs are refused)
+    file_id: str | None = None  # input_image from the Files API: refused (nothing is stored)
 
 
 class Item(Lenient):
@@ -96,7 +101,7 @@ class ResponsesRequest(Lenient):
         )
         for i, item in enumerate(items):
             if item.type == "message":
-                out.append(pb.ChatMessage(role=item.role or "user", content=_text(item, i)))
+                out.append(pb.ChatMessage(role=item.role or "user", **_content(item, i)))
             elif item.type == "function_call":
                 call = tool_call(item.name or "", item.arguments or "{}", item.call_id or "")
                 if out and out[-1].role == "assistant" and not out[-1].content:
@@ -116,20 +121,35 @@ class ResponsesRequest(Lenient):
         return out
 
 
-def _text(item: Item, i: int) -> str:
+def _content(item: Item, i: int) -> dict[str, Any]:
+    """A message item's text and its images where they stand among the text, as
+    `pb.ChatMessage` fields. A text-only model refuses the images (Cluster.build)."""
+    parts = vision.MessageParts()
     if item.content is None or isinstance(item.content, str):
-        return item.content or ""
-    texts = []
+        parts.text(item.content or "")
+        return parts.fields()
     for j, part in enumerate(item.content):
-        if part.type not in ("input_text", "output_text", "text"):
+        where = f"input[{i}].content[{j}]"
+        if part.type in ("input_text", "output_text", "text"):
+            parts.text(part.text or "")
+        elif part.type == "input_image" and part.image_url:
+            parts.image(image_bytes(part.image_url, f"{where}.image_url"))
+        elif part.type == "input_image":
             raise HttpError(
                 "invalid",
-                f"input[{i}].content[{j}] is a {part.type!r} part: this server reads text only "
-                "(images and files are not supported yet)",
+                f"{where}: an input_image needs image_url as a base64 data: URL "
+                "(data:image/png;base64,...); file_id is not accepted: the server stores "
+                "no files and fetches nothing",
                 "input",
             )
-        texts.append(part.text or "")
-    return "".join(texts)
+        else:
+            raise HttpError(
+                "invalid",
+                f"{where} is a {part.type!r} part: this server reads input_text and "
+                "input_image parts only (files and audio are not supported)",
+                "input",
+            )
+    return parts.fields()
 
 
 def _function_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
