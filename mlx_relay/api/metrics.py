@@ -57,8 +57,9 @@ class _EngineGauges(Collector):
 
 def _step_timings(engine: Engine) -> Iterator[CounterMetricFamily]:
     """Step times: round the whole ring as rank 0 sees them, and each worker's own share
-    (from its header arriving to its output computed, receiving its input included), as
-    the workers report them with their heartbeats."""
+    (from its header arriving to its output computed, receiving its input included, with
+    ready hops; to its part queued on its device with eager hops, which never wait for
+    the device), as the workers report them with their heartbeats."""
     ring_seconds = CounterMetricFamily(
         PREFIX + "ring_step_seconds",
         "Forward steps' time from launch on rank 0 to their result back on rank 0.",
@@ -72,7 +73,8 @@ def _step_timings(engine: Engine) -> Iterator[CounterMetricFamily]:
         ring_seconds.add_metric([kind], dict(engine.step_seconds).get(kind, 0.0))
     rank_seconds = CounterMetricFamily(
         PREFIX + "rank_step_seconds",
-        "A worker's time per forward step, from its header arriving to its output computed.",
+        "A worker's time per forward step, from its header arriving to its output computed "
+        "(ready hops) or queued on its device (eager hops).",
         labels=["rank"],
     )
     rank_steps = CounterMetricFamily(

@@ -404,7 +404,12 @@ class Pipeline:
             suspect.rank if suspect else -1,
             suspect.host if suspect else "",
             f"{header.describe()} overdue after {elapsed:.1f} s (--step-timeout)"
-            + (f"; {suspect.reason}" if suspect else ""),
+            + (f"; {suspect.reason}" if suspect else "")
+            + (
+                "; with eager hops: if ranks share a GPU, --hop-mode ready avoids this"
+                if self.ring is not None and self.ring.eager
+                else ""
+            ),
         )
 
     def ring_failure(self, e: Exception) -> ClusterFailure | None:

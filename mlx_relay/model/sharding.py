@@ -66,8 +66,10 @@ def _minicpm_pre_head(a: Any, h: mx.array) -> mx.array:
 _EMBED_OPS: dict[str, _Op] = {
     "gemma": lambda a, h: h * (a.hidden_size**0.5),
     "gemma2": lambda a, h: h * (a.hidden_size**0.5),
-    # gemma3 rounds the factor to bfloat16 first
+    # gemma3 rounds the factor to bfloat16 first; "gemma3" is its vision-language model,
+    # whose decode steps embed tokens here too (vision.py scales a prompt's merged ones)
     "gemma3_text": lambda a, h: h * mx.array(a.hidden_size**0.5, mx.bfloat16).astype(h.dtype),
+    "gemma3": lambda a, h: h * mx.array(a.hidden_size**0.5, mx.bfloat16).astype(h.dtype),
     "granite": lambda a, h: h * a.embedding_multiplier,
     "granitemoe": lambda a, h: h * a.embedding_multiplier,
     "granitemoehybrid": lambda a, h: h * a.embedding_multiplier,

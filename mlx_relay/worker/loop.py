@@ -48,7 +48,8 @@ class Worker:
         self.caches: SlotCaches | None = None
         self._posted: mx.array | None = None  # the last step's send, alive until it ran
         # Forward steps taken, and the seconds from each one's header arriving to its output
-        # computed (receiving its input included): rank 0 shows them as metrics per rank.
+        # computed (receiving its input included; with eager hops, to its part queued):
+        # rank 0 shows them as metrics per rank.
         self.steps = 0
         self.step_seconds = 0.0
 
