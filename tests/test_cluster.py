@@ -23,8 +23,7 @@ CONFIGS = [
     (2, "qwen3", 5, None, "auto"),
     (3, "gemma3_text", 7, None, "auto"),
     (3, "llama", 7, "1,4,2", "eager"),
-    (2, "qwen2", 5, "4,1", "auto"),
-    (2, "qwen3", 5, None, "eager"),
+    (2, "qwen2", 5, "4,1", "eager"),
 ]
 
 
