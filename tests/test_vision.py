@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import io
 import threading
-from functools import lru_cache
 from pathlib import Path
 
 import anthropic
@@ -26,70 +25,33 @@ pytest.importorskip("mlx_vlm", reason="the vision extra (mlx-vlm) is not install
 
 import mlx.core as mx  # noqa: E402
 from conftest import start_cluster  # noqa: E402
-from mlx_vlm.generate.ar import generate_step  # noqa: E402
 from mlx_vlm.prompt_utils import apply_chat_template  # noqa: E402
-from mlx_vlm.utils import load_config, load_model, load_processor  # noqa: E402
+from mlx_vlm.utils import load_config  # noqa: E402
 from PIL import Image  # noqa: E402
 from tiny_models import make_tiny_vlm  # noqa: E402
+from vlm_oracle import (  # noqa: E402
+    MAX_TOKENS,
+    QUESTION,
+    inputs,
+    loaded,
+    mlx_vlm_tokens,
+    png,
+    prompt_text,
+    staged_tokens,
+)
 
 from mlx_relay.launch.local import free_ports  # noqa: E402
-from mlx_relay.model import memory, sharding, split, vision  # noqa: E402
+from mlx_relay.model import memory, sharding, split  # noqa: E402
 from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
 from mlx_relay.protocol.localai import backend_pb2 as lpb  # noqa: E402
 from mlx_relay.protocol.localai import backend_pb2_grpc as lpb_grpc  # noqa: E402
 
-MAX_TOKENS = 12
 NUM_LAYERS = 4
-QUESTION = "Describe the picture."
-
-
-def _png(seed: int, size: tuple[int, int] = (40, 32)) -> bytes:
-    """A small picture of random colours (not the model's 28x28: the processor resizes)."""
-    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory) -> Path:
     return make_tiny_vlm(tmp_path_factory.mktemp("llava"), num_layers=NUM_LAYERS)
-
-
-@lru_cache(maxsize=2)
-def _mlx_vlm(path: str):
-    return load_model(Path(path)), load_processor(Path(path))
-
-
-def _prompt_text(path: Path, images: int, text: str, system: str = "") -> str:
-    """The chat as the model's template renders it, images as content parts before the text."""
-    _, processor = _mlx_vlm(str(path))
-    content = [{"type": "image"}] * images + [{"type": "text", "text": text}]
-    messages = [{"role": "system", "content": system}] if system else []
-    messages.append({"role": "user", "content": content if images else text})
-    return processor.tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True
-    )
-
-
-def _mlx_vlm_inputs(path: Path, images: list[bytes], text: str, system: str = ""):
-    _, processor = _mlx_vlm(str(path))
-    prompt = _prompt_text(path, len(images), text, system)
-    pictures = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
-    return processor(text=[prompt], images=pictures or None)
-
-
-def mlx_vlm_tokens(
-    path: Path, images: list[bytes], text: str = QUESTION, system: str = "", inputs=None
-) -> list[int]:
-    """Single-process mlx-vlm: its processor, its model, its greedy generate_step."""
-    model, _ = _mlx_vlm(str(path))
-    inputs = inputs or _mlx_vlm_inputs(path, images, text, system)
-    pixels = mx.array(inputs["pixel_values"]) if images else None
-    steps = generate_step(
-        mx.array(inputs["input_ids"]), model, pixels, None, max_tokens=MAX_TOKENS, temperature=0.0
-    )
-    return [int(token) for token, _ in steps]
 
 
 def _messages(images: list[bytes], text: str = QUESTION, system: str = "") -> list:
@@ -106,21 +68,10 @@ def _request(images: list[bytes], text: str = QUESTION, system: str = "") -> pb.
 def test_stages_equal_mlx_vlm(vlm):
     """In process: merged embeddings on rank 0's stage, the decoder cut into stages, greedy
     tokens equal to mlx-vlm's; the stages after rank 0 hold no vision tower."""
-    image = _png(1)
+    image = png(1)
     want = mlx_vlm_tokens(vlm, [image])
-    encoded = vision.processor_for(str(vlm)).encode(_prompt_text(vlm, 1, QUESTION), [image])
     for ranges in ([(0, 4)], [(0, 1), (1, 4)], [(0, 3), (3, 4)]):
-        shards = [sharding.load_shard(vlm, a, b, has_ends=a == 0) for a, b in ranges]
-        assert all("vision_tower" not in s.model for s in shards[1:])
-        caches = [s.make_caches() for s in shards]
-        h = vision.input_embeddings(shards[0].model, encoded.token_ids, encoded.pixel_values)
-        got = []
-        for _ in range(MAX_TOKENS):
-            for shard, c in zip(shards, caches, strict=True):
-                h = sharding.run_layers(shard, h, c)
-            token = int(mx.argmax(sharding.head(shards[0], h)[:, -1], axis=-1).item())
-            got.append(token)
-            h = sharding.embed(shards[0], mx.array([[token]]))
+        got = staged_tokens(vlm, image, prompt_text(vlm, 1), ranges)
         assert got == want, f"split {ranges}"
 
 
@@ -184,7 +135,7 @@ def test_image_chat_equals_mlx_vlm(vlm, vlm_cluster):
     """Two different images at once, then a text-only chat; then the first prompt again
     with another image (same tokens, other pixels: no cache of the first may serve it)."""
     client = vlm_cluster.client
-    images = [_png(1), _png(2)]
+    images = [png(1), png(2)]
     results: dict[int, object] = {}
 
     def run(i: int) -> None:
@@ -204,7 +155,7 @@ def test_image_chat_equals_mlx_vlm(vlm, vlm_cluster):
 
     text = list(client.generate(_request([])).token_ids)
     assert text == mlx_vlm_tokens(vlm, [])
-    third = _png(3)
+    third = png(3)
     again = list(client.generate(_request([third])).token_ids)
     assert again == mlx_vlm_tokens(vlm, [third])
 
@@ -215,16 +166,16 @@ def test_two_images_and_a_shared_system_prompt(vlm, vlm_cluster):
     text chat leaves its caches behind; an image chat sharing its system prompt reuses
     them up to its first image token only, and both give mlx-vlm's tokens."""
     client = vlm_cluster.client
-    pair = [_png(5), _png(6, (20, 50))]
+    pair = [png(5), png(6, (20, 50))]
     assert list(client.generate(_request(pair)).token_ids) == mlx_vlm_tokens(vlm, pair)
     tokens = client.stub.Tokenize(pb.TokenizeRequest(messages=_messages(pair)), timeout=60)
-    expected = _mlx_vlm_inputs(vlm, pair, QUESTION)["input_ids"]
+    expected = inputs(vlm, pair, QUESTION)["input_ids"]
     assert list(tokens.token_ids) == np.asarray(expected).reshape(-1).tolist()
 
     system = "You are a helpful assistant. " * 4
     text = client.generate(_request([], "Hello!", system))
     assert list(text.token_ids) == mlx_vlm_tokens(vlm, [], "Hello!", system)
-    image = _png(7)
+    image = png(7)
     reply = client.generate(_request([image], system=system))
     assert list(reply.token_ids) == mlx_vlm_tokens(vlm, [image], system=system)
     assert reply.usage.cached_tokens > 16, "the system prompt's caches served"
@@ -235,9 +186,9 @@ def test_image_tokens_typed_as_text_lend_no_cache_to_an_image(vlm, vlm_cluster):
     """A text chat that spells out the image tokens encodes to exactly the tokens of an
     image chat; its parked caches hold no image, so the image chat must not reuse them."""
     client = vlm_cluster.client
-    image = _png(8)
+    image = png(8)
     spelled = "<image>" * 4 + QUESTION
-    encoded = _mlx_vlm_inputs(vlm, [image], QUESTION)["input_ids"]
+    encoded = inputs(vlm, [image], QUESTION)["input_ids"]
     text = client.generate(_request([], spelled))
     assert list(text.token_ids) == mlx_vlm_tokens(vlm, [], spelled)
     tokens = client.stub.Tokenize(pb.TokenizeRequest(messages=_messages([], spelled)), timeout=60)
@@ -270,19 +221,19 @@ def test_images_to_a_text_only_model_are_invalid_argument(tiny_model, cluster_fa
         f"127.0.0.1:{localai_port}",
     )
     with pytest.raises(grpc.RpcError) as e:
-        running.client.generate(_request([_png(1)]))
+        running.client.generate(_request([png(1)]))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "reads text only" in e.value.details() and "llava" in e.value.details()
 
-    image = _b64(_png(1))
+    image = _b64(png(1))
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
         bodies = {
             "/v1/chat/completions": {
-                "messages": [{"role": "user", "content": [_openai_part(_png(1))]}],
+                "messages": [{"role": "user", "content": [_openai_part(png(1))]}],
             },
             "/v1/messages": {
                 "max_tokens": 2,
-                "messages": [{"role": "user", "content": [_anthropic_block(_png(1))]}],
+                "messages": [{"role": "user", "content": [_anthropic_block(png(1))]}],
             },
             "/api/chat": {"messages": [{"role": "user", "content": "Hi", "images": [image]}]},
             "/api/generate": {"prompt": "Hi", "images": [image]},
@@ -294,7 +245,7 @@ def test_images_to_a_text_only_model_are_invalid_argument(tiny_model, cluster_fa
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(
-            model=str(model), input=[_responses_message([_png(1), "Hi"])], max_output_tokens=2
+            model=str(model), input=[_responses_message([png(1), "Hi"])], max_output_tokens=2
         )
     assert "reads text only" in e.value.message and "llava" in e.value.message
     with grpc.insecure_channel(f"127.0.0.1:{localai_port}") as channel:
@@ -310,7 +261,7 @@ def test_openai_image_url_data_urls_reach_the_model(vlm, vlm_cluster):
     """OpenAI's image_url parts with base64 data: URLs give the gRPC door's answer;
     an http(s) URL is refused with a 400 (the server fetches nothing)."""
     client = openai.OpenAI(base_url=vlm_cluster.http_base, api_key="none", max_retries=0)
-    image = _png(4)
+    image = png(4)
     url = "data:image/png;base64," + base64.b64encode(image).decode()
     content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]
     messages = [{"role": "user", "content": content}]
@@ -372,7 +323,7 @@ def _openai_text(cluster, vlm: Path, parts: list[str | bytes]) -> str:
 def test_anthropic_image_blocks_equal_the_openai_door(vlm, vlm_cluster):
     """Anthropic's base64 image blocks, through its SDK, give the OpenAI door's answer for
     the same image and text; a url source is refused with a 400 that says why."""
-    image = _png(9)
+    image = png(9)
     want = _openai_text(vlm_cluster, vlm, [image, QUESTION])
     client = anthropic.Anthropic(base_url=vlm_cluster.http_root, api_key="none", max_retries=0)
     content = [_anthropic_block(image), _anthropic_block(QUESTION)]
@@ -398,7 +349,7 @@ def test_responses_input_images_equal_the_openai_door(vlm, vlm_cluster):
     and not, give the chat door's answer for the same parts, an image between two texts
     kept in its place; an http(s) URL or a file_id is refused with a 400 that says why."""
     client = openai.OpenAI(base_url=vlm_cluster.http_base, api_key="none", max_retries=0)
-    image = _png(13)
+    image = png(13)
     between = [BETWEEN[0], image, BETWEEN[1]]
     wants = [_openai_text(vlm_cluster, vlm, p) for p in ([image, QUESTION], between)]
     first = _openai_text(vlm_cluster, vlm, [image, "".join(BETWEEN)])
@@ -435,7 +386,7 @@ def test_responses_input_images_equal_the_openai_door(vlm, vlm_cluster):
 def test_ollama_images_equal_the_openai_door(vlm, vlm_cluster):
     """Ollama's `images` (base64 strings, shown before the text) on a chat message and on
     generate give the OpenAI door's answer; bad base64 is a 400 naming the image."""
-    image = _png(10)
+    image = png(10)
     want = _openai_text(vlm_cluster, vlm, [image, QUESTION])
     options = {"temperature": 0, "num_predict": MAX_TOKENS}
     with httpx.Client(base_url=vlm_cluster.http_root, timeout=120) as http:
@@ -468,7 +419,7 @@ def test_ollama_images_equal_the_openai_door(vlm, vlm_cluster):
 def test_localai_images_equal_the_openai_door(vlm, vlm_cluster):
     """LocalAI's `PredictOptions.Images` (base64) are shown with the last user message,
     as LocalAI's own mlx-vlm backend shows them: the OpenAI door's answer, streamed or not."""
-    image = _png(11)
+    image = png(11)
     want = _openai_text(vlm_cluster, vlm, [image, QUESTION])
     options = lpb.PredictOptions(
         Messages=[lpb.Message(role="user", content=QUESTION)],
@@ -500,8 +451,8 @@ def test_an_image_between_texts_stays_there(vlm, vlm_cluster):
     """[text, image, text] renders in that order (mlx-vlm's llava prompt helper keeps the
     order too): gRPC's image_offsets give mlx-vlm's tokens for the same parts, and the
     OpenAI and Anthropic doors place the image the same way."""
-    image = _png(12)
-    _, processor = _mlx_vlm(str(vlm))
+    image = png(12)
+    _, processor = loaded(str(vlm))
     content = [{"type": "text", "text": BETWEEN[0]}, {"type": "image"}]
     content.append({"type": "text", "text": BETWEEN[1]})
     prompt = apply_chat_template(
@@ -509,7 +460,7 @@ def test_an_image_between_texts_stays_there(vlm, vlm_cluster):
     )
     assert prompt.index(BETWEEN[0]) < prompt.index("<image>") < prompt.index(BETWEEN[1])
     picture = Image.open(io.BytesIO(image)).convert("RGB")
-    want = mlx_vlm_tokens(vlm, [image], inputs=processor(text=[prompt], images=[picture]))
+    want = mlx_vlm_tokens(vlm, [image], encoded=processor(text=[prompt], images=[picture]))
 
     message = pb.ChatMessage(
         role="user", content="".join(BETWEEN), images=[image], image_offsets=[len(BETWEEN[0])]
@@ -541,7 +492,7 @@ def test_an_image_between_texts_stays_there(vlm, vlm_cluster):
 
 @pytest.mark.cluster
 def test_image_offsets_that_do_not_fit_are_invalid_argument(vlm_cluster):
-    message = pb.ChatMessage(role="user", content="Hi", images=[_png(1)], image_offsets=[5])
+    message = pb.ChatMessage(role="user", content="Hi", images=[png(1)], image_offsets=[5])
     with pytest.raises(grpc.RpcError) as e:
         vlm_cluster.client.generate(pb.GenerateRequest(messages=[message]))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT

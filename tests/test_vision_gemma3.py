@@ -12,10 +12,8 @@ uneven ranks, in process and through a real cluster.
 
 from __future__ import annotations
 
-import io
 import json
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -26,19 +24,23 @@ pytest.importorskip("mlx_vlm", reason="the vision extra (mlx-vlm) is not install
 import mlx.core as mx  # noqa: E402
 from conftest import start_cluster  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
-from mlx_vlm.generate.ar import generate_step  # noqa: E402
 from mlx_vlm.models import gemma3  # noqa: E402
-from mlx_vlm.utils import load_model, load_processor  # noqa: E402
-from PIL import Image  # noqa: E402
 from tiny_models import CHAT_TEMPLATE, _config, _init_weights, write_tokenizer  # noqa: E402
+from vlm_oracle import (  # noqa: E402
+    MAX_TOKENS,
+    QUESTION,
+    inputs,
+    mlx_vlm_tokens,
+    png,
+    prompt_text,
+    staged_tokens,
+)
 
-from mlx_relay.model import memory, sharding, split, vision  # noqa: E402
+from mlx_relay.model import memory, sharding, split  # noqa: E402
 from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
 
-MAX_TOKENS = 12
 NUM_LAYERS = 4
 WINDOW = 16  # sliding window of the local layers: the image prompt is longer
-QUESTION = "Describe the picture."
 BOI, EOI, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
 IMAGE_SIZE, PATCH_SIZE, IMAGE_TOKENS = 28, 7, 4  # 4x4 patches pooled to 2x2 tokens
 
@@ -132,54 +134,15 @@ def make_tiny_gemma3_vlm(
     return path
 
 
-def _png(seed: int, size: tuple[int, int] = (40, 32)) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
-
-
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory) -> Path:
     return make_tiny_gemma3_vlm(tmp_path_factory.mktemp("gemma3-vlm"))
 
 
-@lru_cache(maxsize=2)
-def _mlx_vlm(path: str):
-    return load_model(Path(path)), load_processor(Path(path))
-
-
-def _prompt_text(path: Path, images: int, text: str = QUESTION) -> str:
-    _, processor = _mlx_vlm(str(path))
-    content = [{"type": "image"}] * images + [{"type": "text", "text": text}]
-    messages = [{"role": "user", "content": content if images else text}]
-    return processor.tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True
-    )
-
-
-def _inputs(path: Path, images: list[bytes], text: str = QUESTION):
-    _, processor = _mlx_vlm(str(path))
-    pictures = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
-    return processor(text=[_prompt_text(path, len(images), text)], images=pictures or None)
-
-
-def mlx_vlm_tokens(path: Path, images: list[bytes], text: str = QUESTION) -> list[int]:
-    """Single-process mlx-vlm: its processor, its model and caches, its greedy decoding."""
-    model, _ = _mlx_vlm(str(path))
-    inputs = _inputs(path, images, text)
-    pixels = mx.array(inputs["pixel_values"]) if images else None
-    mask = mx.array(inputs["attention_mask"])
-    steps = generate_step(
-        mx.array(inputs["input_ids"]), model, pixels, mask, max_tokens=MAX_TOKENS, temperature=0.0
-    )
-    return [int(token) for token, _ in steps]
-
-
 def test_the_tiny_model_is_what_it_claims(vlm):
     """The image prompt is longer than the window; an image is 4 soft tokens between the
     markers; the layers alternate sliding and full caches."""
-    ids = np.asarray(_inputs(vlm, [_png(1)])["input_ids"]).reshape(-1).tolist()
+    ids = np.asarray(inputs(vlm, [png(1)])["input_ids"]).reshape(-1).tolist()
     config = sharding.read_config(vlm)
     assert ids.count(config["image_token_index"]) == IMAGE_TOKENS
     assert len(ids) > WINDOW
@@ -191,21 +154,10 @@ def test_the_tiny_model_is_what_it_claims(vlm):
 def test_stages_equal_mlx_vlm(vlm):
     """In process: rank 0's merged (and scaled) embeddings, the decoder cut into stages
     with their own caches, greedy tokens equal to mlx-vlm's; later stages hold no tower."""
-    image = _png(1)
+    image = png(1)
     want = mlx_vlm_tokens(vlm, [image])
-    encoded = vision.processor_for(str(vlm)).encode(_prompt_text(vlm, 1), [image])
     for ranges in ([(0, 4)], [(0, 1), (1, 4)], [(0, 3), (3, 4)]):
-        shards = [sharding.load_shard(vlm, a, b, has_ends=a == 0) for a, b in ranges]
-        assert all("vision_tower" not in s.model for s in shards[1:])
-        caches = [s.make_caches() for s in shards]
-        h = vision.input_embeddings(shards[0].model, encoded.token_ids, encoded.pixel_values)
-        got = []
-        for _ in range(MAX_TOKENS):
-            for shard, c in zip(shards, caches, strict=True):
-                h = sharding.run_layers(shard, h, c)
-            token = int(mx.argmax(sharding.head(shards[0], h)[:, -1], axis=-1).item())
-            got.append(token)
-            h = sharding.embed(shards[0], mx.array([[token]]))
+        got = staged_tokens(vlm, image, prompt_text(vlm, 1), ranges)
         assert got == want, f"split {ranges}"
 
 
@@ -253,7 +205,7 @@ def _request(images: list[bytes], text: str = QUESTION) -> pb.GenerateRequest:
 def test_image_chats_equal_mlx_vlm(vlm, cluster):
     """Two images at once (their sliding-window caches batched), then a text-only chat:
     mlx-vlm's greedy tokens."""
-    images = [_png(2), _png(3, (20, 50))]
+    images = [png(2), png(3, (20, 50))]
     with ThreadPoolExecutor(2) as pool:
         answers = list(pool.map(lambda i: cluster.client.generate(_request([i])), images))
     for image, answer in zip(images, answers, strict=True):

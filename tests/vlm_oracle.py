@@ -1,0 +1,91 @@
+"""The vision tests' oracle: single-process mlx-vlm, and a model's stages run in process.
+
+Every vision family's tests check the same two things against mlx-vlm's own processor,
+model and greedy `generate_step`: tokens from the ranks' stages cut in one process, and
+tokens from a real cluster.
+"""
+
+from __future__ import annotations
+
+import io
+from functools import lru_cache
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_vlm.generate.ar import generate_step
+from mlx_vlm.utils import load_model, load_processor
+from PIL import Image
+
+from mlx_relay.model import sharding, vision
+
+MAX_TOKENS = 12
+QUESTION = "Describe the picture."
+
+
+def png(seed: int, size: tuple[int, int] = (40, 32)) -> bytes:
+    """A small picture of random colours (not the model's own size: the processor resizes)."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+@lru_cache(maxsize=4)
+def loaded(path: str):
+    """mlx-vlm's model and processor for `path`, loaded once."""
+    return load_model(Path(path)), load_processor(Path(path))
+
+
+def prompt_text(path: Path, images: int, text: str = QUESTION, system: str = "") -> str:
+    """The chat as the model's template renders it, images as content parts before the text."""
+    _, processor = loaded(str(path))
+    content = [{"type": "image"}] * images + [{"type": "text", "text": text}]
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": content if images else text})
+    return processor.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+
+
+def inputs(path: Path, images: list[bytes], text: str = QUESTION, system: str = ""):
+    """mlx-vlm's processor output for the chat: input ids, pixel values, attention mask."""
+    _, processor = loaded(str(path))
+    prompt = prompt_text(path, len(images), text, system)
+    pictures = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+    return processor(text=[prompt], images=pictures or None)
+
+
+def mlx_vlm_tokens(
+    path: Path, images: list[bytes], text: str = QUESTION, system: str = "", encoded=None
+) -> list[int]:
+    """Single-process mlx-vlm: its processor, its model and caches, its greedy decoding."""
+    model, _ = loaded(str(path))
+    encoded = encoded or inputs(path, images, text, system)
+    pixels = mx.array(encoded["pixel_values"]) if images else None
+    mask = mx.array(encoded["attention_mask"]) if "attention_mask" in encoded else None
+    steps = generate_step(
+        mx.array(encoded["input_ids"]), model, pixels, mask, max_tokens=MAX_TOKENS, temperature=0.0
+    )
+    return [int(token) for token, _ in steps]
+
+
+def staged_tokens(
+    path: Path, image: bytes, prompt: str, ranges: list[tuple[int, int]]
+) -> list[int]:
+    """Greedy tokens of the model cut into `ranges` in one process, as the ranks run it:
+    rank 0's merged image embeddings, each stage on its own caches; the stages after
+    rank 0 hold no vision tower."""
+    encoded = vision.processor_for(str(path)).encode(prompt, [image])
+    shards = [sharding.load_shard(path, a, b, has_ends=a == 0) for a, b in ranges]
+    assert all("vision_tower" not in s.model for s in shards[1:])
+    caches = [s.make_caches() for s in shards]
+    h = vision.input_embeddings(shards[0].model, encoded.token_ids, encoded.pixel_values)
+    got = []
+    for _ in range(MAX_TOKENS):
+        for shard, c in zip(shards, caches, strict=True):
+            h = sharding.run_layers(shard, h, c)
+        token = int(mx.argmax(sharding.head(shards[0], h)[:, -1], axis=-1).item())
+        got.append(token)
+        h = sharding.embed(shards[0], mx.array([[token]]))
+    return got
