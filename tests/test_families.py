@@ -30,11 +30,12 @@ from mlx_lm.models.cache import (
 from oracle import _load, chat_tokens, mlx_lm_tokens, tokenizer_for
 from test_prompt_cache import _generate
 from tiny_models import (
+    ADAPTED_FAMILIES,
     CACHELIST_FAMILIES,
     MOE_FAMILIES,
     MULTIPLIER_FAMILIES,
     SCALED_FAMILIES,
-    UNSPLITTABLE_FAMILIES,
+    UNSPLITTABLE,
     _config,
 )
 
@@ -60,6 +61,7 @@ def _whole(model_dir):
     FAMILIES
     + SCALED_FAMILIES
     + MULTIPLIER_FAMILIES
+    + ADAPTED_FAMILIES
     + ("llama", "qwen2", "qwen3", "mistral", "phi3"),
 )
 def test_stages_equal_the_whole_model(tiny_model, family):
@@ -166,21 +168,33 @@ def test_cluster_equals_mlx_lm(tiny_model, cluster_factory, family, ranks, layer
     assert status.active_requests == 0 and status.queued_requests == 0
 
 
-@pytest.mark.parametrize("family", UNSPLITTABLE_FAMILIES)
-def test_a_family_that_cannot_be_split_is_refused_when_it_loads(tiny_model, family):
-    path = tiny_model(family, 4)
+@pytest.mark.parametrize(("family", "overrides"), UNSPLITTABLE)
+def test_a_family_that_cannot_be_split_is_refused_when_it_loads(tiny_model, family, overrides):
+    path = tiny_model(family, 4, overrides=overrides)
+    with pytest.raises(
+        sharding.UnsupportedFamily, match=f"'{family}' cannot be split over ranks: "
+    ) as refused:
+        sharding.load_shard(path, 0, 2, has_ends=True)
+    assert overrides[0][0] in str(refused.value), "the reason names what is refused"
+
+
+@pytest.mark.parametrize("family", ["gemma3n", "recurrent_gemma", "phi3small"])
+def test_the_families_still_refused_say_why(family):
+    """No tiny model of these (gemma3n's config alone is a page): the load-time check
+    itself, on the config's model type."""
     with pytest.raises(
         sharding.UnsupportedFamily, match=f"'{family}' cannot be split over ranks: "
     ):
-        sharding.load_shard(path, 0, 2, has_ends=True)
+        sharding.check_splittable(object(), {"model_type": family}, [])
 
 
 @pytest.mark.cluster
 def test_an_unsplittable_cluster_fails_at_start_naming_the_family(tiny_model, tmp_path):
-    path = tiny_model(UNSPLITTABLE_FAMILIES[0], 4)
+    family, overrides = UNSPLITTABLE[0]
+    path = tiny_model(family, 4, overrides=overrides)
     with pytest.raises(
         AssertionError,
-        match=f"model family '{UNSPLITTABLE_FAMILIES[0]}' cannot be split over ranks: ",
+        match=f"model family '{family}' cannot be split over ranks: ",
     ):
         start_cluster(path, 2, tmp_path / "logs", timeout=120)
 

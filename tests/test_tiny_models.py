@@ -12,6 +12,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model, load_tokenizer
 from tiny_models import (
+    ADAPTED_FAMILIES,
     CACHELIST_FAMILIES,
     EXTRA_FAMILIES,
     FAMILIES,
@@ -19,7 +20,6 @@ from tiny_models import (
     MULTIPLIER_FAMILIES,
     SCALED_FAMILIES,
     SPECIAL_TOKENS,
-    UNSPLITTABLE_FAMILIES,
     make_tiny_model,
 )
 
@@ -138,11 +138,7 @@ def test_chat_template(loaded):
 
 
 OTHER_FAMILIES = (
-    MOE_FAMILIES
-    + CACHELIST_FAMILIES
-    + MULTIPLIER_FAMILIES
-    + SCALED_FAMILIES
-    + UNSPLITTABLE_FAMILIES
+    MOE_FAMILIES + CACHELIST_FAMILIES + MULTIPLIER_FAMILIES + SCALED_FAMILIES + ADAPTED_FAMILIES
 )
 
 

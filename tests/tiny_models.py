@@ -51,9 +51,13 @@ MULTIPLIER_FAMILIES = (
     "gear",
     "muse_glimmer",
 )
-# A family mlx-relay refuses at load (its decoder is not model.model.layers and its
-# layers are not embed_tokens ... norm), to test that refusal.
-UNSPLITTABLE_FAMILIES = ("nanochat",)
+# Families whose forward calls its layers with more than (x, mask, cache) or whose
+# decoder's parts have other names: gemma4_text (layers return a tuple; MoE beside the
+# MLP, K = V on full attention, sliding layers; soft-capped logits), falcon_h1 (mamba
+# mixer and attention side by side in every layer, one CacheList each, two masks; a
+# tied head's multiplier), nanochat (model.transformer.h, wte, weightless norms,
+# soft-capped logits). tests/test_multiplier_families.py runs them through clusters.
+ADAPTED_FAMILIES = ("gemma4_text", "falcon_h1", "nanochat")
 NUM_EXPERTS = 4
 EXPERTS_PER_TOKEN = 2
 
@@ -70,6 +74,19 @@ SPECIAL_TOKENS = (
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 VOCAB_SIZE = 512
+# A config mlx-relay refuses at load, as (family, make_tiny_model's `overrides`), to
+# test that refusal: gemma4_text as the E2B/E4B, with per-layer inputs and KV caches
+# shared across layers.
+UNSPLITTABLE = (
+    (
+        "gemma4_text",
+        (
+            ("hidden_size_per_layer_input", 8),
+            ("vocab_size_per_layer_input", VOCAB_SIZE),
+            ("num_kv_shared_layers", 1),
+        ),
+    ),
+)
 
 NUM_HEADS = 4
 NUM_KV_HEADS = 2
@@ -247,7 +264,7 @@ def _config(
         + CACHELIST_FAMILIES
         + SCALED_FAMILIES
         + MULTIPLIER_FAMILIES
-        + UNSPLITTABLE_FAMILIES
+        + ADAPTED_FAMILIES
     )
     if family not in known:
         raise ValueError(f"unknown family {family!r}; expected one of {known}")
@@ -395,6 +412,42 @@ def _multiplier_config(family: str, num_layers: int, hidden_size: int, head_dim:
         }
     if family == "nanochat":
         return {"num_key_value_heads": NUM_HEADS}
+    return _adapted_config(family, num_layers, hidden_size, head_dim)
+
+
+def _adapted_config(family: str, num_layers: int, hidden_size: int, head_dim: int) -> dict:
+    """ADAPTED_FAMILIES' extra config."""
+    window = DEFAULT_SLIDING_WINDOW
+    if family == "gemma4_text":  # the 26B/31B layout: no per-layer inputs, no KV sharing
+        return {
+            "layer_types": [
+                "full_attention" if i % 3 == 2 else "sliding_attention" for i in range(num_layers)
+            ],
+            "sliding_window": window,
+            "hidden_size_per_layer_input": 0,
+            "num_kv_shared_layers": 0,
+            "global_head_dim": 2 * head_dim,
+            "attention_k_eq_v": True,
+            "num_global_key_value_heads": 1,
+            "enable_moe_block": True,
+            "num_experts": NUM_EXPERTS,
+            "top_k_experts": EXPERTS_PER_TOKEN,
+            "moe_intermediate_size": hidden_size,
+            "final_logit_softcapping": 30.0,
+            "tie_word_embeddings": True,
+        }
+    if family == "falcon_h1":
+        return {
+            "mamba_d_ssm": 2 * hidden_size,
+            "mamba_n_heads": 4,
+            "mamba_d_head": 2 * hidden_size // 4,
+            "mamba_d_state": 16,
+            "mamba_d_conv": 4,
+            "mamba_n_groups": 1,
+            "mamba_chunk_size": 16,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": True,
+        }
     return {}
 
 
@@ -502,7 +555,9 @@ def _init_weights(model: nn.Module, seed: int, gemma: bool) -> None:
             "conv1d" in name and w.ndim == 3
         ):  # (channels, kernel, 1): a depthwise filter over the kernel
             fan_in = w.shape[1]
-        if "q_norm" in name or "k_norm" in name:
+        if name.endswith(("layer_scalar", "per_expert_scale", "router.scale")):
+            w = mx.ones_like(w)  # gemma4's scales: random 0.02s would erase the residual
+        elif "q_norm" in name or "k_norm" in name:
             w = mx.full(w.shape, QK_NORM - 1.0 if gemma else QK_NORM)
         elif "norm" in name:
             if not gemma:
@@ -533,6 +588,7 @@ def make_tiny_model(
     tie_word_embeddings: bool | None = None,
     sliding_window: int | None = None,
     sliding_window_pattern: int | None = None,
+    overrides: tuple[tuple[str, object], ...] = (),
 ) -> pathlib.Path:
     """Write a tiny random-weight ``family`` model into ``path``; return it.
 
@@ -549,14 +605,23 @@ def make_tiny_model(
 
     EOS is rarely generated spontaneously (see ``_init_weights``); tests that
     need a stop can pass ``eos_token_ids`` or a ``model_config`` override.
+    ``overrides``: (key, value) pairs set in config.json last.
     """
     path = write_tokenizer(path)
     config = _config(
         family, num_layers, hidden_size, tie_word_embeddings, sliding_window, sliding_window_pattern
     )
+    config.update(dict(overrides))
     arch = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(family, family)}")
     model = arch.Model(arch.ModelArgs.from_dict(config))
     _init_weights(model, seed, gemma=family in ("gemma3_text", "gemma2"))
+    if family == "gemma4_text":
+        # Its norms scale by their weight (not 1 + weight) and its embeddings by
+        # sqrt(hidden): keep the embedding small against the layers (else greedy echoes
+        # its input) and let the final norm give the logit scale, as for gemma3.
+        inner = model.model
+        inner.embed_tokens.weight = inner.embed_tokens.weight * (GEMMA_EMBED_RMS / LOGIT_STD)
+        inner.norm.weight = mx.full(inner.norm.weight.shape, LOGIT_STD / GEMMA_EMBED_RMS)
     weights = dict(tree_flatten(model.parameters()))
     if config["tie_word_embeddings"]:
         # gemma3_text always builds an lm_head and drops it on load when the
