@@ -57,7 +57,9 @@ MULTIPLIER_FAMILIES = (
 # mixer and attention side by side in every layer, one CacheList each, two masks; a
 # tied head's multiplier), nanochat (model.transformer.h, wte, weightless norms,
 # soft-capped logits). tests/test_multiplier_families.py runs them through clusters.
-ADAPTED_FAMILIES = ("gemma4_text", "falcon_h1", "nanochat")
+# recurrent_gemma (RG-LRU recurrent and local-attention blocks, (x, cache, mask) layers,
+# final_norm, soft-capped logits).
+ADAPTED_FAMILIES = ("gemma4_text", "falcon_h1", "nanochat", "recurrent_gemma")
 NUM_EXPERTS = 4
 EXPERTS_PER_TOKEN = 2
 
@@ -436,6 +438,18 @@ def _adapted_config(family: str, num_layers: int, hidden_size: int, head_dim: in
             "final_logit_softcapping": 30.0,
             "tie_word_embeddings": True,
         }
+    if family == "recurrent_gemma":  # two recurrent blocks, then local attention
+        return {
+            "attention_bias": False,
+            "conv1d_width": 4,
+            "logits_soft_cap": 30.0,
+            "num_key_value_heads": 1,
+            "attention_window_size": window,
+            "block_types": ["recurrent", "recurrent", "attention"],
+            "embeddings_scale_by_sqrt_dim": True,
+            "layer_norm_epsilon": 1e-6,
+            "tie_word_embeddings": True,
+        }
     if family == "falcon_h1":
         return {
             "mamba_d_ssm": 2 * hidden_size,
@@ -552,8 +566,8 @@ def _init_weights(model: nn.Module, seed: int, gemma: bool) -> None:
     for (name, w), key in zip(params, keys, strict=True):
         fan_in = w.shape[-1]
         if (
-            "conv1d" in name and w.ndim == 3
-        ):  # (channels, kernel, 1): a depthwise filter over the kernel
+            "conv1d" in name or "conv_1d" in name
+        ) and w.ndim == 3:  # (channels, kernel, 1): a depthwise filter over the kernel
             fan_in = w.shape[1]
         if name.endswith(("layer_scalar", "per_expert_scale", "router.scale")):
             w = mx.ones_like(w)  # gemma4's scales: random 0.02s would erase the residual
@@ -562,7 +576,7 @@ def _init_weights(model: nn.Module, seed: int, gemma: bool) -> None:
         elif "norm" in name:
             if not gemma:
                 w = mx.ones_like(w)
-            elif name == "model.norm.weight":
+            elif name in ("model.norm.weight", "model.final_norm.weight"):
                 w = mx.full(w.shape, LOGIT_STD / GEMMA_EMBED_RMS - 1.0)
             else:
                 w = mx.zeros_like(w)
@@ -614,7 +628,7 @@ def make_tiny_model(
     config.update(dict(overrides))
     arch = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(family, family)}")
     model = arch.Model(arch.ModelArgs.from_dict(config))
-    _init_weights(model, seed, gemma=family in ("gemma3_text", "gemma2"))
+    _init_weights(model, seed, gemma=family in ("gemma3_text", "gemma2", "recurrent_gemma"))
     if family == "gemma4_text":
         # Its norms scale by their weight (not 1 + weight) and its embeddings by
         # sqrt(hidden): keep the embedding small against the layers (else greedy echoes

@@ -104,6 +104,9 @@ _EMBED_OPS: dict[str, _Op] = {
     "muse_glimmer": lambda a, h: mx.fast.rms_norm(h, None, a.rms_norm_eps),
     "gemma4_text": lambda a, h: h * (a.hidden_size**0.5),
     "nanochat": _nanochat_norm,
+    "recurrent_gemma": lambda a, h: (
+        h * math.sqrt(h.shape[-1]) if a.embeddings_scale_by_sqrt_dim else h
+    ),
 }
 _PRE_HEAD_OPS: dict[str, _Op] = {
     "minicpm": _minicpm_pre_head,
@@ -122,6 +125,7 @@ _LOGITS_OPS: dict[str, _Op] = {
     "gemma4_text": _own_softcap("gemma4_text", "logit_softcap"),
     "nanochat": _own_softcap("nanochat", "softcap"),
     "falcon_h1": _falcon_h1_logits,
+    "recurrent_gemma": lambda a, x: _softcap(a.logits_soft_cap, x),
 }
 
 
@@ -139,6 +143,7 @@ class Parts:
 
 _PARTS: dict[str, Parts] = {
     "falcon_h1": Parts(norm="final_layernorm"),
+    "recurrent_gemma": Parts(norm="final_norm"),
     "nanochat": Parts(decoder="transformer", layers="h", embed="wte", norm=None),
 }
 
@@ -165,6 +170,9 @@ _LAYER_CALLS: dict[str, _LayerCall] = {
     "falcon_h1": lambda layer, h, mask_for, c: layer(
         h, cache=c, attn_mask=mask_for(c[1]), mamba_mask=mask_for(c[0])
     ),
+    # takes (x, cache, mask); its forward gives every layer the local-attention mask,
+    # which the recurrent layers ignore
+    "recurrent_gemma": lambda layer, h, mask_for, c: layer(h, mask=mask_for(c), cache=c),
 }
 
 
@@ -205,8 +213,6 @@ _NOT_SPLITTABLE = {
     "gemma3n": "its layers take per-layer inputs that rank 0 computes from the token ids "
     "(only the hidden state travels between ranks), its hidden state is several AltUp "
     "streams, and its last layers reuse earlier layers' keys and values",
-    "recurrent_gemma": "its final norm is final_norm and every layer gets the attention "
-    "layers' mask",
 }
 
 
