@@ -34,6 +34,7 @@ from tiny_models import (
     CACHELIST_FAMILIES,
     MOE_FAMILIES,
     MULTIPLIER_FAMILIES,
+    ROW_BY_ROW_FAMILIES,
     SCALED_FAMILIES,
     UNSPLITTABLE,
     _config,
@@ -62,10 +63,14 @@ def _whole(model_dir):
     + SCALED_FAMILIES
     + MULTIPLIER_FAMILIES
     + ADAPTED_FAMILIES
+    + ROW_BY_ROW_FAMILIES
     + ("llama", "qwen2", "qwen3", "mistral", "phi3"),
 )
-def test_stages_equal_the_whole_model(tiny_model, family):
-    """Logits bit-identical to mlx-lm for a 40-token prefill and 10 decode steps."""
+def test_stages_equal_the_whole_model(tiny_model, family, monkeypatch):
+    """Logits bit-identical to mlx-lm for a 40-token prefill and 10 decode steps (one
+    sequence: ROW_BY_ROW_FAMILIES, refused at load for their batches, are let through)."""
+    if family in ROW_BY_ROW_FAMILIES:
+        monkeypatch.delitem(sharding._NOT_SPLITTABLE, family)
     # gemma2 at a width whose sqrt is not a bfloat16 (gemma3 rounds it, gemma2 does not).
     path = tiny_model(family, NUM_LAYERS, **({"hidden_size": 96} if family == "gemma2" else {}))
     model = _whole(path)
@@ -175,10 +180,11 @@ def test_a_family_that_cannot_be_split_is_refused_when_it_loads(tiny_model, fami
         sharding.UnsupportedFamily, match=f"'{family}' cannot be split over ranks: "
     ) as refused:
         sharding.load_shard(path, 0, 2, has_ends=True)
-    assert overrides[0][0] in str(refused.value), "the reason names what is refused"
+    if overrides:
+        assert overrides[0][0] in str(refused.value), "the reason names what is refused"
 
 
-@pytest.mark.parametrize("family", ["gemma3n", "phi3small"])
+@pytest.mark.parametrize("family", ["gemma3n"])
 def test_the_families_still_refused_say_why(family):
     """No tiny model of these (gemma3n's config alone is a page): the load-time check
     itself, on the config's model type."""

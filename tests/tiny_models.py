@@ -60,6 +60,13 @@ MULTIPLIER_FAMILIES = (
 # recurrent_gemma (RG-LRU recurrent and local-attention blocks, (x, cache, mask) layers,
 # final_norm, soft-capped logits).
 ADAPTED_FAMILIES = ("gemma4_text", "falcon_h1", "nanochat", "recurrent_gemma")
+# Refused at load although its stages are exact one sequence at a time (its block-sparse
+# attention is not exact in padded batches): phi3small (block-sparse attention on every
+# other layer, LayerNorms, final_layernorm, muP multipliers, a head that masks fixed dummy
+# ids, so a vocabulary of PHI3SMALL_VOCAB rows of which only the tokenizer's first
+# VOCAB_SIZE can win).
+ROW_BY_ROW_FAMILIES = ("phi3small",)
+PHI3SMALL_VOCAB = 100352
 NUM_EXPERTS = 4
 EXPERTS_PER_TOKEN = 2
 
@@ -76,9 +83,9 @@ SPECIAL_TOKENS = (
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 VOCAB_SIZE = 512
-# A config mlx-relay refuses at load, as (family, make_tiny_model's `overrides`), to
+# Configs mlx-relay refuses at load, as (family, make_tiny_model's `overrides`), to
 # test that refusal: gemma4_text as the E2B/E4B, with per-layer inputs and KV caches
-# shared across layers.
+# shared across layers; phi3small (ROW_BY_ROW_FAMILIES).
 UNSPLITTABLE = (
     (
         "gemma4_text",
@@ -88,6 +95,7 @@ UNSPLITTABLE = (
             ("num_kv_shared_layers", 1),
         ),
     ),
+    ("phi3small", ()),
 )
 
 NUM_HEADS = 4
@@ -267,6 +275,7 @@ def _config(
         + SCALED_FAMILIES
         + MULTIPLIER_FAMILIES
         + ADAPTED_FAMILIES
+        + ROW_BY_ROW_FAMILIES
     )
     if family not in known:
         raise ValueError(f"unknown family {family!r}; expected one of {known}")
@@ -436,6 +445,18 @@ def _adapted_config(family: str, num_layers: int, hidden_size: int, head_dim: in
             "top_k_experts": EXPERTS_PER_TOKEN,
             "moe_intermediate_size": hidden_size,
             "final_logit_softcapping": 30.0,
+            "tie_word_embeddings": True,
+        }
+    if family == "phi3small":
+        return {
+            "dense_attention_every_n_layers": 2,
+            "ff_intermediate_size": 2 * hidden_size,
+            "gegelu_limit": 20.0,
+            "layer_norm_epsilon": 1e-5,
+            "vocab_size": PHI3SMALL_VOCAB,
+            "blocksparse_block_size": 32,
+            "blocksparse_num_local_blocks": 1,
+            "blocksparse_vert_stride": 2,
             "tie_word_embeddings": True,
         }
     if family == "recurrent_gemma":  # two recurrent blocks, then local attention
@@ -629,6 +650,26 @@ def make_tiny_model(
     arch = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(family, family)}")
     model = arch.Model(arch.ModelArgs.from_dict(config))
     _init_weights(model, seed, gemma=family in ("gemma3_text", "gemma2", "recurrent_gemma"))
+    if family == "phi3small":
+        # Its head masks dummy ids past 100k, so its vocabulary is that large; keep the
+        # rows past the tokenizer's out of reach: the final LayerNorm's first output is
+        # the constant 1 (weight 0, bias 1), which those rows weigh at -1000.
+        inner = model.model
+        for layer in inner.layers:  # LayerNorms: _init_weights gave their biases 1s
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.bias = mx.zeros_like(norm.bias)
+        inner.final_layernorm.bias = mx.zeros_like(inner.final_layernorm.bias)
+        # x mup_embedding_multiplier (10) in, / mup_width_multiplier (8) out: a small
+        # embedding against the layers (else greedy echoes its input), logits scaled
+        # back up by the final norm's weight
+        embed = inner.embed_tokens.weight * 0.1
+        inner.final_layernorm.weight = mx.full(inner.final_layernorm.weight.shape, 10.0)
+        embed[:, 0] = 0.0
+        embed[VOCAB_SIZE:] = 0.0
+        embed[VOCAB_SIZE:, 0] = -1000.0
+        inner.embed_tokens.weight = embed
+        inner.final_layernorm.weight[0] = 0.0
+        inner.final_layernorm.bias[0] = 1.0
     if family == "gemma4_text":
         # Its norms scale by their weight (not 1 + weight) and its embeddings by
         # sqrt(hidden): keep the embedding small against the layers (else greedy echoes

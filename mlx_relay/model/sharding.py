@@ -104,6 +104,7 @@ _EMBED_OPS: dict[str, _Op] = {
     "muse_glimmer": lambda a, h: mx.fast.rms_norm(h, None, a.rms_norm_eps),
     "gemma4_text": lambda a, h: h * (a.hidden_size**0.5),
     "nanochat": _nanochat_norm,
+    "phi3small": lambda a, h: a.mup_embedding_multiplier * h if a.mup_embedding_multiplier else h,
     "recurrent_gemma": lambda a, h: (
         h * math.sqrt(h.shape[-1]) if a.embeddings_scale_by_sqrt_dim else h
     ),
@@ -126,7 +127,11 @@ _LOGITS_OPS: dict[str, _Op] = {
     "nanochat": _own_softcap("nanochat", "softcap"),
     "falcon_h1": _falcon_h1_logits,
     "recurrent_gemma": lambda a, x: _softcap(a.logits_soft_cap, x),
+    "phi3small": lambda a, x: x / a.mup_width_multiplier if a.mup_width_multiplier else x,
 }
+# Token ids whose logits the family's own head sets to -inf (after its LOGITS op), by
+# the name of the model's attribute that holds them.
+_MASKED_IDS: dict[str, str] = {"phi3small": "_dummy_tokenizer_ids"}
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,7 @@ class Parts:
 _PARTS: dict[str, Parts] = {
     "falcon_h1": Parts(norm="final_layernorm"),
     "recurrent_gemma": Parts(norm="final_norm"),
+    "phi3small": Parts(norm="final_layernorm"),
     "nanochat": Parts(decoder="transformer", layers="h", embed="wte", norm=None),
 }
 
@@ -208,8 +214,11 @@ _MASK_KINDS: tuple[tuple[tuple[type, ...], str], ...] = (
 # Families that pass the structural checks but whose own forward does more than embed,
 # run the layers and apply norm and head, so a split would not give their tokens.
 _NOT_SPLITTABLE = {
-    "phi3small": "its final norm is final_layernorm and its head masks fixed dummy token "
-    "ids besides its muP multipliers",
+    # Its stages are bit-identical one sequence at a time (embed, head and mask rules
+    # below are its own); what is missing is decode groups of it run row by row.
+    "phi3small": "its block-sparse attention layers place their blocks by the length of "
+    "the cache and add the boolean mask to their scores, so the padded batch caches of a "
+    "decode group (several sequences at once) change its tokens",
     "gemma3n": "its layers take per-layer inputs that rank 0 computes from the token ids "
     "(only the hidden state travels between ranks), its hidden state is several AltUp "
     "streams, and its last layers reuse earlier layers' keys and values",
@@ -660,4 +669,6 @@ def head(shard: Shard, h: mx.array) -> mx.array:
         logits = getattr(shard.inner, shard.parts.embed).as_linear(h)
     if op := _LOGITS_OPS.get(family):
         logits = op(model_args(shard), logits)
+    if family in _MASKED_IDS:
+        logits[..., getattr(shard.outer, _MASKED_IDS[family])] = -float("inf")
     return logits
