@@ -328,6 +328,17 @@ def test_the_split_counts_each_layers_bytes(tiny_model):
     assert cost_split([1.0] * 3, 3, 50.0) == [1, 1, 1]  # every rank keeps a layer
 
 
+def test_layer_bytes_of_a_decoder_not_named_layers(tiny_model):
+    """nanochat keeps its layers as transformer.h.N: the split and the memory check
+    still count each layer's bytes on its rank, not all of them on rank 0's."""
+    path = tiny_model("nanochat", NUM_LAYERS)
+    costs = layer_costs(path, NUM_LAYERS, sharding.read_config(path))
+    assert costs is not None and all(costs.held) and len(set(costs.held)) == 1
+    ends = memory.shard_nbytes(path, 0, 0, ends=True)
+    assert 0 < ends == costs.ends  # embedding and LM head only
+    assert memory.shard_nbytes(path, 2, 4) == costs.held[2] + costs.held[3]
+
+
 RAW_TOKENS = 4
 
 
