@@ -209,7 +209,7 @@ def test_an_unsplittable_cluster_fails_at_start_naming_the_family(tiny_model, tm
 def test_cancel_and_free_with_rotating_and_ssm_caches(tiny_model, cluster_factory):
     """Streams cancelled mid-decode leave no state behind: the ring stays in step and a
     freed and reloaded model answers exactly (hybrid caches: SSM + KV; gpt-oss: sliding;
-    deepseek_v32: a CacheList per layer)."""
+    deepseek_v32: a CacheList per layer; falcon_h1: SSM + KV in one CacheList)."""
     hybrid = tiny_model("qwen3_next", NUM_LAYERS)
     running = cluster_factory(hybrid, 2, layers="2,4")
     client = running.client
@@ -224,6 +224,11 @@ def test_cancel_and_free_with_rotating_and_ssm_caches(tiny_model, cluster_factor
     client.stub.Free(pb.FreeRequest(), timeout=60)
     client.stub.LoadModel(pb.LoadModelRequest(model=str(listed), layers="4,2"), timeout=120)
     _cancel_two_and_finish(client, listed)
+
+    both = tiny_model("falcon_h1", NUM_LAYERS)  # a CacheList of an SSM state and a KV cache
+    client.stub.Free(pb.FreeRequest(), timeout=60)
+    client.stub.LoadModel(pb.LoadModelRequest(model=str(both), layers="1,5"), timeout=120)
+    _cancel_two_and_finish(client, both)
 
 
 def _cancel_two_and_finish(client, path) -> None:
@@ -243,7 +248,17 @@ def _cancel_two_and_finish(client, path) -> None:
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen3_next", "gpt_oss", "deepseek_v3", "deepseek_v32", "gemma3_text"]
+    "family",
+    [
+        "qwen3_next",
+        "gpt_oss",
+        "deepseek_v3",
+        "deepseek_v32",
+        "gemma3_text",
+        "gemma4_text",  # sliding + full, MoE beside the MLP
+        "falcon_h1",  # a CacheList of an SSM state and a KV cache per layer
+        "recurrent_gemma",  # RG-LRU states and local attention
+    ],
 )
 def test_decode_groups_of_every_cache_kind(tiny_model, family):
     """Sequences of different lengths prefilled alone, then decoded as one batch (KV, sliding

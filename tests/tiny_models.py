@@ -674,7 +674,14 @@ def make_tiny_model(
         # Its norms scale by their weight (not 1 + weight) and its embeddings by
         # sqrt(hidden): keep the embedding small against the layers (else greedy echoes
         # its input) and let the final norm give the logit scale, as for gemma3.
+        # Its attention does not scale scores by 1/sqrt(head_dim) (scale 1.0 after the
+        # q/k norms): QK_NORM-raised norm weights would make every softmax one-hot.
         inner = model.model
+        for layer in inner.layers:
+            attn = layer.self_attn
+            attn.q_norm.weight = mx.ones_like(attn.q_norm.weight)
+            if "k_norm" in attn:  # KV-shared layers have none
+                attn.k_norm.weight = mx.ones_like(attn.k_norm.weight)
         inner.embed_tokens.weight = inner.embed_tokens.weight * (GEMMA_EMBED_RMS / LOGIT_STD)
         inner.norm.weight = mx.full(inner.norm.weight.shape, LOGIT_STD / GEMMA_EMBED_RMS)
     weights = dict(tree_flatten(model.parameters()))
