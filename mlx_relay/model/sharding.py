@@ -437,6 +437,11 @@ def load_shard(
     """
     kv = KVQuant.of(kv)
     config = read_config(Path(path))
+    family = config.get("model_type")
+    if family in _NOT_SPLITTABLE:  # before mlx-lm builds it, whose decoder may be elsewhere
+        raise UnsupportedFamily(
+            f"model family {family!r} cannot be split over ranks: {_NOT_SPLITTABLE[family]}"
+        )
     if vision.is_vlm(config):
         model, config = vision.load_vlm(Path(path))
         inner, outer = model.language_model.model, model.language_model
