@@ -11,6 +11,7 @@ caches only) and gives mlx-lm's tokens either way.
 from __future__ import annotations
 
 import importlib
+import json
 import threading
 import time
 from math import inf
@@ -30,11 +31,13 @@ from mlx_lm.models.cache import (
 from oracle import _load, chat_tokens, mlx_lm_tokens, tokenizer_for
 from test_prompt_cache import _generate
 from tiny_models import (
+    ADAPTED_FAMILIES,
     CACHELIST_FAMILIES,
     MOE_FAMILIES,
     MULTIPLIER_FAMILIES,
+    ROW_BY_ROW_FAMILIES,
     SCALED_FAMILIES,
-    UNSPLITTABLE_FAMILIES,
+    UNSPLITTABLE,
     _config,
 )
 
@@ -60,10 +63,15 @@ def _whole(model_dir):
     FAMILIES
     + SCALED_FAMILIES
     + MULTIPLIER_FAMILIES
+    + ADAPTED_FAMILIES
+    + ROW_BY_ROW_FAMILIES
     + ("llama", "qwen2", "qwen3", "mistral", "phi3"),
 )
-def test_stages_equal_the_whole_model(tiny_model, family):
-    """Logits bit-identical to mlx-lm for a 40-token prefill and 10 decode steps."""
+def test_stages_equal_the_whole_model(tiny_model, family, monkeypatch):
+    """Logits bit-identical to mlx-lm for a 40-token prefill and 10 decode steps (one
+    sequence: ROW_BY_ROW_FAMILIES, refused at load for their batches, are let through)."""
+    if family in ROW_BY_ROW_FAMILIES:
+        monkeypatch.delitem(sharding._NOT_SPLITTABLE, family)
     # gemma2 at a width whose sqrt is not a bfloat16 (gemma3 rounds it, gemma2 does not).
     path = tiny_model(family, NUM_LAYERS, **({"hidden_size": 96} if family == "gemma2" else {}))
     model = _whole(path)
@@ -166,21 +174,37 @@ def test_cluster_equals_mlx_lm(tiny_model, cluster_factory, family, ranks, layer
     assert status.active_requests == 0 and status.queued_requests == 0
 
 
-@pytest.mark.parametrize("family", UNSPLITTABLE_FAMILIES)
-def test_a_family_that_cannot_be_split_is_refused_when_it_loads(tiny_model, family):
-    path = tiny_model(family, 4)
+@pytest.mark.parametrize(("family", "overrides"), UNSPLITTABLE)
+def test_a_family_that_cannot_be_split_is_refused_when_it_loads(tiny_model, family, overrides):
+    path = tiny_model(family, 4, overrides=overrides)
+    with pytest.raises(
+        sharding.UnsupportedFamily, match=f"'{family}' cannot be split over ranks: "
+    ) as refused:
+        sharding.load_shard(path, 0, 2, has_ends=True)
+    if overrides:
+        assert overrides[0][0] in str(refused.value), "the reason names what is refused"
+
+
+@pytest.mark.parametrize(("family", "why"), [("gemma3n", "per-layer inputs")])
+def test_the_families_still_refused_say_why(tmp_path, family, why):
+    """No tiny model of these (gemma3n's config alone is a page): loading refuses them
+    on the config's model type, before mlx-lm builds the model or reads a weight."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": family}))
     with pytest.raises(
         sharding.UnsupportedFamily, match=f"'{family}' cannot be split over ranks: "
     ):
-        sharding.load_shard(path, 0, 2, has_ends=True)
+        sharding.load_shard(tmp_path, 0, 1, has_ends=True)
+    with pytest.raises(sharding.UnsupportedFamily, match=why):
+        sharding.check_splittable(object(), {"model_type": family}, [])
 
 
 @pytest.mark.cluster
 def test_an_unsplittable_cluster_fails_at_start_naming_the_family(tiny_model, tmp_path):
-    path = tiny_model(UNSPLITTABLE_FAMILIES[0], 4)
+    family, overrides = UNSPLITTABLE[0]
+    path = tiny_model(family, 4, overrides=overrides)
     with pytest.raises(
         AssertionError,
-        match=f"model family '{UNSPLITTABLE_FAMILIES[0]}' cannot be split over ranks: ",
+        match=f"model family '{family}' cannot be split over ranks: ",
     ):
         start_cluster(path, 2, tmp_path / "logs", timeout=120)
 
@@ -189,7 +213,7 @@ def test_an_unsplittable_cluster_fails_at_start_naming_the_family(tiny_model, tm
 def test_cancel_and_free_with_rotating_and_ssm_caches(tiny_model, cluster_factory):
     """Streams cancelled mid-decode leave no state behind: the ring stays in step and a
     freed and reloaded model answers exactly (hybrid caches: SSM + KV; gpt-oss: sliding;
-    deepseek_v32: a CacheList per layer)."""
+    deepseek_v32: a CacheList per layer; falcon_h1: SSM + KV in one CacheList)."""
     hybrid = tiny_model("qwen3_next", NUM_LAYERS)
     running = cluster_factory(hybrid, 2, layers="2,4")
     client = running.client
@@ -204,6 +228,11 @@ def test_cancel_and_free_with_rotating_and_ssm_caches(tiny_model, cluster_factor
     client.stub.Free(pb.FreeRequest(), timeout=60)
     client.stub.LoadModel(pb.LoadModelRequest(model=str(listed), layers="4,2"), timeout=120)
     _cancel_two_and_finish(client, listed)
+
+    both = tiny_model("falcon_h1", NUM_LAYERS)  # a CacheList of an SSM state and a KV cache
+    client.stub.Free(pb.FreeRequest(), timeout=60)
+    client.stub.LoadModel(pb.LoadModelRequest(model=str(both), layers="1,5"), timeout=120)
+    _cancel_two_and_finish(client, both)
 
 
 def _cancel_two_and_finish(client, path) -> None:
@@ -223,7 +252,17 @@ def _cancel_two_and_finish(client, path) -> None:
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen3_next", "gpt_oss", "deepseek_v3", "deepseek_v32", "gemma3_text"]
+    "family",
+    [
+        "qwen3_next",
+        "gpt_oss",
+        "deepseek_v3",
+        "deepseek_v32",
+        "gemma3_text",
+        "gemma4_text",  # sliding + full, MoE beside the MLP
+        "falcon_h1",  # a CacheList of an SSM state and a KV cache per layer
+        "recurrent_gemma",  # RG-LRU states and local attention
+    ],
 )
 def test_decode_groups_of_every_cache_kind(tiny_model, family):
     """Sequences of different lengths prefilled alone, then decoded as one batch (KV, sliding
@@ -306,6 +345,17 @@ def test_the_split_counts_each_layers_bytes(tiny_model):
     assert cost_split([6, 1, 1, 1, 1, 1, 1, 6], 2) == [4, 4]
     assert cost_split([1.0] * 12, 3, 0.0, capacity=[1, 2, 3]) == [2, 4, 6]
     assert cost_split([1.0] * 3, 3, 50.0) == [1, 1, 1]  # every rank keeps a layer
+
+
+def test_layer_bytes_of_a_decoder_not_named_layers(tiny_model):
+    """nanochat keeps its layers as transformer.h.N: the split and the memory check
+    still count each layer's bytes on its rank, not all of them on rank 0's."""
+    path = tiny_model("nanochat", NUM_LAYERS)
+    costs = layer_costs(path, NUM_LAYERS, sharding.read_config(path))
+    assert costs is not None and all(costs.held) and len(set(costs.held)) == 1
+    ends = memory.shard_nbytes(path, 0, 0, ends=True)
+    assert 0 < ends == costs.ends  # embedding and LM head only
+    assert memory.shard_nbytes(path, 2, 4) == costs.held[2] + costs.held[3]
 
 
 RAW_TOKENS = 4

@@ -1,7 +1,9 @@
 """Families whose own forward scales embeddings and/or logits by config multipliers
-around the layers (granite, minicpm, cohere, afmoe, gear, muse_glimmer ...): rank 0's
-embed and head apply exactly what each model's `__call__` does, so clusters give
-single-process mlx-lm's tokens at 1, 2 and 3 uneven ranks, greedy and seeded.
+around the layers (granite, minicpm, cohere, afmoe, gear, muse_glimmer ...), or calls
+its layers otherwise than (x, mask, cache) or names its decoder's parts otherwise
+(gemma4_text, falcon_h1, nanochat): rank 0's embed and head and every rank's layers do
+exactly what each model's `__call__` does, so clusters give single-process mlx-lm's
+tokens at 1, 2 and 3 uneven ranks, greedy and seeded.
 
 One cluster per rank count; each family is loaded into it in turn (Free, LoadModel),
 which is much cheaper than starting rank processes per family.
@@ -20,7 +22,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from mlx_lm.utils import load_model
 from test_families import _oracle, _request
-from tiny_models import MULTIPLIER_FAMILIES, _init_weights, make_tiny_model
+from tiny_models import ADAPTED_FAMILIES, MULTIPLIER_FAMILIES, _init_weights, make_tiny_model
 
 from mlx_relay.model import sharding
 from mlx_relay.protocol import relay_pb2 as pb
@@ -32,7 +34,8 @@ PROMPTS = [("Tell me about the sea.", None), ("Write add(a, b) in Python.", 21)]
 
 @pytest.fixture(scope="module")
 def models(tiny_model):
-    return {family: tiny_model(family, NUM_LAYERS) for family in MULTIPLIER_FAMILIES}
+    families = MULTIPLIER_FAMILIES + ADAPTED_FAMILIES
+    return {family: tiny_model(family, NUM_LAYERS) for family in families}
 
 
 def _generate_concurrently(client) -> list[object]:

@@ -12,14 +12,15 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model, load_tokenizer
 from tiny_models import (
+    ADAPTED_FAMILIES,
     CACHELIST_FAMILIES,
     EXTRA_FAMILIES,
     FAMILIES,
     MOE_FAMILIES,
     MULTIPLIER_FAMILIES,
+    ROW_BY_ROW_FAMILIES,
     SCALED_FAMILIES,
     SPECIAL_TOKENS,
-    UNSPLITTABLE_FAMILIES,
     make_tiny_model,
 )
 
@@ -142,7 +143,8 @@ OTHER_FAMILIES = (
     + CACHELIST_FAMILIES
     + MULTIPLIER_FAMILIES
     + SCALED_FAMILIES
-    + UNSPLITTABLE_FAMILIES
+    + ADAPTED_FAMILIES
+    + ROW_BY_ROW_FAMILIES
 )
 
 

@@ -51,9 +51,22 @@ MULTIPLIER_FAMILIES = (
     "gear",
     "muse_glimmer",
 )
-# A family mlx-relay refuses at load (its decoder is not model.model.layers and its
-# layers are not embed_tokens ... norm), to test that refusal.
-UNSPLITTABLE_FAMILIES = ("nanochat",)
+# Families whose forward calls its layers with more than (x, mask, cache) or whose
+# decoder's parts have other names: gemma4_text (layers return a tuple; MoE beside the
+# MLP, K = V on full attention, sliding layers; soft-capped logits), falcon_h1 (mamba
+# mixer and attention side by side in every layer, one CacheList each, two masks; a
+# tied head's multiplier), nanochat (model.transformer.h, wte, weightless norms,
+# soft-capped logits). tests/test_multiplier_families.py runs them through clusters.
+# recurrent_gemma (RG-LRU recurrent and local-attention blocks, (x, cache, mask) layers,
+# final_norm, soft-capped logits).
+ADAPTED_FAMILIES = ("gemma4_text", "falcon_h1", "nanochat", "recurrent_gemma")
+# Refused at load although its stages are exact one sequence at a time (its block-sparse
+# attention is not exact in padded batches): phi3small (block-sparse attention on every
+# other layer, LayerNorms, final_layernorm, muP multipliers, a head that masks fixed dummy
+# ids, so a vocabulary of PHI3SMALL_VOCAB rows of which only the tokenizer's first
+# VOCAB_SIZE can win).
+ROW_BY_ROW_FAMILIES = ("phi3small",)
+PHI3SMALL_VOCAB = 100352
 NUM_EXPERTS = 4
 EXPERTS_PER_TOKEN = 2
 
@@ -70,6 +83,20 @@ SPECIAL_TOKENS = (
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 VOCAB_SIZE = 512
+# Configs mlx-relay refuses at load, as (family, make_tiny_model's `overrides`), to
+# test that refusal: gemma4_text as the E2B/E4B, with per-layer inputs and KV caches
+# shared across layers; phi3small (ROW_BY_ROW_FAMILIES).
+UNSPLITTABLE = (
+    (
+        "gemma4_text",
+        (
+            ("hidden_size_per_layer_input", 8),
+            ("vocab_size_per_layer_input", VOCAB_SIZE),
+            ("num_kv_shared_layers", 1),
+        ),
+    ),
+    ("phi3small", ()),
+)
 
 NUM_HEADS = 4
 NUM_KV_HEADS = 2
@@ -247,7 +274,8 @@ def _config(
         + CACHELIST_FAMILIES
         + SCALED_FAMILIES
         + MULTIPLIER_FAMILIES
-        + UNSPLITTABLE_FAMILIES
+        + ADAPTED_FAMILIES
+        + ROW_BY_ROW_FAMILIES
     )
     if family not in known:
         raise ValueError(f"unknown family {family!r}; expected one of {known}")
@@ -395,6 +423,66 @@ def _multiplier_config(family: str, num_layers: int, hidden_size: int, head_dim:
         }
     if family == "nanochat":
         return {"num_key_value_heads": NUM_HEADS}
+    return _adapted_config(family, num_layers, hidden_size, head_dim)
+
+
+def _adapted_config(family: str, num_layers: int, hidden_size: int, head_dim: int) -> dict:
+    """ADAPTED_FAMILIES' extra config."""
+    window = DEFAULT_SLIDING_WINDOW
+    if family == "gemma4_text":  # the 26B/31B layout: no per-layer inputs, no KV sharing
+        return {
+            "layer_types": [
+                "full_attention" if i % 3 == 2 else "sliding_attention" for i in range(num_layers)
+            ],
+            "sliding_window": window,
+            "hidden_size_per_layer_input": 0,
+            "num_kv_shared_layers": 0,
+            "global_head_dim": 2 * head_dim,
+            "attention_k_eq_v": True,
+            "num_global_key_value_heads": 1,
+            "enable_moe_block": True,
+            "num_experts": NUM_EXPERTS,
+            "top_k_experts": EXPERTS_PER_TOKEN,
+            "moe_intermediate_size": hidden_size,
+            "final_logit_softcapping": 30.0,
+            "tie_word_embeddings": True,
+        }
+    if family == "phi3small":
+        return {
+            "dense_attention_every_n_layers": 2,
+            "ff_intermediate_size": 2 * hidden_size,
+            "gegelu_limit": 20.0,
+            "layer_norm_epsilon": 1e-5,
+            "vocab_size": PHI3SMALL_VOCAB,
+            "blocksparse_block_size": 32,
+            "blocksparse_num_local_blocks": 1,
+            "blocksparse_vert_stride": 2,
+            "tie_word_embeddings": True,
+        }
+    if family == "recurrent_gemma":  # two recurrent blocks, then local attention
+        return {
+            "attention_bias": False,
+            "conv1d_width": 4,
+            "logits_soft_cap": 30.0,
+            "num_key_value_heads": 1,
+            "attention_window_size": window,
+            "block_types": ["recurrent", "recurrent", "attention"],
+            "embeddings_scale_by_sqrt_dim": True,
+            "layer_norm_epsilon": 1e-6,
+            "tie_word_embeddings": True,
+        }
+    if family == "falcon_h1":
+        return {
+            "mamba_d_ssm": 2 * hidden_size,
+            "mamba_n_heads": 4,
+            "mamba_d_head": 2 * hidden_size // 4,
+            "mamba_d_state": 16,
+            "mamba_d_conv": 4,
+            "mamba_n_groups": 1,
+            "mamba_chunk_size": 16,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": True,
+        }
     return {}
 
 
@@ -499,15 +587,17 @@ def _init_weights(model: nn.Module, seed: int, gemma: bool) -> None:
     for (name, w), key in zip(params, keys, strict=True):
         fan_in = w.shape[-1]
         if (
-            "conv1d" in name and w.ndim == 3
-        ):  # (channels, kernel, 1): a depthwise filter over the kernel
+            "conv1d" in name or "conv_1d" in name
+        ) and w.ndim == 3:  # (channels, kernel, 1): a depthwise filter over the kernel
             fan_in = w.shape[1]
-        if "q_norm" in name or "k_norm" in name:
+        if name.endswith(("layer_scalar", "per_expert_scale", "router.scale")):
+            w = mx.ones_like(w)  # gemma4's scales: random 0.02s would erase the residual
+        elif "q_norm" in name or "k_norm" in name:
             w = mx.full(w.shape, QK_NORM - 1.0 if gemma else QK_NORM)
         elif "norm" in name:
             if not gemma:
                 w = mx.ones_like(w)
-            elif name == "model.norm.weight":
+            elif name in ("model.norm.weight", "model.final_norm.weight"):
                 w = mx.full(w.shape, LOGIT_STD / GEMMA_EMBED_RMS - 1.0)
             else:
                 w = mx.zeros_like(w)
@@ -533,6 +623,7 @@ def make_tiny_model(
     tie_word_embeddings: bool | None = None,
     sliding_window: int | None = None,
     sliding_window_pattern: int | None = None,
+    overrides: tuple[tuple[str, object], ...] = (),
 ) -> pathlib.Path:
     """Write a tiny random-weight ``family`` model into ``path``; return it.
 
@@ -549,14 +640,50 @@ def make_tiny_model(
 
     EOS is rarely generated spontaneously (see ``_init_weights``); tests that
     need a stop can pass ``eos_token_ids`` or a ``model_config`` override.
+    ``overrides``: (key, value) pairs set in config.json last.
     """
     path = write_tokenizer(path)
     config = _config(
         family, num_layers, hidden_size, tie_word_embeddings, sliding_window, sliding_window_pattern
     )
+    config.update(dict(overrides))
     arch = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(family, family)}")
     model = arch.Model(arch.ModelArgs.from_dict(config))
-    _init_weights(model, seed, gemma=family in ("gemma3_text", "gemma2"))
+    _init_weights(model, seed, gemma=family in ("gemma3_text", "gemma2", "recurrent_gemma"))
+    if family == "phi3small":
+        # Its head masks dummy ids past 100k, so its vocabulary is that large; keep the
+        # rows past the tokenizer's out of reach: the final LayerNorm's first output is
+        # the constant 1 (weight 0, bias 1), which those rows weigh at -1000.
+        inner = model.model
+        for layer in inner.layers:  # LayerNorms: _init_weights gave their biases 1s
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.bias = mx.zeros_like(norm.bias)
+        inner.final_layernorm.bias = mx.zeros_like(inner.final_layernorm.bias)
+        # x mup_embedding_multiplier (10) in, / mup_width_multiplier (8) out: a small
+        # embedding against the layers (else greedy echoes its input), logits scaled
+        # back up by the final norm's weight
+        embed = inner.embed_tokens.weight * 0.1
+        inner.final_layernorm.weight = mx.full(inner.final_layernorm.weight.shape, 10.0)
+        embed[:, 0] = 0.0
+        embed[VOCAB_SIZE:] = 0.0
+        embed[VOCAB_SIZE:, 0] = -1000.0
+        inner.embed_tokens.weight = embed
+        inner.final_layernorm.weight[0] = 0.0
+        inner.final_layernorm.bias[0] = 1.0
+    if family == "gemma4_text":
+        # Its norms scale by their weight (not 1 + weight) and its embeddings by
+        # sqrt(hidden): keep the embedding small against the layers (else greedy echoes
+        # its input) and let the final norm give the logit scale, as for gemma3.
+        # Its attention does not scale scores by 1/sqrt(head_dim) (scale 1.0 after the
+        # q/k norms): QK_NORM-raised norm weights would make every softmax one-hot.
+        inner = model.model
+        for layer in inner.layers:
+            attn = layer.self_attn
+            attn.q_norm.weight = mx.ones_like(attn.q_norm.weight)
+            if "k_norm" in attn:  # KV-shared layers have none
+                attn.k_norm.weight = mx.ones_like(attn.k_norm.weight)
+        inner.embed_tokens.weight = inner.embed_tokens.weight * (GEMMA_EMBED_RMS / LOGIT_STD)
+        inner.norm.weight = mx.full(inner.norm.weight.shape, LOGIT_STD / GEMMA_EMBED_RMS)
     weights = dict(tree_flatten(model.parameters()))
     if config["tie_word_embeddings"]:
         # gemma3_text always builds an lm_head and drops it on load when the

@@ -35,7 +35,8 @@ from mlx_relay.model import vision
 log = logging.getLogger("mlx_relay.memory")
 
 MEMORY_LIMIT_ENV = "MLX_RELAY_MEMORY_LIMIT"  # cap on the memory this rank may use, e.g. 8GB
-_LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# a decoder layer's tensors: model.layers.N., or transformer.h.N. (nanochat, gpt2-style)
+_LAYER_NAME = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
 _UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30}
 
 

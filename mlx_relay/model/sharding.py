@@ -17,6 +17,7 @@ family this cannot reproduce is refused when it loads (`check_splittable`).
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import json
 import math
@@ -63,6 +64,31 @@ def _minicpm_pre_head(a: Any, h: mx.array) -> mx.array:
     return h if a.tie_word_embeddings else h / (a.hidden_size / a.dim_model_base)
 
 
+def _nanochat_norm(a: Any, h: mx.array) -> mx.array:
+    """nanochat's norms have no weights: its own functional rms_norm."""
+    from mlx_lm.models.nanochat import rms_norm
+
+    return rms_norm(h)
+
+
+def _own_softcap(module: str, name: str) -> _Op:
+    """A family's own compiled soft-cap function, so its logits stay bit-identical."""
+
+    def op(a: Any, x: mx.array) -> mx.array:
+        fn = getattr(importlib.import_module(f"mlx_lm.models.{module}"), name)
+        if module == "nanochat":
+            return fn(x)  # nanochat's cap is the function's default, 15
+        cap = a.final_logit_softcapping
+        return fn(cap, x) if cap is not None else x
+
+    return op
+
+
+def _falcon_h1_logits(a: Any, x: mx.array) -> mx.array:
+    """falcon_h1 folds its multipliers into the weights, except a tied head's."""
+    return x * (a.lm_head_multiplier / a.embedding_multiplier) if a.tie_word_embeddings else x
+
+
 _EMBED_OPS: dict[str, _Op] = {
     "gemma": lambda a, h: h * (a.hidden_size**0.5),
     "gemma2": lambda a, h: h * (a.hidden_size**0.5),
@@ -78,8 +104,18 @@ _EMBED_OPS: dict[str, _Op] = {
     "afmoe": lambda a, h: h * math.sqrt(a.hidden_size) if a.mup_enabled else h,
     "gear": lambda a, h: h * math.sqrt(a.hidden_size),
     "muse_glimmer": lambda a, h: mx.fast.rms_norm(h, None, a.rms_norm_eps),
+    "gemma4_text": lambda a, h: h * (a.hidden_size**0.5),
+    "nanochat": _nanochat_norm,
+    "phi3small": lambda a, h: a.mup_embedding_multiplier * h if a.mup_embedding_multiplier else h,
+    "recurrent_gemma": lambda a, h: (
+        h * math.sqrt(h.shape[-1]) if a.embeddings_scale_by_sqrt_dim else h
+    ),
 }
-_PRE_HEAD_OPS: dict[str, _Op] = {"minicpm": _minicpm_pre_head, "minicpm3": _minicpm_pre_head}
+_PRE_HEAD_OPS: dict[str, _Op] = {
+    "minicpm": _minicpm_pre_head,
+    "minicpm3": _minicpm_pre_head,
+    "nanochat": _nanochat_norm,  # its final norm (it has no norm module)
+}
 _LOGITS_OPS: dict[str, _Op] = {
     "gemma2": lambda a, x: _softcap(a.final_logit_softcapping, x),
     "gear": lambda a, x: _softcap(a.final_logit_softcapping, x),
@@ -89,7 +125,84 @@ _LOGITS_OPS: dict[str, _Op] = {
     "cohere": lambda a, x: x * a.logit_scale,
     "cohere2": lambda a, x: x * a.logit_scale,
     "muse_glimmer": lambda a, x: _softcap(a.final_logit_softcapping, x * a.output_multiplier),
+    "gemma4_text": _own_softcap("gemma4_text", "logit_softcap"),
+    "nanochat": _own_softcap("nanochat", "softcap"),
+    "falcon_h1": _falcon_h1_logits,
+    "recurrent_gemma": lambda a, x: _softcap(a.logits_soft_cap, x),
+    "phi3small": lambda a, x: x / a.mup_width_multiplier if a.mup_width_multiplier else x,
 }
+# Token ids whose logits the family's own head sets to -inf (after its LOGITS op), by
+# the name of the model's attribute that holds them.
+_MASKED_IDS: dict[str, str] = {"phi3small": "_dummy_tokenizer_ids"}
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Where a family keeps its decoder body and, in it, the layer list, the token
+    embedding and the final norm (None: the forward norms without a module, which a
+    PRE_HEAD op then does)."""
+
+    decoder: str = "model"
+    layers: str = "layers"
+    embed: str = "embed_tokens"
+    norm: str | None = "norm"
+
+
+_PARTS: dict[str, Parts] = {
+    "falcon_h1": Parts(norm="final_layernorm"),
+    "recurrent_gemma": Parts(norm="final_norm"),
+    "phi3small": Parts(norm="final_layernorm"),
+    "nanochat": Parts(decoder="transformer", layers="h", embed="wte", norm=None),
+}
+
+
+def parts_of(config: dict[str, Any]) -> Parts:
+    return _PARTS.get(config.get("model_type", ""), Parts())
+
+
+# How a family's forward calls a layer, where not `layer(h, mask, cache)`: given the
+# layer, the hidden state, `mask_for(cache)` (the model's mask for a layer with that
+# cache) and the layer's cache, the layer's output hidden state.
+_LayerCall = Callable[[Any, mx.array, Callable[[Any], Any], Any], mx.array]
+
+
+def _plain_call(layer: Any, h: mx.array, mask_for: Callable[[Any], Any], c: Any) -> mx.array:
+    return layer(h, mask_for(c), c)
+
+
+_LAYER_CALLS: dict[str, _LayerCall] = {
+    # returns (h, its keys and values, offset) for KV-shared layers, none of which a
+    # splittable config has (see _REFUSE_CONFIG)
+    "gemma4_text": lambda layer, h, mask_for, c: layer(h, mask_for(c), c)[0],
+    # a mamba mixer and attention side by side: each gets its own cache's mask
+    "falcon_h1": lambda layer, h, mask_for, c: layer(
+        h, cache=c, attn_mask=mask_for(c[1]), mamba_mask=mask_for(c[0])
+    ),
+    # takes (x, cache, mask); its forward gives every layer the local-attention mask,
+    # which the recurrent layers ignore
+    "recurrent_gemma": lambda layer, h, mask_for, c: layer(h, mask=mask_for(c), cache=c),
+}
+
+
+def _gemma4_refusal(a: Any) -> str | None:
+    if a.hidden_size_per_layer_input:
+        return (
+            "this config has per-layer inputs (hidden_size_per_layer_input "
+            f"{a.hidden_size_per_layer_input}), which rank 0 computes from the token ids "
+            "for every layer and only the hidden state travels between ranks; gemma4 "
+            "configs with hidden_size_per_layer_input 0 and num_kv_shared_layers 0 split"
+        )
+    if a.num_kv_shared_layers:
+        return (
+            f"its last {a.num_kv_shared_layers} layers reuse earlier layers' keys and "
+            "values (num_kv_shared_layers), which live on another rank's caches"
+        )
+    return None
+
+
+# Families splittable only in some configurations: given the model's ModelArgs, why
+# this one is not (None: it is).
+_REFUSE_CONFIG: dict[str, Callable[[Any], str | None]] = {"gemma4_text": _gemma4_refusal}
 
 # What mask a layer gets, by its cache's kind: the models build one mask per kind from
 # the first cache of that kind (full attention, sliding window, linear attention).
@@ -103,14 +216,14 @@ _MASK_KINDS: tuple[tuple[tuple[type, ...], str], ...] = (
 # Families that pass the structural checks but whose own forward does more than embed,
 # run the layers and apply norm and head, so a split would not give their tokens.
 _NOT_SPLITTABLE = {
-    "phi3small": "its final norm is final_layernorm and its head masks fixed dummy token "
-    "ids besides its muP multipliers",
-    "falcon_h1": "its layers take attention and SSM masks and scaled embeddings",
-    "gemma3n": "its layers take per-layer inputs and share KV caches across layers",
-    "gemma4_text": "its layers take per-layer inputs and share KV caches across layers",
-    "nanochat": "its forward soft-caps the logits",
-    "recurrent_gemma": "its final norm is final_norm and every layer gets the attention "
-    "layers' mask",
+    # Its stages are bit-identical one sequence at a time (embed, head and mask rules
+    # below are its own); what is missing is decode groups of it run row by row.
+    "phi3small": "its block-sparse attention layers place their blocks by the length of "
+    "the cache and add the boolean mask to their scores, so the padded batch caches of a "
+    "decode group (several sequences at once) change its tokens",
+    "gemma3n": "its layers take per-layer inputs that rank 0 computes from the token ids "
+    "(only the hidden state travels between ranks), its hidden state is several AltUp "
+    "streams, and its last layers reuse earlier layers' keys and values",
 }
 
 
@@ -224,7 +337,18 @@ class Shard:
 
     @property
     def inner(self) -> nn.Module:
-        return self.model.language_model.model if self.vision else inner_model(self.model)
+        if self.vision:
+            return self.model.language_model.model
+        return inner_model(self.model, self.parts)
+
+    @property
+    def parts(self) -> Parts:
+        return parts_of(self.config)
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        """This rank's layers (whatever the family calls its layer list)."""
+        return getattr(self.inner, self.parts.layers)
 
     @property
     def outer(self) -> nn.Module:
@@ -235,10 +359,12 @@ class Shard:
         return new_caches(self)
 
 
-def inner_model(model: nn.Module) -> nn.Module:
-    """The decoder body that owns `layers` (model.model for mlx-lm's text families)."""
-    for candidate in (getattr(model, "model", None), getattr(model, "language_model", None)):
-        if candidate is not None and hasattr(candidate, "layers"):
+def inner_model(model: nn.Module, parts: Parts | None = None) -> nn.Module:
+    """The decoder body that owns the layers (model.model for most mlx-lm families)."""
+    parts = parts or Parts()
+    for name in (parts.decoder, "model", "language_model"):
+        candidate = getattr(model, name, None)
+        if candidate is not None and hasattr(candidate, parts.layers):
             return candidate
     raise ValueError(
         f"model type {type(model).__module__} has no decoder with a 'layers' list; "
@@ -313,20 +439,26 @@ def load_shard(
     """
     kv = KVQuant.of(kv)
     config = read_config(Path(path))
+    family = config.get("model_type")
+    if family in _NOT_SPLITTABLE:  # before mlx-lm builds it, whose decoder may be elsewhere
+        raise UnsupportedFamily(
+            f"model family {family!r} cannot be split over ranks: {_NOT_SPLITTABLE[family]}"
+        )
     if vision.is_vlm(config):
         model, config = vision.load_vlm(Path(path))
         inner, outer = model.language_model.model, model.language_model
     else:
         model, config = load_model(Path(path), lazy=True)
         try:
-            inner = inner_model(model)
+            inner = inner_model(model, parts_of(config))
         except ValueError as e:
             family = config.get("model_type")
             raise UnsupportedFamily(
                 f"model family {family!r} cannot be split over ranks: {e}"
             ) from None
         outer = model
-    num_layers = len(inner.layers)
+    parts = parts_of(config)
+    num_layers = len(getattr(inner, parts.layers))
     if not 0 <= start < end <= num_layers:
         raise ValueError(f"layer range [{start}, {end}) outside the model's {num_layers} layers")
     caches = make_prompt_cache(model)  # all layers still here
@@ -336,10 +468,10 @@ def load_shard(
         # A prefix's quantized keys depend on when each position was quantized (which
         # step), so a parked cache would not give what a fresh prefill gives.
         reusable, cut_back_below = False, 0.0
-    inner.layers = inner.layers[start:end]
+    setattr(inner, parts.layers, getattr(inner, parts.layers)[start:end])
     if not has_ends:
-        for owner, name in ((inner, "embed_tokens"), (inner, "norm"), (outer, "lm_head")):
-            if name in owner:
+        for owner, name in ((inner, parts.embed), (inner, parts.norm), (outer, "lm_head")):
+            if name is not None and name in owner:
                 owner.pop(name)
         for name in vision.ENCODER_PARTS:  # a VLM's vision tower and projector: rank 0's
             if name in model:
@@ -388,7 +520,7 @@ def check_quantizable(shard: Shard, all_caches: list[Any]) -> None:
     text = shard.config.get("text_config") or shard.config
     floats = [
         a.dtype
-        for _, a in tree_flatten(shard.inner.layers[0].parameters())
+        for _, a in tree_flatten(shard.layers[0].parameters())
         if mx.issubdtype(a.dtype, mx.floating)
     ]
     h = mx.zeros((1, 2, int(text["hidden_size"])), floats[0] if floats else mx.float32)
@@ -430,21 +562,27 @@ def check_splittable(
 
     if family in _NOT_SPLITTABLE:
         raise refuse(_NOT_SPLITTABLE[family])
-    inner = inner if inner is not None else inner_model(model)
-    for name in ("embed_tokens", "norm"):
-        if name not in inner:
+    if family in _REFUSE_CONFIG and (why := _REFUSE_CONFIG[family](model_args_of(model, config))):
+        raise refuse(why)
+    parts = parts_of(config)
+    inner = inner if inner is not None else inner_model(model, parts)
+    for name in (parts.embed, parts.norm):
+        if name is not None and name not in inner:
             raise refuse(
-                f"its decoder has no '{name}' (mlx-relay runs embed_tokens, the "
-                "layers, then norm and the LM head)"
+                f"its decoder has no '{name}' (mlx-relay runs {parts.embed}, the "
+                f"layers, then {parts.norm} and the LM head)"
             )
-    if len(caches) != len(inner.layers):
-        raise refuse(f"it makes {len(caches)} caches for {len(inner.layers)} layers")
+    layers = getattr(inner, parts.layers)
+    if len(caches) != len(layers):
+        raise refuse(f"it makes {len(caches)} caches for {len(layers)} layers")
     for i, cache in enumerate(caches):
         try:
             mask_kind(mask_source(cache))
         except UnsupportedFamily as e:
             raise refuse(f"layer {i}: {e}") from None
-    for layer in {type(layer): layer for layer in inner.layers}.values():
+    if family in _LAYER_CALLS:  # its layers are called as its own forward calls them
+        return
+    for layer in {type(layer): layer for layer in layers}.values():
         params = list(inspect.signature(layer.__call__).parameters)
         if len(params) != 3 or "mask" not in params[1] or "cache" not in params[2]:
             raise refuse(
@@ -474,12 +612,16 @@ def new_caches(shard: Shard) -> list[Any]:
 
 def model_args(shard: Shard) -> Any:
     """The model's own ModelArgs (the config with the model's defaults filled in)."""
-    return getattr(shard.outer, "args", None) or SimpleNamespace(**shard.config)
+    return model_args_of(shard.outer, shard.config)
+
+
+def model_args_of(outer: nn.Module, config: dict[str, Any]) -> Any:
+    return getattr(outer, "args", None) or SimpleNamespace(**config)
 
 
 def embed(shard: Shard, tokens: mx.array) -> mx.array:
     """Token embeddings as the family's own forward feeds them to its first layer."""
-    h = shard.inner.embed_tokens(tokens)
+    h = getattr(shard.inner, shard.parts.embed)(tokens)
     op = _EMBED_OPS.get(shard.config.get("model_type", ""))
     return op(model_args(shard), h) if op else h
 
@@ -495,13 +637,19 @@ def run_layers(shard: Shard, h: mx.array, caches: list[Any]) -> mx.array:
         rows = [run_layers(shard, h[i : i + 1], c) for i, c in enumerate(caches)]
         return mx.concatenate(rows, axis=0)
     masks: dict[tuple[str, int], Any] = {}
-    for layer, cache in zip(shard.inner.layers, caches, strict=True):
+    first = h
+
+    def mask_for(cache: Any) -> Any:
         source = mask_source(cache)
         kind = mask_kind(source)
         key = (kind, source.max_size if kind == SLIDING else 0)  # windows may differ
         if key not in masks:
-            masks[key] = make_mask(shard, kind, h, source)
-        h = layer(h, masks[key], cache)
+            masks[key] = make_mask(shard, kind, first, source)
+        return masks[key]
+
+    call = _LAYER_CALLS.get(shard.config.get("model_type", ""), _plain_call)
+    for layer, cache in zip(shard.layers, caches, strict=True):
+        h = call(layer, h, mask_for, cache)
     return h
 
 
@@ -517,13 +665,17 @@ def head(shard: Shard, h: mx.array) -> mx.array:
     """Final norm and LM head (tied embeddings when the model has no lm_head), with
     whatever the family's own forward does around them (the tables above)."""
     family = shard.config.get("model_type", "")
-    h = shard.inner.norm(h)
+    norm = shard.parts.norm
+    if norm is not None:
+        h = getattr(shard.inner, norm)(h)
     if op := _PRE_HEAD_OPS.get(family):
         h = op(model_args(shard), h)
     if "lm_head" in shard.outer:
         logits = shard.outer.lm_head(h)
     else:
-        logits = shard.inner.embed_tokens.as_linear(h)
+        logits = getattr(shard.inner, shard.parts.embed).as_linear(h)
     if op := _LOGITS_OPS.get(family):
         logits = op(model_args(shard), logits)
+    if family in _MASKED_IDS:
+        logits[..., getattr(shard.outer, _MASKED_IDS[family])] = -float("inf")
     return logits

@@ -80,7 +80,8 @@ class LayerCosts:
     ends: int  # bytes outside the layers (embedding, final norm, LM head): rank 0's
 
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# model.layers.N., or transformer.h.N. (nanochat, gpt2-style)
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
 # Routed experts stacked (mlx: switch_mlp, gpt-oss: experts.*) or one by one (HF:
 # experts.N.*); shared experts ("shared_experts", "shared_expert") run for every token.
 _ROUTED = re.compile(r"\.(?:experts|switch_mlp)\.")
