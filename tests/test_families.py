@@ -67,11 +67,9 @@ def _whole(model_dir):
     + ROW_BY_ROW_FAMILIES
     + ("llama", "qwen2", "qwen3", "mistral", "phi3"),
 )
-def test_stages_equal_the_whole_model(tiny_model, family, monkeypatch):
+def test_stages_equal_the_whole_model(tiny_model, family):
     """Logits bit-identical to mlx-lm for a 40-token prefill and 10 decode steps (one
-    sequence: ROW_BY_ROW_FAMILIES, refused at load for their batches, are let through)."""
-    if family in ROW_BY_ROW_FAMILIES:
-        monkeypatch.delitem(sharding._NOT_SPLITTABLE, family)
+    sequence; ROW_BY_ROW_FAMILIES decode groups row by row)."""
     # gemma2 at a width whose sqrt is not a bfloat16 (gemma3 rounds it, gemma2 does not).
     path = tiny_model(family, NUM_LAYERS, **({"hidden_size": 96} if family == "gemma2" else {}))
     model = _whole(path)

@@ -22,7 +22,13 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from mlx_lm.utils import load_model
 from test_families import _oracle, _request
-from tiny_models import ADAPTED_FAMILIES, MULTIPLIER_FAMILIES, _init_weights, make_tiny_model
+from tiny_models import (
+    ADAPTED_FAMILIES,
+    MULTIPLIER_FAMILIES,
+    ROW_BY_ROW_FAMILIES,
+    _init_weights,
+    make_tiny_model,
+)
 
 from mlx_relay.model import sharding
 from mlx_relay.protocol import relay_pb2 as pb
@@ -34,7 +40,7 @@ PROMPTS = [("Tell me about the sea.", None), ("Write add(a, b) in Python.", 21)]
 
 @pytest.fixture(scope="module")
 def models(tiny_model):
-    families = MULTIPLIER_FAMILIES + ADAPTED_FAMILIES
+    families = MULTIPLIER_FAMILIES + ADAPTED_FAMILIES + ROW_BY_ROW_FAMILIES
     return {family: tiny_model(family, NUM_LAYERS) for family in families}
 
 

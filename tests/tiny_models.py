@@ -85,7 +85,7 @@ PAD_TOKEN = "<|endoftext|>"
 VOCAB_SIZE = 512
 # Configs mlx-relay refuses at load, as (family, make_tiny_model's `overrides`), to
 # test that refusal: gemma4_text as the E2B/E4B, with per-layer inputs and KV caches
-# shared across layers; phi3small (ROW_BY_ROW_FAMILIES).
+# shared across layers.
 UNSPLITTABLE = (
     (
         "gemma4_text",
@@ -95,7 +95,6 @@ UNSPLITTABLE = (
             ("num_kv_shared_layers", 1),
         ),
     ),
-    ("phi3small", ()),
 )
 
 NUM_HEADS = 4

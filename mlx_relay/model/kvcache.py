@@ -87,7 +87,7 @@ class SlotCaches:
     def for_group(self, group: int, slots: list[int], offsets: list[int]) -> list[Any]:
         """The batch caches of a decode group holding exactly `slots`, in that order,
         for a step of one token per row (they move on by one position)."""
-        if self.shard.kv is not None:  # quantized caches have no batch form
+        if self.shard.row_by_row:  # quantized caches have no batch form, phi3small's
             return sharding.Rows(self._own(s, o) for s, o in zip(slots, offsets, strict=True))
         current = self.groups.get(group)
         if current is None and len(slots) == 1:

@@ -213,14 +213,15 @@ _MASK_KINDS: tuple[tuple[tuple[type, ...], str], ...] = (
     ((ArraysCache,), SSM),  # MambaCache is one too
 )
 
+# Families whose decode groups run row by row, each sequence on its own caches (as
+# quantized caches do): phi3small's block-sparse attention layers place their blocks by
+# the length of the cache and add the boolean mask to their scores, so the padded batch
+# caches of a group (several sequences at once) would change its tokens.
+_ROW_BY_ROW = ("phi3small",)
+
 # Families that pass the structural checks but whose own forward does more than embed,
 # run the layers and apply norm and head, so a split would not give their tokens.
 _NOT_SPLITTABLE = {
-    # Its stages are bit-identical one sequence at a time (embed, head and mask rules
-    # below are its own); what is missing is decode groups of it run row by row.
-    "phi3small": "its block-sparse attention layers place their blocks by the length of "
-    "the cache and add the boolean mask to their scores, so the padded batch caches of a "
-    "decode group (several sequences at once) change its tokens",
     "gemma3n": "its layers take per-layer inputs that rank 0 computes from the token ids "
     "(only the hidden state travels between ranks), its hidden state is several AltUp "
     "streams, and its last layers reuse earlier layers' keys and values",
@@ -329,6 +330,12 @@ class Shard:
     # also holds the vision tower and projector (model/vision.py).
     vision: bool = False
     kv: KVQuant | None = None  # quantized KV caches
+
+    @property
+    def row_by_row(self) -> bool:
+        """Whether a decode group runs each row alone on its own caches (Rows): caches
+        with no batch form (quantized), or a family a batch changes (_ROW_BY_ROW)."""
+        return self.kv is not None or self.config.get("model_type") in _ROW_BY_ROW
 
     def usable_prefix(self, held: int, shared: int) -> bool:
         """Whether a parked cache holding `held` positions can start a sequence at its
