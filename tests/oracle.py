@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from mlx_lm import load, stream_generate
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from mlx_relay.coordinator.requests import encode_text
+from mlx_relay.protocol import relay_pb2 as pb
 
 
 @lru_cache(maxsize=8)
@@ -80,3 +82,31 @@ def mlx_lm_tokens(
     if responses and responses[-1].finish_reason == "stop":
         tokens = tokens[:-1]
     return tokens
+
+
+def chat_request(text: str, seed: int | None, max_tokens: int) -> pb.GenerateRequest:
+    """A one-message chat: greedy, or with `seed` sampled at temperature 0.9, top-p 0.95
+    (mlx_lm_tokens' sampler={"temp": 0.9, "top_p": 0.95} is the same)."""
+    params = pb.SamplingParams(max_tokens=max_tokens)
+    if seed is not None:
+        params.temperature, params.top_p, params.seed = 0.9, 0.95, seed
+    return pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=text)], params=params)
+
+
+def generate_concurrently(client, requests: list[pb.GenerateRequest]) -> list[object]:
+    """Each request's token ids (or the exception it raised), all sent at once, so the
+    cluster decodes them in one group."""
+    results: list[object] = [None] * len(requests)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = list(client.generate(requests[i]).token_ids)
+        except Exception as e:  # noqa: BLE001 - reported by the caller's assert
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return results

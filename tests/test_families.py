@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import threading
 import time
 from math import inf
 
@@ -28,7 +27,14 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
     trim_prompt_cache,
 )
-from oracle import _load, chat_tokens, mlx_lm_tokens, tokenizer_for
+from oracle import (
+    _load,
+    chat_request,
+    chat_tokens,
+    generate_concurrently,
+    mlx_lm_tokens,
+    tokenizer_for,
+)
 from test_prompt_cache import _generate
 from tiny_models import (
     ADAPTED_FAMILIES,
@@ -120,10 +126,7 @@ MAX_TOKENS = 10
 
 
 def _request(text: str, seed: int | None) -> pb.GenerateRequest:
-    params = pb.SamplingParams(max_tokens=MAX_TOKENS)
-    if seed is not None:
-        params.temperature, params.top_p, params.seed = 0.9, 0.95, seed
-    return pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=text)], params=params)
+    return chat_request(text, seed, MAX_TOKENS)
 
 
 def _oracle(path, text: str, seed: int | None) -> list[int]:
@@ -140,21 +143,9 @@ def _oracle(path, text: str, seed: int | None) -> list[int]:
 def test_cluster_equals_mlx_lm(tiny_model, cluster_factory, family, ranks, layers):
     path = tiny_model(family, NUM_LAYERS)
     running = cluster_factory(path, ranks, layers=layers)
-    results: dict[int, object] = {}
-
-    def run(i: int) -> None:
-        try:
-            results[i] = list(running.client.generate(_request(*PROMPTS[i])).token_ids)
-        except Exception as e:  # noqa: BLE001 - reported below
-            results[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
+    results = generate_concurrently(running.client, [_request(*p) for p in PROMPTS])
     for i, (text, seed) in enumerate(PROMPTS):
-        assert results.get(i) == _oracle(path, text, seed), f"request {i} ({seed=})"
+        assert results[i] == _oracle(path, text, seed), f"request {i} ({seed=})"
 
     # Prompt cache: a chat's next turn, and a raw prompt continuing the first one's
     # prompt and output. Whatever the cluster reused, it is allowed (a state or a slid

@@ -10,15 +10,13 @@ uneven ranks, every rank quantizing as rank 0's load document says.
 
 from __future__ import annotations
 
-import threading
-
 import mlx.core as mx
 import pytest
 from conftest import assert_gone, start_cluster
 from mlx_lm.generate import maybe_quantize_kv_cache, stream_generate
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
-from oracle import _load, chat_tokens
+from oracle import _load, chat_request, chat_tokens, generate_concurrently
 
 from mlx_relay.model import memory, sharding
 from mlx_relay.model.kvcache import SlotCaches
@@ -151,27 +149,7 @@ def test_the_memory_estimate_counts_quantized_caches(tiny_model):
 
 
 def _request(text: str, seed: int | None) -> pb.GenerateRequest:
-    params = pb.SamplingParams(max_tokens=MAX_TOKENS)
-    if seed is not None:
-        params.temperature, params.top_p, params.seed = 0.9, 0.95, seed
-    return pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=text)], params=params)
-
-
-def _generate_concurrently(client) -> list[object]:
-    results: list[object] = [None] * len(PROMPTS)
-
-    def run(i: int) -> None:
-        try:
-            results[i] = list(client.generate(_request(*PROMPTS[i])).token_ids)
-        except Exception as e:  # noqa: BLE001 - reported by the caller's assert
-            results[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    return results
+    return chat_request(text, seed, MAX_TOKENS)
 
 
 @pytest.mark.cluster
@@ -184,7 +162,7 @@ def test_clusters_with_kv_bits_equal_mlx_lm(tiny_model, tmp_path, ranks, layers)
     flags = ["--kv-bits", str(BITS), "--kv-group-size", str(GROUP), "--quantized-kv-start", "0"]
     running = start_cluster(path, ranks, tmp_path / "logs", *flags, layers=layers)
     try:
-        got = _generate_concurrently(running.client)
+        got = generate_concurrently(running.client, [_request(*p) for p in PROMPTS])
         for i, (tokens, want) in enumerate(zip(got, expected, strict=True)):
             assert tokens == want, f"request {i} at {ranks} ranks"
         status = running.client.status()

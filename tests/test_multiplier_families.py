@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import threading
 
 import mlx.core as mx
 import pytest
@@ -21,6 +20,7 @@ from conftest import assert_gone, start_cluster
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from mlx_lm.utils import load_model
+from oracle import generate_concurrently
 from test_families import _oracle, _request
 from tiny_models import (
     ADAPTED_FAMILIES,
@@ -44,23 +44,6 @@ def models(tiny_model):
     return {family: tiny_model(family, NUM_LAYERS) for family in families}
 
 
-def _generate_concurrently(client) -> list[object]:
-    results: list[object] = [None] * len(PROMPTS)
-
-    def run(i: int) -> None:
-        try:
-            results[i] = list(client.generate(_request(*PROMPTS[i])).token_ids)
-        except Exception as e:  # noqa: BLE001 - reported by the caller's assert
-            results[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    return results
-
-
 @pytest.mark.cluster
 @pytest.mark.parametrize("ranks", sorted(LAYERS))
 def test_clusters_equal_mlx_lm(models, tmp_path, ranks):
@@ -75,7 +58,7 @@ def test_clusters_equal_mlx_lm(models, tmp_path, ranks):
                 client.stub.Free(pb.FreeRequest(), timeout=60)
                 load = pb.LoadModelRequest(model=str(path), layers=layers or "")
                 client.stub.LoadModel(load, timeout=120)
-            got = _generate_concurrently(client)
+            got = generate_concurrently(client, [_request(*p) for p in PROMPTS])
             for (text, seed), tokens in zip(PROMPTS, got, strict=True):
                 assert tokens == _oracle(path, text, seed), f"{family} at {ranks} ranks, {seed=}"
         status = client.status()
