@@ -38,6 +38,8 @@ def served(request, tiny_model, tmp_path_factory):
     running = start_cluster(
         model, n, tmp_path_factory.mktemp("logs"), "--hop-mode", hops, layers=layers
     )
+    if n > 1 and hops != "auto":  # every rank says which hops it took
+        assert running.logs().count(f"{hops} hops") == n, running.logs()
     yield model, running, n
     running.stop()
     assert_gone(running.pids)

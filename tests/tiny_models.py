@@ -85,7 +85,7 @@ PAD_TOKEN = "<|endoftext|>"
 VOCAB_SIZE = 512
 # Configs mlx-relay refuses at load, as (family, make_tiny_model's `overrides`), to
 # test that refusal: gemma4_text as the E2B/E4B, with per-layer inputs and KV caches
-# shared across layers.
+# shared across layers; a family with no logits rule whose config soft-caps its logits.
 UNSPLITTABLE = (
     (
         "gemma4_text",
@@ -95,6 +95,7 @@ UNSPLITTABLE = (
             ("num_kv_shared_layers", 1),
         ),
     ),
+    ("llama", (("final_logit_softcapping", 30.0),)),
 )
 
 NUM_HEADS = 4

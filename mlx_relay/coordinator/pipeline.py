@@ -10,7 +10,6 @@ run locally.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import socket
@@ -257,8 +256,7 @@ class Pipeline:
             step.posted = None
             _, step.hidden = self._receive(step)
         if not step.want_logits:
-            if self.world_size == 1:
-                mx.eval(step.hidden)  # done when it returns, as on a ring: it is timed
+            mx.eval(step.hidden)  # computed on every rank when this returns: it is timed
             return None
         return sharding.head(self.shard, step.hidden)[:, -1, :]
 
@@ -288,18 +286,20 @@ class Pipeline:
                 mx.async_eval(payload)
             self._unannounced.append((step, payload))
             return
-        back = dataclasses.replace(step.header)
-        hdr.set_returned_payload(back)
+        back = hdr.returned(step.header)
         try:
             step.posted = self.ring.send(step.header, payload)
-        except RuntimeError as e:
-            raise self._ring_broken(e, self.ring.next) from e
-        try:
             step.returned = self.ring.post_recv_payload(
                 hdr.payload_nbytes_shape(back), back.payload_dtype
             )
         except RuntimeError as e:
-            raise self._ring_broken(e, self.ring.prev) from e
+            # The header is out: whatever failed, the ring is no longer in step.
+            broken = self._ring_broken(e, self.ring.next)
+            if isinstance(broken, ClusterFailure):
+                raise broken from e
+            raise ClusterFailure(
+                -1, "", f"rank 0 could not post {step.header.describe()}: {e}"
+            ) from e
 
     def announce(self) -> None:
         """Send on every launched step, in launch order, each once its payload is
@@ -326,11 +326,13 @@ class Pipeline:
         step = Step(header, want_logits=False)
         self._launch(step, payload)
         self._in_flight.popleft()
-        self.announce()
-        back, out = self._receive(step)
-        if out is not None:
-            mx.eval(out)
-        self.done(step)
+        try:
+            self.announce()
+            back, out = self._receive(step)
+            if out is not None:
+                mx.eval(out)
+        finally:
+            self.done(step)  # failed or not: nothing more will come of it
         return back
 
     def _receive(self, step: Step) -> tuple[hdr.StepHeader, mx.array | None]:
@@ -338,13 +340,11 @@ class Pipeline:
         step's payload (zeros) is received all the same, so the ring stays in step."""
         header = step.header
         back = self._wait_for_return(header)
-        expected = dataclasses.replace(header)
-        hdr.set_returned_payload(expected)
         shape = hdr.payload_nbytes_shape(back)
         if (
             back.step_id != header.step_id
             or back.cmd != header.cmd
-            or shape != hdr.payload_nbytes_shape(expected)
+            or shape != hdr.payload_nbytes_shape(hdr.returned(header))
         ):
             raise ClusterFailure(
                 -1, "", f"ranks out of step: sent {header.describe()}, got {back.describe()}"
@@ -383,11 +383,12 @@ class Pipeline:
         self._outstanding.pop(step.header.step_id, None)
 
     def overdue(self) -> ClusterFailure | None:
-        """For a watchdog thread: the oldest step not done with, if overdue. Once a
+        """For a watchdog thread: the oldest forward step not done with, if overdue. Once a
         step's header is back the host waits inside MLX (reading its results, or posting
         work queued behind it), where no timeout of ours can reach."""
         try:
-            step = next(iter(self._outstanding.values()), None)
+            forward = (s for s in self._outstanding.values() if s.header.cmd == hdr.CMD_FORWARD)
+            step = next(forward, None)
         except RuntimeError:  # changed under us by the engine thread: look next time
             return None
         if step is None:

@@ -569,6 +569,13 @@ def check_splittable(
 
     if family in _NOT_SPLITTABLE:
         raise refuse(_NOT_SPLITTABLE[family])
+    if config.get("final_logit_softcapping") and family not in _LOGITS_OPS:
+        # A family not in the tables whose forward may soft-cap its logits: refused
+        # rather than split into different logits.
+        raise refuse(
+            "its config soft-caps the logits (final_logit_softcapping), and "
+            "mlx-relay has no rule for where this family applies it"
+        )
     if family in _REFUSE_CONFIG and (why := _REFUSE_CONFIG[family](model_args_of(model, config))):
         raise refuse(why)
     parts = parts_of(config)

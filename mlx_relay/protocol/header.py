@@ -32,6 +32,7 @@ changes (kvcache.SlotCaches), so membership needs no message of its own.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -154,17 +155,25 @@ def payload_nbytes_shape(header: StepHeader) -> tuple[int, ...]:
 def set_returned_payload(header: StepHeader) -> None:
     """Make `header` announce what the last rank sends back to rank 0 for it.
 
-    A forward step returns each row's last position (all the LM head needs) when rank 0
-    asked for output; anything else returns nothing. Rank 0 knows this when it launches
-    a step, so it can post the receive at once.
+    A forward step returns each row's last position: all of it (what the LM head needs)
+    when rank 0 asked for output, else its first value only, which tells rank 0 that
+    every rank has computed the step (a prefill chunk is timed by it, and no more steps
+    are in flight than the engine allows). A command returns nothing. Rank 0 knows this
+    when it launches a step, so it can post the receive at once.
     """
-    wanted = header.cmd == CMD_FORWARD and header.flags & FLAG_WANT_OUTPUT
-    if wanted and header.payload_kind == PAYLOAD_HIDDEN:
+    if header.cmd == CMD_FORWARD and header.payload_kind == PAYLOAD_HIDDEN:
         rows, _, hidden = header.payload_shape
-        header.payload_shape = (rows, 1, hidden)
+        header.payload_shape = (rows, 1, hidden if header.flags & FLAG_WANT_OUTPUT else 1)
     else:
         header.payload_kind = PAYLOAD_NONE
         header.payload_shape = (0, 0, 0)
+
+
+def returned(header: StepHeader) -> StepHeader:
+    """A copy of `header` as the last rank sends it back (see set_returned_payload)."""
+    back = dataclasses.replace(header)
+    set_returned_payload(back)
+    return back
 
 
 def encode(header: StepHeader) -> np.ndarray:
