@@ -426,7 +426,7 @@ def test_requests_in_flight_end_unavailable_and_health_is_not_serving_during_a_r
                     answer = health.Check(health_pb2.HealthCheckRequest(), timeout=2)
                     state = health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
                 except grpc.RpcError as e:
-                    state = e.code().name  # nobody listening between the two rank 0s
+                    state = e.code().name  # between the two rank 0s
                 if not seen or seen[-1] != state:
                     seen.append(state)
                 if state == "SERVING" and len(seen) > 1:
@@ -450,7 +450,10 @@ def test_requests_in_flight_end_unavailable_and_health_is_not_serving_during_a_r
         pool.shutdown()
         watcher.join(130)
         assert seen[0] == "SERVING" and seen[-1] == "SERVING" and "NOT_SERVING" in seen, seen
-        assert set(seen[1:-1]) <= {"NOT_SERVING", "UNAVAILABLE", "DEADLINE_EXCEEDED"}, seen
+        # Between the two rank 0s: nobody listening, or a check caught by the old
+        # server's stop (which cancels the calls it still holds).
+        between = {"NOT_SERVING", "UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"}
+        assert set(seen[1:-1]) <= between, seen
         with Client(address, timeout=60) as again:
             request = pb.GenerateRequest(prompt="hi", params=pb.SamplingParams(max_tokens=5))
             assert len(again.generate(request).token_ids) == 5
