@@ -21,8 +21,6 @@ import json
 import logging
 import math
 import os
-import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,13 +28,11 @@ from typing import Any
 import mlx.core as mx
 import psutil
 
-from mlx_relay.model import vision
+from mlx_relay.model import checkpoint
 
 log = logging.getLogger("mlx_relay.memory")
 
 MEMORY_LIMIT_ENV = "MLX_RELAY_MEMORY_LIMIT"  # cap on the memory this rank may use, e.g. 8GB
-# a decoder layer's tensors: model.layers.N., or transformer.h.N. (nanochat, gpt2-style)
-_LAYER_NAME = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
 _UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30}
 
 
@@ -231,16 +227,11 @@ def _plain_caches(family: str) -> bool:
 def _dtype_bytes(path: Path, config: dict[str, Any]) -> int:
     """Bytes per cached value: the dtype the model computes in (that of its float weights)."""
     seen: dict[str, int] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
-            tensors = json.loads(fh.read(size))
-        for name, info in tensors.items():
-            if name != "__metadata__" and info.get("dtype") in _DTYPE_BYTES:
-                first, last = info["data_offsets"]
-                seen[info["dtype"]] = seen.get(info["dtype"], 0) + last - first
-        if seen:
-            return _DTYPE_BYTES[max(seen, key=seen.__getitem__)]
+    for tensor in checkpoint.tensors(path).values():
+        if tensor.dtype in _DTYPE_BYTES:
+            seen[tensor.dtype] = seen.get(tensor.dtype, 0) + tensor.nbytes
+    if seen:
+        return _DTYPE_BYTES[max(seen, key=seen.__getitem__)]
     return _TORCH_DTYPE_BYTES.get(str(config.get("torch_dtype")), 2)
 
 
@@ -266,17 +257,10 @@ def shard_nbytes(path: Path, start: int, end: int, *, ends: bool = False) -> int
     (embedding, final norm, LM head; a VLM's vision tower and projector), from the
     safetensors headers: no weight is read."""
     total = 0
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
-            tensors = json.loads(fh.read(size))
-        for name, info in tensors.items():
-            if name == "__metadata__":
-                continue
-            match = None if vision.encoder_tensor(name) else _LAYER_NAME.search(name)
-            if (match and start <= int(match.group(1)) < end) or (ends and not match):
-                first, last = info["data_offsets"]
-                total += last - first
+    for name, nbytes in checkpoint.tensor_bytes(path).items():
+        layer = checkpoint.layer_of(name)
+        if (layer is not None and start <= layer < end) or (ends and layer is None):
+            total += nbytes
     return total
 
 

@@ -16,7 +16,6 @@ embedding and head included). Models of uniform layers split as they always did.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import statistics
@@ -80,25 +79,9 @@ class LayerCosts:
     ends: int  # bytes outside the layers (embedding, final norm, LM head): rank 0's
 
 
-# model.layers.N., or transformer.h.N. (nanochat, gpt2-style)
-_LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
 # Routed experts stacked (mlx: switch_mlp, gpt-oss: experts.*) or one by one (HF:
 # experts.N.*); shared experts ("shared_experts", "shared_expert") run for every token.
 _ROUTED = re.compile(r"\.(?:experts|switch_mlp)\.")
-
-
-def _tensor_bytes(path: Path) -> dict[str, int]:
-    """Bytes of every tensor in the checkpoint, from the safetensors headers alone."""
-    sizes: dict[str, int] = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(size))
-        for name, info in header.items():
-            if name != "__metadata__":
-                first, last = info["data_offsets"]
-                sizes[name] = last - first
-    return sizes
 
 
 def _active_expert_share(config: dict[str, Any]) -> float:
@@ -117,22 +100,20 @@ def _active_expert_share(config: dict[str, Any]) -> float:
 def layer_costs(path: Path, num_layers: int, config: dict[str, Any]) -> LayerCosts | None:
     """Each layer's bytes from the model's weight files; None if they say nothing
     (no safetensors, or no tensor named after its layer)."""
+    from mlx_relay.model import checkpoint  # with vision's tower names: MLX, lazily
+
     try:
-        sizes = _tensor_bytes(path)
+        sizes = checkpoint.tensor_bytes(path)
     except (OSError, ValueError, KeyError, struct.error):
         return None
-    from mlx_relay.model import vision
-
     share = _active_expert_share(config)
     held, work = [0] * num_layers, [0.0] * num_layers
     ends = 0
     for name, nbytes in sizes.items():
-        # (a VLM's vision tower and projector are rank 0's, like the embedding)
-        match = None if vision.encoder_tensor(name) else _LAYER.search(name)
-        if match is None:
+        i = checkpoint.layer_of(name)
+        if i is None:
             ends += nbytes
             continue
-        i = int(match.group(1))
         if i >= num_layers:  # e.g. a multi-token-prediction layer the model drops
             continue
         held[i] += nbytes

@@ -1,0 +1,53 @@
+"""What a checkpoint holds, from its safetensors headers alone: no weight is read.
+
+The memory check and the split both weigh layers by their tensors' bytes, so both ask
+here which layer a tensor belongs to.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlx_relay.model import vision
+
+# A decoder layer's tensors: `...layers.N.` (nanochat's decoder: `transformer.h.N.`).
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    dtype: str  # as safetensors names it: "F16", "BF16", "U32" ...
+    nbytes: int
+
+
+def tensors(path: Path) -> dict[str, Tensor]:
+    """Every tensor in the checkpoint at `path`, by name."""
+    found: dict[str, Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        for name, info in header.items():
+            if name != "__metadata__":
+                first, last = info["data_offsets"]
+                found[name] = Tensor(info.get("dtype", ""), last - first)
+    return found
+
+
+def tensor_bytes(path: Path) -> dict[str, int]:
+    """Bytes of every tensor in the checkpoint at `path`, by name."""
+    return {name: t.nbytes for name, t in tensors(path).items()}
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer tensor `name` belongs to; None for everything else: the
+    embedding, final norm and LM head, and a VLM's vision tower and projector (whose own
+    `layers.N` are not the language model's), all rank 0's."""
+    if vision.encoder_tensor(name):
+        return None
+    match = _LAYER.search(name)
+    return int(match.group(1)) if match else None
