@@ -14,6 +14,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 
 import grpc
@@ -68,11 +69,14 @@ def run(args, ring: Ring | None, hub: ControlHub | None) -> int:
     if servers is None:
         return 2
 
-    stop = threading.Event()  # first SIGTERM/SIGINT: drain and stop
-    hurry = threading.Event()  # second one: stop without waiting for requests
+    # SIGTERM/SIGINT received: the first drains and stops, a second stops without
+    # waiting for requests. A counter, not Events: a handler runs on the main thread,
+    # which may hold the very lock an Event.set would take (it waits on that Event), and
+    # the first signal then deadlocked rank 0 (seen when the launcher was killed).
+    signals = [0]
 
     def on_signal(*_: object) -> None:
-        (hurry if stop.is_set() else stop).set()
+        signals[0] += 1
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
@@ -96,7 +100,8 @@ def run(args, ring: Ring | None, hub: ControlHub | None) -> int:
         if engine.state != "failed":
             return _stop_after_failed_load(engine, servers, hub, args.shutdown_timeout)
 
-    while not stop.wait(0.1):
+    while not signals[0]:
+        time.sleep(0.1)
         if not engine.running or engine.state == "failed":
             break
     if engine.state == "failed":
@@ -107,7 +112,7 @@ def run(args, ring: Ring | None, hub: ControlHub | None) -> int:
         return _close(servers, hub, EXIT_CLUSTER_FAILED)
     code = 0
     if engine.running:
-        _drain(engine, args.drain_timeout, hurry)
+        _drain(engine, args.drain_timeout, lambda: signals[0] > 1)
         log.info("stopping: freeing the model and shutting every rank down")
         try:
             engine.free(shutdown=True).result(timeout=args.shutdown_timeout)
@@ -258,7 +263,7 @@ def _watchdog(engine: Engine, hub: ControlHub, heartbeat_timeout: float) -> None
             return
 
 
-def _drain(engine: Engine, timeout: float, hurry: threading.Event) -> None:
+def _drain(engine: Engine, timeout: float, hurried: Callable[[], bool]) -> None:
     """Let accepted requests finish (new ones are refused) for up to `timeout` seconds."""
     engine.drain()
     deadline = time.monotonic() + timeout
@@ -267,10 +272,10 @@ def _drain(engine: Engine, timeout: float, hurry: threading.Event) -> None:
         log.info(
             "draining %d running and %d queued requests (up to %.0f s)", active, queued, timeout
         )
-    while (active or queued) and time.monotonic() < deadline and not hurry.is_set():
+    while (active or queued) and time.monotonic() < deadline and not hurried():
         if not engine.running or engine.state == "failed":
             return
-        hurry.wait(0.05)
+        time.sleep(0.05)
         active, queued = engine.counts()
     if active or queued:
         log.warning("drain: %d requests still running; they end with UNAVAILABLE", active + queued)
