@@ -89,13 +89,17 @@ def _falcon_h1_logits(a: Any, x: mx.array) -> mx.array:
     return x * (a.lm_head_multiplier / a.embedding_multiplier) if a.tie_word_embeddings else x
 
 
+def _gemma3_embed(a: Any, h: mx.array) -> mx.array:
+    """gemma3 rounds its sqrt(hidden) factor to bfloat16 first (vision.py scales an image
+    prompt's merged embeddings the same way)."""
+    return h * mx.array(a.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
+
+
 _EMBED_OPS: dict[str, _Op] = {
     "gemma": lambda a, h: h * (a.hidden_size**0.5),
     "gemma2": lambda a, h: h * (a.hidden_size**0.5),
-    # gemma3 rounds the factor to bfloat16 first; "gemma3" is its vision-language model,
-    # whose decode steps embed tokens here too (vision.py scales a prompt's merged ones)
-    "gemma3_text": lambda a, h: h * mx.array(a.hidden_size**0.5, mx.bfloat16).astype(h.dtype),
-    "gemma3": lambda a, h: h * mx.array(a.hidden_size**0.5, mx.bfloat16).astype(h.dtype),
+    "gemma3_text": _gemma3_embed,
+    "gemma3": _gemma3_embed,  # its vision-language model: decode steps embed tokens here
     "granite": lambda a, h: h * a.embedding_multiplier,
     "granitemoe": lambda a, h: h * a.embedding_multiplier,
     "granitemoehybrid": lambda a, h: h * a.embedding_multiplier,
@@ -302,7 +306,8 @@ class KVQuant:
 
 class Rows(list):
     """A decode group's caches as one cache list per row, each row run alone: quantized
-    KV caches have no batch form (mlx-lm does not batch them either)."""
+    KV caches have no batch form (mlx-lm does not batch them either), and a batch would
+    change a _ROW_BY_ROW family's tokens (see Shard.row_by_row)."""
 
 
 @dataclass
@@ -448,9 +453,7 @@ def load_shard(
     config = read_config(Path(path))
     family = config.get("model_type")
     if family in _NOT_SPLITTABLE:  # before mlx-lm builds it, whose decoder may be elsewhere
-        raise UnsupportedFamily(
-            f"model family {family!r} cannot be split over ranks: {_NOT_SPLITTABLE[family]}"
-        )
+        raise unsplittable(family, _NOT_SPLITTABLE[family])
     if vision.is_vlm(config):
         model, config = vision.load_vlm(Path(path))
         inner, outer = model.language_model.model, model.language_model
@@ -459,10 +462,7 @@ def load_shard(
         try:
             inner = inner_model(model, parts_of(config))
         except ValueError as e:
-            family = config.get("model_type")
-            raise UnsupportedFamily(
-                f"model family {family!r} cannot be split over ranks: {e}"
-            ) from None
+            raise unsplittable(config.get("model_type"), str(e)) from None
         outer = model
     parts = parts_of(config)
     num_layers = len(getattr(inner, parts.layers))
@@ -556,6 +556,11 @@ def reuse_rule(caches: list[Any]) -> tuple[bool, float]:
     return True, float(min(windows)) if windows else math.inf
 
 
+def unsplittable(family: str | None, why: str) -> UnsupportedFamily:
+    """The one refusal a family that cannot be split gets, naming it and the reason."""
+    return UnsupportedFamily(f"model family {family!r} cannot be split over ranks: {why}")
+
+
 def check_splittable(
     model: nn.Module, config: dict[str, Any], caches: list[Any], inner: nn.Module | None = None
 ) -> None:
@@ -565,7 +570,7 @@ def check_splittable(
     family = config.get("model_type", type(model).__module__)
 
     def refuse(why: str) -> UnsupportedFamily:
-        return UnsupportedFamily(f"model family {family!r} cannot be split over ranks: {why}")
+        return unsplittable(family, why)
 
     if family in _NOT_SPLITTABLE:
         raise refuse(_NOT_SPLITTABLE[family])

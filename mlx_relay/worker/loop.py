@@ -115,10 +115,10 @@ class Worker:
         return self._outgoing(header, out)
 
     def _outgoing(self, header: hdr.StepHeader, out: mx.array | None) -> mx.array | None:
-        """The last rank returns what `hdr.set_returned_payload` says rank 0 awaits: a
-        forward step's hidden states only when rank 0 asked for them, and then only each
-        row's last position, so the return hop of a 512-token prefill chunk carries one
-        position instead of 512."""
+        """The last rank returns what `hdr.set_returned_payload` says rank 0 awaits: of a
+        forward step, each row's last position (the return hop of a 512-token prefill
+        chunk carries one position, not 512), all of it when rank 0 asked for the output
+        and its first value otherwise, which tells rank 0 the step was computed."""
         if out is not None and out.dtype != mx_dtype(header.payload_dtype):
             out = out.astype(mx_dtype(header.payload_dtype))
         if not self.is_last:
