@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_concurrency.py [--model default | --shape NAME] [--tokens 48]
         [--streams 1,2,4,8] [--ranks 1,2,3] [--idle-seconds 30] [--gpus G]
+        [--hop-modes auto] [--mlx-lm-server]
 
 Each rank is pinned to its own core (rank i -> core i mod cores) and stands for one
 machine. Throughput is measured in the steady state: from the moment every stream has
@@ -10,11 +11,19 @@ that window. Pipelining efficiency compares C streams on N ranks with N times on
 serving C/N streams, so batching alone does not count; the speed-up over one rank
 serving the same C streams is printed too. `--shape` and `--gpus` are as in
 bench_pipeline.py (a random-weight model of a real shape; rank r on GPU r mod G).
+`--hop-modes eager,ready` runs each multi-rank size once per hop mode. `--mlx-lm-server`
+adds mlx-lm's own distributed server (`mlx_lm.server --pipeline`, one process per rank on
+the same ring backend and GPUs, streams over its OpenAI HTTP API) at the largest rank
+count, for the same streams.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
+import json
+import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -57,6 +66,14 @@ def steady_throughput(client: Client, streams: int, tokens: int) -> float:
         t.start()
     for t in threads:
         t.join()
+    return _window_rate(stamps)
+
+
+def _window_rate(stamps: list[list[float]]) -> float:
+    """Tokens a second while every stream is producing: from the last first token to the
+    first last token."""
+    if not all(stamps):
+        return float("nan")
     start = max(s[0] for s in stamps)
     end = min(s[-1] for s in stamps)
     inside = sum(1 for s in stamps for t in s if start < t <= end)
@@ -97,12 +114,13 @@ def idle_cpu(cluster: LocalCluster, seconds: float) -> list[float]:
 
 
 def start(
-    model: str, n: int, layers: str, gpus: int, max_active: int
+    model: str, n: int, layers: str, gpus: int, max_active: int, hop_mode: str = "auto"
 ) -> tuple[LocalCluster, Client]:
     address = f"127.0.0.1:{free_ports(1)[0]}"
     logs = Path(tempfile.mkdtemp(prefix="bench-logs-"))
     # Without the prompt cache: the streams repeat one prompt, and this measures scheduling.
     serve = ["--model", model, "--max-active", str(max_active), "--no-prompt-cache"]
+    serve += ["--hop-mode", hop_mode]
     serve += ["--layers", layers] if layers else []
     cluster = LocalCluster(
         n,
@@ -117,6 +135,102 @@ def start(
     client = Client(address, timeout=900)
     steady_throughput(client, 1, 4)  # warm up
     return cluster, client
+
+
+# mlx_lm.server picks its backend with a plain init(); the ring backend is initialised
+# first so that a CUDA machine does not try NCCL.
+_MLX_LM_SERVER = (
+    "import sys, mlx.core as mx; mx.distributed.init(backend='ring', strict=True); "
+    "from mlx_lm.server import main; sys.argv = ['mlx_lm.server', *sys.argv[1:]]; main()"
+)
+
+
+class MlxLmServer:
+    """mlx-lm's distributed server (`--pipeline`) on n ranks: the reference for C streams."""
+
+    def __init__(self, model: str, n: int, gpus: int, concurrency: int) -> None:
+        ports = free_ports(n + 1)
+        self.port = ports[n]
+        workdir = Path(tempfile.mkdtemp(prefix="bench-mlx-lm-"))
+        hostfile = workdir / "hostfile.json"
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports[:n]]))
+        argv = ["--model", model, "--pipeline", "--port", str(self.port)]
+        argv += ["--decode-concurrency", str(concurrency), "--max-tokens", "100000"]
+        self.procs = []
+        for rank in range(n):
+            env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
+            env.update(gpu_env(rank, gpus))
+            log = open(workdir / f"rank{rank}.log", "wb")  # noqa: SIM115 - lives with the process
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", _MLX_LM_SERVER, *argv],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        self.logs = workdir
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                self._stream(0, 2, [])
+                break
+            except OSError as e:
+                if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
+                    self.close()
+                    raise RuntimeError(f"mlx_lm.server did not start; logs in {workdir}") from e
+                time.sleep(1)
+
+    def _stream(self, i: int, tokens: int, stamps: list[float]) -> None:
+        """One streamed chat completion; a stamp per token (the final usage chunk's count
+        spreads over the chunks, which may each carry more than one token)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=900)
+        body = {
+            "messages": [{"role": "user", "content": f"Tell story number {i} about the sea."}],
+            "max_tokens": tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": 0.0,
+        }
+        conn.request("POST", "/v1/chat/completions", json.dumps(body))
+        response = conn.getresponse()
+        if response.status != 200:
+            raise OSError(f"mlx_lm.server: HTTP {response.status}")
+        chunks: list[float] = []
+        used = 0
+        for line in response:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                used = event["usage"]["completion_tokens"]
+            if event.get("choices"):
+                chunks.append(time.perf_counter())
+        conn.close()
+        per_chunk = used / len(chunks) if chunks and used else 1.0
+        for t in chunks:
+            stamps.extend([t] * max(1, round(per_chunk)))
+
+    def steady_throughput(self, streams: int, tokens: int) -> float:
+        stamps: list[list[float]] = [[] for _ in range(streams)]
+        threads = [
+            threading.Thread(target=self._stream, args=(i, tokens, stamps[i]))
+            for i in range(streams)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return _window_rate(stamps)
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
 
 def main() -> int:
@@ -136,26 +250,41 @@ def main() -> int:
     ap.add_argument("--shape", choices=shapes.NAMES, help="a random-weight model of this shape")
     ap.add_argument("--gpus", type=int, default=0, help="CUDA: rank r runs on GPU r mod G")
     ap.add_argument("--max-active", type=int, default=16)
+    ap.add_argument(
+        "--hop-modes",
+        default="auto",
+        help="comma-separated --hop-mode values: each multi-rank size runs once per mode",
+    )
+    ap.add_argument(
+        "--mlx-lm-server",
+        action="store_true",
+        help="also run mlx_lm.server --pipeline at the largest rank count",
+    )
     args = ap.parse_args()
     if args.shape:
         args.model = str(shapes.make_shape(args.shape, shapes.cache_dir() / args.shape))
     streams = [int(x) for x in args.streams.split(",")]
     ranks = [int(x) for x in args.ranks.split(",")]
+    modes = args.hop_modes.split(",")
     print(f"model {args.model}  tokens/stream {args.tokens}  cores {psutil.cpu_count()}")
 
     splits = dict(item.split("=", 1) for item in args.layers)
-    table: dict[tuple[int, int], float] = {}
-    for n in ranks:
+    table: dict[tuple[str, int], float] = {}
+    rows: dict[str, int] = {}  # row label -> its rank count
+    configs = [(size, mode) for size in ranks for mode in (modes if size > 1 else ["auto"])]
+    for n, mode in configs:
+        row = f"{n}" + (f" {mode}" if n > 1 and len(modes) > 1 else "")
+        rows[row] = n
         cluster, client = start(
-            args.model, n, splits.get(str(n), "balanced"), args.gpus, args.max_active
+            args.model, n, splits.get(str(n), "balanced"), args.gpus, args.max_active, mode
         )
         try:
-            for c in sorted(
-                set(streams) | {max(1, c // n) for c in streams} if n == 1 else streams
-            ):
-                table[(n, c)] = steady_throughput(client, c, args.tokens)
-                print(f"  {n} rank(s), {c} stream(s): {table[(n, c)]:.2f} tok/s", flush=True)
-            if n == max(ranks):
+            # One rank also serves C/N streams: the pipelining efficiency's reference.
+            shares = {max(1, c // m) for c in streams for m in ranks}
+            for c in sorted(set(streams) | shares) if n == 1 else streams:
+                table[(row, c)] = steady_throughput(client, c, args.tokens)
+                print(f"  {row} rank(s), {c} stream(s): {table[(row, c)]:.2f} tok/s", flush=True)
+            if n == max(ranks) and mode == modes[0]:
                 idle, loaded = ttft_under_load(client, 4, args.tokens * 4)
                 print(
                     f"\nTTFT of a 1-token request on {n} ranks: idle {idle * 1000:.0f} ms, "
@@ -170,26 +299,48 @@ def main() -> int:
         finally:
             client.close()
             cluster.stop()
+    if args.mlx_lm_server:
+        n = max(ranks)
+        row = f"mlx_lm.server {n}"
+        rows[row] = n
+        server = MlxLmServer(args.model, n, args.gpus, args.max_active)
+        try:
+            for c in streams:
+                table[(row, c)] = server.steady_throughput(c, args.tokens)
+                print(f"  {row} rank(s), {c} stream(s): {table[(row, c)]:.2f} tok/s", flush=True)
+        finally:
+            server.close()
 
+    width = max(len(r) for r in rows) + 1
     print("\naggregate decode tok/s")
-    print("ranks " + "".join(f"{f'C={c}':>10}" for c in streams))
-    for n in ranks:
-        print(f"{n:>5} " + "".join(f"{table.get((n, c), float('nan')):>10.2f}" for c in streams))
+    print(f"{'ranks':<{width}}" + "".join(f"{f'C={c}':>10}" for c in streams))
+    for row in rows:
+        cells = [table.get((row, c), float("nan")) for c in streams]
+        print(f"{row:<{width}}" + "".join(f"{v:>10.2f}" for v in cells))
     print("\npipelining efficiency: tput(N ranks, C) / (N x tput(1 rank, C/N)); target >= 0.8")
-    for n in ranks:
+    for row, n in rows.items():
         if n == 1:
             continue
         cells = []
         for c in streams:
-            base = table.get((1, max(1, c // n)))
-            cells.append(table[(n, c)] / (n * base) if base and c >= n else float("nan"))
-        print(f"{n:>5} " + "".join(f"{v:>10.2f}" for v in cells))
+            base = table.get(("1", max(1, c // n)))
+            cells.append(table[(row, c)] / (n * base) if base and c >= n else float("nan"))
+        print(f"{row:<{width}}" + "".join(f"{v:>10.2f}" for v in cells))
     print("\nspeed-up over 1 rank serving the same C streams")
-    for n in ranks:
+    for row in rows:
         cells = [
-            table[(n, c)] / table[(1, c)] if (1, c) in table else float("nan") for c in streams
+            table[(row, c)] / table[("1", c)] if ("1", c) in table else float("nan")
+            for c in streams
         ]
-        print(f"{n:>5} " + "".join(f"{v:>10.2f}" for v in cells))
+        print(f"{row:<{width}}" + "".join(f"{v:>10.2f}" for v in cells))
+    server_rows = [r for r in rows if r.startswith("mlx_lm.server")]
+    for ref in server_rows:
+        print(f"\nratio to {ref} (same streams)")
+        for row in rows:
+            if row in server_rows or rows[row] != rows[ref]:
+                continue
+            cells = [table[(row, c)] / table[(ref, c)] for c in streams]
+            print(f"{row:<{width}}" + "".join(f"{v:>10.2f}" for v in cells))
     return 0
 
 

@@ -1,13 +1,15 @@
 """The floor of a pipeline token: one round trip of the ring, measured with the real hop.
 
     .venv/bin/python bench/bench_hop.py [--hidden 4096] [--dtype bfloat16] [--trips 500] [--gpus G]
+        [--hop-mode ready|eager]
 
 Two ranks on loopback pass a decode step's payload, one hidden state (1, 1, hidden),
 round the ring with mlx-relay's own hop (ring.py: the header on the doorbell, the
 payload over `mx.distributed`, each send after its payload is computed), and rank 1
 adds one to it on its device as a stand-in for its layers. A token on N ranks costs
 at least its compute plus one such round trip, so this is the floor the 2-rank
-decode ratio is measured against. `--gpus G` puts rank r on GPU r mod G.
+decode ratio is measured against. `--gpus G` puts rank r on GPU r mod G; `--hop-mode eager`
+runs sends and receives on the CPU streams eager hops use.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def rank_main(args: argparse.Namespace) -> None:
     group = mx.distributed.init(backend="ring", strict=True)
     rank = group.rank()
     bells = json.loads(os.environ["BENCH_BELLS"])
-    ring = Ring(group, Doorbell(rank, 2, bells, b"bench"))
+    ring = Ring(group, Doorbell(rank, 2, bells, b"bench"), args.hop_mode)
     shape = (1, 1, args.hidden)
     header = hdr.StepHeader(
         cmd=hdr.CMD_FORWARD,
@@ -66,7 +68,7 @@ def rank_main(args: argparse.Namespace) -> None:
             times.append(time.perf_counter() - t0)
     times.sort()
     print(
-        f"device {mx.default_device()}  payload {shape} {args.dtype}  {args.trips} round trips: "
+        f"device {mx.default_device()}  {args.hop_mode} hops  payload {shape} {args.dtype}  {args.trips} round trips: "
         f"median {statistics.median(times) * 1e6:.0f} us, "
         f"p90 {times[int(0.9 * len(times))] * 1e6:.0f} us"
     )
@@ -79,6 +81,7 @@ def main() -> int:
     ap.add_argument("--trips", type=int, default=500)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--gpus", type=int, default=0)
+    ap.add_argument("--hop-mode", choices=("ready", "eager"), default="ready")
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank:

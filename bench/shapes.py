@@ -7,7 +7,9 @@ random weights of Llama-3-8B's shape costs what Llama-3-8B costs. Every shape bu
 `tiny` uses the tokenizer of the default model (SmolLM2's 49,152 tokens, so every id
 the model samples decodes); its vocabulary, not the original's, sets the LM head's size.
 `tiny` is the test suite's tiny llama (hidden 96, 8 layers, float32), where the
-engine's per-step costs show even on a CPU.
+engine's per-step costs show even on a CPU. mlx-lm's own pipeline (`mlx_lm.server
+--pipeline`) runs only some families, qwen2 among them and llama not: the `-qwen2` shapes
+are the same sizes as qwen2 models (q/k/v biases added) for comparing against it.
 
 Weights are drawn lazily and quantized one layer at a time, so making a 32B shape
 needs about one layer's float16 weights beyond the 4-bit model itself.
@@ -67,6 +69,18 @@ SHAPES: dict[str, tuple[dict[str, Any], int | None]] = {
         },
         4,
     ),
+    "llama3-8b-qwen2": (
+        {
+            "model_type": "qwen2",
+            "hidden_size": 4096,
+            "num_hidden_layers": 32,
+            "intermediate_size": 14336,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "rope_theta": 500000.0,
+        },
+        4,
+    ),
     "qwen2.5-32b": (
         {
             "model_type": "qwen2",
@@ -92,7 +106,7 @@ SHAPES: dict[str, tuple[dict[str, Any], int | None]] = {
         4,
     ),
 }
-NAMES = ("tiny", *SHAPES)
+NAMES = ("tiny", "tiny-qwen2", *SHAPES)
 
 
 def cache_dir() -> Path:
@@ -114,11 +128,12 @@ def make_shape(name: str, out: Path, tokenizer_dir: Path | None = None) -> Path:
     out = Path(out)
     if (out / "config.json").exists():
         return out
-    if name == "tiny":
+    if name.startswith("tiny"):
         sys.path.insert(0, str(ROOT / "tests"))
         from tiny_models import make_tiny_model
 
-        return make_tiny_model(out, "llama", num_layers=8, hidden_size=96)
+        family = "qwen2" if name == "tiny-qwen2" else "llama"
+        return _write_index(make_tiny_model(out, family, num_layers=8, hidden_size=96))
     overrides, bits = SHAPES[name]
     config = {**_LLAMA, **overrides}
     out.mkdir(parents=True, exist_ok=True)
@@ -138,7 +153,18 @@ def make_shape(name: str, out: Path, tokenizer_dir: Path | None = None) -> Path:
     config["torch_dtype"] = "bfloat16"
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    _write_index(out)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return out
+
+
+def _write_index(out: Path) -> Path:
+    """The index of a one-file checkpoint: mlx-lm's `sharded_load` (its pipeline) reads it."""
+    from mlx_relay.model.checkpoint import tensors
+
+    names = tensors(out)
+    index = {"metadata": {}, "weight_map": dict.fromkeys(sorted(names), "model.safetensors")}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     return out
 
 
