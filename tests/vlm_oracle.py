@@ -18,6 +18,9 @@ from mlx_vlm.utils import load_model, load_processor
 from PIL import Image
 
 from mlx_relay.model import sharding, vision
+from mlx_relay.model.kvcache import SlotCaches
+from mlx_relay.model.stage import forward_stage
+from mlx_relay.protocol import header as hdr
 
 MAX_TOKENS = 12
 QUESTION = "Describe the picture."
@@ -64,28 +67,57 @@ def mlx_vlm_tokens(
     encoded = encoded or inputs(path, images, text, system)
     pixels = mx.array(encoded["pixel_values"]) if images else None
     mask = mx.array(encoded["attention_mask"]) if "attention_mask" in encoded else None
+    # (what else the processor says of the images: Qwen2-VL's image grids)
+    extra = {k: mx.array(encoded[k]) for k in vision.IMAGE_EXTRAS if k in encoded and images}
     steps = generate_step(
-        mx.array(encoded["input_ids"]), model, pixels, mask, max_tokens=MAX_TOKENS, temperature=0.0
+        mx.array(encoded["input_ids"]),
+        model,
+        pixels,
+        mask,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        **extra,
     )
     return [int(token) for token, _ in steps]
 
 
 def staged_tokens(
-    path: Path, image: bytes, prompt: str, ranges: list[tuple[int, int]]
+    path: Path, image: bytes, prompt: str, ranges: list[tuple[int, int]], chunk: int = 0
 ) -> list[int]:
     """Greedy tokens of the model cut into `ranges` in one process, as the ranks run it:
-    rank 0's merged image embeddings, each stage on its own caches; the stages after
-    rank 0 hold no vision tower."""
+    rank 0's merged image embeddings (and, for a multimodal-rope model, its positions as
+    a side array and its rope delta in every header), prefill chunks of `chunk` tokens
+    (0: the whole prompt), each stage a forward step's `forward_stage` on its own slot
+    caches, each header through the wire format; the stages after rank 0 hold no vision
+    tower."""
     encoded = vision.processor_for(str(path)).encode(prompt, [image])
     shards = [sharding.load_shard(path, a, b, has_ends=a == 0) for a, b in ranges]
     assert all("vision_tower" not in s.model for s in shards[1:])
-    caches = [s.make_caches() for s in shards]
-    h = vision.input_embeddings(shards[0].model, encoded.token_ids, encoded.pixel_values)
+    caches = [SlotCaches(s) for s in shards]
+    prompt_in = vision.prompt_inputs(shards[0].model, encoded.token_ids, encoded.pixel_values)
+    size = len(encoded.token_ids)
+
+    def step(h: mx.array, offset: int, sides: list[mx.array]) -> mx.array:
+        header = hdr.StepHeader(
+            cmd=hdr.CMD_FORWARD, slots=[3], offsets=[offset], lengths=[h.shape[1]]
+        )
+        header.sides = [hdr.SideArray(hdr.SIDE_POSITIONS, "int32", tuple(a.shape)) for a in sides]
+        header.deltas = [prompt_in.delta] if prompt_in.delta else []
+        for shard, c in zip(shards, caches, strict=True):
+            h = forward_stage(shard, c, hdr.decode(hdr.encode(header)), h, sides)
+        return h
+
+    position, h = 0, None
+    while position < size:
+        n = min(chunk or size, size - position)
+        part = prompt_in.chunk(position, n)
+        sides = [] if part.positions is None else [part.positions.astype(mx.int32)]
+        h = step(part.embeddings, position, sides)
+        position += n
     got = []
     for _ in range(MAX_TOKENS):
-        for shard, c in zip(shards, caches, strict=True):
-            h = sharding.run_layers(shard, h, c)
         token = int(mx.argmax(sharding.head(shards[0], h)[:, -1], axis=-1).item())
         got.append(token)
-        h = sharding.embed(shards[0], mx.array([[token]]))
+        h = step(sharding.embed(shards[0], mx.array([[token]])), position, [])
+        position += 1
     return got

@@ -45,6 +45,7 @@ from mlx_relay.coordinator.sampling import Sampler, SamplingParams
 from mlx_relay.coordinator.scheduler import Scheduler, StepOutput, Unit, pick_group
 from mlx_relay.coordinator.slots import SlotTable, Taken
 from mlx_relay.model import memory, vision
+from mlx_relay.model.step_inputs import PromptInputs
 from mlx_relay.protocol import header as hdr
 
 log = logging.getLogger("mlx_relay.engine")
@@ -121,7 +122,7 @@ class Sequence:
     in_flight: int = 0  # steps of this sequence now round the ring
     first_token_at: float | None = None
     # An image request's merged prompt embeddings, from its first prefill chunk on.
-    embeddings: mx.array | None = None
+    embeddings: PromptInputs | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -493,23 +494,24 @@ class Engine:
             [n],
             want_logits=want_logits,
             reuse_from=seq.taken.source if seq.taken and seq.cached_tokens else None,
-            embeddings=self._image_embeddings(seq, n),
+            prompt=self._image_inputs(seq, n),
         )
         self._launched_first(seq)
         seq.position += n
         seq.context.extend(tokens)
         self._track(step, [seq])
 
-    def _image_embeddings(self, seq: Sequence, n: int) -> mx.array | None:
-        """For an image request, its prompt's merged embeddings for the next `n` prompt
-        positions (vision tower and projector run once, at the first chunk); else None."""
+    def _image_inputs(self, seq: Sequence, n: int) -> PromptInputs | None:
+        """For an image request, its prompt's merged embeddings (and multimodal rope
+        positions) for the next `n` prompt positions (vision tower and projector run
+        once, at the first chunk); else None."""
         if seq.request.pixel_values is None:
             return None
         if seq.embeddings is None:
-            seq.embeddings = vision.input_embeddings(
+            seq.embeddings = vision.prompt_inputs(
                 self.pipeline.shard.model, seq.request.prompt_tokens, seq.request.pixel_values
             )
-        out = seq.embeddings[:, seq.position : seq.position + n]
+        out = seq.embeddings.chunk(seq.position, n)
         if seq.position + n >= len(seq.request.prompt_tokens):
             seq.embeddings = None  # the prompt is all sent; decode embeds tokens
         return out

@@ -33,6 +33,7 @@ from mlx_relay.model.split import (
     split_layers,
 )
 from mlx_relay.model.stage import forward_stage
+from mlx_relay.model.step_inputs import PromptInputs
 from mlx_relay.protocol import header as hdr
 from mlx_relay.transport.doorbell import DoorbellTimeout
 from mlx_relay.transport.hub import ControlHub
@@ -84,10 +85,11 @@ class Step:
     header: hdr.StepHeader
     want_logits: bool
     hidden: mx.array | None = None
-    posted: mx.array | None = None  # the payload's send in flight, kept alive
+    posted: Any = None  # the payload's (and side arrays') sends in flight, kept alive
     returned: mx.array | None = None  # eager hops: the return's receive, posted at launch
     launched_at: float = field(default_factory=time.monotonic)
     tag: Any = None  # the engine's own bookkeeping
+    sides: list[mx.array] = field(default_factory=list)  # sent after the payload
 
 
 @dataclass
@@ -122,6 +124,9 @@ class Pipeline:
         # first: what the step timeout watches.
         self._outstanding: dict[int, Step] = {}
         self._unannounced: deque[tuple[Step, mx.array | None]] = deque()
+        # slot -> its sequence's position delta (multimodal rope: set by its prompt's
+        # positions, every later step's header carries it); empty for other models
+        self._deltas: dict[int, int] = {}
 
     # --- commands ------------------------------------------------------------------
     def load(self, spec: str, layers: list[int] | str | None = None) -> LoadedModel:
@@ -190,7 +195,7 @@ class Pipeline:
         group: int = hdr.NO_GROUP,
         want_logits: bool,
         reuse_from: int | None = None,
-        embeddings: mx.array | None = None,
+        prompt: PromptInputs | None = None,
     ) -> Step:
         """Post rank 0's layers for one step and send it round the ring.
 
@@ -198,9 +203,11 @@ class Pipeline:
         before): nothing here waits for it. A decode group (one token per sequence)
         runs as one batch; otherwise each sequence (a prefill chunk, right-padded to
         the widest) runs alone on its own cache. `reuse_from`: the one sequence starts
-        from that slot's parked cache, cut back to its offset. `embeddings` (1, width,
-        hidden): a prefill chunk's input embeddings, used instead of embedding `tokens`
-        (an image request's prompt, with the image features merged in on rank 0).
+        from that slot's parked cache, cut back to its offset. `prompt`: a prefill
+        chunk's input embeddings (1, width, hidden), used instead of embedding `tokens`
+        (an image request's prompt, with the image features merged in on rank 0), and
+        for a multimodal-rope model its positions, sent round as a side array, and its
+        sequence's position delta, which every later step of the slot carries.
         """
         if self.shard is None or self.caches is None:
             raise RuntimeError("no model loaded")
@@ -214,12 +221,13 @@ class Pipeline:
             lengths=list(lengths),
             source=hdr.NO_SOURCE if reuse_from is None else reuse_from,
         )
-        h = sharding.embed(self.shard, tokens) if embeddings is None else embeddings
+        sides = self._side_inputs(header, prompt)
+        h = sharding.embed(self.shard, tokens) if prompt is None else prompt.embeddings
         try:
-            h = forward_stage(self.shard, self.caches, header, h)
+            h = forward_stage(self.shard, self.caches, header, h, sides)
         except CacheError as e:
             raise RuntimeError(f"rank 0: {e}") from e
-        step = Step(header, want_logits)
+        step = Step(header, want_logits, sides=sides)
         if self.world_size == 1:
             step.hidden = h[:, -1:, :] if want_logits else h
             mx.async_eval(step.hidden)
@@ -230,9 +238,28 @@ class Pipeline:
         self._launch(step, h)
         return step
 
+    def _side_inputs(self, header: hdr.StepHeader, prompt: PromptInputs | None) -> list[mx.array]:
+        """The step's side arrays, listed in `header`, and its sequences' deltas."""
+        if prompt is not None and prompt.positions is not None:
+            (slot,) = header.slots  # a prefill chunk: one sequence
+            self._deltas[slot] = prompt.delta
+            positions = prompt.positions.astype(mx.int32)
+            header.sides = [hdr.SideArray(hdr.SIDE_POSITIONS, "int32", tuple(positions.shape))]
+            header.deltas = [prompt.delta]
+            return [positions]
+        if self._deltas:  # a multimodal-rope model with an image request running
+            if header.group == hdr.NO_GROUP:  # a text prompt in the slot starts afresh
+                for slot in header.slots:
+                    self._deltas.pop(slot, None)
+            deltas = [self._deltas.get(slot, 0) for slot in header.slots]
+            header.deltas = deltas if any(deltas) else []
+        return []
+
     def launch_free(self, slots: list[int], park: bool = False) -> Step | None:
         """Drop the slots' caches (or, with `park`, keep each as a single sequence's for
         a later prefix reuse) here now and on every worker when the step reaches it."""
+        for slot in slots if self._deltas else ():
+            self._deltas.pop(slot, None)
         if self.caches is not None:
             (self.caches.park if park else self.caches.free)(slots)
         if self.world_size == 1 or not slots or self.shard is None:
@@ -288,7 +315,7 @@ class Pipeline:
             return
         back = hdr.returned(step.header)
         try:
-            step.posted = self.ring.send(step.header, payload)
+            step.posted = self.ring.send(step.header, payload, step.sides)
             step.returned = self.ring.post_recv_payload(
                 hdr.payload_nbytes_shape(back), back.payload_dtype
             )
@@ -308,7 +335,7 @@ class Pipeline:
         while self._unannounced:
             step, payload = self._unannounced.popleft()
             try:
-                step.posted = self.ring.send(step.header, payload)
+                step.posted = self.ring.send(step.header, payload, step.sides)
             except RuntimeError as e:
                 raise self._ring_broken(e, self.ring.next) from e
 

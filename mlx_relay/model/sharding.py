@@ -46,6 +46,7 @@ from mlx_lm.models.cache import (
 from mlx_lm.utils import load_model
 
 from mlx_relay.model import vision
+from mlx_relay.model.step_inputs import LAYER_INPUTS, LayerInputs
 
 # What each family's own forward does around the layers besides embed_tokens, the final
 # norm and the LM head, written as that forward writes it (the same operations in the same
@@ -166,12 +167,19 @@ def parts_of(config: dict[str, Any]) -> Parts:
 
 # How a family's forward calls a layer, where not `layer(h, mask, cache)`: given the
 # layer, the hidden state, `mask_for(cache)` (the model's mask for a layer with that
-# cache) and the layer's cache, the layer's output hidden state.
-_LayerCall = Callable[[Any, mx.array, Callable[[Any], Any], Any], mx.array]
+# cache), the layer's cache and the keyword arguments its step inputs give
+# (step_inputs.LAYER_INPUTS), the layer's output hidden state.
+_LayerCall = Callable[..., mx.array]
 
 
 def _plain_call(layer: Any, h: mx.array, mask_for: Callable[[Any], Any], c: Any) -> mx.array:
     return layer(h, mask_for(c), c)
+
+
+def _mrope_call(
+    layer: Any, h: mx.array, mask_for: Callable[[Any], Any], c: Any, **kw: Any
+) -> mx.array:
+    return layer(h, mask_for(c), c, kw["position_ids"], kw["position_embeddings"])
 
 
 _LAYER_CALLS: dict[str, _LayerCall] = {
@@ -185,6 +193,9 @@ _LAYER_CALLS: dict[str, _LayerCall] = {
     # takes (x, cache, mask); its forward gives every layer the local-attention mask,
     # which the recurrent layers ignore
     "recurrent_gemma": lambda layer, h, mask_for, c: layer(h, mask=mask_for(c), cache=c),
+    # multimodal rope: positions rank 0 computed from the image grid (step_inputs.py)
+    "qwen2_vl": _mrope_call,
+    "qwen2_5_vl": _mrope_call,
 }
 
 
@@ -645,15 +656,21 @@ def embed(shard: Shard, tokens: mx.array) -> mx.array:
     return op(model_args(shard), h) if op else h
 
 
-def run_layers(shard: Shard, h: mx.array, caches: list[Any]) -> mx.array:
+def run_layers(
+    shard: Shard, h: mx.array, caches: list[Any], inputs: LayerInputs | None = None
+) -> mx.array:
     """Each layer gets the mask its own cache implies; caches of one kind share one mask.
 
     Within a step every cache of a kind (full attention, sliding window, linear
     attention) holds the same positions, so their masks are equal: build each once
-    from the first cache of its kind, as the models themselves do.
+    from the first cache of its kind, as the models themselves do. `inputs`: the step's
+    inputs besides h, for a family whose layers take more (step_inputs.LAYER_INPUTS).
     """
     if isinstance(caches, Rows):
-        rows = [run_layers(shard, h[i : i + 1], c) for i, c in enumerate(caches)]
+        rows = [
+            run_layers(shard, h[i : i + 1], c, inputs and inputs.row(i))
+            for i, c in enumerate(caches)
+        ]
         return mx.concatenate(rows, axis=0)
     masks: dict[tuple[str, int], Any] = {}
     first = h
@@ -666,10 +683,23 @@ def run_layers(shard: Shard, h: mx.array, caches: list[Any]) -> mx.array:
             masks[key] = make_mask(shard, kind, first, source)
         return masks[key]
 
-    call = _LAYER_CALLS.get(shard.config.get("model_type", ""), _plain_call)
+    family = shard.config.get("model_type", "")
+    call = _LAYER_CALLS.get(family, _plain_call)
+    if family in LAYER_INPUTS:
+        if inputs is None:  # (a probe, or a test's own run: positions from the caches)
+            inputs = LayerInputs(offsets=[_offset(caches)] * h.shape[0], deltas=[0] * h.shape[0])
+        kw = LAYER_INPUTS[family](shard.layers, h, inputs)
+        for layer, cache in zip(shard.layers, caches, strict=True):
+            h = call(layer, h, mask_for, cache, **kw)
+        return h
     for layer, cache in zip(shard.layers, caches, strict=True):
         h = call(layer, h, mask_for, cache)
     return h
+
+
+def _offset(caches: list[Any]) -> int:
+    """The positions the caches of one sequence hold (for a run without step inputs)."""
+    return int(getattr(mask_source(caches[0]), "offset", 0)) if caches else 0
 
 
 def make_mask(shard: Shard, kind: str, h: mx.array, cache: Any) -> Any:

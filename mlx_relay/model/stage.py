@@ -2,31 +2,47 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import mlx.core as mx
 
 from mlx_relay.model import sharding
 from mlx_relay.model.kvcache import SlotCaches
+from mlx_relay.model.step_inputs import LAYER_INPUTS, LayerInputs
 from mlx_relay.protocol import header as hdr
 
 
 def forward_stage(
-    shard: sharding.Shard, caches: SlotCaches, header: hdr.StepHeader, h: mx.array
+    shard: sharding.Shard,
+    caches: SlotCaches,
+    header: hdr.StepHeader,
+    h: mx.array,
+    sides: Sequence[mx.array] = (),
 ) -> mx.array:
     """This rank's layers for one step: a decode group as one batch, else each sequence alone.
 
     Rank 0 runs the very same function on its embeddings, so every rank treats a step
-    identically.
+    identically. `sides`: the side arrays the header lists (what the layers of a family
+    in step_inputs.LAYER_INPUTS take besides h, e.g. multimodal rope positions).
     """
+    takes_inputs = shard.config.get("model_type") in LAYER_INPUTS
+    arrays = {side.kind: a for side, a in zip(header.sides, sides, strict=True)}
     if header.group != hdr.NO_GROUP:
         batch = caches.for_group(header.group, header.slots, header.offsets)
-        return sharding.run_layers(shard, h, batch)
+        inputs = (
+            LayerInputs.of_step(header, arrays, slice(None), h.shape[1]) if takes_inputs else None
+        )
+        return sharding.run_layers(shard, h, batch, inputs)
     outputs = []
     source = header.source if header.flags & hdr.FLAG_REUSE else None
     for i, (slot, offset, length) in enumerate(
         zip(header.slots, header.offsets, header.lengths, strict=True)
     ):
         caches_i = caches.for_sequence(slot, offset, source, length)
-        out = sharding.run_layers(shard, h[i : i + 1, :length], caches_i)
+        inputs = (
+            LayerInputs.of_step(header, arrays, slice(i, i + 1), length) if takes_inputs else None
+        )
+        out = sharding.run_layers(shard, h[i : i + 1, :length], caches_i, inputs)
         if length < h.shape[1]:
             pad = mx.zeros((1, h.shape[1] - length, out.shape[-1]), dtype=out.dtype)
             out = mx.concatenate([out, pad], axis=1)

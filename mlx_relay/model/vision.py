@@ -5,9 +5,11 @@ a prompt with images into input embeddings exactly as mlx-vlm's own model does (
 embeddings with the projected image features spliced in at the image tokens), and the
 decoder's layers are split over ranks like any text model's: the workers never see an
 image, only hidden states. Only families whose image features merge into the input
-embeddings before the first layer, and whose decoder then runs with ordinary positions,
-are accepted (`VLM_FAMILIES`: llava, gemma3); Qwen2-VL's multimodal rope, say, would
-need positions the stages do not carry. What a family's own forward does to the merged
+embeddings before the first layer are accepted (`VLM_FAMILIES`: llava, gemma3, qwen2_vl,
+qwen2_5_vl). Qwen2-VL's and Qwen2.5-VL's layers also take multimodal rope positions
+(temporal, height, width) that mlx-vlm's own `get_rope_index` computes from the image
+grid: rank 0 computes them with the embeddings and sends them with each prefill chunk,
+and decode positions are offset + the prompt's rope delta (step_inputs.py). What a family's own forward does to the merged
 embeddings before its first layer (gemma3's sqrt(hidden) scale) is done here too, and
 its layers keep the caches its language model makes (gemma3's sliding windows).
 
@@ -29,8 +31,16 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlx_relay.model.step_inputs import LAYER_INPUTS, PromptInputs
+
 # model_type -> its decoder families in mlx-vlm (checked by mlx-vlm's LanguageModel).
-VLM_FAMILIES = {"llava": ("llama", "qwen2"), "gemma3": ("gemma3_text",)}
+# (Qwen2-VL's config.json is flat: its text settings at the top, no text_config.)
+VLM_FAMILIES = {
+    "llava": ("llama", "qwen2"),
+    "gemma3": ("gemma3_text",),
+    "qwen2_vl": ("qwen2_vl", "qwen2_vl_text"),
+    "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl_text"),
+}
 # Families whose language model multiplies its input embeddings, image features merged
 # in, by sqrt(hidden_size) rounded to bfloat16 inside its forward (mlx-vlm's gemma3 does;
 # its get_input_embeddings divides the image features by the same root beforehand).
@@ -38,6 +48,8 @@ SCALED_INPUT_EMBEDDINGS = ("gemma3",)
 # Modules of a VLM that only rank 0 holds (workers drop them before any weight is read).
 ENCODER_PARTS = ("vision_tower", "multi_modal_projector")
 MAX_IMAGE_BYTES = 20 * 2**20
+# What a processor says of the images besides their pixels that get_input_embeddings reads.
+IMAGE_EXTRAS = ("image_grid_thw",)
 
 
 class VisionError(ValueError):
@@ -74,7 +86,7 @@ def load_vlm(path: Path) -> tuple[nn.Module, dict[str, Any]]:
     model = utils.load_model(Path(path), lazy=True)
     config = dict(utils.load_config(Path(path)))
     text = config.get("text_config") or {}
-    family = text.get("model_type")
+    family = text.get("model_type", config["model_type"])
     allowed = VLM_FAMILIES[config["model_type"]]
     if family not in allowed:
         raise VisionError(
@@ -107,11 +119,21 @@ def _mlx_lm_caches(language_model: nn.Module) -> list[Any]:
 
 
 @dataclass
+class Pixels:
+    """A request's images preprocessed: the pixel values and whatever else the model's
+    processor says of them that its `get_input_embeddings` reads (Qwen2-VL's
+    `image_grid_thw`: each image's patch grid, which its positions follow)."""
+
+    values: np.ndarray
+    extra: dict[str, np.ndarray]
+
+
+@dataclass
 class Encoded:
     """A prompt with images, as the model sees it: image tokens expanded, pixels ready."""
 
     token_ids: list[int]
-    pixel_values: np.ndarray
+    pixel_values: Pixels
 
 
 class ImageProcessor:
@@ -134,7 +156,8 @@ class ImageProcessor:
         bos = getattr(tokenizer, "bos_token_id", None)
         if bos is not None and ids[:2] == [bos, bos]:
             ids = ids[1:]
-        return Encoded(ids, np.asarray(out["pixel_values"]))
+        extra = {k: np.asarray(out[k]) for k in IMAGE_EXTRAS if k in out}
+        return Encoded(ids, Pixels(np.asarray(out["pixel_values"]), extra))
 
 
 class MessageParts:
@@ -223,14 +246,23 @@ def image_token_id(config: dict[str, Any]) -> int:
     return int(config.get("image_token_index", config.get("image_token_id", -1)))
 
 
-def input_embeddings(model: nn.Module, token_ids: list[int], pixel_values: np.ndarray) -> mx.array:
+def prompt_inputs(model: nn.Module, token_ids: list[int], pixels: Pixels) -> PromptInputs:
     """The merged input embeddings (1, len(token_ids), hidden) of a prompt with images,
-    computed by the model's own mlx-vlm code: vision tower, projector, splice."""
+    computed by the model's own mlx-vlm code (vision tower, projector, splice), and for
+    a multimodal-rope family its positions (3, 1, len) and rope delta, from the same call
+    (its get_rope_index on the image grids)."""
     ids = mx.array([token_ids])
     # (the attention mask of the prompt, all of it, as mlx-vlm's generate passes it)
-    features = model.get_input_embeddings(ids, mx.array(pixel_values), mask=mx.ones_like(ids))
+    extra = {k: mx.array(v) for k, v in pixels.extra.items()}
+    features = model.get_input_embeddings(
+        ids, mx.array(pixels.values), mask=mx.ones_like(ids), **extra
+    )
     h = features.inputs_embeds
-    if model.config.model_type in SCALED_INPUT_EMBEDDINGS:  # what its forward does first
+    family = model.config.model_type
+    if family in SCALED_INPUT_EMBEDDINGS:  # what its forward does first
         hidden = model.language_model.config.hidden_size
         h = h * mx.array(hidden**0.5, mx.bfloat16).astype(h.dtype)
-    return h
+    if family not in LAYER_INPUTS:
+        return PromptInputs(h)
+    delta = int(features.rope_deltas.reshape(-1)[0].item())
+    return PromptInputs(h, features.position_ids, delta)

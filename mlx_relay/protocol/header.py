@@ -22,6 +22,19 @@ Layout (int32, HEADER_LEN entries):
     13..               slots[MAX_SEQS], offsets[MAX_SEQS], lengths[MAX_SEQS]
     61 source           with FLAG_REUSE: the slot whose kept cache the step's one sequence
                         starts from (its own slot: cut back in place; another: copied)
+    62 n_side           side arrays that follow the payload on the ring (<= MAX_SIDE)
+    63..               MAX_SIDE x (kind, dtype, ndim, d0, d1, d2, d3): each side array
+    77..               deltas[MAX_SEQS]: each sequence's position delta (below)
+
+*Side arrays* are a forward step's inputs besides the hidden state that only rank 0 can
+compute (a multimodal-rope model's 3-D position ids, which come from the image grid):
+they follow the payload in the header's order, every rank receives them (their shapes
+are in the header, so an eager rank posts every receive at once) and forwards them
+unchanged; the last rank sends none back. A step of a model that needs none has none:
+nothing extra travels. A *delta* shifts a sequence's positions: its token j sits at
+position offset + j + delta where no side array gives positions (a multimodal-rope
+model decodes at offset + rope_delta, one delta per sequence fixed at its prefill);
+zero for every other model, and it costs nothing, as the header travels anyway.
 
 A sequence *slot* names a KV cache on every rank; *offset* is the position of the
 sequence's first token in this step (0 starts a fresh cache), *length* the number of
@@ -37,7 +50,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: side arrays and deltas
 MAGIC = 0x4D4C5200 | PROTOCOL_VERSION  # "MLR" + version
 
 MAX_SEQS = 16
@@ -76,6 +89,14 @@ PAYLOAD_BYTES = 2  # uint8 array (nbytes,), e.g. a JSON document
 
 DTYPES = ("float32", "float16", "bfloat16", "uint8", "int32")
 
+# Side array kinds (see above).
+SIDE_POSITIONS = 1  # int32 (3, rows, tokens): multimodal rope positions (t, h, w) per token
+SIDE_PER_LAYER = 2  # float (rows, tokens, layers, dim): inputs each layer gets besides h
+SIDE_KINDS = {SIDE_POSITIONS: "positions", SIDE_PER_LAYER: "per-layer inputs"}
+MAX_SIDE = 2
+SIDE_DIMS = 4
+_SIDE_ENTRY = 3 + SIDE_DIMS  # kind, dtype, ndim, shape
+
 # Error codes (a worker sets the first one it meets; details go over the side channel).
 ERR_NONE = 0
 ERR_EXCEPTION = 1
@@ -100,12 +121,24 @@ _SLOTS = 13
 _OFFSETS = _SLOTS + MAX_SEQS
 _LENGTHS = _OFFSETS + MAX_SEQS
 _SOURCE = _LENGTHS + MAX_SEQS
-HEADER_LEN = _SOURCE + 1
+_N_SIDE = _SOURCE + 1
+_SIDES = _N_SIDE + 1
+_DELTAS = _SIDES + MAX_SIDE * _SIDE_ENTRY
+HEADER_LEN = _DELTAS + MAX_SEQS
 NO_SOURCE = -1
 
 
 class ProtocolError(ValueError):
     """A header that no rank of this version could have sent."""
+
+
+@dataclass(frozen=True)
+class SideArray:
+    """What the header says of one side array: its kind, dtype and shape."""
+
+    kind: int
+    dtype: str
+    shape: tuple[int, ...]
 
 
 @dataclass
@@ -123,6 +156,8 @@ class StepHeader:
     offsets: list[int] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
     source: int = NO_SOURCE
+    sides: list[SideArray] = field(default_factory=list)
+    deltas: list[int] = field(default_factory=list)  # empty: all zero
 
     @property
     def n_seqs(self) -> int:
@@ -161,6 +196,7 @@ def set_returned_payload(header: StepHeader) -> None:
     are in flight than the engine allows). A command returns nothing. Rank 0 knows this
     when it launches a step, so it can post the receive at once.
     """
+    header.sides = []  # the last rank sends no side arrays back
     if header.cmd == CMD_FORWARD and header.payload_kind == PAYLOAD_HIDDEN:
         rows, _, hidden = header.payload_shape
         header.payload_shape = (rows, 1, hidden if header.flags & FLAG_WANT_OUTPUT else 1)
@@ -198,7 +234,34 @@ def encode(header: StepHeader) -> np.ndarray:
     out[_OFFSETS : _OFFSETS + n] = header.offsets
     out[_LENGTHS : _LENGTHS + n] = header.lengths
     out[_SOURCE] = header.source
+    if len(header.sides) > MAX_SIDE:
+        raise ProtocolError(f"{len(header.sides)} side arrays in one step, at most {MAX_SIDE}")
+    out[_N_SIDE] = len(header.sides)
+    for i, side in enumerate(header.sides):
+        if not 1 <= len(side.shape) <= SIDE_DIMS or side.kind not in SIDE_KINDS:
+            raise ProtocolError(f"side array {side} cannot be described in a header")
+        at = _SIDES + i * _SIDE_ENTRY
+        out[at : at + 3] = (side.kind, DTYPES.index(side.dtype), len(side.shape))
+        out[at + 3 : at + 3 + len(side.shape)] = side.shape
+    if header.deltas and len(header.deltas) != n:
+        raise ProtocolError("deltas, when given, must have one entry per sequence")
+    out[_DELTAS : _DELTAS + len(header.deltas)] = header.deltas
     return out
+
+
+def _decode_sides(raw: np.ndarray) -> list[SideArray]:
+    count = int(raw[_N_SIDE])
+    if not 0 <= count <= MAX_SIDE:
+        raise ProtocolError(f"header announces {count} side arrays")
+    sides = []
+    for i in range(count):
+        at = _SIDES + i * _SIDE_ENTRY
+        kind, dtype, ndim = (int(x) for x in raw[at : at + 3])
+        if kind not in SIDE_KINDS or not 0 <= dtype < len(DTYPES) or not 1 <= ndim <= SIDE_DIMS:
+            raise ProtocolError(f"side array {i}: kind {kind}, dtype {dtype}, ndim {ndim}")
+        shape = tuple(int(x) for x in raw[at + 3 : at + 3 + ndim])
+        sides.append(SideArray(kind, DTYPES[dtype], shape))
+    return sides
 
 
 def decode(raw: np.ndarray) -> StepHeader:
@@ -229,4 +292,6 @@ def decode(raw: np.ndarray) -> StepHeader:
         offsets=[int(x) for x in raw[_OFFSETS : _OFFSETS + n]],
         lengths=[int(x) for x in raw[_LENGTHS : _LENGTHS + n]],
         source=int(raw[_SOURCE]),
+        sides=_decode_sides(raw),
+        deltas=[int(x) for x in deltas] if any(deltas := raw[_DELTAS : _DELTAS + n]) else [],
     )

@@ -7,6 +7,8 @@ the ring backend allows. Nothing here decides anything: the header says what fol
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -128,13 +130,29 @@ class Ring:
         mx.async_eval(sent)
         return sent
 
-    def send(self, header: hdr.StepHeader, payload: mx.array | None = None) -> mx.array | None:
-        """Announce the step and post its payload's send: at once in EAGER mode, once
-        the payload is computed in READY mode."""
+    def send(
+        self,
+        header: hdr.StepHeader,
+        payload: mx.array | None = None,
+        sides: Sequence[mx.array] = (),
+    ) -> Any:
+        """Announce the step and post its payload's send, then its side arrays' (the
+        header lists them): at once in EAGER mode, once computed in READY mode. Returns
+        what was posted, to be kept alive until it ran."""
         if payload is not None and not self.eager:
-            mx.eval(payload)
+            mx.eval(payload, *sides)
         self.send_header(header)
-        return self.send_payload(header, payload)
+        posted = self.send_payload(header, payload)
+        if not sides:  # (most models: nothing more)
+            return posted
+        return [posted, *(self._send_side(header, s, a) for s, a in zip_sides(header, sides))]
+
+    def _send_side(self, header: hdr.StepHeader, side: hdr.SideArray, array: mx.array) -> mx.array:
+        if tuple(array.shape) != side.shape or dtype_name(array.dtype) != side.dtype:
+            raise hdr.ProtocolError(f"{header.describe()} announces a side array {side}")
+        sent = mx.distributed.send(array, self.next, group=self.group, stream=self._stream("send"))
+        mx.async_eval(sent)
+        return sent
 
     def recv_header(self, timeout: float | None = None) -> hdr.StepHeader:
         """The next header from the left neighbour; DoorbellTimeout after `timeout` s."""
@@ -149,6 +167,20 @@ class Ring:
         )
         mx.async_eval(payload)
         return payload
+
+    def post_recv_sides(self, header: hdr.StepHeader) -> list[mx.array]:
+        """Post the receives of the side arrays the header lists, after its payload's."""
+        return [self.post_recv_payload(side.shape, side.dtype) for side in header.sides]
+
+
+def zip_sides(
+    header: hdr.StepHeader, sides: Sequence[mx.array]
+) -> list[tuple[hdr.SideArray, mx.array]]:
+    if len(sides) != len(header.sides):
+        raise hdr.ProtocolError(
+            f"{header.describe()} lists {len(header.sides)} side arrays, {len(sides)} given"
+        )
+    return list(zip(header.sides, sides, strict=True))
 
 
 def bytes_payload(data: bytes) -> mx.array:

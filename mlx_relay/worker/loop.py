@@ -76,8 +76,11 @@ class Worker:
                 payload = self.ring.post_recv_payload(
                     hdr.payload_nbytes_shape(header), header.payload_dtype
                 )
-                out = self.step(header, payload)
-                self._posted = self.ring.send(header, out)
+                # (side arrays: received after the payload, passed on unchanged; the
+                # last rank sends none back. Most models' steps have none.)
+                sides = self.ring.post_recv_sides(header) if header.sides else []
+                out = self.step(header, payload, sides)
+                self._posted = self.ring.send(header, out, sides if header.sides else ())
             except RuntimeError as e:  # mx.distributed: a neighbour's connection is gone
                 log.error("rank %d: the ring broke: %s; waiting for rank 0's word", self.rank, e)
                 self.link.ring_broken(str(e))
@@ -94,7 +97,9 @@ class Worker:
         """For the side channel's stats (read from the heartbeat thread)."""
         return {"steps": self.steps, "step_seconds": self.step_seconds}
 
-    def step(self, header: hdr.StepHeader, payload: mx.array | None) -> mx.array | None:
+    def step(
+        self, header: hdr.StepHeader, payload: mx.array | None, sides: list[mx.array] | None = None
+    ) -> mx.array | None:
         """Act on one step; returns the payload to forward (the header is updated in place).
 
         A forward step is only built here, not waited for: the ring posts it and the
@@ -103,7 +108,7 @@ class Worker:
         caught before anything is sent, so the failure still travels in the header.
         """
         try:
-            out = self._act(header, payload)
+            out = self._act(header, payload, sides or [])
         except Exception as e:  # noqa: BLE001 - every failure must still complete the step
             code = e.code if isinstance(e, StepError) else hdr.ERR_EXCEPTION
             message = str(e) if isinstance(e, StepError) else f"{type(e).__name__}: {e}"
@@ -135,10 +140,12 @@ class Worker:
             return None
         return mx.zeros(shape, dtype=mx_dtype(header.payload_dtype))
 
-    def _act(self, header: hdr.StepHeader, payload: mx.array | None) -> mx.array | None:
+    def _act(
+        self, header: hdr.StepHeader, payload: mx.array | None, sides: list[mx.array]
+    ) -> mx.array | None:
         cmd = header.cmd
         if cmd == hdr.CMD_FORWARD:
-            return self._forward(header, payload)
+            return self._forward(header, payload, sides)
         if cmd == hdr.CMD_LOAD:
             self._load(json.loads(payload_bytes(payload)))
             return payload
@@ -188,12 +195,14 @@ class Worker:
         gc.collect()
         mx.clear_cache()
 
-    def _forward(self, header: hdr.StepHeader, payload: mx.array | None) -> mx.array:
+    def _forward(
+        self, header: hdr.StepHeader, payload: mx.array | None, sides: list[mx.array]
+    ) -> mx.array:
         if self.shard is None or self.caches is None:
             raise StepError(hdr.ERR_NO_MODEL, "no model loaded on this rank")
         if payload is None or payload.ndim != 3 or payload.shape[0] != header.n_seqs:
             raise StepError(hdr.ERR_BAD_HEADER, f"{header.describe()} has no matching payload")
         try:
-            return forward_stage(self.shard, self.caches, header, payload)
+            return forward_stage(self.shard, self.caches, header, payload, sides)
         except CacheError as e:
             raise StepError(hdr.ERR_BAD_HEADER, str(e)) from e

@@ -1,0 +1,118 @@
+"""Qwen2-VL and Qwen2.5-VL: a VLM whose layers take more than the hidden state.
+
+Their attention rotates queries and keys by multimodal rope positions (temporal,
+height, width) that mlx-vlm's language model computes from the image grid, which only
+rank 0 sees; decode positions are offset + a per-sequence rope delta fixed at prefill.
+Rank 0 sends a prompt's positions with each prefill chunk (a side array after the
+hidden state) and the delta in every header (protocol/header.py). The oracle is
+single-process mlx-vlm on tiny random models made here (tiny_qwen_vl.py): images of
+two sizes give 2x3 and other grids of image tokens, whose positions are not a count.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_vlm", reason="the vision extra (mlx-vlm) is not installed")
+
+from conftest import start_cluster  # noqa: E402
+from tiny_qwen_vl import QWEN_VL_FAMILIES, make_tiny_qwen_vl  # noqa: E402
+from vlm_oracle import (  # noqa: E402
+    MAX_TOKENS,
+    QUESTION,
+    loaded,
+    mlx_vlm_tokens,
+    png,
+    prompt_text,
+    staged_tokens,
+)
+
+from mlx_relay.model import sharding, vision  # noqa: E402
+from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
+
+NUM_LAYERS = 4
+CLUSTER_FAMILY = "qwen2_5_vl"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    return {f: make_tiny_qwen_vl(tmp_path_factory.mktemp(f), f) for f in QWEN_VL_FAMILIES}
+
+
+@pytest.mark.parametrize("family", QWEN_VL_FAMILIES)
+def test_positions_are_not_a_count(models, family):
+    """The tiny model exercises what matters: the image's tokens sit on a grid (their
+    positions repeat along the three axes), so the prompt's rope delta is not zero."""
+    path = models[family]
+    encoded = vision.processor_for(str(path)).encode(prompt_text(path, 1), [png(1)])
+    model, _ = loaded(str(path))
+    prompt = vision.prompt_inputs(model, encoded.token_ids, encoded.pixel_values)
+    positions = np.asarray(prompt.positions)
+    assert positions.shape == (3, 1, len(encoded.token_ids))
+    assert prompt.delta < 0 and not (positions[0] == positions[1]).all()
+
+
+@pytest.mark.parametrize("family", QWEN_VL_FAMILIES)
+def test_stages_equal_mlx_vlm(models, family):
+    """In process: rank 0's merged embeddings and positions, the decoder cut into 1 and 2
+    uneven stages, prefill whole and in chunks of 5 (a chunk's positions are its slice):
+    greedy tokens equal to mlx-vlm's."""
+    path = models[family]
+    image = png(1)
+    want = mlx_vlm_tokens(path, [image])
+    for ranges, chunk in (([(0, 4)], 0), ([(0, 1), (1, 4)], 5), ([(0, 3), (3, 4)], 0)):
+        got = staged_tokens(path, image, prompt_text(path, 1), ranges, chunk)
+        assert got == want, f"{family} split {ranges} chunk {chunk}"
+
+
+def test_refused_family_layouts_still_load_as_vlms(models):
+    shard = sharding.load_shard(models["qwen2_vl"], 1, 4, has_ends=False)
+    assert shard.vision and "vision_tower" not in shard.model
+
+
+@pytest.fixture(scope="module", params=["eager", "ready"])
+def cluster(request, models, tmp_path_factory):
+    """Two ranks in each hop mode: eager posts every receive (side arrays included) when
+    the header arrives, so their shapes must be in it; ready posts them once sent."""
+    hops = request.param
+    running = start_cluster(
+        models[CLUSTER_FAMILY],
+        2,
+        tmp_path_factory.mktemp("logs"),
+        "--prefill-chunk",
+        "6",
+        "--hop-mode",
+        hops,
+        layers="1,3",
+    )
+    assert running.logs().count(f"{hops} hops") == 2, running.logs()
+    yield running
+    running.stop()
+
+
+def _request(images: list[bytes], text: str = QUESTION) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        messages=[pb.ChatMessage(role="user", content=text, images=images)],
+        params=pb.SamplingParams(max_tokens=MAX_TOKENS),
+    )
+
+
+@pytest.mark.cluster
+def test_image_chats_equal_mlx_vlm(models, cluster):
+    """Two ranks (`--layers 1,3`, prefill chunks of 6): an image chat alone, two image
+    chats of different grids at once (decoded in one batch, each at its own delta),
+    then a text-only chat: mlx-vlm's greedy tokens."""
+    path = models[CLUSTER_FAMILY]
+    first = list(cluster.client.generate(_request([png(1)])).token_ids)
+    assert first == mlx_vlm_tokens(path, [png(1)])
+    images = [png(2), png(3, (20, 50))]
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda i: cluster.client.generate(_request([i])), images))
+    for image, answer in zip(images, answers, strict=True):
+        assert list(answer.token_ids) == mlx_vlm_tokens(path, [image])
+    text = list(cluster.client.generate(_request([])).token_ids)
+    assert text == mlx_vlm_tokens(path, [])
