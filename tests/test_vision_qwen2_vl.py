@@ -14,6 +14,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -31,7 +32,9 @@ from vlm_oracle import (  # noqa: E402
     staged_tokens,
 )
 
-from mlx_relay.model import sharding, vision  # noqa: E402
+from mlx_relay.coordinator.pipeline import Pipeline  # noqa: E402
+from mlx_relay.model import memory, sharding, split, vision  # noqa: E402
+from mlx_relay.protocol import header as hdr  # noqa: E402
 from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
 
 NUM_LAYERS = 4
@@ -69,7 +72,7 @@ def test_stages_equal_mlx_vlm(models, family):
         assert got == want, f"{family} split {ranges} chunk {chunk}"
 
 
-def test_refused_family_layouts_still_load_as_vlms(models):
+def test_workers_hold_no_vision_tower(models):
     shard = sharding.load_shard(models["qwen2_vl"], 1, 4, has_ends=False)
     assert shard.vision and "vision_tower" not in shard.model
 
@@ -116,3 +119,45 @@ def test_image_chats_equal_mlx_vlm(models, cluster):
         assert list(answer.token_ids) == mlx_vlm_tokens(path, [image])
     text = list(cluster.client.generate(_request([])).token_ids)
     assert text == mlx_vlm_tokens(path, [])
+
+
+def test_rank_0_sends_positions_with_the_prompt_and_the_delta_with_every_step(models):
+    """Rank 0's pipeline: an image prompt's chunk lists its positions as a side array;
+    the sequence's later steps (a decode group) carry its rope delta in the header and
+    nothing else; once the slot is freed, a text sequence there has neither."""
+    path = models["qwen2_vl"]
+    pipeline = Pipeline(None, None)
+    pipeline.load(str(path))
+    encoded = vision.processor_for(str(path)).encode(prompt_text(path, 1), [png(1)])
+    prompt = vision.prompt_inputs(pipeline.shard.model, encoded.token_ids, encoded.pixel_values)
+    n = len(encoded.token_ids)
+    ids = mx.array([encoded.token_ids])
+    step = pipeline.launch_forward([5], [0], ids, [n], want_logits=True, prompt=prompt)
+    assert step.header.sides == [hdr.SideArray(hdr.SIDE_POSITIONS, "int32", (3, 1, n))]
+    token = mx.argmax(pipeline.complete(step), axis=-1)[:, None]
+    step = pipeline.launch_forward([5], [n], token, [1], group=0, want_logits=True)
+    assert step.header.sides == [] and step.header.deltas == [prompt.delta]
+    pipeline.complete(step)
+    pipeline.launch_free([5])
+    step = pipeline.launch_forward([5], [0], ids[:, :4], [4], want_logits=False)
+    assert step.header.sides == [] and step.header.deltas == []
+    pipeline.complete(step)
+
+
+def test_the_tower_is_rank_0s_in_the_byte_counts(models):
+    path = models["qwen2_5_vl"]
+    weights: dict[str, mx.array] = {}
+    for f in path.glob("*.safetensors"):
+        weights.update(mx.load(str(f)))
+    layer = [
+        sum(
+            a.nbytes
+            for k, a in weights.items()
+            if k.startswith(f"language_model.model.layers.{i}.")
+        )
+        for i in range(NUM_LAYERS)
+    ]
+    costs = split.layer_costs(path, NUM_LAYERS, sharding.read_config(path))
+    assert costs is not None and costs.held == layer
+    total = sum(a.nbytes for a in weights.values())
+    assert memory.shard_nbytes(path, 0, 1, ends=True) + memory.shard_nbytes(path, 1, 4) == total
