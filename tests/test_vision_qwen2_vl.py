@@ -11,6 +11,7 @@ two sizes give 2x3 and other grids of image tokens, whose positions are not a co
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from vlm_oracle import (  # noqa: E402
 
 from mlx_relay.coordinator.pipeline import Pipeline  # noqa: E402
 from mlx_relay.model import memory, sharding, split, vision  # noqa: E402
+from mlx_relay.model.step_inputs import PromptInputs  # noqa: E402
 from mlx_relay.protocol import header as hdr  # noqa: E402
 from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
 
@@ -161,3 +163,19 @@ def test_the_tower_is_rank_0s_in_the_byte_counts(models):
     assert costs is not None and costs.held == layer
     total = sum(a.nbytes for a in weights.values())
     assert memory.shard_nbytes(path, 0, 1, ends=True) + memory.shard_nbytes(path, 1, 4) == total
+
+
+@pytest.mark.parametrize("family", QWEN_VL_FAMILIES)
+def test_the_positions_and_the_delta_both_matter(models, family, monkeypatch):
+    """The oracle tells a wrong position apart: a stage run on plain positions (no side
+    array) or without the rope delta gives other tokens than mlx-vlm's."""
+    path = models[family]
+    want = mlx_vlm_tokens(path, [png(1)])
+    real = vision.prompt_inputs
+    for wrong in (
+        lambda *a: PromptInputs(real(*a).embeddings),
+        lambda *a: dataclasses.replace(real(*a), delta=0),
+    ):
+        monkeypatch.setattr(vision, "prompt_inputs", wrong)
+        got = staged_tokens(path, png(1), prompt_text(path, 1), [(0, 1), (1, 4)])
+        assert got[:3] != want[:3]
