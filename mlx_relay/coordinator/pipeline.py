@@ -33,7 +33,7 @@ from mlx_relay.model.split import (
     split_layers,
 )
 from mlx_relay.model.stage import forward_stage
-from mlx_relay.model.step_inputs import PromptInputs
+from mlx_relay.model.step_inputs import PromptInputs, pass_on
 from mlx_relay.protocol import header as hdr
 from mlx_relay.transport.doorbell import DoorbellTimeout
 from mlx_relay.transport.hub import ControlHub
@@ -127,6 +127,7 @@ class Pipeline:
         # slot -> its sequence's position delta (multimodal rope: set by its prompt's
         # positions, every later step's header carries it); empty for other models
         self._deltas: dict[int, int] = {}
+        self._per_layer = False  # the model's layers take per-layer inputs (gemma4 2B/4B)
 
     # --- commands ------------------------------------------------------------------
     def load(self, spec: str, layers: list[int] | str | None = None) -> LoadedModel:
@@ -159,6 +160,7 @@ class Pipeline:
             start, end = ranges[0]
             self.shard = sharding.load_shard(path, start, end, has_ends=True, kv=kv)
             self.caches = SlotCaches(self.shard)
+            self._per_layer = sharding.computes_per_layer_inputs(self.shard)
         except Exception:
             if self.world_size > 1:  # the ranks that did load let go again
                 self._command(hdr.CMD_UNLOAD)
@@ -223,10 +225,18 @@ class Pipeline:
         )
         sides = self._side_inputs(header, prompt)
         h = sharding.embed(self.shard, tokens) if prompt is None else prompt.embeddings
+        if self._per_layer:  # gemma4's per-layer inputs: every step, from the token ids
+            per_layer = sharding.per_layer_inputs(self.shard, tokens, h)
+            header.sides.append(
+                hdr.SideArray(hdr.SIDE_PER_LAYER, dtype_name(h.dtype), tuple(per_layer.shape))
+            )
+            sides.append(per_layer)
         try:
             h = forward_stage(self.shard, self.caches, header, h, sides)
         except CacheError as e:
             raise RuntimeError(f"rank 0: {e}") from e
+        if sides:  # (what the next ranks need of them)
+            sides = pass_on(header, sides, len(self.shard.layers))
         step = Step(header, want_logits, sides=sides)
         if self.world_size == 1:
             step.hidden = h[:, -1:, :] if want_logits else h

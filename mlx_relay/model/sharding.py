@@ -46,7 +46,7 @@ from mlx_lm.models.cache import (
 from mlx_lm.utils import load_model
 
 from mlx_relay.model import vision
-from mlx_relay.model.step_inputs import LAYER_INPUTS, LayerInputs
+from mlx_relay.model.step_inputs import LAYER_INPUTS, LayerInputs, takes_inputs
 
 # What each family's own forward does around the layers besides embed_tokens, the final
 # norm and the LM head, written as that forward writes it (the same operations in the same
@@ -184,8 +184,9 @@ def _mrope_call(
 
 _LAYER_CALLS: dict[str, _LayerCall] = {
     # returns (h, its keys and values, offset) for KV-shared layers, none of which a
-    # splittable config has (see _REFUSE_CONFIG)
-    "gemma4_text": lambda layer, h, mask_for, c: layer(h, mask_for(c), c)[0],
+    # splittable config has (see _REFUSE_CONFIG); the 2B/4B layouts' layers take their
+    # per-layer input (step_inputs.py)
+    "gemma4_text": lambda layer, h, mask_for, c, **kw: layer(h, mask_for(c), c, **kw)[0],
     # a mamba mixer and attention side by side: each gets its own cache's mask
     "falcon_h1": lambda layer, h, mask_for, c: layer(
         h, cache=c, attn_mask=mask_for(c[1]), mamba_mask=mask_for(c[0])
@@ -200,13 +201,6 @@ _LAYER_CALLS: dict[str, _LayerCall] = {
 
 
 def _gemma4_refusal(a: Any) -> str | None:
-    if a.hidden_size_per_layer_input:
-        return (
-            "this config has per-layer inputs (hidden_size_per_layer_input "
-            f"{a.hidden_size_per_layer_input}), which rank 0 computes from the token ids "
-            "for every layer and only the hidden state travels between ranks; gemma4 "
-            "configs with hidden_size_per_layer_input 0 and num_kv_shared_layers 0 split"
-        )
     if a.num_kv_shared_layers:
         return (
             f"its last {a.num_kv_shared_layers} layers reuse earlier layers' keys and "
@@ -227,6 +221,17 @@ _MASK_KINDS: tuple[tuple[tuple[type, ...], str], ...] = (
     ((KVCache, BatchKVCache, QuantizedKVCache, ConcatenateKVCache), FULL),
     ((ArraysCache,), SSM),  # MambaCache is one too
 )
+
+# Modules of a decoder, besides the embedding, that only rank 0 holds and runs: gemma4's
+# per-layer embedding table (most of a 2B/4B model's weights) and projection, which
+# compute the per-layer inputs rank 0 sends (step_inputs.py).
+_ROOT_PARTS = {
+    "gemma4_text": (
+        "embed_tokens_per_layer",
+        "per_layer_model_projection",
+        "per_layer_projection_norm",
+    ),
+}
 
 # Families whose decode groups run row by row, each sequence on its own caches (as
 # quantized caches do): phi3small's block-sparse attention layers place their blocks by
@@ -346,6 +351,9 @@ class Shard:
     # also holds the vision tower and projector (model/vision.py).
     vision: bool = False
     kv: KVQuant | None = None  # quantized KV caches
+    # Its layers take step inputs besides h (step_inputs.LAYER_INPUTS; e.g. Qwen2-VL's
+    # positions, gemma4's per-layer inputs), which rank 0 computes.
+    takes_inputs: bool = False
 
     @property
     def row_by_row(self) -> bool:
@@ -494,6 +502,9 @@ def load_shard(
         for name in vision.ENCODER_PARTS:  # a VLM's vision tower and projector: rank 0's
             if name in model:
                 model.pop(name)
+        for name in _ROOT_PARTS.get(family_of(config), ()):  # what only rank 0 computes
+            if name in inner and inner[name] is not None:
+                inner.pop(name)
     mx.eval(model.parameters())
     shard = Shard(
         model,
@@ -507,6 +518,7 @@ def load_shard(
         wants_array_masks(inner),
         vision.is_vlm(config),
         kv,
+        takes_inputs(family_of(config), model_args_of(outer, config)),
     )
     if kv is not None:
         check_quantizable(shard, caches)
@@ -649,6 +661,23 @@ def model_args_of(outer: nn.Module, config: dict[str, Any]) -> Any:
     return getattr(outer, "args", None) or SimpleNamespace(**config)
 
 
+def family_of(config: dict[str, Any]) -> str:
+    return str(config.get("model_type", ""))
+
+
+def computes_per_layer_inputs(shard: Shard) -> bool:
+    """Whether rank 0 computes per-layer inputs for this model's layers every step."""
+    return shard.takes_inputs and family_of(shard.config) in _ROOT_PARTS
+
+
+def per_layer_inputs(shard: Shard, tokens: mx.array, h: mx.array) -> mx.array:
+    """gemma4's per-layer inputs of every layer (batch, tokens, layers, dim), on rank 0
+    from the token ids and the first hidden state (embed's output), by the model's own
+    methods, as its forward computes them before its first layer."""
+    inner = shard.inner
+    return inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(tokens))
+
+
 def embed(shard: Shard, tokens: mx.array) -> mx.array:
     """Token embeddings as the family's own forward feeds them to its first layer."""
     h = getattr(shard.inner, shard.parts.embed)(tokens)
@@ -685,11 +714,11 @@ def run_layers(
 
     family = shard.config.get("model_type", "")
     call = _LAYER_CALLS.get(family, _plain_call)
-    if family in LAYER_INPUTS:
+    if shard.takes_inputs:
         if inputs is None:  # (a probe, or a test's own run: positions from the caches)
             inputs = LayerInputs(offsets=[_offset(caches)] * h.shape[0], deltas=[0] * h.shape[0])
-        kw = LAYER_INPUTS[family](shard.layers, h, inputs)
-        for layer, cache in zip(shard.layers, caches, strict=True):
+        kws = LAYER_INPUTS[family](shard.layers, h, inputs)
+        for layer, cache, kw in zip(shard.layers, caches, kws, strict=True):
             h = call(layer, h, mask_for, cache, **kw)
         return h
     for layer, cache in zip(shard.layers, caches, strict=True):

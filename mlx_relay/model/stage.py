@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from mlx_relay.model import sharding
 from mlx_relay.model.kvcache import SlotCaches
-from mlx_relay.model.step_inputs import LAYER_INPUTS, LayerInputs
+from mlx_relay.model.step_inputs import LayerInputs
 from mlx_relay.protocol import header as hdr
 
 
@@ -23,9 +23,10 @@ def forward_stage(
 
     Rank 0 runs the very same function on its embeddings, so every rank treats a step
     identically. `sides`: the side arrays the header lists (what the layers of a family
-    in step_inputs.LAYER_INPUTS take besides h, e.g. multimodal rope positions).
+    in step_inputs.LAYER_INPUTS take besides h: multimodal rope positions, per-layer
+    inputs from this rank's first layer on).
     """
-    takes_inputs = shard.config.get("model_type") in LAYER_INPUTS
+    takes_inputs = shard.takes_inputs
     arrays = {side.kind: a for side, a in zip(header.sides, sides, strict=True)}
     if header.group != hdr.NO_GROUP:
         batch = caches.for_group(header.group, header.slots, header.offsets)

@@ -2,11 +2,17 @@
 
 Some families' layers need more than the hidden state, and what they need can only be
 computed on rank 0: Qwen2-VL's multimodal rope positions come from the image grid,
-which only rank 0 sees. Rank 0 sends such arrays with the step (protocol/header.py:
-side arrays, and one position delta per sequence in the header itself), and every rank
-turns them into its layers' keyword arguments here, with the family's own code, so a
-stage computes exactly what the whole model computes. A family not in `LAYER_INPUTS`
-gets none and pays nothing.
+which only rank 0 sees; gemma4's per-layer inputs come from the token ids through a
+per-layer embedding table as large as most of the model, which only rank 0 holds. Rank
+0 sends such arrays with the step (protocol/header.py: side arrays after the hidden
+state, and one position delta per sequence in the header itself), and every rank turns
+them into its layers' keyword arguments here, with the family's own code, so a stage
+computes exactly what the whole model computes. A family not in `LAYER_INPUTS` gets
+none and pays nothing.
+
+Positions are forwarded unchanged (every rank needs them all); per-layer inputs hold
+one slice per layer, and each rank keeps its own layers' slices and forwards the rest
+(`pass_on`), so a hop carries only what the ranks after it still need.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class LayerInputs:
     offsets: list[int]
     deltas: list[int]
     positions: mx.array | None = None  # (3, rows, tokens): explicit multimodal positions
+    per_layer: mx.array | None = None  # (rows, tokens, layers from this rank's first, dim)
 
     @classmethod
     def of_step(
@@ -52,24 +59,39 @@ class LayerInputs:
     ) -> LayerInputs:
         """The inputs of the step's rows `rows`, their first `length` tokens."""
         positions = sides.get(hdr.SIDE_POSITIONS)
+        per_layer = sides.get(hdr.SIDE_PER_LAYER)
         return cls(
             offsets=header.offsets[rows],
             deltas=(header.deltas or [0] * header.n_seqs)[rows],
             positions=None if positions is None else positions[:, rows, :length],
+            per_layer=None if per_layer is None else per_layer[rows, :length],
         )
 
     def row(self, i: int) -> LayerInputs:
         """Row `i` alone (a decode group run row by row)."""
-        positions = None if self.positions is None else self.positions[:, i : i + 1]
         return dataclasses.replace(
             self,
             offsets=self.offsets[i : i + 1],
             deltas=self.deltas[i : i + 1],
-            positions=positions,
+            positions=None if self.positions is None else self.positions[:, i : i + 1],
+            per_layer=None if self.per_layer is None else self.per_layer[i : i + 1],
         )
 
 
-def _mrope(layers: list[Any], h: mx.array, inputs: LayerInputs) -> dict[str, Any]:
+def pass_on(header: hdr.StepHeader, sides: list[mx.array], local_layers: int) -> list[mx.array]:
+    """The side arrays a rank holding `local_layers` layers sends on, `header` rewritten
+    to list them: per-layer inputs less this rank's layers' slices, the rest unchanged.
+    (Whatever the rank computed or failed to, the header and the arrays agree.)"""
+    out = []
+    for i, (side, array) in enumerate(zip(header.sides, sides, strict=True)):
+        if side.kind == hdr.SIDE_PER_LAYER:
+            array = array[:, :, local_layers:]
+            header.sides[i] = dataclasses.replace(side, shape=tuple(array.shape))
+        out.append(array)
+    return out
+
+
+def _mrope(layers: list[Any], h: mx.array, inputs: LayerInputs) -> list[dict[str, Any]]:
     """Qwen2-VL / Qwen2.5-VL (mlx-vlm): each layer takes the position ids and the rope's
     cos/sin, computed once per forward from them, as its LanguageModel and Qwen2Model do.
     Rank 0 sends a prompt's 3-D positions (temporal, height, width); without them a row's
@@ -77,17 +99,35 @@ def _mrope(layers: list[Any], h: mx.array, inputs: LayerInputs) -> dict[str, Any
     position ids (text, and every decode step: offset + rope_delta)."""
     positions = inputs.positions
     if positions is None:
-        rows, length = h.shape[:2]
+        length = h.shape[1]
         start = mx.array([o + d for o, d in zip(inputs.offsets, inputs.deltas, strict=True)])
         positions = mx.arange(length)[None, :] + start[:, None]
     rotary = layers[0].self_attn.rotary_emb
     embeddings = None if rotary.fused_apply else rotary(h, positions)
-    return {"position_ids": positions, "position_embeddings": embeddings}
+    return [{"position_ids": positions, "position_embeddings": embeddings}] * len(layers)
+
+
+def _per_layer(layers: list[Any], h: mx.array, inputs: LayerInputs) -> list[dict[str, Any]]:
+    """gemma4 (2B/4B layouts): layer i takes its slice of the per-layer inputs."""
+    per_layer = inputs.per_layer
+    if per_layer is None:  # (a probe run without inputs)
+        return [{"per_layer_input": None}] * len(layers)
+    return [{"per_layer_input": per_layer[:, :, i, :]} for i in range(len(layers))]
 
 
 # family -> (this rank's layers, h entering them, the step's inputs) -> each layer's
 # keyword arguments for this call
-LAYER_INPUTS: dict[str, Callable[[list[Any], mx.array, LayerInputs], dict[str, Any]]] = {
+LAYER_INPUTS: dict[str, Callable[[list[Any], mx.array, LayerInputs], list[dict[str, Any]]]] = {
     "qwen2_vl": _mrope,
     "qwen2_5_vl": _mrope,
+    "gemma4_text": _per_layer,
 }
+# Families in LAYER_INPUTS that take inputs only in some configurations (their ModelArgs)
+_TAKES_INPUTS: dict[str, Callable[[Any], bool]] = {
+    "gemma4_text": lambda a: bool(getattr(a, "hidden_size_per_layer_input", 0)),
+}
+
+
+def takes_inputs(family: str, args: Any) -> bool:
+    """Whether a family's layers, in this configuration, take step inputs."""
+    return family in LAYER_INPUTS and _TAKES_INPUTS.get(family, lambda _: True)(args)

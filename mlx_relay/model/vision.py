@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlx_relay.model.step_inputs import LAYER_INPUTS, PromptInputs
+from mlx_relay.model.step_inputs import PromptInputs
 
 # model_type -> its decoder families in mlx-vlm (checked by mlx-vlm's LanguageModel).
 # (Qwen2-VL's config.json is flat: its text settings at the top, no text_config.)
@@ -45,6 +45,9 @@ VLM_FAMILIES = {
 # in, by sqrt(hidden_size) rounded to bfloat16 inside its forward (mlx-vlm's gemma3 does;
 # its get_input_embeddings divides the image features by the same root beforehand).
 SCALED_INPUT_EMBEDDINGS = ("gemma3",)
+# Families whose layers take multimodal rope positions, which rank 0 computes with the
+# merged embeddings from the image grid (get_rope_index) and sends (step_inputs.py).
+MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 # Modules of a VLM that only rank 0 holds (workers drop them before any weight is read).
 ENCODER_PARTS = ("vision_tower", "multi_modal_projector")
 MAX_IMAGE_BYTES = 20 * 2**20
@@ -262,7 +265,7 @@ def prompt_inputs(model: nn.Module, token_ids: list[int], pixels: Pixels) -> Pro
     if family in SCALED_INPUT_EMBEDDINGS:  # what its forward does first
         hidden = model.language_model.config.hidden_size
         h = h * mx.array(hidden**0.5, mx.bfloat16).astype(h.dtype)
-    if family not in LAYER_INPUTS:
+    if family not in MROPE_FAMILIES:
         return PromptInputs(h)
     delta = int(features.rope_deltas.reshape(-1)[0].item())
     return PromptInputs(h, features.position_ids, delta)

@@ -22,6 +22,7 @@ from mlx_relay.model import memory, sharding
 from mlx_relay.model.default_model import resolve_model
 from mlx_relay.model.kvcache import CacheError, SlotCaches
 from mlx_relay.model.stage import forward_stage
+from mlx_relay.model.step_inputs import pass_on
 from mlx_relay.protocol import control
 from mlx_relay.protocol import header as hdr
 from mlx_relay.protocol.exits import EXIT_RING_BROKEN
@@ -76,10 +77,14 @@ class Worker:
                 payload = self.ring.post_recv_payload(
                     hdr.payload_nbytes_shape(header), header.payload_dtype
                 )
-                # (side arrays: received after the payload, passed on unchanged; the
-                # last rank sends none back. Most models' steps have none.)
+                # (side arrays: received after the payload, passed on as far as later
+                # ranks need them; the last rank sends none back. Most models' steps
+                # have none.)
                 sides = self.ring.post_recv_sides(header) if header.sides else []
                 out = self.step(header, payload, sides)
+                if header.sides:  # (what the next ranks need of them)
+                    layers = len(self.shard.layers) if self.shard is not None else 0
+                    sides = pass_on(header, sides, layers)
                 self._posted = self.ring.send(header, out, sides if header.sides else ())
             except RuntimeError as e:  # mx.distributed: a neighbour's connection is gone
                 log.error("rank %d: the ring broke: %s; waiting for rank 0's word", self.rank, e)
