@@ -86,11 +86,7 @@ VOCAB_SIZE = 512
 # Configs mlx-relay refuses at load, as (family, make_tiny_model's `overrides`), to
 # test that refusal: gemma4_text as the E2B/E4B, with per-layer inputs and KV caches
 # shared across layers; a family with no logits rule whose config soft-caps its logits.
-UNSPLITTABLE = (
-    # (per-layer inputs split: rank 0 sends them; KV sharing does not)
-    ("gemma4_text", (("num_kv_shared_layers", 1),)),
-    ("llama", (("final_logit_softcapping", 30.0),)),
-)
+UNSPLITTABLE = (("llama", (("final_logit_softcapping", 30.0),)),)
 
 NUM_HEADS = 4
 NUM_KV_HEADS = 2

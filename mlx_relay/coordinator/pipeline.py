@@ -135,6 +135,7 @@ class Pipeline:
         self.unload()
         path = resolve_model(spec)
         num_layers = sharding.count_layers(sharding.read_config(path))
+        chosen = layers is None or layers == AUTO  # (else the user's own split)
         if layers == AUTO:
             costs = layer_costs(path, num_layers, sharding.read_config(path))
             layers = memory_split(num_layers, self.world_size, self.hub, costs)
@@ -146,6 +147,7 @@ class Pipeline:
                 f"layer split {counts} does not cover {num_layers} layers over "
                 f"{self.world_size} ranks with at least one layer each"
             )
+        counts = _keep_kv_shared_together(path, list(counts), chosen)
         ranges = layer_ranges(counts)
         try:  # before any worker loads: rank 0 holds the embedding and LM head too
             memory.check_fits(path, *ranges[0], ends=True)
@@ -488,6 +490,34 @@ class Pipeline:
 
     def worker_stats(self) -> dict[int, Any]:
         return self.hub.snapshot() if self.hub else {}
+
+
+def _keep_kv_shared_together(path: Any, counts: list[int], chosen: bool) -> list[int]:
+    """A split whose last rank holds the model's KV-shared layers with the layers they
+    reuse (gemma4: sharding.kv_shared_tail): a split mlx-relay chose gets layers moved
+    to the last rank from the ranks before it (each keeps one); one the user gave is
+    refused, with the numbers, before any rank loads."""
+    tail = sharding.kv_shared_tail(sharding.read_config(path))
+    if len(counts) == 1 or counts[-1] >= tail:
+        return counts
+    if not chosen:
+        raise ValueError(
+            f"layer split {counts}: this model's last {tail} layers reuse each other's keys "
+            "and values within a step (num_kv_shared_layers), so the last rank must hold "
+            f"at least {tail} layers"
+        )
+    moved = list(counts)
+    for rank in range(len(moved) - 2, -1, -1):
+        give = min(moved[rank] - 1, tail - moved[-1])
+        moved[rank] -= give
+        moved[-1] += give
+    if moved[-1] < tail:
+        raise ValueError(
+            f"this model's last {tail} layers must stay on one rank, which leaves fewer "
+            f"than one layer for each of the other {len(counts) - 1} ranks"
+        )
+    log.info("layers %s -> %s: the last rank holds the KV-shared layers", counts, moved)
+    return moved
 
 
 def hub_ready(hub: ControlHub, world_size: int, timeout: float) -> None:

@@ -183,9 +183,9 @@ def _mrope_call(
 
 
 _LAYER_CALLS: dict[str, _LayerCall] = {
-    # returns (h, its keys and values, offset) for KV-shared layers, none of which a
-    # splittable config has (see _REFUSE_CONFIG); the 2B/4B layouts' layers take their
-    # per-layer input (step_inputs.py)
+    # returns (h, its keys and values, offset), which a KV-shared layer takes (run_layers
+    # passes them where a layer reuses an earlier one's); the 2B/4B layouts' layers take
+    # their per-layer input (step_inputs.py)
     "gemma4_text": lambda layer, h, mask_for, c, **kw: layer(h, mask_for(c), c, **kw)[0],
     # a mamba mixer and attention side by side: each gets its own cache's mask
     "falcon_h1": lambda layer, h, mask_for, c: layer(
@@ -200,18 +200,15 @@ _LAYER_CALLS: dict[str, _LayerCall] = {
 }
 
 
-def _gemma4_refusal(a: Any) -> str | None:
-    if a.num_kv_shared_layers:
-        return (
-            f"its last {a.num_kv_shared_layers} layers reuse earlier layers' keys and "
-            "values (num_kv_shared_layers), which live on another rank's caches"
-        )
-    return None
-
-
 # Families splittable only in some configurations: given the model's ModelArgs, why
-# this one is not (None: it is).
-_REFUSE_CONFIG: dict[str, Callable[[Any], str | None]] = {"gemma4_text": _gemma4_refusal}
+# this one is not (None: it is). (gemma4's KV sharing splits where a rank holds the
+# shared layers with the layers they reuse: see kv_shared_sources.)
+_REFUSE_CONFIG: dict[str, Callable[[Any], str | None]] = {}
+
+# Families whose last layers reuse an earlier layer's keys and values, computed in the
+# same forward (gemma4's 2B/4B layouts: num_kv_shared_layers): the decoder's list of,
+# for each layer, the layer whose keys and values it uses (itself where it has its own).
+_KV_SHARING = {"gemma4_text": "previous_kvs"}
 
 # What mask a layer gets, by its cache's kind: the models build one mask per kind from
 # the first cache of that kind (full attention, sliding window, linear attention).
@@ -354,6 +351,9 @@ class Shard:
     # Its layers take step inputs besides h (step_inputs.LAYER_INPUTS; e.g. Qwen2-VL's
     # positions, gemma4's per-layer inputs), which rank 0 computes.
     takes_inputs: bool = False
+    # Layers reusing an earlier layer's keys and values (gemma4's KV sharing): local
+    # index -> local index of the layer reused; they have no cache of their own.
+    kv_sources: dict[int, int] | None = None
 
     @property
     def row_by_row(self) -> bool:
@@ -489,6 +489,7 @@ def load_shard(
         raise ValueError(f"layer range [{start}, {end}) outside the model's {num_layers} layers")
     caches = make_prompt_cache(model)  # all layers still here
     check_splittable(model, config, caches, inner)
+    kv_sources = kv_shared_sources(inner, config, start, end)
     reusable, cut_back_below = reuse_rule(caches)
     if kv is not None:
         # A prefix's quantized keys depend on when each position was quantized (which
@@ -519,6 +520,7 @@ def load_shard(
         vision.is_vlm(config),
         kv,
         takes_inputs(family_of(config), model_args_of(outer, config)),
+        kv_sources,
     )
     if kv is not None:
         check_quantizable(shard, caches)
@@ -615,8 +617,9 @@ def check_splittable(
                 f"layers, then {parts.norm} and the LM head)"
             )
     layers = getattr(inner, parts.layers)
-    if len(caches) != len(layers):
-        raise refuse(f"it makes {len(caches)} caches for {len(layers)} layers")
+    owners = len(layers) - _kv_shared_count(inner, config)  # (shared layers have none)
+    if len(caches) != owners:
+        raise refuse(f"it makes {len(caches)} caches for {owners} layers")
     for i, cache in enumerate(caches):
         try:
             mask_kind(mask_source(cache))
@@ -642,11 +645,12 @@ def wants_array_masks(inner: nn.Module) -> bool:
 
 
 def new_caches(shard: Shard) -> list[Any]:
-    """Fresh KV caches for the local layers, of the types the model itself would use."""
+    """Fresh KV caches for the local layers, of the types the model itself would use
+    (none for a layer that reuses another's keys and values: `kv_sources`)."""
     caches = make_prompt_cache(shard.model)
-    local = shard.end - shard.start
-    if len(caches) == shard.num_layers:  # the model builds caches for all its layers
-        caches = caches[shard.start : shard.end]
+    local = shard.end - shard.start - len(shard.kv_sources or ())  # (shared layers: last)
+    if len(caches) == shard.num_layers - _kv_shared_count(shard.inner, shard.config):
+        caches = caches[shard.start : shard.start + local]  # the model's, for all its layers
     if len(caches) != local:
         raise ValueError(f"model made {len(caches)} caches for {local} local layers")
     return caches
@@ -718,12 +722,89 @@ def run_layers(
         if inputs is None:  # (a probe, or a test's own run: positions from the caches)
             inputs = LayerInputs(offsets=[_offset(caches)] * h.shape[0], deltas=[0] * h.shape[0])
         kws = LAYER_INPUTS[family](shard.layers, h, inputs)
+        if shard.kv_sources:
+            return _run_kv_shared(shard, h, caches, kws, mask_for)
         for layer, cache, kw in zip(shard.layers, caches, kws, strict=True):
             h = call(layer, h, mask_for, cache, **kw)
         return h
+    if shard.kv_sources:
+        return _run_kv_shared(shard, h, caches, [{}] * len(shard.layers), mask_for)
     for layer, cache in zip(shard.layers, caches, strict=True):
         h = call(layer, h, mask_for, cache)
     return h
+
+
+def _run_kv_shared(
+    shard: Shard,
+    h: mx.array,
+    caches: list[Any],
+    kws: list[dict[str, Any]],
+    mask_for: Callable[[Any], Any],
+) -> mx.array:
+    """gemma4's layers as its forward runs them: a layer with its own cache returns its
+    keys, values and offset, and a KV-shared layer (no cache) takes those of the layer it
+    reuses, from this very step, with that layer's mask (kv_sources: both are here)."""
+    returned: dict[int, tuple[Any, Any]] = {}
+    for i, (layer, kw) in enumerate(zip(shard.layers, kws, strict=True)):
+        source = shard.kv_sources.get(i) if shard.kv_sources else None
+        if source is None:
+            h, kvs, offset = layer(h, mask_for(caches[i]), caches[i], **kw)
+            returned[i] = (kvs, offset)
+        else:
+            kvs, offset = returned[source]
+            mask = mask_for(caches[source])
+            h = layer(h, mask, None, shared_kv=kvs, offset=offset, **kw)[0]
+    return h
+
+
+def _kv_sources_of(inner: nn.Module, config: dict[str, Any]) -> list[int]:
+    """For each of the decoder's layers, the layer whose keys and values it uses."""
+    name = _KV_SHARING.get(family_of(config))
+    return list(getattr(inner, name, None) or []) if name else []
+
+
+def _kv_shared_count(inner: nn.Module, config: dict[str, Any]) -> int:
+    """How many of the decoder's layers reuse another layer's keys and values."""
+    return sum(1 for i, source in enumerate(_kv_sources_of(inner, config)) if source != i)
+
+
+def kv_shared_sources(
+    inner: nn.Module, config: dict[str, Any], start: int, end: int
+) -> dict[int, int] | None:
+    """For layers [start, end) of a model whose last layers reuse earlier layers' keys
+    and values (gemma4: num_kv_shared_layers): each KV-shared layer's local index -> the
+    local index of the layer it reuses. Those keys and values are computed in the same
+    step, so both must be on this rank; UnsupportedFamily if the range parts them."""
+    sources = _kv_sources_of(inner, config)
+    out: dict[int, int] = {}
+    for layer in range(start, end):
+        source = sources[layer] if layer < len(sources) else layer
+        if source == layer:
+            continue
+        if not start <= source < end:
+            tail = kv_shared_tail(config)
+            raise unsplittable(
+                family_of(config),
+                f"layer {layer} reuses layer {source}'s keys and values "
+                f"(num_kv_shared_layers), computed in the same step, so one rank must hold "
+                f"both; layers [{start}, {end}) part them: give the last rank at least "
+                f"the last {tail} layers (--layers)",
+            )
+        out[layer - start] = source - start
+    return out or None
+
+
+def kv_shared_tail(config: dict[str, Any]) -> int:
+    """How many last layers one rank must hold together: the KV-shared layers and the
+    layers they reuse (gemma4's rule: a shared layer reuses the last layer of its type
+    before the shared ones); 0 for a model without KV sharing."""
+    if family_of(config) not in _KV_SHARING or not config.get("num_kv_shared_layers"):
+        return 0
+    args = importlib.import_module(f"mlx_lm.models.{family_of(config)}").ModelArgs.from_dict(config)
+    n = args.num_hidden_layers
+    first_shared = n - args.num_kv_shared_layers
+    last_of_type = {kind: i for i, kind in enumerate(args.layer_types[:first_shared])}
+    return n - min(last_of_type[args.layer_types[j]] for j in range(first_shared, n))
 
 
 def _offset(caches: list[Any]) -> int:

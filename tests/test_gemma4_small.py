@@ -1,13 +1,17 @@
-"""gemma4_text with per-layer inputs (the 2B/4B layouts' `hidden_size_per_layer_input`).
+"""gemma4_text in the 2B/4B (E2B/E4B) layouts: per-layer inputs and KV sharing.
 
 Each layer of these models takes, besides the hidden state, its slice of a per-layer
 input that the model computes before its first layer from the token ids (a per-layer
-embedding table, most of the real models' weights) and the first hidden state. Rank 0
-alone holds that table and computes them every step; they travel as a side array after
-the hidden state, and each rank keeps its own layers' slices and passes the rest on
-(step_inputs.pass_on). Checked on a tiny random gemma4_text (KV sharing off: still
-refused) against single-process mlx-lm: logits bit-identical at 1, 2 and 3 uneven
-stages, and a 3-rank cluster's concurrent greedy and seeded streams token-exact.
+embedding table, most of the real models' weights) and the first hidden state
+(`hidden_size_per_layer_input`). Rank 0 alone holds that table and computes them every
+step; they travel as a side array after the hidden state, and each rank keeps its own
+layers' slices and passes the rest on (step_inputs.pass_on). Their last layers
+(`num_kv_shared_layers`) have no keys and values of their own: each reuses those the
+last earlier layer of its kind computed in the same step, so the last rank holds them
+with the layers they reuse (a split mlx-relay chooses moves layers there; one a user
+gives otherwise is refused at load). Checked on tiny random gemma4_text models against
+single-process mlx-lm: logits bit-identical at 1, 2 and 3 uneven stages, and a 3-rank
+cluster's concurrent greedy and seeded streams token-exact.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from oracle import generate_concurrently
 from test_families import SPLITS, _oracle, _request, _whole
 from tiny_models import VOCAB_SIZE
 
+from mlx_relay.coordinator.pipeline import _keep_kv_shared_together
 from mlx_relay.model import checkpoint, sharding
 from mlx_relay.model.kvcache import SlotCaches
 from mlx_relay.model.stage import forward_stage
@@ -27,13 +32,19 @@ from mlx_relay.protocol import header as hdr
 
 NUM_LAYERS = 6
 PER_LAYER = (("hidden_size_per_layer_input", 8), ("vocab_size_per_layer_input", VOCAB_SIZE))
+# Layers 4 (sliding) and 5 (full) reuse layers 3 and 2: the last rank holds [2, 6).
+KV_SHARED = (*PER_LAYER, ("num_kv_shared_layers", 2))
+TAIL = 4
+# Uneven splits whose last rank holds the shared layers with the layers they reuse.
+SHARED_SPLITS = ([(0, 6)], [(0, 2), (2, 6)], [(0, 1), (1, 2), (2, 6)])
 ROOT_PARTS = ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm")
 PROMPTS = [("Tell me about the sea.", None), ("Write add(a, b) in Python.", 21)]
 
 
 @pytest.fixture(scope="module")
 def model(tiny_model):
-    return tiny_model("gemma4_text", NUM_LAYERS, overrides=PER_LAYER)
+    """The E2B/E4B layout: per-layer inputs and KV sharing."""
+    return tiny_model("gemma4_text", NUM_LAYERS, overrides=KV_SHARED)
 
 
 def _staged(shards: list[sharding.Shard], caches: list[SlotCaches]):
@@ -61,16 +72,22 @@ def _staged(shards: list[sharding.Shard], caches: list[SlotCaches]):
     return forward
 
 
-def test_stages_equal_the_whole_model(model):
-    """Logits bit-identical to mlx-lm's for a 40-token prefill and 10 decode steps."""
+@pytest.mark.parametrize(("overrides", "splits"), [(PER_LAYER, SPLITS), (KV_SHARED, SHARED_SPLITS)])
+def test_stages_equal_the_whole_model(tiny_model, overrides, splits):
+    """Logits bit-identical to mlx-lm's for a 40-token prefill and 10 decode steps, with
+    per-layer inputs alone (any split) and with KV sharing too."""
+    model = tiny_model("gemma4_text", NUM_LAYERS, overrides=overrides)
     whole = _whole(model)
     prompt = mx.array([[(7 * i + 11) % 500 + 7 for i in range(40)]])
     steps = [mx.array([[t]]) for t in (9, 99, 199, 299, 399, 13, 31, 71, 171, 271)]
     cache = make_prompt_cache(whole)
     expected = [whole(prompt, cache=cache)[:, -1]] + [whole(t, cache=cache)[:, -1] for t in steps]
-    for split in SPLITS:
+    for split in splits:
         shards = [sharding.load_shard(model, a, b, has_ends=a == 0) for a, b in split]
         assert all(s.takes_inputs for s in shards)
+        assert [len(s.make_caches()) for s in shards][-1] == split[-1][1] - split[-1][0] - (
+            2 if overrides == KV_SHARED else 0
+        )
         forward = _staged(shards, [SlotCaches(s) for s in shards])
         got = [forward(prompt)] + [forward(t) for t in steps]
         for i, (a, b) in enumerate(zip(got, expected, strict=True)):
@@ -100,18 +117,31 @@ def test_only_rank_0_holds_the_per_layer_table(model):
     assert len(rank_0s) == 3 and all(checkpoint.layer_of(n) is None for n in rank_0s)
 
 
-def test_kv_sharing_is_still_refused(tiny_model):
-    path = tiny_model("gemma4_text", 4, overrides=(*PER_LAYER, ("num_kv_shared_layers", 1)))
-    with pytest.raises(sharding.UnsupportedFamily, match="num_kv_shared_layers"):
-        sharding.load_shard(path, 0, 2, has_ends=True)
+def test_kv_shared_layers_stay_with_the_layers_they_reuse(model):
+    """A rank holding a KV-shared layer without the layer it reuses is refused at load,
+    naming both; a split mlx-relay chooses moves layers to the last rank, one a user
+    gives is refused before any rank loads."""
+    assert sharding.kv_shared_tail(sharding.read_config(model)) == TAIL
+    with pytest.raises(sharding.UnsupportedFamily, match="layer 5 reuses layer 2's keys"):
+        sharding.load_shard(model, 3, NUM_LAYERS, has_ends=False)
+    assert _keep_kv_shared_together(model, [3, 3], chosen=True) == [2, 4]
+    assert _keep_kv_shared_together(model, [2, 2, 2], chosen=True) == [1, 1, 4]
+    assert _keep_kv_shared_together(model, [1, 5], chosen=False) == [1, 5]
+    with pytest.raises(ValueError, match="the last rank must hold at least 4 layers"):
+        _keep_kv_shared_together(model, [3, 3], chosen=False)
+    with pytest.raises(ValueError, match="must stay on one rank"):
+        _keep_kv_shared_together(model, [1, 1, 1, 3], chosen=True)
 
 
 @pytest.mark.cluster
 def test_cluster_equals_mlx_lm(model, cluster_factory):
-    """Three uneven ranks (1, 3, 2 layers) with eager hops, whose receivers post each
-    side array's receive from the header alone (its shape shrinks at every hop):
-    concurrent greedy and seeded streams equal mlx-lm's."""
-    running = cluster_factory(model, 3, "--hop-mode", "eager", layers="1,3,2")
+    """Three uneven ranks with eager hops, whose receivers post each side array's
+    receive from the header alone (its shape shrinks at every hop), the default split
+    moved so that the last rank holds the KV-shared layers: concurrent greedy and seeded
+    streams equal mlx-lm's."""
+    running = cluster_factory(model, 3, "--hop-mode", "eager")
+    ranks = sorted(running.client.status().ranks, key=lambda r: r.rank)
+    assert ranks[-1].layer_start <= NUM_LAYERS - TAIL, ranks
     results = generate_concurrently(running.client, [_request(*p) for p in PROMPTS])
     for i, (text, seed) in enumerate(PROMPTS):
         assert results[i] == _oracle(model, text, seed), f"request {i} ({seed=})"
