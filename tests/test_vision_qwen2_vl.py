@@ -108,19 +108,17 @@ def _request(images: list[bytes], text: str = QUESTION) -> pb.GenerateRequest:
 
 @pytest.mark.cluster
 def test_image_chats_equal_mlx_vlm(models, cluster):
-    """Two ranks (`--layers 1,3`, prefill chunks of 6): an image chat alone, two image
-    chats of different grids at once (decoded in one batch, each at its own delta),
-    then a text-only chat: mlx-vlm's greedy tokens."""
+    """Two ranks (`--layers 1,3`, prefill chunks of 6): an image chat alone, then two
+    image chats of different grids and a text-only chat at once (decoded in one batch,
+    each row at its own delta): mlx-vlm's greedy tokens."""
     path = models[CLUSTER_FAMILY]
     first = list(cluster.client.generate(_request([png(1)])).token_ids)
     assert first == mlx_vlm_tokens(path, [png(1)])
-    images = [png(2), png(3, (20, 50))]
-    with ThreadPoolExecutor(2) as pool:
-        answers = list(pool.map(lambda i: cluster.client.generate(_request([i])), images))
-    for image, answer in zip(images, answers, strict=True):
-        assert list(answer.token_ids) == mlx_vlm_tokens(path, [image])
-    text = list(cluster.client.generate(_request([])).token_ids)
-    assert text == mlx_vlm_tokens(path, [])
+    chats = [[png(2)], [png(3, (20, 50))], []]
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda i: cluster.client.generate(_request(i)), chats))
+    for images, answer in zip(chats, answers, strict=True):
+        assert list(answer.token_ids) == mlx_vlm_tokens(path, images)
 
 
 def test_rank_0_sends_positions_with_the_prompt_and_the_delta_with_every_step(models):

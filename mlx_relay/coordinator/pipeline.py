@@ -225,7 +225,8 @@ class Pipeline:
             lengths=list(lengths),
             source=hdr.NO_SOURCE if reuse_from is None else reuse_from,
         )
-        sides = self._side_inputs(header, prompt)
+        # (side inputs: only a multimodal-rope model's image prompts and later steps)
+        sides = self._side_inputs(header, prompt) if prompt is not None or self._deltas else []
         h = sharding.embed(self.shard, tokens) if prompt is None else prompt.embeddings
         if self._per_layer:  # gemma4's per-layer inputs: every step, from the token ids
             per_layer = sharding.per_layer_inputs(self.shard, tokens, h)

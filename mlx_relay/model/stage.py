@@ -27,7 +27,7 @@ def forward_stage(
     inputs from this rank's first layer on).
     """
     takes_inputs = shard.takes_inputs
-    arrays = {side.kind: a for side, a in zip(header.sides, sides, strict=True)}
+    arrays = {side.kind: a for side, a in zip(header.sides, sides, strict=True)} if sides else {}
     if header.group != hdr.NO_GROUP:
         batch = caches.for_group(header.group, header.slots, header.offsets)
         inputs = (
