@@ -27,11 +27,13 @@ Layout (int32, HEADER_LEN entries):
     77..               deltas[MAX_SEQS]: each sequence's position delta (below)
 
 *Side arrays* are a forward step's inputs besides the hidden state that only rank 0 can
-compute (a multimodal-rope model's 3-D position ids, which come from the image grid):
-they follow the payload in the header's order, every rank receives them (their shapes
-are in the header, so an eager rank posts every receive at once) and forwards them
-unchanged; the last rank sends none back. A step of a model that needs none has none:
-nothing extra travels. A *delta* shifts a sequence's positions: its token j sits at
+compute (a multimodal-rope model's 3-D position ids, which come from the image grid;
+gemma4's per-layer inputs, from a table only rank 0 holds): they follow the payload in
+the header's order, every rank receives them (their shapes are in the header, so an
+eager rank posts every receive at once) and forwards what the ranks after it need,
+rewriting their entries in the header it forwards (positions unchanged; per-layer
+inputs less its own layers' slices: model/step_inputs.pass_on); the last rank sends none
+back. A step of a model that needs none has none: nothing extra travels. A *delta* shifts a sequence's positions: its token j sits at
 position offset + j + delta where no side array gives positions (a multimodal-rope
 model decodes at offset + rope_delta, one delta per sequence fixed at its prefill);
 zero for every other model, and it costs nothing, as the header travels anyway.
