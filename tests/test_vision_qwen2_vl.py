@@ -99,11 +99,10 @@ def cluster(request, models, tmp_path_factory):
     running.stop()
 
 
-def _request(images: list[bytes], text: str = QUESTION) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
-        messages=[pb.ChatMessage(role="user", content=text, images=images)],
-        params=pb.SamplingParams(max_tokens=MAX_TOKENS),
-    )
+def _request(images: list[bytes], text: str = QUESTION, system: str = "") -> pb.GenerateRequest:
+    messages = [pb.ChatMessage(role="system", content=system)] if system else []
+    messages.append(pb.ChatMessage(role="user", content=text, images=images))
+    return pb.GenerateRequest(messages=messages, params=pb.SamplingParams(max_tokens=MAX_TOKENS))
 
 
 @pytest.mark.cluster
@@ -177,3 +176,17 @@ def test_the_positions_and_the_delta_both_matter(models, family, monkeypatch):
         monkeypatch.setattr(vision, "prompt_inputs", wrong)
         got = staged_tokens(path, png(1), prompt_text(path, 1), [(0, 1), (1, 4)])
         assert got[:3] != want[:3]
+
+
+@pytest.mark.cluster
+def test_an_image_chat_reusing_a_text_prefix(models, cluster):
+    """A text chat leaves its caches behind; an image chat sharing its system prompt
+    reuses them up to its first image token and prefills the rest at its own positions
+    (sliced from the whole prompt's, from the reused length on): mlx-vlm's tokens."""
+    path = models[CLUSTER_FAMILY]
+    system = "You are a helpful assistant. " * 4
+    text = cluster.client.generate(_request([], "Hello!", system))
+    assert list(text.token_ids) == mlx_vlm_tokens(path, [], "Hello!", system)
+    reply = cluster.client.generate(_request([png(4)], system=system))
+    assert list(reply.token_ids) == mlx_vlm_tokens(path, [png(4)], system=system)
+    assert reply.usage.cached_tokens > 16, "the system prompt's caches served"
