@@ -447,7 +447,7 @@ class Pipeline:
             f"{header.describe()} overdue after {elapsed:.1f} s (--step-timeout)"
             + (f"; {suspect.reason}" if suspect else "")
             + (
-                "; with eager hops: if ranks share a GPU, --hop-mode ready avoids this"
+                "; with eager hops on a GPU (they stalled on CUDA), --hop-mode ready avoids this"
                 if self.ring is not None and self.ring.eager
                 else ""
             ),

@@ -55,14 +55,14 @@ def choose_hop_mode(
 ) -> str:
     """The hop mode for `--hop-mode requested` (AUTO or one of HOP_MODES).
 
-    AUTO picks EAGER where what it costs is free. Its receives run on CPU streams of
-    their own, which MPI does not allow (MLX's plain MPI_Init is not thread-safe). A
-    posted receive spins one core, so a CPU rank needs EAGER_CORES_PER_RANK cores (on
-    a 2-core box running 2 ranks the spinning threads take the cores the ranks compute
-    on, and READY is several times faster). On a GPU the next rank's kernels wait on
-    the device for their input; where ranks share the GPU (more than one rank on this
-    machine) that wait can starve the rank it waits for: two ranks on one H100 stalled
-    at their first decode step. So a GPU rank hops eagerly only alone on its machine.
+    AUTO picks EAGER where what it costs is free and it was seen to work. Its receives
+    run on CPU streams of their own, which MPI does not allow (MLX's plain MPI_Init is
+    not thread-safe). A posted receive spins one core, so a CPU rank needs
+    EAGER_CORES_PER_RANK cores (on a 2-core box running 2 ranks the spinning threads take
+    the cores the ranks compute on, and READY is several times faster). A GPU rank hops
+    READY: with EAGER the next rank's kernels wait on the device for their input, and on
+    CUDA every eager cluster tried stalled at its first steps (two ranks sharing an H100
+    or an H200, and two ranks on two H200s); on Metal it was never tried.
     """
     if requested != AUTO:
         if requested not in HOP_MODES:
@@ -73,7 +73,7 @@ def choose_hop_mode(
     if backend == "mpi":
         return READY
     if on_gpu:
-        return EAGER if ranks_here == 1 else READY
+        return READY
     return EAGER if cores >= EAGER_CORES_PER_RANK * max(1, ranks_here) else READY
 
 
