@@ -16,6 +16,8 @@ cluster's concurrent greedy and seeded streams token-exact.
 
 from __future__ import annotations
 
+import shutil
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
@@ -23,9 +25,10 @@ from oracle import generate_concurrently
 from test_families import SPLITS, _oracle, _request, _whole
 from tiny_models import VOCAB_SIZE
 
-from mlx_relay.coordinator.pipeline import _keep_kv_shared_together
-from mlx_relay.model import checkpoint, sharding
+from mlx_relay.coordinator.pipeline import Pipeline, _keep_kv_shared_together
+from mlx_relay.model import checkpoint, memory, sharding
 from mlx_relay.model.kvcache import SlotCaches
+from mlx_relay.model.split import default_split, model_layers
 from mlx_relay.model.stage import forward_stage
 from mlx_relay.model.step_inputs import pass_on
 from mlx_relay.protocol import header as hdr
@@ -119,18 +122,57 @@ def test_only_rank_0_holds_the_per_layer_table(model):
 
 def test_kv_shared_layers_stay_with_the_layers_they_reuse(model):
     """A rank holding a KV-shared layer without the layer it reuses is refused at load,
-    naming both; a split mlx-relay chooses moves layers to the last rank, one a user
-    gives is refused before any rank loads."""
+    naming both; the named splits (the default `balanced`, `even`) give the last rank
+    those layers and split the rest their own way, a split by memory moves layers there,
+    and counts a user gives that part them are refused before any rank loads."""
     assert sharding.kv_shared_tail(sharding.read_config(model)) == TAIL
     with pytest.raises(sharding.UnsupportedFamily, match="layer 5 reuses layer 2's keys"):
         sharding.load_shard(model, 3, NUM_LAYERS, has_ends=False)
-    assert _keep_kv_shared_together(model, [3, 3], chosen=True) == [2, 4]
-    assert _keep_kv_shared_together(model, [2, 2, 2], chosen=True) == [1, 1, 4]
-    assert _keep_kv_shared_together(model, [1, 5], chosen=False) == [1, 5]
+    for spec in ("balanced", "even"):
+        assert model_layers(spec, str(model), 2)[-1] == TAIL
+        assert model_layers(spec, str(model), 3)[-1] == TAIL
+    assert default_split(model, NUM_LAYERS, 3)[-1] == TAIL
+    assert model_layers("1,5", str(model), 2) == [1, 5]
     with pytest.raises(ValueError, match="the last rank must hold at least 4 layers"):
-        _keep_kv_shared_together(model, [3, 3], chosen=False)
+        model_layers("3,3", str(model), 2)
     with pytest.raises(ValueError, match="must stay on one rank"):
-        _keep_kv_shared_together(model, [1, 1, 1, 3], chosen=True)
+        model_layers("even", str(model), 4)
+    assert _keep_kv_shared_together(model, [3, 3], by_memory=True) == [2, 4]
+    assert _keep_kv_shared_together(model, [2, 2, 2], by_memory=True) == [1, 1, 4]
+    with pytest.raises(ValueError, match="the last rank must hold at least 4 layers"):
+        _keep_kv_shared_together(model, [3, 3], by_memory=False)
+    with pytest.raises(ValueError, match="must stay on one rank"):
+        _keep_kv_shared_together(model, [1, 1, 1, 3], by_memory=True)
+
+
+def test_the_memory_check_counts_no_cache_for_kv_shared_layers(model):
+    """The last rank holds every KV-shared layer, none of which keeps a cache."""
+    shard = sharding.load_shard(model, 2, NUM_LAYERS, has_ends=False)
+    held = sum(1 for c in shard.make_caches() if c is not None)
+    one = memory.cache_nbytes(model, 2, 3, 256)
+    assert memory.cache_nbytes(model, 2, NUM_LAYERS, 256) <= held * one
+
+
+def test_per_layer_inputs_keep_their_own_dtype(model, tmp_path):
+    """A checkpoint whose embedding is bfloat16 and per-layer parts float32: the side
+    array is announced with its own dtype, so the ring accepts it."""
+    mixed = tmp_path / "mixed"
+    shutil.copytree(model, mixed)
+    for f in mixed.glob("*.safetensors"):
+        weights = mx.load(str(f))
+        for name in weights:
+            if name.endswith("embed_tokens.weight"):
+                weights[name] = weights[name].astype(mx.bfloat16)
+        mx.save_safetensors(str(f), weights, metadata={"format": "mlx"})
+    shard = sharding.load_shard(mixed, 0, 2, has_ends=True)
+    tokens = mx.array([[5, 6, 7]])
+    h = sharding.embed(shard, tokens)
+    per_layer = sharding.per_layer_inputs(shard, tokens, h)
+    assert h.dtype == mx.bfloat16 and per_layer.dtype == mx.float32
+    pipeline = Pipeline(None, None)
+    pipeline.load(str(mixed))
+    step = pipeline.launch_forward([0], [0], tokens, [3], want_logits=True)
+    assert step.header.sides[0].dtype == "float32"
 
 
 @pytest.mark.cluster

@@ -8,7 +8,7 @@ import pytest
 
 from mlx_relay.model.step_inputs import LayerInputs, PromptInputs
 from mlx_relay.protocol import header as hdr
-from mlx_relay.transport.ring import zip_sides
+from mlx_relay.transport.ring import EAGER, READY, Ring, zip_sides
 
 
 def _forward(**fields) -> hdr.StepHeader:
@@ -93,3 +93,33 @@ def test_a_prompt_chunk_takes_its_share_of_positions():
     part = prompt.chunk(6, 4)
     assert part.embeddings.shape == (1, 4, 4) and part.delta == -5
     assert part.positions.tolist() == [[[6, 7, 8, 9]], [[16, 17, 18, 19]], [[26, 27, 28, 29]]]
+
+
+class _Bell:
+    def __init__(self) -> None:
+        self.rung: list[bytes] = []
+
+    def ring(self, message: bytes) -> None:
+        self.rung.append(message)
+
+
+class _Group:
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 2
+
+
+@pytest.mark.parametrize("mode", [EAGER, READY])
+def test_a_side_array_that_differs_from_its_announcement_never_leaves(mode):
+    """Checked before the header goes: a next rank never waits for half a step."""
+    bell = _Bell()
+    ring = Ring(_Group(), bell, mode)  # (nothing reaches the group: refused first)
+    header = _forward(sides=[hdr.SideArray(hdr.SIDE_PER_LAYER, "bfloat16", (2, 5, 4, 2))])
+    payload = mx.zeros((2, 5, 64), mx.bfloat16)
+    with pytest.raises(hdr.ProtocolError, match="announces a side array"):
+        ring.send(header, payload, [mx.zeros((2, 5, 4, 2), mx.float32)])
+    with pytest.raises(hdr.ProtocolError, match="announces a payload"):
+        ring.send(header, mx.zeros((2, 5, 32), mx.bfloat16), [])
+    assert bell.rung == []

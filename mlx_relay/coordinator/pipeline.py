@@ -28,6 +28,7 @@ from mlx_relay.model.split import (
     LayerCosts,
     cost_split,
     default_split,
+    kv_shared_refusal,
     layer_costs,
     layer_ranges,
     split_layers,
@@ -135,7 +136,7 @@ class Pipeline:
         self.unload()
         path = resolve_model(spec)
         num_layers = sharding.count_layers(sharding.read_config(path))
-        chosen = layers is None or layers == AUTO  # (else the user's own split)
+        by_memory = layers == AUTO  # (named splits arrive as counts that keep the tail)
         if layers == AUTO:
             costs = layer_costs(path, num_layers, sharding.read_config(path))
             layers = memory_split(num_layers, self.world_size, self.hub, costs)
@@ -147,7 +148,7 @@ class Pipeline:
                 f"layer split {counts} does not cover {num_layers} layers over "
                 f"{self.world_size} ranks with at least one layer each"
             )
-        counts = _keep_kv_shared_together(path, list(counts), chosen)
+        counts = _keep_kv_shared_together(path, list(counts), by_memory)
         ranges = layer_ranges(counts)
         try:  # before any worker loads: rank 0 holds the embedding and LM head too
             memory.check_fits(path, *ranges[0], ends=True)
@@ -176,6 +177,8 @@ class Pipeline:
         self.shard = None
         self.loaded = None
         self.caches = None
+        self._deltas.clear()
+        self._per_layer = False
         mx.clear_cache()
 
     def shutdown(self) -> None:
@@ -231,7 +234,9 @@ class Pipeline:
         if self._per_layer:  # gemma4's per-layer inputs: every step, from the token ids
             per_layer = sharding.per_layer_inputs(self.shard, tokens, h)
             header.sides.append(
-                hdr.SideArray(hdr.SIDE_PER_LAYER, dtype_name(h.dtype), tuple(per_layer.shape))
+                hdr.SideArray(
+                    hdr.SIDE_PER_LAYER, dtype_name(per_layer.dtype), tuple(per_layer.shape)
+                )
             )
             sides.append(per_layer)
         try:
@@ -493,20 +498,17 @@ class Pipeline:
         return self.hub.snapshot() if self.hub else {}
 
 
-def _keep_kv_shared_together(path: Any, counts: list[int], chosen: bool) -> list[int]:
+def _keep_kv_shared_together(path: Any, counts: list[int], by_memory: bool) -> list[int]:
     """A split whose last rank holds the model's KV-shared layers with the layers they
-    reuse (gemma4: sharding.kv_shared_tail): a split mlx-relay chose gets layers moved
-    to the last rank from the ranks before it (each keeps one); one the user gave is
-    refused, with the numbers, before any rank loads."""
+    reuse (gemma4: sharding.kv_shared_tail). The named splits keep them there already
+    (split.parse_layers); a split by memory gets layers moved to the last rank from the
+    ranks before it (each keeps one), and counts a user gave that part them are refused,
+    with the numbers, before any rank loads."""
     tail = sharding.kv_shared_tail(sharding.read_config(path))
     if len(counts) == 1 or counts[-1] >= tail:
         return counts
-    if not chosen:
-        raise ValueError(
-            f"layer split {counts}: this model's last {tail} layers reuse each other's keys "
-            "and values within a step (num_kv_shared_layers), so the last rank must hold "
-            f"at least {tail} layers"
-        )
+    if not by_memory:
+        raise ValueError(kv_shared_refusal(counts, tail))
     moved = list(counts)
     for rank in range(len(moved) - 2, -1, -1):
         give = min(moved[rank] - 1, tail - moved[-1])

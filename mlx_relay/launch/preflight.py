@@ -29,6 +29,7 @@ class ModelFacts:
     model_type: str
     num_layers: int
     head_layers: float  # the LM head's cost in decoder layers (for --layers balanced)
+    tail: int = 0  # layers the last rank must hold together (sharding.kv_shared_tail)
 
 
 def check_model(spec: str) -> ModelFacts:
@@ -50,7 +51,8 @@ def check_model(spec: str) -> ModelFacts:
         raise ModelError(f"model {spec!r}: {path / 'config.json'}: {e}") from None
     if num_layers < 1:
         raise ModelError(f"model {spec!r}: config.json says it has {num_layers} layers")
-    return ModelFacts(spec, path, model_type, num_layers, sharding.head_cost_in_layers(config))
+    head = sharding.head_cost_in_layers(config)
+    return ModelFacts(spec, path, model_type, num_layers, head, sharding.kv_shared_tail(config))
 
 
 def check_ranks(facts: ModelFacts, n: int) -> None:
@@ -70,7 +72,7 @@ def check_split(facts: ModelFacts, n: int, layers: str) -> list[int] | str | Non
 
     check_ranks(facts, n)
     try:
-        return resolve_layers(layers, facts.num_layers, n, facts.head_layers)
+        return resolve_layers(layers, facts.num_layers, n, facts.head_layers, tail=facts.tail)
     except ValueError as e:
         raise UserError(str(e)) from None
 

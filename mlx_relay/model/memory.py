@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import psutil
 
-from mlx_relay.model import checkpoint
+from mlx_relay.model import checkpoint, sharding
 
 log = logging.getLogger("mlx_relay.memory")
 
@@ -180,8 +180,12 @@ def _layer_caches(path: str, start: int, end: int) -> tuple[int, tuple[int | Non
     except (TypeError, ValueError) as e:
         raise CacheUnknown(f"model_type {family!r}: {e}") from None
     window = config.get("sliding_window")
+    # KV-shared layers (gemma4's, gemma3n's) read the caches of layers they reuse
+    shared_from = sharding.count_layers(config) - int(config.get("num_kv_shared_layers") or 0)
     windows: list[int | None] = []
     for layer in range(start, end):
+        if layer >= shared_from:
+            continue
         if isinstance(layer_types, list):
             kind = layer_types[layer] if layer < len(layer_types) else "?"
             if kind not in ("full_attention", "sliding_attention"):

@@ -175,19 +175,28 @@ def parse_layers(
     n: int,
     head_layers: float = 0.0,
     costs: LayerCosts | None = None,
+    tail: int = 0,
 ) -> list[int]:
     """`--layers 10,12,8` -> [10, 12, 8], checked against the model and the ranks;
     `--layers balanced` -> `cost_split` of the layers' work when `costs` are known,
-    else `balanced_split`."""
-    if spec.strip() == "balanced":
-        if costs is not None and len(costs.work) == num_layers and len(set(costs.work)) > 1:
-            # Layers of unequal work: each in units of the typical layer, the head as
-            # many of those as its weights (head_layers) say.
-            typical = statistics.median(costs.work) or 1.0
-            return cost_split([w / typical for w in costs.work], n, head_layers)
-        return balanced_split(num_layers, n, head_layers)
-    if spec.strip() == "even":
-        return split_layers(num_layers, n)
+    else `balanced_split`. `tail`: the last rank must hold at least that many layers
+    (gemma4's KV-shared layers with the layers they reuse, `sharding.kv_shared_tail`):
+    a named split gives it exactly those and splits the rest its own way; counts that
+    do not are refused."""
+    spec = spec.strip()
+    if spec in ("balanced", "even"):
+        if n > 1 and tail > 0:
+            if num_layers - tail < n - 1:
+                raise ValueError(
+                    f"this model's last {tail} layers must stay on one rank, which leaves "
+                    f"fewer than one layer for each of the other {n - 1} ranks"
+                )
+            natural = _named_split(spec, num_layers, n, head_layers, costs)
+            if natural[-1] >= tail:
+                return natural
+            rest = num_layers - tail
+            return [*_named_split(spec, rest, n - 1, head_layers, costs), tail]
+        return _named_split(spec, num_layers, n, head_layers, costs)
     try:
         counts = [int(x) for x in spec.split(",")]
     except ValueError:
@@ -203,7 +212,32 @@ def parse_layers(
         raise ValueError(
             f"--layers {spec!r}: sums to {sum(counts)}, the model has {num_layers} layers"
         )
+    if n > 1 and counts[-1] < tail:
+        raise ValueError(kv_shared_refusal(counts, tail))
     return counts
+
+
+def kv_shared_refusal(counts: list[int], tail: int) -> str:
+    return (
+        f"layer split {counts}: this model's last {tail} layers reuse each other's keys "
+        "and values within a step (num_kv_shared_layers), so the last rank must hold "
+        f"at least {tail} layers"
+    )
+
+
+def _named_split(
+    spec: str, num_layers: int, n: int, head_layers: float, costs: LayerCosts | None
+) -> list[int]:
+    """`balanced` or `even` over the first `num_layers` layers."""
+    if spec == "even":
+        return split_layers(num_layers, n)
+    work = costs.work[:num_layers] if costs is not None else []
+    if len(work) == num_layers and len(set(work)) > 1:
+        # Layers of unequal work: each in units of the typical layer, the head as
+        # many of those as its weights (head_layers) say.
+        typical = statistics.median(work) or 1.0
+        return cost_split([w / typical for w in work], n, head_layers)
+    return balanced_split(num_layers, n, head_layers)
 
 
 def layer_ranges(counts: list[int]) -> list[tuple[int, int]]:
@@ -221,6 +255,7 @@ def resolve_layers(
     n: int,
     head_layers: float = 0.0,
     costs: LayerCosts | None = None,
+    tail: int = 0,
 ) -> Layers:
     """`--layers` for a model of `num_layers` layers over `n` ranks: counts, AUTO, or
     None (the default split, left to the pipeline); ValueError says what is wrong."""
@@ -229,7 +264,7 @@ def resolve_layers(
         return None
     if spec == AUTO:
         return AUTO
-    return parse_layers(spec, num_layers, n, head_layers, costs)
+    return parse_layers(spec, num_layers, n, head_layers, costs, tail)
 
 
 def default_split(path: Path, num_layers: int, n: int) -> list[int]:
@@ -239,7 +274,8 @@ def default_split(path: Path, num_layers: int, n: int) -> list[int]:
 
     config = sharding.read_config(path)
     costs = layer_costs(path, num_layers, config)
-    return parse_layers("balanced", num_layers, n, sharding.head_cost_in_layers(config), costs)
+    head = sharding.head_cost_in_layers(config)
+    return parse_layers("balanced", num_layers, n, head, costs, sharding.kv_shared_tail(config))
 
 
 def model_layers(spec: str, model: str, n: int) -> Layers:
@@ -254,4 +290,5 @@ def model_layers(spec: str, model: str, n: int) -> Layers:
     config = sharding.read_config(path)
     num_layers = sharding.count_layers(config)
     costs = layer_costs(path, num_layers, config) if spec.strip() == "balanced" else None
-    return resolve_layers(spec, num_layers, n, sharding.head_cost_in_layers(config), costs)
+    head = sharding.head_cost_in_layers(config)
+    return resolve_layers(spec, num_layers, n, head, costs, sharding.kv_shared_tail(config))

@@ -138,18 +138,24 @@ class Ring:
     ) -> Any:
         """Announce the step and post its payload's send, then its side arrays' (the
         header lists them): at once in EAGER mode, once computed in READY mode. Returns
-        what was posted, to be kept alive until it ran."""
+        what was posted, to be kept alive until it ran. What the header announces is
+        checked first, so a mismatch never leaves half a step on the wire."""
+        shape = hdr.payload_nbytes_shape(header)
+        if shape and (payload is None or tuple(payload.shape) != shape):
+            raise hdr.ProtocolError(f"{header.describe()} announces a payload of shape {shape}")
+        pairs = zip_sides(header, sides) if sides or header.sides else []
+        for side, array in pairs:
+            if tuple(array.shape) != side.shape or dtype_name(array.dtype) != side.dtype:
+                raise hdr.ProtocolError(f"{header.describe()} announces a side array {side}")
         if payload is not None and not self.eager:
             mx.eval(payload, *sides)
         self.send_header(header)
         posted = self.send_payload(header, payload)
-        if not sides:  # (most models: nothing more)
+        if not pairs:  # (most models: nothing more)
             return posted
-        return [posted, *(self._send_side(header, s, a) for s, a in zip_sides(header, sides))]
+        return [posted, *(self._send_side(array) for _, array in pairs)]
 
-    def _send_side(self, header: hdr.StepHeader, side: hdr.SideArray, array: mx.array) -> mx.array:
-        if tuple(array.shape) != side.shape or dtype_name(array.dtype) != side.dtype:
-            raise hdr.ProtocolError(f"{header.describe()} announces a side array {side}")
+    def _send_side(self, array: mx.array) -> mx.array:
         sent = mx.distributed.send(array, self.next, group=self.group, stream=self._stream("send"))
         mx.async_eval(sent)
         return sent
