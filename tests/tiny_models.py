@@ -486,7 +486,8 @@ def _adapted_config(family: str, num_layers: int, hidden_size: int, head_dim: in
 def _gemma3n_config(num_layers: int, hidden_size: int, overrides: dict) -> dict:
     """gemma3n's config.json: the text model's settings in text_config (its towers
     left out: mlx-lm runs the text model alone). Full attention on every third layer;
-    the last GEMMA3N_KV_SHARED layers reuse the last earlier layer of their kind."""
+    the last GEMMA3N_KV_SHARED layers (fewer in a model of under 5 layers) reuse the
+    last earlier layer of their kind."""
     vocab = _vocab()
     head_dim = hidden_size // NUM_HEADS
     text = {
@@ -501,7 +502,8 @@ def _gemma3n_config(num_layers: int, hidden_size: int, overrides: dict) -> dict:
         "vocab_size": len(vocab),
         "vocab_size_per_layer_input": GEMMA3N_PER_LAYER_VOCAB,
         "hidden_size_per_layer_input": 8,
-        "num_kv_shared_layers": GEMMA3N_KV_SHARED,
+        # (at most as many as leave a full-attention layer before them, which it needs)
+        "num_kv_shared_layers": max(0, min(GEMMA3N_KV_SHARED, num_layers - 3)),
         "sliding_window": DEFAULT_SLIDING_WINDOW,
         "max_position_embeddings": 2048,
         "rope_local_base_freq": 10000.0,
