@@ -17,11 +17,20 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from oracle import generate_concurrently
-from test_families import _oracle, _request, _whole
+from oracle import generate_concurrently, tokenizer_for
+from test_families import (
+    RAW_TOKENS,
+    _continuable_prompt,
+    _oracle,
+    _raw,
+    _request,
+    _second_equals_mlx_lm,
+    _whole,
+)
 from tiny_models import GEMMA3N_KV_SHARED, GEMMA3N_PER_LAYER_VOCAB
 
 from mlx_relay.coordinator.pipeline import _keep_kv_shared_together
+from mlx_relay.coordinator.requests import encode_text
 from mlx_relay.model import checkpoint, sharding
 from mlx_relay.model.kvcache import SlotCaches
 from mlx_relay.model.stage import forward_stage
@@ -126,10 +135,16 @@ def test_kv_shared_layers_stay_with_the_layers_they_reuse(model):
 def test_cluster_equals_mlx_lm(model, cluster_factory):
     """Three uneven ranks on the default split, moved so that the last rank holds the
     KV-shared layers: concurrent greedy and seeded streams (one decode group) equal
-    mlx-lm's."""
+    mlx-lm's, and so does a raw prompt continuing an earlier one and its output, which
+    starts from that one's caches (the layers' position offset comes from them)."""
     running = cluster_factory(model, 3)
     ranks = sorted(running.client.status().ranks, key=lambda r: r.rank)
     assert ranks[-1].layer_start <= NUM_LAYERS - TAIL, ranks
     results = generate_concurrently(running.client, [_request(*p) for p in PROMPTS])
     for i, (text, seed) in enumerate(PROMPTS):
         assert results[i] == _oracle(model, text, seed), f"request {i} ({seed=})"
+    raw = _continuable_prompt(model)
+    raw_reply = running.client.generate(_raw(raw, RAW_TOKENS)).text
+    first = encode_text(tokenizer_for(model), raw)
+    cached = _second_equals_mlx_lm(running, model, first, raw + raw_reply + "\nAnd then?")
+    assert cached > len(first), "continuing a prompt and its output reuses its caches"
