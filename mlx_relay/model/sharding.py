@@ -11,7 +11,9 @@ bit-identical results to the full model, which the tests check for every family.
 Layers need not be uniform: a rank's layers may mix full attention, sliding windows
 and linear attention (conv/SSM state), dense and MoE MLPs. What mask each layer gets
 follows from its cache's kind (`mask_kind`), as in the models' own `__call__`; a
-family this cannot reproduce is refused when it loads (`check_splittable`).
+family this cannot reproduce is refused when it loads (`check_splittable`). What
+travels between ranks may be more than one hidden state: gemma3n's AltUp streams,
+folded into the payload's width (altup.py).
 """
 
 from __future__ import annotations
@@ -213,8 +215,9 @@ _LAYER_CALLS: dict[str, _LayerCall] = {
 _REFUSE_CONFIG: dict[str, Callable[[Any], str | None]] = {}
 
 # Families whose last layers reuse an earlier layer's keys and values, computed in the
-# same forward (gemma4's 2B/4B layouts: num_kv_shared_layers): the decoder's list of,
-# for each layer, the layer whose keys and values it uses (itself where it has its own).
+# same forward (gemma4's 2B/4B layouts, gemma3n: num_kv_shared_layers): the decoder's
+# list of, for each layer, the layer whose keys and values it uses (itself where it has
+# its own).
 _KV_SHARING = {"gemma4_text": "previous_kvs", "gemma3n": "layer_idx_to_cache_idx"}
 
 # What mask a layer gets, by its cache's kind: the models build one mask per kind from
@@ -696,9 +699,10 @@ def computes_per_layer_inputs(shard: Shard) -> bool:
 
 
 def per_layer_inputs(shard: Shard, tokens: mx.array, h: mx.array) -> mx.array:
-    """gemma4's per-layer inputs of every layer (batch, tokens, layers, dim), on rank 0
-    from the token ids and the first hidden state (embed's output), by the model's own
-    methods, as its forward computes them before its first layer."""
+    """gemma4's and gemma3n's per-layer inputs of every layer (batch, tokens, layers,
+    dim), on rank 0 from the token ids and the first hidden state (embed's output; for
+    gemma3n its first AltUp stream), by the model's own methods, as its forward computes
+    them before its first layer."""
     inner = shard.inner
     if family_of(shard.config) in altup.FAMILIES:  # gemma3n: from stream 0, its embedding
         h0 = altup.first_stream(h, altup.streams(inner))
@@ -844,17 +848,17 @@ def kv_shared_sources(
 
 def kv_shared_tail(config: dict[str, Any]) -> int:
     """How many last layers one rank must hold together: the KV-shared layers and the
-    layers they reuse (gemma4's rule: a shared layer reuses the last layer of its type
-    before the shared ones); 0 for a model without KV sharing."""
-    if family_of(config) not in _KV_SHARING:
+    layers they reuse (gemma4's and gemma3n's rule: a shared layer reuses the last layer
+    of its type before the shared ones); 0 for a model without KV sharing."""
+    family = family_of(config)
+    text = (config.get("text_config") or {}) if family in _TEXT_ARGS else config
+    if family not in _KV_SHARING or not text.get("num_kv_shared_layers"):
         return 0
-    module = importlib.import_module(f"mlx_lm.models.{family_of(config)}")
-    if family_of(config) in _TEXT_ARGS:  # (gemma3n: its decoder's own TextConfig)
-        args = module.TextConfig.from_dict(config["text_config"])
+    module = importlib.import_module(f"mlx_lm.models.{family}")
+    if family in _TEXT_ARGS:  # (gemma3n: its decoder's own TextConfig)
+        args = module.TextConfig.from_dict(text)
     else:
         args = module.ModelArgs.from_dict(config)
-    if not args.num_kv_shared_layers:
-        return 0
     n = args.num_hidden_layers
     first_shared = n - args.num_kv_shared_layers
     last_of_type = {kind: i for i, kind in enumerate(args.layer_types[:first_shared])}
