@@ -34,7 +34,7 @@ from mlx_relay.coordinator.requests import encode_text
 from mlx_relay.model import checkpoint, sharding
 from mlx_relay.model.kvcache import SlotCaches
 from mlx_relay.model.stage import forward_stage
-from mlx_relay.model.step_inputs import pass_on
+from mlx_relay.model.step_inputs import LayerInputs, pass_on
 from mlx_relay.protocol import header as hdr
 
 NUM_LAYERS = 6
@@ -101,6 +101,27 @@ def test_stages_equal_the_whole_model(model):
         got = [forward(prompt)] + [forward(t) for t in steps]
         for i, (a, b) in enumerate(zip(got, expected, strict=True)):
             assert mx.array_equal(a, b).item(), f"split {split}: step {i} differs"
+
+
+def test_every_stream_matters(model):
+    """The check above can fail: a hop that carried only the first AltUp stream (the
+    others zeroed) would change the logits."""
+    prompt = mx.array([[(7 * i + 11) % 500 + 7 for i in range(40)]])
+    shards = [sharding.load_shard(model, a, b, has_ends=a == 0) for a, b in SPLITS[1]]
+    h = sharding.embed(shards[0], prompt)
+    per_layer = sharding.per_layer_inputs(shards[0], prompt, h)
+    inputs = LayerInputs(offsets=[0], deltas=[0], per_layer=per_layer)
+    first = sharding.run_layers(shards[0], h, shards[0].make_caches(), inputs)
+    outs = []
+    for hop in (
+        first,
+        mx.concatenate([first[..., :HIDDEN], mx.zeros_like(first[..., HIDDEN:])], -1),
+    ):
+        inputs = LayerInputs(offsets=[0], deltas=[0], per_layer=per_layer[:, :, 2:])
+        last = sharding.run_layers(shards[1], hop, shards[1].make_caches(), inputs)
+        outs.append(sharding.head(shards[0], last)[:, -1])
+    assert mx.isfinite(outs[1]).all().item()
+    assert not mx.allclose(outs[0], outs[1]).item()
 
 
 def test_only_rank_0_holds_the_per_layer_table_and_altup_projections(model):

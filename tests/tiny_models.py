@@ -494,7 +494,7 @@ def _gemma3n_config(num_layers: int, hidden_size: int, overrides: dict) -> dict:
         "model_type": "gemma3n_text",
         "hidden_size": hidden_size,
         "num_hidden_layers": num_layers,
-        "intermediate_size": 2 * hidden_size,
+        "intermediate_size": [2 * hidden_size] * num_layers,  # (per layer, as released)
         "num_attention_heads": NUM_HEADS,
         "num_key_value_heads": NUM_KV_HEADS,
         "head_dim": head_dim,
