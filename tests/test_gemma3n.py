@@ -17,6 +17,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load_model
 from oracle import generate_concurrently, tokenizer_for
 from test_families import (
     RAW_TOKENS,
@@ -25,7 +26,6 @@ from test_families import (
     _raw,
     _request,
     _second_equals_mlx_lm,
-    _whole,
 )
 from tiny_models import GEMMA3N_KV_SHARED, GEMMA3N_PER_LAYER_VOCAB
 
@@ -71,7 +71,8 @@ def _staged(shards: list[sharding.Shard], caches: list[SlotCaches]):
         h = sharding.embed(shards[0], tokens)
         assert h.shape == (1, n, STREAMS * HIDDEN)  # the payload: streams folded
         per_layer = sharding.per_layer_inputs(shards[0], tokens, h)
-        header.sides = [hdr.SideArray(hdr.SIDE_PER_LAYER, "float32", tuple(per_layer.shape))]
+        dtype = str(per_layer.dtype).removeprefix("mlx.core.")
+        header.sides = [hdr.SideArray(hdr.SIDE_PER_LAYER, dtype, tuple(per_layer.shape))]
         sides = [per_layer]
         for shard, c in zip(shards, caches, strict=True):
             header = hdr.decode(hdr.encode(header))
@@ -84,10 +85,14 @@ def _staged(shards: list[sharding.Shard], caches: list[SlotCaches]):
     return forward
 
 
-def test_stages_equal_the_whole_model(model):
+@pytest.mark.parametrize("dtype", [None, mx.bfloat16], ids=["float32", "bfloat16"])
+def test_stages_equal_the_whole_model(model, dtype):
     """Logits bit-identical to mlx-lm's for a 40-token prefill (ids past the per-layer
-    table's too) and 10 decode steps, at 1, 2 and 3 uneven stages."""
-    whole = _whole(model)
+    table's too) and 10 decode steps, at 1, 2 and 3 uneven stages, in the checkpoint's
+    float32 and in bfloat16 (the released models' dtype)."""
+    whole = load_model(model)[0]  # (its own: the oracle's cached one stays float32)
+    if dtype is not None:
+        whole.set_dtype(dtype)
     prompt = mx.array([[(7 * i + 11) % 500 + 7 for i in range(40)]])
     assert (prompt >= GEMMA3N_PER_LAYER_VOCAB).any().item()
     steps = [mx.array([[t]]) for t in (9, 99, 199, 299, 399, 13, 31, 71, 171, 271)]
@@ -95,6 +100,8 @@ def test_stages_equal_the_whole_model(model):
     expected = [whole(prompt, cache=cache)[:, -1]] + [whole(t, cache=cache)[:, -1] for t in steps]
     for split in SPLITS:
         shards = [sharding.load_shard(model, a, b, has_ends=a == 0) for a, b in split]
+        for s in shards if dtype is not None else ():
+            s.model.set_dtype(dtype)
         assert all(s.takes_inputs for s in shards)
         assert len(shards[-1].make_caches()) == split[-1][1] - split[-1][0] - GEMMA3N_KV_SHARED
         forward = _staged(shards, [SlotCaches(s) for s in shards])
