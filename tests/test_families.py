@@ -11,7 +11,6 @@ caches only) and gives mlx-lm's tokens either way.
 from __future__ import annotations
 
 import importlib
-import json
 import time
 from math import inf
 
@@ -172,19 +171,6 @@ def test_a_family_that_cannot_be_split_is_refused_when_it_loads(tiny_model, fami
         sharding.load_shard(path, 0, 2, has_ends=True)
     if overrides:
         assert overrides[0][0] in str(refused.value), "the reason names what is refused"
-
-
-@pytest.mark.parametrize(("family", "why"), [("gemma3n", "per-layer inputs")])
-def test_the_families_still_refused_say_why(tmp_path, family, why):
-    """No tiny model of these (gemma3n's config alone is a page): loading refuses them
-    on the config's model type, before mlx-lm builds the model or reads a weight."""
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": family}))
-    with pytest.raises(
-        sharding.UnsupportedFamily, match=f"'{family}' cannot be split over ranks: "
-    ):
-        sharding.load_shard(tmp_path, 0, 1, has_ends=True)
-    with pytest.raises(sharding.UnsupportedFamily, match=why):
-        sharding.check_splittable(object(), {"model_type": family}, [])
 
 
 @pytest.mark.cluster

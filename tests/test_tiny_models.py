@@ -13,6 +13,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model, load_tokenizer
 from tiny_models import (
     ADAPTED_FAMILIES,
+    ALTUP_FAMILIES,
     CACHELIST_FAMILIES,
     EXTRA_FAMILIES,
     FAMILIES,
@@ -145,6 +146,7 @@ OTHER_FAMILIES = (
     + SCALED_FAMILIES
     + ADAPTED_FAMILIES
     + ROW_BY_ROW_FAMILIES
+    + ALTUP_FAMILIES
 )
 
 

@@ -66,6 +66,13 @@ ADAPTED_FAMILIES = ("gemma4_text", "falcon_h1", "nanochat", "recurrent_gemma")
 # ids, so a vocabulary of PHI3SMALL_VOCAB rows of which only the tokenizer's first
 # VOCAB_SIZE can win).
 ROW_BY_ROW_FAMILIES = ("phi3small",)
+# gemma3n (text model): AltUp streams as the hidden state, Laurel blocks, activation
+# sparsity on its first layers, per-layer inputs (a per-layer table of its first
+# GEMMA3N_PER_LAYER_VOCAB ids) and its last GEMMA3N_KV_SHARED layers reusing earlier
+# layers' keys and values; its config nests a text_config. tests/test_gemma3n.py.
+ALTUP_FAMILIES = ("gemma3n",)
+GEMMA3N_KV_SHARED = 2
+GEMMA3N_PER_LAYER_VOCAB = 256
 PHI3SMALL_VOCAB = 100352
 NUM_EXPERTS = 4
 EXPERTS_PER_TOKEN = 2
@@ -476,6 +483,53 @@ def _adapted_config(family: str, num_layers: int, hidden_size: int, head_dim: in
     return {}
 
 
+def _gemma3n_config(num_layers: int, hidden_size: int, overrides: dict) -> dict:
+    """gemma3n's config.json: the text model's settings in text_config (its towers
+    left out: mlx-lm runs the text model alone). Full attention on every third layer;
+    the last GEMMA3N_KV_SHARED layers (fewer in a model of under 5 layers) reuse the
+    last earlier layer of their kind."""
+    vocab = _vocab()
+    head_dim = hidden_size // NUM_HEADS
+    text = {
+        "model_type": "gemma3n_text",
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "intermediate_size": [2 * hidden_size] * num_layers,  # (per layer, as released)
+        "num_attention_heads": NUM_HEADS,
+        "num_key_value_heads": NUM_KV_HEADS,
+        "head_dim": head_dim,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": len(vocab),
+        "vocab_size_per_layer_input": GEMMA3N_PER_LAYER_VOCAB,
+        "hidden_size_per_layer_input": 8,
+        # (at most as many as leave a full-attention layer before them, which it needs)
+        "num_kv_shared_layers": max(0, min(GEMMA3N_KV_SHARED, num_layers - 3)),
+        "sliding_window": DEFAULT_SLIDING_WINDOW,
+        "max_position_embeddings": 2048,
+        "rope_local_base_freq": 10000.0,
+        "rope_theta": 1000000.0,
+        "final_logit_softcapping": 30.0,
+        "layer_types": [
+            "full_attention" if i % 3 == 2 else "sliding_attention" for i in range(num_layers)
+        ],
+        "activation_sparsity_pattern": [0.95] * 2 + [0.0] * (num_layers - 2),
+        "altup_num_inputs": 4,
+        "altup_coef_clip": 120.0,
+        "altup_correct_scale": True,
+        "altup_active_idx": 0,
+        "laurel_rank": 8,
+    }
+    text.update(overrides)
+    return {
+        "model_type": "gemma3n",
+        "text_config": text,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+        "eos_token_id": vocab[EOS_TOKEN],
+        "pad_token_id": vocab[PAD_TOKEN],
+    }
+
+
 def _moe_config(family: str, num_layers: int, hidden_size: int, head_dim: int) -> dict:
     """The expert, MLA and linear-attention settings of the non-dense families."""
     experts = {"num_experts_per_tok": EXPERTS_PER_TOKEN, "moe_intermediate_size": hidden_size}
@@ -633,10 +687,18 @@ def make_tiny_model(
     ``overrides``: (key, value) pairs set in config.json last.
     """
     path = write_tokenizer(path)
-    config = _config(
-        family, num_layers, hidden_size, tie_word_embeddings, sliding_window, sliding_window_pattern
-    )
-    config.update(dict(overrides))
+    if family in ALTUP_FAMILIES:  # overrides: of its text_config
+        config = _gemma3n_config(num_layers, hidden_size, dict(overrides))
+    else:
+        config = _config(
+            family,
+            num_layers,
+            hidden_size,
+            tie_word_embeddings,
+            sliding_window,
+            sliding_window_pattern,
+        )
+        config.update(dict(overrides))
     arch = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(family, family)}")
     model = arch.Model(arch.ModelArgs.from_dict(config))
     _init_weights(model, seed, gemma=family in ("gemma3_text", "gemma2", "recurrent_gemma"))
@@ -672,6 +734,18 @@ def make_tiny_model(
             attn.q_norm.weight = mx.ones_like(attn.q_norm.weight)
             if "k_norm" in attn:  # KV-shared layers have none
                 attn.k_norm.weight = mx.ones_like(attn.k_norm.weight)
+        inner.embed_tokens.weight = inner.embed_tokens.weight * (GEMMA_EMBED_RMS / LOGIT_STD)
+        inner.norm.weight = mx.full(inner.norm.weight.shape, LOGIT_STD / GEMMA_EMBED_RMS)
+    if family == "gemma3n":
+        # As gemma4 (plain RMSNorm weights, embeddings x sqrt(hidden), attention scale
+        # 1.0 after the q/k norms), and AltUp's output scale at 1 so that the per-layer
+        # inputs weigh in (at 0.02 they would hardly change a token).
+        inner = model.model.language_model
+        for layer in inner.layers:
+            attn = layer.self_attn
+            attn.q_norm.weight = mx.ones_like(attn.q_norm.weight)
+            attn.k_norm.weight = mx.ones_like(attn.k_norm.weight)
+            layer.altup.correct_output_scale = mx.ones_like(layer.altup.correct_output_scale)
         inner.embed_tokens.weight = inner.embed_tokens.weight * (GEMMA_EMBED_RMS / LOGIT_STD)
         inner.norm.weight = mx.full(inner.norm.weight.shape, LOGIT_STD / GEMMA_EMBED_RMS)
     weights = dict(tree_flatten(model.parameters()))

@@ -11,7 +11,9 @@ bit-identical results to the full model, which the tests check for every family.
 Layers need not be uniform: a rank's layers may mix full attention, sliding windows
 and linear attention (conv/SSM state), dense and MoE MLPs. What mask each layer gets
 follows from its cache's kind (`mask_kind`), as in the models' own `__call__`; a
-family this cannot reproduce is refused when it loads (`check_splittable`).
+family this cannot reproduce is refused when it loads (`check_splittable`). What
+travels between ranks may be more than one hidden state: gemma3n's AltUp streams,
+folded into the payload's width (altup.py).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from mlx_lm.models.cache import (
 )
 from mlx_lm.utils import load_model
 
-from mlx_relay.model import vision
+from mlx_relay.model import altup, vision
 from mlx_relay.model.step_inputs import LAYER_INPUTS, LayerInputs, takes_inputs
 
 # What each family's own forward does around the layers besides embed_tokens, the final
@@ -110,6 +112,7 @@ _EMBED_OPS: dict[str, _Op] = {
     "gear": lambda a, h: h * math.sqrt(a.hidden_size),
     "muse_glimmer": lambda a, h: mx.fast.rms_norm(h, None, a.rms_norm_eps),
     "gemma4_text": lambda a, h: h * (a.hidden_size**0.5),
+    "gemma3n": lambda a, h: h * (a.hidden_size**0.5),  # (then its AltUp streams: altup.py)
     "nanochat": _nanochat_norm,
     "phi3small": lambda a, h: a.mup_embedding_multiplier * h if a.mup_embedding_multiplier else h,
     "recurrent_gemma": lambda a, h: (
@@ -131,6 +134,7 @@ _LOGITS_OPS: dict[str, _Op] = {
     "cohere2": lambda a, x: x * a.logit_scale,
     "muse_glimmer": lambda a, x: _softcap(a.final_logit_softcapping, x * a.output_multiplier),
     "gemma4_text": _own_softcap("gemma4_text", "logit_softcap"),
+    "gemma3n": _own_softcap("gemma3n", "logit_softcap"),
     "nanochat": _own_softcap("nanochat", "softcap"),
     "falcon_h1": _falcon_h1_logits,
     "recurrent_gemma": lambda a, x: _softcap(a.logits_soft_cap, x),
@@ -158,7 +162,12 @@ _PARTS: dict[str, Parts] = {
     "recurrent_gemma": Parts(norm="final_norm"),
     "phi3small": Parts(norm="final_layernorm"),
     "nanochat": Parts(decoder="transformer", layers="h", embed="wte", norm=None),
+    "gemma3n": Parts(decoder="model.language_model"),  # (its towers: sanitize drops them)
 }
+
+# Families whose ModelArgs only wrap a text config (gemma3n: model_type, text_config):
+# the ops and rules read the decoder's own config, with the model's defaults filled in.
+_TEXT_ARGS = {"gemma3n": "model.language_model.config"}
 
 
 def parts_of(config: dict[str, Any]) -> Parts:
@@ -206,9 +215,10 @@ _LAYER_CALLS: dict[str, _LayerCall] = {
 _REFUSE_CONFIG: dict[str, Callable[[Any], str | None]] = {}
 
 # Families whose last layers reuse an earlier layer's keys and values, computed in the
-# same forward (gemma4's 2B/4B layouts: num_kv_shared_layers): the decoder's list of,
-# for each layer, the layer whose keys and values it uses (itself where it has its own).
-_KV_SHARING = {"gemma4_text": "previous_kvs"}
+# same forward (gemma4's 2B/4B layouts, gemma3n: num_kv_shared_layers): the decoder's
+# list of, for each layer, the layer whose keys and values it uses (itself where it has
+# its own).
+_KV_SHARING = {"gemma4_text": "previous_kvs", "gemma3n": "layer_idx_to_cache_idx"}
 
 # What mask a layer gets, by its cache's kind: the models build one mask per kind from
 # the first cache of that kind (full attention, sliding window, linear attention).
@@ -228,6 +238,14 @@ _ROOT_PARTS = {
         "per_layer_model_projection",
         "per_layer_projection_norm",
     ),
+    # gemma3n's too, and the projections that make and merge its AltUp streams
+    "gemma3n": (
+        "embed_tokens_per_layer",
+        "per_layer_model_projection",
+        "per_layer_projection_norm",
+        "altup_projections",
+        "altup_unembed_projections",
+    ),
 }
 
 # Families whose decode groups run row by row, each sequence on its own caches (as
@@ -237,12 +255,9 @@ _ROOT_PARTS = {
 _ROW_BY_ROW = ("phi3small",)
 
 # Families that pass the structural checks but whose own forward does more than embed,
-# run the layers and apply norm and head, so a split would not give their tokens.
-_NOT_SPLITTABLE = {
-    "gemma3n": "its layers take per-layer inputs that rank 0 computes from the token ids "
-    "(only the hidden state travels between ranks), its hidden state is several AltUp "
-    "streams, and its last layers reuse earlier layers' keys and values",
-}
+# run the layers and apply norm and head, so a split would not give their tokens (none
+# now: gemma3n, the last one here, splits with its AltUp streams folded: altup.py).
+_NOT_SPLITTABLE: dict[str, str] = {}
 
 
 class UnsupportedFamily(ValueError):
@@ -394,13 +409,20 @@ def inner_model(model: nn.Module, parts: Parts | None = None) -> nn.Module:
     """The decoder body that owns the layers (model.model for most mlx-lm families)."""
     parts = parts or Parts()
     for name in (parts.decoder, "model", "language_model"):
-        candidate = getattr(model, name, None)
+        candidate = _attr_path(model, name)
         if candidate is not None and hasattr(candidate, parts.layers):
             return candidate
     raise ValueError(
         f"model type {type(model).__module__} has no decoder with a 'layers' list; "
         "mlx-relay shards decoders whose forward loops over model.layers"
     )
+
+
+def _attr_path(obj: Any, dotted: str) -> Any:
+    """obj.a.b for "a.b" (None where a part is missing)."""
+    for name in dotted.split("."):
+        obj = getattr(obj, name, None)
+    return obj
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -625,7 +647,7 @@ def check_splittable(
             mask_kind(mask_source(cache))
         except UnsupportedFamily as e:
             raise refuse(f"layer {i}: {e}") from None
-    if family in _LAYER_CALLS:  # its layers are called as its own forward calls them
+    if family in _LAYER_CALLS or family in altup.FAMILIES:  # called as its forward does
         return
     for layer in {type(layer): layer for layer in layers}.values():
         params = list(inspect.signature(layer.__call__).parameters)
@@ -662,6 +684,8 @@ def model_args(shard: Shard) -> Any:
 
 
 def model_args_of(outer: nn.Module, config: dict[str, Any]) -> Any:
+    if path := _TEXT_ARGS.get(family_of(config)):
+        return _attr_path(outer, path)
     return getattr(outer, "args", None) or SimpleNamespace(**config)
 
 
@@ -675,18 +699,24 @@ def computes_per_layer_inputs(shard: Shard) -> bool:
 
 
 def per_layer_inputs(shard: Shard, tokens: mx.array, h: mx.array) -> mx.array:
-    """gemma4's per-layer inputs of every layer (batch, tokens, layers, dim), on rank 0
-    from the token ids and the first hidden state (embed's output), by the model's own
-    methods, as its forward computes them before its first layer."""
+    """gemma4's and gemma3n's per-layer inputs of every layer (batch, tokens, layers,
+    dim), on rank 0 from the token ids and the first hidden state (embed's output; for
+    gemma3n its first AltUp stream), by the model's own methods, as its forward computes
+    them before its first layer."""
     inner = shard.inner
+    if family_of(shard.config) in altup.FAMILIES:  # gemma3n: from stream 0, its embedding
+        h0 = altup.first_stream(h, altup.streams(inner))
+        return inner.project_per_layer_inputs(h0, inner.get_per_layer_inputs(tokens))
     return inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(tokens))
 
 
 def embed(shard: Shard, tokens: mx.array) -> mx.array:
     """Token embeddings as the family's own forward feeds them to its first layer."""
     h = getattr(shard.inner, shard.parts.embed)(tokens)
-    op = _EMBED_OPS.get(shard.config.get("model_type", ""))
-    return op(model_args(shard), h) if op else h
+    family = family_of(shard.config)
+    op = _EMBED_OPS.get(family)
+    h = op(model_args(shard), h) if op else h
+    return altup.expand(shard.inner, h) if family in altup.FAMILIES else h
 
 
 def run_layers(
@@ -722,6 +752,8 @@ def run_layers(
         if inputs is None:  # (a probe, or a test's own run: positions from the caches)
             inputs = LayerInputs(offsets=[_offset(caches)] * h.shape[0], deltas=[0] * h.shape[0])
         kws = LAYER_INPUTS[family](shard.layers, h, inputs)
+        if family in altup.FAMILIES:
+            return _run_altup(shard, h, caches, kws, mask_for)
         if shard.kv_sources:
             return _run_kv_shared(shard, h, caches, kws, mask_for)
         for layer, cache, kw in zip(shard.layers, caches, kws, strict=True):
@@ -755,6 +787,26 @@ def _run_kv_shared(
             mask = mask_for(caches[source])
             h = layer(h, mask, None, shared_kv=kvs, offset=offset, **kw)[0]
     return h
+
+
+def _run_altup(
+    shard: Shard,
+    h: mx.array,
+    caches: list[Any],
+    kws: list[dict[str, Any]],
+    mask_for: Callable[[Any], Any],
+) -> mx.array:
+    """gemma3n's layers as its forward runs them, on its AltUp streams (folded in h:
+    altup.py): every layer takes one position offset, the first cache's before the
+    step, and a KV-shared layer the cache of the layer it reuses (updated earlier in
+    this step), with that layer's mask (kv_sources: both are here)."""
+    x = altup.unfold(h, altup.streams(shard.inner))
+    offset = caches[0].offset if caches else 0
+    sources = shard.kv_sources or {}
+    for i, (layer, kw) in enumerate(zip(shard.layers, kws, strict=True)):
+        cache = caches[sources.get(i, i)]
+        x = layer(x, mask_for(cache), cache, offset=offset, **kw)
+    return altup.fold(x)
 
 
 def _kv_sources_of(inner: nn.Module, config: dict[str, Any]) -> list[int]:
@@ -796,11 +848,17 @@ def kv_shared_sources(
 
 def kv_shared_tail(config: dict[str, Any]) -> int:
     """How many last layers one rank must hold together: the KV-shared layers and the
-    layers they reuse (gemma4's rule: a shared layer reuses the last layer of its type
-    before the shared ones); 0 for a model without KV sharing."""
-    if family_of(config) not in _KV_SHARING or not config.get("num_kv_shared_layers"):
+    layers they reuse (gemma4's and gemma3n's rule: a shared layer reuses the last layer
+    of its type before the shared ones); 0 for a model without KV sharing."""
+    family = family_of(config)
+    text = (config.get("text_config") or {}) if family in _TEXT_ARGS else config
+    if family not in _KV_SHARING or not text.get("num_kv_shared_layers"):
         return 0
-    args = importlib.import_module(f"mlx_lm.models.{family_of(config)}").ModelArgs.from_dict(config)
+    module = importlib.import_module(f"mlx_lm.models.{family}")
+    if family in _TEXT_ARGS:  # (gemma3n: its decoder's own TextConfig)
+        args = module.TextConfig.from_dict(text)
+    else:
+        args = module.ModelArgs.from_dict(config)
     n = args.num_hidden_layers
     first_shared = n - args.num_kv_shared_layers
     last_of_type = {kind: i for i, kind in enumerate(args.layer_types[:first_shared])}
@@ -824,6 +882,8 @@ def head(shard: Shard, h: mx.array) -> mx.array:
     """Final norm and LM head (tied embeddings when the model has no lm_head), with
     whatever the family's own forward does around them (the tables above)."""
     family = shard.config.get("model_type", "")
+    if family in altup.FAMILIES:  # gemma3n: its AltUp streams merged into one first
+        h = altup.merge(shard.inner, h)
     norm = shard.parts.norm
     if norm is not None:
         h = getattr(shard.inner, norm)(h)

@@ -108,7 +108,7 @@ def _mrope(layers: list[Any], h: mx.array, inputs: LayerInputs) -> list[dict[str
 
 
 def _per_layer(layers: list[Any], h: mx.array, inputs: LayerInputs) -> list[dict[str, Any]]:
-    """gemma4 (2B/4B layouts): layer i takes its slice of the per-layer inputs."""
+    """gemma4 (2B/4B layouts), gemma3n: layer i takes its slice of the per-layer inputs."""
     per_layer = inputs.per_layer
     if per_layer is None:  # (a probe run without inputs)
         return [{"per_layer_input": None}] * len(layers)
@@ -121,6 +121,7 @@ LAYER_INPUTS: dict[str, Callable[[list[Any], mx.array, LayerInputs], list[dict[s
     "qwen2_vl": _mrope,
     "qwen2_5_vl": _mrope,
     "gemma4_text": _per_layer,
+    "gemma3n": _per_layer,  # (always: every gemma3n has per-layer inputs)
 }
 # Families in LAYER_INPUTS that take inputs only in some configurations (their ModelArgs)
 _TAKES_INPUTS: dict[str, Callable[[Any], bool]] = {
