@@ -33,6 +33,7 @@ from mlx_relay.coordinator.pipeline import _keep_kv_shared_together
 from mlx_relay.coordinator.requests import encode_text
 from mlx_relay.model import checkpoint, sharding
 from mlx_relay.model.kvcache import SlotCaches
+from mlx_relay.model.split import default_split, model_layers
 from mlx_relay.model.stage import forward_stage
 from mlx_relay.model.step_inputs import LayerInputs, pass_on
 from mlx_relay.protocol import header as hdr
@@ -149,20 +150,21 @@ def test_only_rank_0_holds_the_per_layer_table_and_altup_projections(model):
 
 def test_kv_shared_layers_stay_with_the_layers_they_reuse(model):
     """As gemma4's: a rank holding a KV-shared layer without the layer it reuses is
-    refused at load, naming both; a split mlx-relay chooses moves layers to the last
-    rank, one a user gives is refused before any rank loads."""
+    refused at load, naming both; the default split gives the last rank those layers,
+    counts a user gives that part them are refused before any rank loads."""
     assert sharding.kv_shared_tail(sharding.read_config(model)) == TAIL
     with pytest.raises(sharding.UnsupportedFamily, match="layer 5 reuses layer 2's keys"):
         sharding.load_shard(model, 3, NUM_LAYERS, has_ends=False)
-    assert _keep_kv_shared_together(model, [2, 2, 2], chosen=True) == [1, 1, 4]
+    assert default_split(model, NUM_LAYERS, 3) == [1, 1, 4]
+    assert _keep_kv_shared_together(model, [2, 2, 2], by_memory=True) == [1, 1, 4]
     with pytest.raises(ValueError, match="the last rank must hold at least 4 layers"):
-        _keep_kv_shared_together(model, [3, 3], chosen=False)
+        model_layers("3,3", str(model), 2)
 
 
 @pytest.mark.cluster
 def test_cluster_equals_mlx_lm(model, cluster_factory):
-    """Three uneven ranks on the default split, moved so that the last rank holds the
-    KV-shared layers: concurrent greedy and seeded streams (one decode group) equal
+    """Three uneven ranks on the default split, whose last rank holds the KV-shared
+    layers: concurrent greedy and seeded streams (one decode group) equal
     mlx-lm's, and so does a raw prompt continuing an earlier one and its output, which
     starts from that one's caches (the layers' position offset comes from them)."""
     running = cluster_factory(model, 3)

@@ -181,7 +181,7 @@ def _layer_caches(path: str, start: int, end: int) -> tuple[int, tuple[int | Non
         raise CacheUnknown(f"model_type {family!r}: {e}") from None
     window = config.get("sliding_window")
     # KV-shared layers (gemma4's, gemma3n's) read the caches of layers they reuse
-    shared_from = sharding.count_layers(config) - int(config.get("num_kv_shared_layers") or 0)
+    shared_from = sharding.count_layers(config) - sharding.kv_shared_layers(config)
     windows: list[int | None] = []
     for layer in range(start, end):
         if layer >= shared_from:

@@ -846,19 +846,31 @@ def kv_shared_sources(
     return out or None
 
 
+def _kv_sharing_args(config: dict[str, Any]) -> Any:
+    """The decoder's own args of a family that may share KV (None otherwise), so that a
+    value the config leaves out is the model's default (gemma4_text's is 20 layers)."""
+    family = family_of(config)
+    if family not in _KV_SHARING:
+        return None
+    module = importlib.import_module(f"mlx_lm.models.{family}")
+    if family in _TEXT_ARGS:  # (gemma3n: its decoder's own TextConfig)
+        return module.TextConfig.from_dict(config.get("text_config") or {})
+    return module.ModelArgs.from_dict(config)
+
+
+def kv_shared_layers(config: dict[str, Any]) -> int:
+    """How many last layers keep no keys and values of their own (0: none share)."""
+    args = _kv_sharing_args(config)
+    return max(0, int(getattr(args, "num_kv_shared_layers", 0) or 0)) if args else 0
+
+
 def kv_shared_tail(config: dict[str, Any]) -> int:
     """How many last layers one rank must hold together: the KV-shared layers and the
     layers they reuse (gemma4's and gemma3n's rule: a shared layer reuses the last layer
     of its type before the shared ones); 0 for a model without KV sharing."""
-    family = family_of(config)
-    text = (config.get("text_config") or {}) if family in _TEXT_ARGS else config
-    if family not in _KV_SHARING or not text.get("num_kv_shared_layers"):
+    if not kv_shared_layers(config):
         return 0
-    module = importlib.import_module(f"mlx_lm.models.{family}")
-    if family in _TEXT_ARGS:  # (gemma3n: its decoder's own TextConfig)
-        args = module.TextConfig.from_dict(text)
-    else:
-        args = module.ModelArgs.from_dict(config)
+    args = _kv_sharing_args(config)
     n = args.num_hidden_layers
     first_shared = n - args.num_kv_shared_layers
     last_of_type = {kind: i for i, kind in enumerate(args.layer_types[:first_shared])}
