@@ -1,0 +1,209 @@
+"""Which of mlx-lm's model families split exactly: a census on tiny random models.
+
+    .venv/bin/python bench/family_census.py [FAMILY ...] [--markdown FILE]
+
+For each module of `mlx_lm.models` (or the families named), a tiny config is made from
+one table of small values (hidden 64, 6 layers, 4 heads, 2 KV heads, 4 experts ...),
+given to the module's own `ModelArgs`, and the model is built with random weights. Its
+logits over a 20-token prefill and 3 decode steps are compared with mlx-relay's stages
+(`sharding.load_shard` + `run_layers`, as tests/test_families.py does) at 1, 2 and 3
+uneven splits, each family in a process of its own (a family that aborts the process or
+runs past 45 s is a CRASH). Each family ends in one of:
+
+- EXACT: bit-identical at every split;
+- REFUSED: mlx-relay refuses it at load, with the message;
+- MISMATCH / CRASH: different logits, or an exception while running the stages;
+- NO-CONFIG: the census could not build a tiny model of it from the table (a required
+  argument it has no value for, a Metal-only kernel, ...): nothing is known of it.
+
+The tests verify families with hand-made configs (tests/tiny_models.py); this is a
+wider, rougher net for finding the families that still fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import pkgutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm.models
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mlx_relay.model import sharding  # noqa: E402
+
+# Small values for the ModelArgs fields families name; a field a family requires and
+# this table lacks makes it NO-CONFIG.
+TINY = {
+    "hidden_size": 64,
+    "num_hidden_layers": 6,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 512,
+    "max_position_embeddings": 2048,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "layer_norm_eps": 1e-5,
+    "norm_eps": 1e-5,
+    "n_layer": 6,
+    "n_embd": 64,
+    "n_head": 4,
+    "num_layers": 6,
+    "d_model": 64,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "ffn_hidden_size": 128,
+    "num_key_value_groups": 2,
+    "sliding_window": 8,
+    "layer_norm_epsilon": 1e-5,
+    "rope_scaling": None,
+    "sliding_window_pattern": 3,
+    "use_qkv_bias": False,
+    "partial_rotary_factor": 0.5,
+    "use_bias": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "post_norm": False,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "norm_topk_prob": True,
+    "shared_expert_intermediate_size": 32,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_embeddings": False,
+    "max_window_layers": 6,
+    "use_sliding_window": False,
+}
+SPLITS = ([(0, 6)], [(0, 2), (2, 6)], [(0, 1), (1, 4), (4, 6)])
+
+
+def families() -> list[str]:
+    """Modules of mlx_lm.models that define a Model and its ModelArgs."""
+    found = []
+    for info in pkgutil.iter_modules(mlx_lm.models.__path__):
+        try:
+            module = importlib.import_module(f"mlx_lm.models.{info.name}")
+        except (Exception, SystemExit):  # noqa: BLE001 - olmo exits without ai2-olmo
+            continue
+        if hasattr(module, "Model") and hasattr(module, "ModelArgs"):
+            found.append(info.name)
+    return found
+
+
+def check(family: str, workdir: Path) -> tuple[str, str]:
+    arch = importlib.import_module(f"mlx_lm.models.{family}")
+    config = {"model_type": family, **TINY}
+    try:
+        mx.random.seed(0)
+        model = arch.Model(arch.ModelArgs.from_dict(config))
+    except Exception as e:  # noqa: BLE001 - the census reports every failure
+        return "NO-CONFIG", f"{type(e).__name__}: {e}"
+    path = workdir / family
+    path.mkdir(parents=True)
+    weights = {
+        name: (mx.random.normal(w.shape) * 0.5).astype(w.dtype)
+        if mx.issubdtype(w.dtype, mx.floating)
+        else w
+        for name, w in tree_flatten(model.parameters())
+    }
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config))
+    prompt = mx.array([[(7 * i + 11) % 500 + 7 for i in range(20)]])
+    steps = [mx.array([[t]]) for t in (9, 99, 199)]
+    try:
+        whole, _ = load_model(path)
+        cache = make_prompt_cache(whole)
+        expected = [whole(prompt, cache=cache)[:, -1]]
+        expected += [whole(t, cache=cache)[:, -1] for t in steps]
+    except Exception as e:  # noqa: BLE001
+        return "NO-CONFIG", f"mlx-lm itself: {type(e).__name__}: {e}"
+    try:
+        for split in SPLITS:
+            shards = [sharding.load_shard(path, a, b, has_ends=a == 0) for a, b in split]
+            caches = [s.make_caches() for s in shards]
+
+            def forward(tokens: mx.array, shards=shards, caches=caches) -> mx.array:
+                h = sharding.embed(shards[0], tokens)
+                for shard, c in zip(shards, caches, strict=True):
+                    h = sharding.run_layers(shard, h, c)
+                return sharding.head(shards[0], h)[:, -1]
+
+            got = [forward(prompt)] + [forward(t) for t in steps]
+            for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+                if not mx.array_equal(a, b).item():
+                    diff = mx.abs(a - b).max().item()
+                    return "MISMATCH", f"split {split} step {i}: max logit difference {diff:.3g}"
+    except sharding.UnsupportedFamily as e:
+        return "REFUSED", str(e)
+    except Exception as e:  # noqa: BLE001
+        return "CRASH", f"{type(e).__name__}: {e}"
+    return "EXACT", ""
+
+
+def one(family: str) -> tuple[str, str]:
+    """`check(family)` in a process of its own."""
+    try:
+        done = subprocess.run(
+            [sys.executable, __file__, "--one", family],
+            capture_output=True,
+            text=True,
+            timeout=45,
+        )
+    except subprocess.TimeoutExpired:
+        return "CRASH", "no result within 45 s"
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            status, why = json.loads(line[len("RESULT ") :])
+            return status, why
+    tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+    return "CRASH", f"exit {done.returncode}: {tail}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("families", nargs="*", help="default: every family of mlx_lm.models")
+    ap.add_argument("--markdown", type=Path, help="also write the table here")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        with tempfile.TemporaryDirectory(prefix="census-") as tmp:
+            print("RESULT " + json.dumps(check(args.one, Path(tmp))), flush=True)
+        return 0
+    rows = []
+    for family in args.families or families():
+        status, why = one(family)
+        why = " ".join(why.split())[:160]
+        rows.append((family, status, why))
+        print(f"{family:<24} {status:<10} {why}", flush=True)
+    counts = {s: sum(1 for r in rows if r[1] == s) for s in sorted({r[1] for r in rows})}
+    print("\n" + ", ".join(f"{s} {n}" for s, n in counts.items()))
+    if args.markdown:
+        lines = ["| family | result | why |", "| --- | --- | --- |"]
+        lines += [f"| {f} | {s} | {w.replace('|', '/')} |" for f, s, w in rows]
+        args.markdown.write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
