@@ -398,11 +398,21 @@ class Shard:
 
     @property
     def outer(self) -> nn.Module:
-        """The module holding the LM head: the language model of a VLM, else the model."""
-        return self.model.language_model if self.vision else self.model
+        """The module holding the LM head: the language model of a VLM, else `head_owner`."""
+        return self.model.language_model if self.vision else head_owner(self.model)
 
     def make_caches(self) -> list[Any]:
         return new_caches(self)
+
+
+def head_owner(model: nn.Module) -> nn.Module:
+    """The module holding the LM head: the model, or for a text model wrapped in a
+    `language_model` (qwen3_5) that language model; a tied head has none anywhere."""
+    language_model = getattr(model, "language_model", None)
+    if "lm_head" not in model and isinstance(language_model, nn.Module):
+        if "lm_head" in language_model:
+            return language_model
+    return model
 
 
 def inner_model(model: nn.Module, parts: Parts | None = None) -> nn.Module:
@@ -504,7 +514,7 @@ def load_shard(
             inner = inner_model(model, parts_of(config))
         except ValueError as e:
             raise unsplittable(config.get("model_type"), str(e)) from None
-        outer = model
+        outer = head_owner(model)
     parts = parts_of(config)
     num_layers = len(getattr(inner, parts.layers))
     if not 0 <= start < end <= num_layers:
