@@ -52,7 +52,7 @@ def rank_main(args: argparse.Namespace) -> None:
         for _ in range(args.trips + args.warmup):
             back = ring.recv_header()
             payload = ring.post_recv_payload(hdr.payload_nbytes_shape(back), back.payload_dtype)
-            sent = ring.send(back, payload + 1)
+            sent = ring.send(back, payload + 1, reads=[payload])
         mx.eval(sent)  # the last send has left before this process does
         return
     x = mx.zeros(shape, dtype=getattr(mx, args.dtype))

@@ -402,6 +402,7 @@ class Pipeline:
                 raise self._ring_broken(e, self.ring.prev) from e
         if back.error_mask:
             raise self._failure(back)
+        self.ring.settle(out)  # (CUDA: before the head's kernels read it; see Ring)
         return back, out
 
     def _wait_for_return(self, header: hdr.StepHeader) -> hdr.StepHeader:
@@ -452,7 +453,7 @@ class Pipeline:
             f"{header.describe()} overdue after {elapsed:.1f} s (--step-timeout)"
             + (f"; {suspect.reason}" if suspect else "")
             + (
-                "; with eager hops on a GPU (they stalled on CUDA), --hop-mode ready avoids this"
+                "; with eager hops on a GPU (the less tried mode there), --hop-mode ready may avoid this"
                 if self.ring is not None and self.ring.eager
                 else ""
             ),

@@ -315,8 +315,8 @@ def _serve(args: argparse.Namespace) -> int:
             cores=_cores(),
             ranks_here=hosts.count(hosts[rank]),
         )
-        log.info("rank %d: %s hops", rank, mode)
         ring = Ring(group, Doorbell(rank, size, doorbell_endpoints(size, hosts), secret), mode)
+        log.info("rank %d: %s hops%s", rank, mode, ", settled receives" if ring.settles else "")
     endpoint = control_endpoint(args, hosts)
     if rank == 0:
         return _run_rank0(args, ring, endpoint, secret, layer_counts)

@@ -6,6 +6,7 @@ the ring backend allows. Nothing here decides anything: the header says what fol
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -60,9 +61,9 @@ def choose_hop_mode(
     not thread-safe). A posted receive spins one core, so a CPU rank needs
     EAGER_CORES_PER_RANK cores (on a 2-core box running 2 ranks the spinning threads take
     the cores the ranks compute on, and READY is several times faster). A GPU rank hops
-    READY: with EAGER the next rank's kernels wait on the device for their input, and on
-    CUDA every eager cluster tried stalled at its first steps (two ranks sharing an H100
-    or an H200, and two ranks on two H200s); on Metal it was never tried.
+    READY: on CUDA a rank settles its receives (see Ring), which leaves EAGER little to
+    gain (two H200s, Llama-3-8B's shape: 0.504 of mlx-lm against READY's 0.509), and a
+    16-stream EAGER run there did not finish; on Metal it was never tried.
     """
     if requested != AUTO:
         if requested not in HOP_MODES:
@@ -77,6 +78,15 @@ def choose_hop_mode(
     return EAGER if cores >= EAGER_CORES_PER_RANK * max(1, ranks_here) else READY
 
 
+def settles_here() -> bool:
+    """Whether this process's ring settles receives (see Ring): on CUDA, unless
+    MLX_RELAY_SETTLE_RECEIVES says otherwise (1 or 0; the tests run the CUDA path on a CPU)."""
+    forced = os.environ.get("MLX_RELAY_SETTLE_RECEIVES")
+    if forced is not None:
+        return forced == "1"
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
 class Ring:
     """One hop: the header over the doorbell, the payload over the ring.
 
@@ -87,15 +97,30 @@ class Ring:
     and receives paired. In EAGER mode sends and receives each run on a CPU stream of
     their own, so a receive posted before its data arrived waits there, not in front of
     the rank's computation or its sends.
+
+    On CUDA (`settles`) a rank waits for a receive to finish before it launches the
+    kernels that read it. Launched earlier, they wait on the GPU in a spinning kernel
+    (MLX's wait for an event that a CPU stream signals), and while one spins, loading a
+    JIT-compiled kernel module (`cuModuleLoadDataEx`: a quantized matmul's first use
+    at a new size) does not return: on two H200s a rank hung there for good, at the
+    first decode step with eager hops and in a 4,000-token prefill with ready ones.
     """
 
-    def __init__(self, group: mx.distributed.Group, doorbell: Doorbell, mode: str = READY) -> None:
+    def __init__(
+        self,
+        group: mx.distributed.Group,
+        doorbell: Doorbell,
+        mode: str = READY,
+        *,
+        settles: bool | None = None,
+    ) -> None:
         if mode not in HOP_MODES:
             raise ValueError(f"hop mode {mode!r}: expected one of {', '.join(HOP_MODES)}")
         self.group = group
         self.doorbell = doorbell
         self.mode = mode
         self.eager = mode == EAGER
+        self.settles = settles_here() if settles is None else settles
         self.rank = group.rank()
         self.size = group.size()
         self.next = (self.rank + 1) % self.size
@@ -135,11 +160,13 @@ class Ring:
         header: hdr.StepHeader,
         payload: mx.array | None = None,
         sides: Sequence[mx.array] = (),
+        reads: Sequence[mx.array | None] = (),
     ) -> Any:
         """Announce the step and post its payload's send, then its side arrays' (the
         header lists them): at once in EAGER mode, once computed in READY mode. Returns
         what was posted, to be kept alive until it ran. What the header announces is
-        checked first, so a mismatch never leaves half a step on the wire."""
+        checked first, so a mismatch never leaves half a step on the wire. `reads`: the
+        receives the payload's graph reads, settled before it is launched."""
         shape = hdr.payload_nbytes_shape(header)
         if shape and (payload is None or tuple(payload.shape) != shape):
             raise hdr.ProtocolError(f"{header.describe()} announces a payload of shape {shape}")
@@ -148,8 +175,11 @@ class Ring:
             if tuple(array.shape) != side.shape or dtype_name(array.dtype) != side.dtype:
                 raise hdr.ProtocolError(f"{header.describe()} announces a side array {side}")
         if payload is not None and not self.eager:
+            self.settle(*reads)
             mx.eval(payload, *sides)
         self.send_header(header)
+        if self.eager:
+            self.settle(*reads)
         posted = self.send_payload(header, payload)
         if not pairs:  # (most models: nothing more)
             return posted
@@ -159,6 +189,11 @@ class Ring:
         sent = mx.distributed.send(array, self.next, group=self.group, stream=self._stream("send"))
         mx.async_eval(sent)
         return sent
+
+    def settle(self, *receives: mx.array | None) -> None:
+        """With `settles` (CUDA), wait until these receives are done (see the class)."""
+        if self.settles:
+            mx.eval(*(r for r in receives if r is not None))
 
     def recv_header(self, timeout: float | None = None) -> hdr.StepHeader:
         """The next header from the left neighbour; DoorbellTimeout after `timeout` s."""

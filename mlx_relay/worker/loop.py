@@ -81,11 +81,14 @@ class Worker:
                 # ranks need them; the last rank sends none back. Most models' steps
                 # have none.)
                 sides = self.ring.post_recv_sides(header) if header.sides else []
+                received = [payload, *sides]
                 out = self.step(header, payload, sides)
                 if header.sides:  # (what the next ranks need of them)
                     layers = len(self.shard.layers) if self.shard is not None else 0
                     sides = pass_on(header, sides, layers)
-                self._posted = self.ring.send(header, out, sides if header.sides else ())
+                self._posted = self.ring.send(
+                    header, out, sides if header.sides else (), reads=received
+                )
             except RuntimeError as e:  # mx.distributed: a neighbour's connection is gone
                 log.error("rank %d: the ring broke: %s; waiting for rank 0's word", self.rank, e)
                 self.link.ring_broken(str(e))
