@@ -33,7 +33,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.base import BaseModelArgs, create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import (
     ArraysCache,
     BatchKVCache,
@@ -147,7 +147,8 @@ _MASKED_IDS: dict[str, str] = {"phi3small": "_dummy_tokenizer_ids"}
 
 @dataclass(frozen=True)
 class Parts:
-    """Where a family keeps its decoder body and, in it, the layer list, the token
+    """Where a family keeps its decoder body and, in it, the layer list (a dotted path
+    where a module of its own holds the list: plamo's `layers.layers`), the token
     embedding and the final norm (None: the forward norms without a module, which a
     PRE_HEAD op then does)."""
 
@@ -155,6 +156,7 @@ class Parts:
     layers: str = "layers"
     embed: str = "embed_tokens"
     norm: str | None = "norm"
+    head: str = "lm_head"  # on the model (or the language model it wraps), if untied
 
 
 _PARTS: dict[str, Parts] = {
@@ -163,6 +165,15 @@ _PARTS: dict[str, Parts] = {
     "phi3small": Parts(norm="final_layernorm"),
     "nanochat": Parts(decoder="transformer", layers="h", embed="wte", norm=None),
     "gemma3n": Parts(decoder="model.language_model"),  # (its towers: sanitize drops them)
+    # the list sits in a decoder module that builds the masks and loops over it
+    "plamo2": Parts(layers="layers.layers"),
+    "internlm2": Parts(embed="tok_embeddings", head="output"),
+    "phi": Parts(norm="final_layernorm"),
+    "qwen3_vl": Parts(decoder="language_model.model"),  # (mlx-lm's text-only load)
+    # refused by its blocks' signature: each takes the normed embedding besides h
+    "talkie": Parts(layers="blocks", embed="embed", norm=None),
+    "exaone": Parts(decoder="transformer", layers="h", embed="wte", norm="ln_f"),
+    "plamo3": Parts(layers="layers.layers"),
 }
 
 # Families whose ModelArgs only wrap a text config (gemma3n: model_type, text_config):
@@ -394,23 +405,23 @@ class Shard:
     @property
     def layers(self) -> list[nn.Module]:
         """This rank's layers (whatever the family calls its layer list)."""
-        return getattr(self.inner, self.parts.layers)
+        return _attr_path(self.inner, self.parts.layers)
 
     @property
     def outer(self) -> nn.Module:
         """The module holding the LM head: the language model of a VLM, else `head_owner`."""
-        return self.model.language_model if self.vision else head_owner(self.model)
+        return self.model.language_model if self.vision else head_owner(self.model, self.parts.head)
 
     def make_caches(self) -> list[Any]:
         return new_caches(self)
 
 
-def head_owner(model: nn.Module) -> nn.Module:
-    """The module holding the LM head: the model, or for a text model wrapped in a
-    `language_model` (qwen3_5) that language model; a tied head has none anywhere."""
+def head_owner(model: nn.Module, head: str = "lm_head") -> nn.Module:
+    """The module holding the LM head (`head`): the model, or for a text model wrapped in
+    a `language_model` (qwen3_5) that language model; a tied head has none anywhere."""
     language_model = getattr(model, "language_model", None)
-    if "lm_head" not in model and isinstance(language_model, nn.Module):
-        if "lm_head" in language_model:
+    if head not in model and isinstance(language_model, nn.Module):
+        if head in language_model:
             return language_model
     return model
 
@@ -420,7 +431,7 @@ def inner_model(model: nn.Module, parts: Parts | None = None) -> nn.Module:
     parts = parts or Parts()
     for name in (parts.decoder, "model", "language_model"):
         candidate = _attr_path(model, name)
-        if candidate is not None and hasattr(candidate, parts.layers):
+        if candidate is not None and _attr_path(candidate, parts.layers) is not None:
             return candidate
     raise ValueError(
         f"model type {type(model).__module__} has no decoder with a 'layers' list; "
@@ -433,6 +444,13 @@ def _attr_path(obj: Any, dotted: str) -> Any:
     for name in dotted.split("."):
         obj = getattr(obj, name, None)
     return obj
+
+
+def _set_attr_path(obj: Any, dotted: str, value: Any) -> None:
+    *owners, name = dotted.split(".")
+    for owner in owners:
+        obj = getattr(obj, owner)
+    setattr(obj, name, value)
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -514,9 +532,9 @@ def load_shard(
             inner = inner_model(model, parts_of(config))
         except ValueError as e:
             raise unsplittable(config.get("model_type"), str(e)) from None
-        outer = head_owner(model)
+        outer = head_owner(model, parts_of(config).head)
     parts = parts_of(config)
-    num_layers = len(getattr(inner, parts.layers))
+    num_layers = len(_attr_path(inner, parts.layers))
     if not 0 <= start < end <= num_layers:
         raise ValueError(f"layer range [{start}, {end}) outside the model's {num_layers} layers")
     caches = make_prompt_cache(model)  # all layers still here
@@ -527,9 +545,9 @@ def load_shard(
         # A prefix's quantized keys depend on when each position was quantized (which
         # step), so a parked cache would not give what a fresh prefill gives.
         reusable, cut_back_below = False, 0.0
-    setattr(inner, parts.layers, getattr(inner, parts.layers)[start:end])
+    _set_attr_path(inner, parts.layers, _attr_path(inner, parts.layers)[start:end])
     if not has_ends:
-        for owner, name in ((inner, parts.embed), (inner, parts.norm), (outer, "lm_head")):
+        for owner, name in ((inner, parts.embed), (inner, parts.norm), (outer, parts.head)):
             if name is not None and name in owner:
                 owner.pop(name)
         for name in vision.ENCODER_PARTS:  # a VLM's vision tower and projector: rank 0's
@@ -648,7 +666,7 @@ def check_splittable(
                 f"its decoder has no '{name}' (mlx-relay runs {parts.embed}, the "
                 f"layers, then {parts.norm} and the LM head)"
             )
-    layers = getattr(inner, parts.layers)
+    layers = _attr_path(inner, parts.layers)
     owners = len(layers) - _kv_shared_count(inner, config)  # (shared layers have none)
     if len(caches) != owners:
         raise refuse(f"it makes {len(caches)} caches for {owners} layers")
@@ -696,7 +714,10 @@ def model_args(shard: Shard) -> Any:
 def model_args_of(outer: nn.Module, config: dict[str, Any]) -> Any:
     if path := _TEXT_ARGS.get(family_of(config)):
         return _attr_path(outer, path)
-    return getattr(outer, "args", None) or SimpleNamespace(**config)
+    args = getattr(outer, "args", None)
+    if args is None and isinstance(getattr(outer, "config", None), BaseModelArgs):
+        args = outer.config  # (plamo keeps its ModelArgs as `config`)
+    return args or SimpleNamespace(**config)
 
 
 def family_of(config: dict[str, Any]) -> str:
@@ -892,12 +913,20 @@ def _offset(caches: list[Any]) -> int:
     return int(getattr(mask_source(caches[0]), "offset", 0)) if caches else 0
 
 
+# Families whose forward gives its sliding-window layers a mask window other than their
+# cache's size, from the model's own args (plamo3: window + 1 over a cache of window).
+_SLIDING_MASK_WINDOW: dict[str, Callable[[Any], int]] = {"plamo3": lambda a: a.window_size + 1}
+
+
 def make_mask(shard: Shard, kind: str, h: mx.array, cache: Any) -> Any:
     """The mask the full model builds for layers of this kind (a sliding cache knows
-    its own window, which is the model's)."""
+    its own window, which is the model's unless _SLIDING_MASK_WINDOW says otherwise)."""
     if kind == SSM:
         return create_ssm_mask(h, cache)
-    return create_attention_mask(h, cache, return_array=shard.array_masks)
+    window = None
+    if kind == SLIDING and (rule := _SLIDING_MASK_WINDOW.get(family_of(shard.config))):
+        window = rule(model_args(shard))
+    return create_attention_mask(h, cache, window_size=window, return_array=shard.array_masks)
 
 
 def head(shard: Shard, h: mx.array) -> mx.array:
@@ -911,8 +940,8 @@ def head(shard: Shard, h: mx.array) -> mx.array:
         h = getattr(shard.inner, norm)(h)
     if op := _PRE_HEAD_OPS.get(family):
         h = op(model_args(shard), h)
-    if "lm_head" in shard.outer:
-        logits = shard.outer.lm_head(h)
+    if shard.parts.head in shard.outer:
+        logits = shard.outer[shard.parts.head](h)
     else:
         logits = getattr(shard.inner, shard.parts.embed).as_linear(h)
     if op := _LOGITS_OPS.get(family):
