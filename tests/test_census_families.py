@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from oracle import chat_request, chat_tokens, generate_concurrently, mlx_lm_tokens
+from tiny_models import write_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -33,6 +35,20 @@ FAMILIES = (
     "phi",
     "exaone",
     "qwen3_vl",
+    # a text model wrapped in a `language_model` (mlx-lm's text-only load of a VLM)
+    "mistral3",
+    "qwen3_vl_moe",
+    "kimi_vl",
+    # heads and norms named otherwise: `output` (llama4_text), `model.embed_out`
+    # (gpt_neox), `embedding_norm` (lfm2), `final_layernorm` (jamba); mamba's layers
+    # take no mask; ministral3 and mistral4 layers take an attention scale by position
+    "llama4_text",
+    "gpt_neox",
+    "mamba",
+    "lfm2",
+    "jamba",
+    "ministral3",
+    "mistral4",
 )
 
 
@@ -45,6 +61,7 @@ def test_stages_equal_the_whole_model(family, tmp_path):
     ("family", "reason"),
     [
         ("talkie", "TransformerBlock takes (e_x, x, mask, cache)"),  # the embedding, per layer
+        ("hunyuan", "takes (x, mask, cache, shared_kv_states)"),  # keys shared across layers
         ("deepseek_v41", "LayerCache"),  # its own cache: window plus compressed groups
         ("iquestloopcoder", "makes 12 caches for 6 layers"),  # loops over its layers twice
     ],
@@ -52,3 +69,18 @@ def test_stages_equal_the_whole_model(family, tmp_path):
 def test_families_a_stage_cannot_run_are_refused_with_the_reason(family, reason, tmp_path):
     status, why = family_census.check(family, tmp_path)
     assert status == "REFUSED" and f"'{family}'" in why and reason in why
+
+
+@pytest.mark.cluster
+def test_ministral3_in_a_cluster_equals_mlx_lm(tmp_path, cluster_factory):
+    """Ministral 3's layers take an attention scale that grows past its original context
+    (16 positions here): two uneven ranks, a greedy and a seeded chat decoded at once
+    (one batch of caches with different offsets), token-exact against mlx-lm."""
+    path = write_tokenizer(family_census.write_model("ministral3", tmp_path / "ministral3"))
+    running = cluster_factory(path, 2, layers="2,4")
+    texts = [("Tell me about the sea and the lighthouse.", None), ("Why is the sky blue?", 7)]
+    got = generate_concurrently(running.client, [chat_request(t, s, 12) for t, s in texts])
+    for (text, seed), tokens in zip(texts, got, strict=True):
+        prompt = chat_tokens(path, [{"role": "user", "content": text}])
+        sampler = {"temp": 0.9, "top_p": 0.95} if seed is not None else None
+        assert tokens == mlx_lm_tokens(path, prompt, 12, seed=seed, sampler=sampler)

@@ -156,7 +156,13 @@ class Parts:
     layers: str = "layers"
     embed: str = "embed_tokens"
     norm: str | None = "norm"
-    head: str = "lm_head"  # on the model (or the language model it wraps), if untied
+    # the untied LM head: on the model (or the language model it wraps), or where a
+    # dotted path from the model says (gpt_neox: model.embed_out)
+    head: str = "lm_head"
+
+    @property
+    def head_name(self) -> str:
+        return self.head.rsplit(".", 1)[-1]
 
 
 _PARTS: dict[str, Parts] = {
@@ -168,8 +174,16 @@ _PARTS: dict[str, Parts] = {
     # the list sits in a decoder module that builds the masks and loops over it
     "plamo2": Parts(layers="layers.layers"),
     "internlm2": Parts(embed="tok_embeddings", head="output"),
+    "llama4_text": Parts(head="output"),
+    "bailing_moe": Parts(embed="word_embeddings"),
+    "gpt_neox": Parts(
+        layers="h", embed="embed_in", norm="final_layer_norm", head="model.embed_out"
+    ),
+    "mamba": Parts(decoder="backbone", embed="embeddings", norm="norm_f"),
+    "lfm2": Parts(norm="embedding_norm"),  # (its final norm, whatever the name says)
+    "lfm2_moe": Parts(norm="embedding_norm"),
+    "jamba": Parts(norm="final_layernorm"),
     "phi": Parts(norm="final_layernorm"),
-    "qwen3_vl": Parts(decoder="language_model.model"),  # (mlx-lm's text-only load)
     # refused by its blocks' signature: each takes the normed embedding besides h
     "talkie": Parts(layers="blocks", embed="embed", norm=None),
     "exaone": Parts(decoder="transformer", layers="h", embed="wte", norm="ln_f"),
@@ -202,6 +216,19 @@ def _mrope_call(
     return layer(h, mask_for(c), c, kw["position_ids"], kw["position_embeddings"])
 
 
+def _llama4_scale(args: Any, h: mx.array, c: Any) -> mx.array:
+    """The attention scale by position (llama 4's log scaling past the original context)
+    that Mistral 4's forward computes from the step's offset: from this layer's cache,
+    whose offset is the step's, as ministral3's attention does itself when given none."""
+    from mlx_lm.models.ministral3 import _get_llama_4_attn_scale
+
+    rope = args.rope_parameters
+    offset = c.offset if c is not None else 0
+    return _get_llama_4_attn_scale(
+        h.shape[1], offset, rope["llama_4_scaling_beta"], rope["original_max_position_embeddings"]
+    ).astype(h.dtype)
+
+
 _LAYER_CALLS: dict[str, _LayerCall] = {
     # returns (h, its keys and values, offset), which a KV-shared layer takes (run_layers
     # passes them where a layer reuses an earlier one's); the 2B/4B layouts' layers take
@@ -211,6 +238,13 @@ _LAYER_CALLS: dict[str, _LayerCall] = {
     "falcon_h1": lambda layer, h, mask_for, c: layer(
         h, cache=c, attn_mask=mask_for(c[1]), mamba_mask=mask_for(c[0])
     ),
+    # (x, attn_scale, mask, cache): the scale by position, from the layer's own cache
+    "ministral3": lambda layer, h, mask_for, c: layer(h, None, mask_for(c), c),
+    "mistral4": lambda layer, h, mask_for, c: layer(
+        h, _llama4_scale(layer.self_attn.args, h, c), mask_for(c), c
+    ),
+    # no mask: its mixers read only their conv and SSM state
+    "mamba": lambda layer, h, mask_for, c: layer(h, c),
     # takes (x, cache, mask); its forward gives every layer the local-attention mask,
     # which the recurrent layers ignore
     "recurrent_gemma": lambda layer, h, mask_for, c: layer(h, mask=mask_for(c), cache=c),
@@ -417,8 +451,11 @@ class Shard:
 
 
 def head_owner(model: nn.Module, head: str = "lm_head") -> nn.Module:
-    """The module holding the LM head (`head`): the model, or for a text model wrapped in
-    a `language_model` (qwen3_5) that language model; a tied head has none anywhere."""
+    """The module holding the LM head (`head`, see Parts): the model, or for a text model
+    wrapped in a `language_model` (qwen3_5) that language model; a tied head has none
+    anywhere."""
+    if "." in head:
+        return _attr_path(model, head.rsplit(".", 1)[0])
     language_model = getattr(model, "language_model", None)
     if head not in model and isinstance(language_model, nn.Module):
         if head in language_model:
@@ -427,9 +464,11 @@ def head_owner(model: nn.Module, head: str = "lm_head") -> nn.Module:
 
 
 def inner_model(model: nn.Module, parts: Parts | None = None) -> nn.Module:
-    """The decoder body that owns the layers (model.model for most mlx-lm families)."""
+    """The decoder body that owns the layers (model.model for most mlx-lm families; for
+    a text model wrapped in a `language_model` (qwen3_vl, mistral3, kimi_vl loaded as
+    text by mlx-lm), that model's decoder)."""
     parts = parts or Parts()
-    for name in (parts.decoder, "model", "language_model"):
+    for name in (parts.decoder, "model", "language_model.model", "language_model"):
         candidate = _attr_path(model, name)
         if candidate is not None and _attr_path(candidate, parts.layers) is not None:
             return candidate
@@ -547,7 +586,7 @@ def load_shard(
         reusable, cut_back_below = False, 0.0
     _set_attr_path(inner, parts.layers, _attr_path(inner, parts.layers)[start:end])
     if not has_ends:
-        for owner, name in ((inner, parts.embed), (inner, parts.norm), (outer, parts.head)):
+        for owner, name in ((inner, parts.embed), (inner, parts.norm), (outer, parts.head_name)):
             if name is not None and name in owner:
                 owner.pop(name)
         for name in vision.ENCODER_PARTS:  # a VLM's vision tower and projector: rank 0's
@@ -940,8 +979,8 @@ def head(shard: Shard, h: mx.array) -> mx.array:
         h = getattr(shard.inner, norm)(h)
     if op := _PRE_HEAD_OPS.get(family):
         h = op(model_args(shard), h)
-    if shard.parts.head in shard.outer:
-        logits = shard.outer[shard.parts.head](h)
+    if shard.parts.head_name in shard.outer:
+        logits = shard.outer[shard.parts.head_name](h)
     else:
         logits = getattr(shard.inner, shard.parts.embed).as_linear(h)
     if op := _LOGITS_OPS.get(family):
