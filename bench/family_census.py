@@ -107,6 +107,14 @@ OVERRIDES: dict[str, dict] = {
     "kimi_k25": {"text_config": {"model_type": "deepseek_v3"}},
     "qwen3_vl_moe": {"text_config": {"model_type": "qwen3_moe"}},
     "llama4": {"text_config": {"model_type": "llama4_text"}},
+    "phixtral": {
+        "num_vocab": 512,
+        "model_dim": 64,
+        "num_heads": 4,
+        "num_layers": 6,
+        "rotary_dim": 8,
+    },
+    "gemma4": {"vocab_size": 512, "text_config": {"model_type": "gemma4_text"}},
     "hunyuan": {"rope_scaling": {"alpha": 1.0, "factor": 1.0, "type": "dynamic"}},
     "exaone4": {"sliding_window_pattern": "LLG"},
     "lfm2": {"layer_types": ["conv", "full_attention", "conv", "conv", "full_attention", "conv"]},
@@ -156,6 +164,7 @@ OVERRIDES: dict[str, dict] = {
 }
 WRAPPERS = (
     "gemma3",
+    "gemma4",
     "gemma3n",
     "mistral3",
     "kimi_k25",

@@ -183,6 +183,8 @@ _PARTS: dict[str, Parts] = {
     "lfm2": Parts(norm="embedding_norm"),  # (its final norm, whatever the name says)
     "lfm2_moe": Parts(norm="embedding_norm"),
     "jamba": Parts(norm="final_layernorm"),
+    # its final norm is inside its head module (OutputHead: norm, then linear)
+    "phixtral": Parts(decoder="transformer", layers="h", embed="embd", norm=None),
     "phi": Parts(norm="final_layernorm"),
     # refused by its blocks' signature: each takes the normed embedding besides h
     "talkie": Parts(layers="blocks", embed="embed", norm=None),
