@@ -106,7 +106,6 @@ OVERRIDES: dict[str, dict] = {
     "mistral3": {"text_config": {"model_type": "mistral"}},
     "kimi_k25": {"text_config": {"model_type": "deepseek_v3"}},
     "qwen3_vl_moe": {"text_config": {"model_type": "qwen3_moe"}},
-    "llama4": {"text_config": {"model_type": "llama4_text"}},
     "phixtral": {
         "num_vocab": 512,
         "model_dim": 64,
@@ -115,6 +114,41 @@ OVERRIDES: dict[str, dict] = {
         "rotary_dim": 8,
     },
     "gemma4": {"vocab_size": 512, "text_config": {"model_type": "gemma4_text"}},
+    "deepseek_v2": {
+        "rope_scaling": {
+            "factor": 1.0,
+            "original_max_position_embeddings": 2048,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        }
+    },
+    "kimi_linear": {
+        "linear_attn_config": {"kda_layers": [1, 2, 4, 5], "num_heads": 2, "head_dim": 16},
+        "model_max_length": 2048,
+    },
+    "nemotron_h": {
+        "hybrid_override_pattern": ["M", "*", "-", "M", "E", "*"],
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 32,
+        "moe_shared_expert_intermediate_size": 32,
+    },
+    "llama4": {
+        "text_config": {
+            "model_type": "llama4_text",
+            "attention_chunk_size": 8,
+            "interleave_moe_layer_step": 2,
+            "intermediate_size_mlp": 128,
+            "num_local_experts": 4,
+            "use_qk_norm": False,
+            "num_experts_per_tok": 1,
+        }
+    },
     "hunyuan": {"rope_scaling": {"alpha": 1.0, "factor": 1.0, "type": "dynamic"}},
     "exaone4": {"sliding_window_pattern": "LLG"},
     "lfm2": {"layer_types": ["conv", "full_attention", "conv", "conv", "full_attention", "conv"]},
@@ -145,7 +179,6 @@ OVERRIDES: dict[str, dict] = {
         }
     },
     "glm_moe_dsa": {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}},
-    "nemotron_h": {"hybrid_override_pattern": ["M", "*", "-", "M", "E", "*"]},
     "jamba": {
         "attn_layer_offset": 1,
         "attn_layer_period": 3,

@@ -49,6 +49,9 @@ FAMILIES = (
     "jamba",
     "ministral3",
     "mistral4",
+    # MLA with its own rope scaling (deepseek_v2); linear attention (KDA) and MLA (kimi_linear)
+    "deepseek_v2",
+    "kimi_linear",
 )
 
 
@@ -64,6 +67,8 @@ def test_stages_equal_the_whole_model(family, tmp_path):
         ("hunyuan", "takes (x, mask, cache, shared_kv_states)"),  # keys shared across layers
         ("deepseek_v41", "LayerCache"),  # its own cache: window plus compressed groups
         ("iquestloopcoder", "makes 12 caches for 6 layers"),  # loops over its layers twice
+        ("nemotron_h", "makes 4 caches for 6 layers"),  # MLP and MoE layers keep none
+        ("llama4", "ChunkedKVCache"),  # chunked attention on 3 layers in 4
     ],
 )
 def test_families_a_stage_cannot_run_are_refused_with_the_reason(family, reason, tmp_path):

@@ -180,6 +180,8 @@ _PARTS: dict[str, Parts] = {
         layers="h", embed="embed_in", norm="final_layer_norm", head="model.embed_out"
     ),
     "mamba": Parts(decoder="backbone", embed="embeddings", norm="norm_f"),
+    # (refused: its MLP and MoE layers keep no cache, see check_splittable)
+    "nemotron_h": Parts(decoder="backbone", embed="embeddings", norm="norm_f"),
     "lfm2": Parts(norm="embedding_norm"),  # (its final norm, whatever the name says)
     "lfm2_moe": Parts(norm="embedding_norm"),
     "jamba": Parts(norm="final_layernorm"),
@@ -710,7 +712,10 @@ def check_splittable(
     layers = _attr_path(inner, parts.layers)
     owners = len(layers) - _kv_shared_count(inner, config)  # (shared layers have none)
     if len(caches) != owners:
-        raise refuse(f"it makes {len(caches)} caches for {owners} layers")
+        raise refuse(
+            f"it makes {len(caches)} caches for {owners} layers (mlx-relay keeps one cache "
+            "per layer; here some layers keep none or several)"
+        )
     for i, cache in enumerate(caches):
         try:
             mask_kind(mask_source(cache))
