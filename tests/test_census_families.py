@@ -52,6 +52,8 @@ FAMILIES = (
     # MLA with its own rope scaling (deepseek_v2); linear attention (KDA) and MLA (kimi_linear)
     "deepseek_v2",
     "kimi_linear",
+    # layers without a cache between those with one (sharding._KEEPS_CACHE)
+    "nemotron_h",
 )
 
 
@@ -67,7 +69,6 @@ def test_stages_equal_the_whole_model(family, tmp_path):
         ("hunyuan", "takes (x, mask, cache, shared_kv_states)"),  # keys shared across layers
         ("deepseek_v41", "LayerCache"),  # its own cache: window plus compressed groups
         ("iquestloopcoder", "makes 12 caches for 6 layers"),  # loops over its layers twice
-        ("nemotron_h", "makes 4 caches for 6 layers"),  # MLP and MoE layers keep none
         ("llama4", "ChunkedKVCache"),  # chunked attention on 3 layers in 4
     ],
 )
@@ -77,12 +78,15 @@ def test_families_a_stage_cannot_run_are_refused_with_the_reason(family, reason,
 
 
 @pytest.mark.cluster
-def test_ministral3_in_a_cluster_equals_mlx_lm(tmp_path, cluster_factory):
-    """Ministral 3's layers take an attention scale that grows past its original context
-    (16 positions here): two uneven ranks, a greedy and a seeded chat decoded at once
-    (one batch of caches with different offsets), token-exact against mlx-lm."""
-    path = write_tokenizer(family_census.write_model("ministral3", tmp_path / "ministral3"))
-    running = cluster_factory(path, 2, layers="2,4")
+@pytest.mark.parametrize(("family", "layers"), [("ministral3", "2,4"), ("nemotron_h", "3,3")])
+def test_in_a_cluster_equals_mlx_lm(family, layers, tmp_path, cluster_factory):
+    """Two uneven ranks, a greedy and a seeded chat decoded at once (one batch of caches
+    with different offsets), token-exact against mlx-lm. Ministral 3's layers take an
+    attention scale that grows past its original context (16 positions here);
+    nemotron_h's MLP and MoE layers keep no cache between its mamba and attention ones
+    (M * - | M E *: each rank holds one)."""
+    path = write_tokenizer(family_census.write_model(family, tmp_path / family))
+    running = cluster_factory(path, 2, layers=layers)
     texts = [("Tell me about the sea and the lighthouse.", None), ("Why is the sky blue?", 7)]
     got = generate_concurrently(running.client, [chat_request(t, s, 12) for t, s in texts])
     for (text, seed), tokens in zip(texts, got, strict=True):

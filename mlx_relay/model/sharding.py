@@ -180,7 +180,6 @@ _PARTS: dict[str, Parts] = {
         layers="h", embed="embed_in", norm="final_layer_norm", head="model.embed_out"
     ),
     "mamba": Parts(decoder="backbone", embed="embeddings", norm="norm_f"),
-    # (refused: its MLP and MoE layers keep no cache, see check_splittable)
     "nemotron_h": Parts(decoder="backbone", embed="embeddings", norm="norm_f"),
     "lfm2": Parts(norm="embedding_norm"),  # (its final norm, whatever the name says)
     "lfm2_moe": Parts(norm="embedding_norm"),
@@ -262,6 +261,25 @@ _LAYER_CALLS: dict[str, _LayerCall] = {
 # this one is not (None: it is). (gemma4's KV sharing splits where a rank holds the
 # shared layers with the layers they reuse: see kv_shared_sources.)
 _REFUSE_CONFIG: dict[str, Callable[[Any], str | None]] = {}
+
+# Families some of whose layers keep no cache (nemotron_h's MLP and MoE blocks, between
+# its mamba and attention ones): given a layer, whether it keeps one. The model makes
+# caches for the others only; a layer without one gets neither cache nor mask, as the
+# family's forward gives it nothing it reads.
+_KEEPS_CACHE: dict[str, Callable[[Any], bool]] = {
+    "nemotron_h": lambda layer: layer.block_type in ("M", "*"),
+}
+
+
+def _keeps_cache(layers: list[Any], config: dict[str, Any]) -> tuple[bool, ...] | None:
+    keeps = _KEEPS_CACHE.get(family_of(config))
+    return tuple(keeps(layer) for layer in layers) if keeps else None
+
+
+def _cacheless_count(layers: list[Any], config: dict[str, Any]) -> int:
+    keeps = _KEEPS_CACHE.get(family_of(config))
+    return sum(1 for layer in layers if not keeps(layer)) if keeps else 0
+
 
 # Families whose last layers reuse an earlier layer's keys and values, computed in the
 # same forward (gemma4's 2B/4B layouts, gemma3n: num_kv_shared_layers): the decoder's
@@ -418,6 +436,8 @@ class Shard:
     # Layers reusing an earlier layer's keys and values (gemma4's KV sharing): local
     # index -> local index of the layer reused; they have no cache of their own.
     kv_sources: dict[int, int] | None = None
+    # Whether each local layer keeps a cache, where some do not (_KEEPS_CACHE); None: all do.
+    keeps_cache: tuple[bool, ...] | None = None
 
     @property
     def row_by_row(self) -> bool:
@@ -614,6 +634,7 @@ def load_shard(
         kv,
         takes_inputs(family_of(config), model_args_of(outer, config)),
         kv_sources,
+        _keeps_cache(_attr_path(inner, parts.layers), config),
     )
     if kv is not None:
         check_quantizable(shard, caches)
@@ -710,7 +731,8 @@ def check_splittable(
                 f"layers, then {parts.norm} and the LM head)"
             )
     layers = _attr_path(inner, parts.layers)
-    owners = len(layers) - _kv_shared_count(inner, config)  # (shared layers have none)
+    # (KV-shared layers have no cache, nor have the layers _KEEPS_CACHE says keep none)
+    owners = len(layers) - _kv_shared_count(inner, config) - _cacheless_count(layers, config)
     if len(caches) != owners:
         raise refuse(
             f"it makes {len(caches)} caches for {owners} layers (mlx-relay keeps one cache "
@@ -745,6 +767,8 @@ def new_caches(shard: Shard) -> list[Any]:
     (none for a layer that reuses another's keys and values: `kv_sources`)."""
     caches = make_prompt_cache(shard.model)
     local = shard.end - shard.start - len(shard.kv_sources or ())  # (shared layers: last)
+    if shard.keeps_cache is not None:
+        local = sum(shard.keeps_cache)
     if len(caches) == shard.num_layers - _kv_shared_count(shard.inner, shard.config):
         caches = caches[shard.start : shard.start + local]  # the model's, for all its layers
     if len(caches) != local:
@@ -838,6 +862,11 @@ def run_layers(
         return h
     if shard.kv_sources:
         return _run_kv_shared(shard, h, caches, [{}] * len(shard.layers), mask_for)
+    if shard.keeps_cache is not None:
+        own = iter(caches)
+        for layer, keeps in zip(shard.layers, shard.keeps_cache, strict=True):
+            h = call(layer, h, mask_for, next(own)) if keeps else layer(h, None, None)
+        return h
     for layer, cache in zip(shard.layers, caches, strict=True):
         h = call(layer, h, mask_for, cache)
     return h
