@@ -166,31 +166,34 @@ class Parts:
 
 
 _PARTS: dict[str, Parts] = {
+    # final norms named otherwise
     "falcon_h1": Parts(norm="final_layernorm"),
     "recurrent_gemma": Parts(norm="final_norm"),
     "phi3small": Parts(norm="final_layernorm"),
-    "nanochat": Parts(decoder="transformer", layers="h", embed="wte", norm=None),
-    "gemma3n": Parts(decoder="model.language_model"),  # (its towers: sanitize drops them)
-    # the list sits in a decoder module that builds the masks and loops over it
-    "plamo2": Parts(layers="layers.layers"),
+    "phi": Parts(norm="final_layernorm"),
+    "jamba": Parts(norm="final_layernorm"),
+    "lfm2": Parts(norm="embedding_norm"),  # (its final norm, whatever the name says)
+    "lfm2_moe": Parts(norm="embedding_norm"),
+    # embeddings and heads named otherwise
     "internlm2": Parts(embed="tok_embeddings", head="output"),
     "llama4_text": Parts(head="output"),
     "bailing_moe": Parts(embed="word_embeddings"),
+    # whole decoders named otherwise
+    "nanochat": Parts(decoder="transformer", layers="h", embed="wte", norm=None),
+    "exaone": Parts(decoder="transformer", layers="h", embed="wte", norm="ln_f"),
     "gpt_neox": Parts(
         layers="h", embed="embed_in", norm="final_layer_norm", head="model.embed_out"
     ),
     "mamba": Parts(decoder="backbone", embed="embeddings", norm="norm_f"),
     "nemotron_h": Parts(decoder="backbone", embed="embeddings", norm="norm_f"),
-    "lfm2": Parts(norm="embedding_norm"),  # (its final norm, whatever the name says)
-    "lfm2_moe": Parts(norm="embedding_norm"),
-    "jamba": Parts(norm="final_layernorm"),
     # its final norm is inside its head module (OutputHead: norm, then linear)
     "phixtral": Parts(decoder="transformer", layers="h", embed="embd", norm=None),
-    "phi": Parts(norm="final_layernorm"),
+    # the list sits in a decoder module that builds the masks and loops over it
+    "plamo2": Parts(layers="layers.layers"),
+    "plamo3": Parts(layers="layers.layers"),
+    "gemma3n": Parts(decoder="model.language_model"),  # (its towers: sanitize drops them)
     # refused by its blocks' signature: each takes the normed embedding besides h
     "talkie": Parts(layers="blocks", embed="embed", norm=None),
-    "exaone": Parts(decoder="transformer", layers="h", embed="wte", norm="ln_f"),
-    "plamo3": Parts(layers="layers.layers"),
 }
 
 # Families whose ModelArgs only wrap a text config (gemma3n: model_type, text_config):

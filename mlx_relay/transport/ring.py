@@ -84,7 +84,8 @@ def settles_here() -> bool:
     forced = os.environ.get("MLX_RELAY_SETTLE_RECEIVES")
     if forced is not None:
         return forced == "1"
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    cuda = getattr(mx, "cuda", None)  # (MLX builds without the module: not CUDA)
+    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
 
 
 class Ring:
