@@ -54,6 +54,10 @@ FAMILIES = (
     "kimi_linear",
     # layers without a cache between those with one (sharding._KEEPS_CACHE)
     "nemotron_h",
+    # large MoEs whose census configs were written by hand (MLA and zero experts;
+    # sliding and full attention with sinks)
+    "longcat_flash",
+    "mimo_v2_flash",
 )
 
 
@@ -70,6 +74,7 @@ def test_stages_equal_the_whole_model(family, tmp_path):
         ("deepseek_v41", "LayerCache"),  # its own cache: window plus compressed groups
         ("iquestloopcoder", "makes 12 caches for 6 layers"),  # loops over its layers twice
         ("llama4", "ChunkedKVCache"),  # chunked attention on 3 layers in 4
+        ("rwkv7", "takes (x, v_first, cache)"),  # the first layer's values, to every layer
     ],
 )
 def test_families_a_stage_cannot_run_are_refused_with_the_reason(family, reason, tmp_path):

@@ -178,6 +178,11 @@ _PARTS: dict[str, Parts] = {
     "internlm2": Parts(embed="tok_embeddings", head="output"),
     "llama4_text": Parts(head="output"),
     "bailing_moe": Parts(embed="word_embeddings"),
+    # (refused by their layers' signature: each takes the attention cache's offset too)
+    "bailing_moe_linear": Parts(embed="word_embeddings"),
+    "bailing_hybrid": Parts(embed="word_embeddings"),
+    # (refused by its layers' signature: each takes and returns the first layer's values)
+    "rwkv7": Parts(embed="embeddings"),
     # whole decoders named otherwise
     "nanochat": Parts(decoder="transformer", layers="h", embed="wte", norm=None),
     "exaone": Parts(decoder="transformer", layers="h", embed="wte", norm="ln_f"),
@@ -186,6 +191,7 @@ _PARTS: dict[str, Parts] = {
     ),
     "mamba": Parts(decoder="backbone", embed="embeddings", norm="norm_f"),
     "nemotron_h": Parts(decoder="backbone", embed="embeddings", norm="norm_f"),
+    "mamba2": Parts(decoder="backbone", embed="embeddings", norm="norm_f"),
     # its final norm is inside its head module (OutputHead: norm, then linear)
     "phixtral": Parts(decoder="transformer", layers="h", embed="embd", norm=None),
     # the list sits in a decoder module that builds the masks and loops over it
