@@ -58,6 +58,25 @@ FAMILIES = (
     # sliding and full attention with sinks)
     "longcat_flash",
     "mimo_v2_flash",
+    # a layer's cache chosen by its index in the whole model (baichuan_m1's sliding
+    # layers, each a CacheList of a conv state and a KV cache): a shard of later layers
+    # got full-attention caches for its sliding ones until the caches came from a
+    # template made with every layer there (Shard.cache_template)
+    "baichuan_m1",
+    # parts named otherwise: transformer.h (qwen), h / wte / ln_f (gptj), transformer
+    # with token_embeddings (openelm), blocks / norm_f (dbrx), tok_embeddings and a tied
+    # head (lille-130m), `embedding` (spark2_5), a layer list inside a module (plamo)
+    "qwen",
+    "gptj",
+    "openelm",
+    "dbrx",
+    "lille-130m",
+    "spark2_5",
+    "plamo",
+    "minicpm3",
+    # the census builds it from the tests' own config (tests/tiny_models.py); its last
+    # two layers reuse layers 2 and 3's keys and values, so its splits keep 2-5 together
+    "gemma3n",
 )
 
 
@@ -75,6 +94,9 @@ def test_stages_equal_the_whole_model(family, tmp_path):
         ("iquestloopcoder", "makes 12 caches for 6 layers"),  # loops over its layers twice
         ("llama4", "ChunkedKVCache"),  # chunked attention on 3 layers in 4
         ("rwkv7", "takes (x, v_first, cache)"),  # the first layer's values, to every layer
+        ("gpt2", "learned position embeddings"),  # added at the embedding, by position
+        ("longcat_flash_ngram", "n-gram embedding"),  # each sequence's last ids, at embedding
+        ("afm7", "kv_reuse_layers"),  # a second layer list reusing the first's last keys
     ],
 )
 def test_families_a_stage_cannot_run_are_refused_with_the_reason(family, reason, tmp_path):

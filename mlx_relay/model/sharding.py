@@ -18,6 +18,7 @@ folded into the payload's width (altup.py).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import inspect
@@ -189,6 +190,12 @@ _PARTS: dict[str, Parts] = {
     "gpt_neox": Parts(
         layers="h", embed="embed_in", norm="final_layer_norm", head="model.embed_out"
     ),
+    "gptj": Parts(layers="h", embed="wte", norm="ln_f"),
+    "qwen": Parts(decoder="transformer", layers="h", embed="wte", norm="ln_f"),
+    "spark2_5": Parts(embed="embedding"),
+    "openelm": Parts(decoder="transformer", embed="token_embeddings"),
+    "dbrx": Parts(decoder="transformer", layers="blocks", embed="wte", norm="norm_f"),
+    "lille-130m": Parts(decoder="transformer", embed="tok_embeddings"),
     "mamba": Parts(decoder="backbone", embed="embeddings", norm="norm_f"),
     "nemotron_h": Parts(decoder="backbone", embed="embeddings", norm="norm_f"),
     "mamba2": Parts(decoder="backbone", embed="embeddings", norm="norm_f"),
@@ -197,6 +204,7 @@ _PARTS: dict[str, Parts] = {
     # the list sits in a decoder module that builds the masks and loops over it
     "plamo2": Parts(layers="layers.layers"),
     "plamo3": Parts(layers="layers.layers"),
+    "plamo": Parts(layers="layers.layers"),
     "gemma3n": Parts(decoder="model.language_model"),  # (its towers: sanitize drops them)
     # refused by its blocks' signature: each takes the normed embedding besides h
     "talkie": Parts(layers="blocks", embed="embed", norm=None),
@@ -331,9 +339,19 @@ _ROOT_PARTS = {
 _ROW_BY_ROW = ("phi3small",)
 
 # Families that pass the structural checks but whose own forward does more than embed,
-# run the layers and apply norm and head, so a split would not give their tokens (none
-# now: gemma3n, the last one here, splits with its AltUp streams folded: altup.py).
-_NOT_SPLITTABLE: dict[str, str] = {}
+# run the layers and apply norm and head, so a split would not give their tokens
+# (gemma3n, once here, splits with its AltUp streams folded: altup.py).
+_NOT_SPLITTABLE: dict[str, str] = {
+    "gpt2": "its embedding adds learned position embeddings by each sequence's position",
+    "gpt_bigcode": "its embedding adds learned position embeddings by each sequence's position",
+    "longcat_flash_ngram": (
+        "its n-gram embedding keeps each sequence's last token ids in a cache of its own"
+    ),
+    "afm7": (
+        "its last layers (kv_reuse_layers, a list of their own) reuse the keys and values "
+        "of the last layer before them"
+    ),
+}
 
 
 class UnsupportedFamily(ValueError):
@@ -447,6 +465,11 @@ class Shard:
     kv_sources: dict[int, int] | None = None
     # Whether each local layer keeps a cache, where some do not (_KEEPS_CACHE); None: all do.
     keeps_cache: tuple[bool, ...] | None = None
+    # Empty caches of the local layers as the whole model made them at load, copied for
+    # each new sequence (None: the shard's own model makes them). A model may choose a
+    # layer's cache by its index (baichuan_m1's sliding layers), which only the whole
+    # layer list gives right.
+    cache_template: tuple[Any, ...] | None = None
 
     @property
     def row_by_row(self) -> bool:
@@ -617,6 +640,11 @@ def load_shard(
         # A prefix's quantized keys depend on when each position was quantized (which
         # step), so a parked cache would not give what a fresh prefill gives.
         reusable, cut_back_below = False, 0.0
+    template = None
+    if _KEEPS_CACHE.get(family_of(config)) is None and len(caches) == num_layers - (
+        _kv_shared_count(inner, config)
+    ):
+        template = tuple(caches[start : end - len(kv_sources or ())])
     _set_attr_path(inner, parts.layers, _attr_path(inner, parts.layers)[start:end])
     if not has_ends:
         for owner, name in ((inner, parts.embed), (inner, parts.norm), (outer, parts.head_name)):
@@ -644,6 +672,7 @@ def load_shard(
         takes_inputs(family_of(config), model_args_of(outer, config)),
         kv_sources,
         _keeps_cache(_attr_path(inner, parts.layers), config),
+        template,
     )
     if kv is not None:
         check_quantizable(shard, caches)
@@ -774,6 +803,8 @@ def wants_array_masks(inner: nn.Module) -> bool:
 def new_caches(shard: Shard) -> list[Any]:
     """Fresh KV caches for the local layers, of the types the model itself would use
     (none for a layer that reuses another's keys and values: `kv_sources`)."""
+    if shard.cache_template is not None:
+        return copy.deepcopy(list(shard.cache_template))  # (one copy: shared parts stay so)
     caches = make_prompt_cache(shard.model)
     local = shard.end - shard.start - len(shard.kv_sources or ())  # (shared layers: last)
     if shard.keeps_cache is not None:
