@@ -276,6 +276,66 @@ OVERRIDES: dict[str, dict] = {
         "scale_emb": 4.0,
         "rope_scaling": {"original_max_position_embeddings": 2048},
     },
+    "pixtral": {"text_config": {"model_type": "llama"}},
+    "lfm2-vl": {
+        "text_config": {
+            "model_type": "lfm2",
+            "layer_types": ["conv", "full_attention", "conv", "conv", "full_attention", "conv"],
+            "conv_bias": False,
+            "conv_L_cache": 3,
+            "block_dim": 64,
+            "block_ff_dim": 128,
+            "block_multiple_of": 16,
+            "block_ffn_dim_multiplier": 1.0,
+            "block_auto_adjust_ff_dim": False,
+        }
+    },
+    "bailing_moe_v3": {
+        "layer_group_size": 3,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "moe_intermediate_size": 32,
+        "moe_shared_expert_intermediate_size": 32,
+    },
+    "kimi_k3": {
+        "linear_attn_config": {
+            "kda_layers": [1, 2, 4, 5],
+            "num_heads": 2,
+            "head_dim": 16,
+            "short_conv_kernel_size": 4,
+        },
+        "num_experts": 4,
+        "num_experts_per_token": 2,
+        "num_shared_experts": 1,
+        "moe_intermediate_size": 32,
+        "first_k_dense_replace": 1,
+    },
+    "muse_spark": {
+        "text_config": {
+            "post_norm_eps": 1e-6,
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+            "layer_rope_theta": [10000.0, 10000.0, 0.0] * 2,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+            "final_logit_softcapping": 30.0,
+            "output_multiplier": 1.0,
+            "moe_hidden_size": 32,
+            "moe_intermediate_size": 32,
+            "num_local_experts": 4,
+            "mlp_layer_types": ["sparse"] * 6,
+        }
+    },
+    "nemotron-nas": {
+        "block_configs": [
+            {"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 2.0}},
+            {"attention": {"no_op": True}, "ffn": {"ffn_mult": 1.5}},
+            {"attention": {"replace_with_linear": True}, "ffn": {"ffn_mult": 2.0}},
+            {"attention": {"n_heads_in_group": 4}, "ffn": {"no_op": True}},
+            {"attention": {"n_heads_in_group": 2}, "ffn": {"replace_with_linear": True}},
+            {"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 2.0}},
+        ]
+    },
     "granite": {
         "logits_scaling": 2.0,
         "attention_multiplier": 0.25,
@@ -460,9 +520,10 @@ def check(family: str, workdir: Path) -> tuple[str, str]:
                 if sharding.computes_per_layer_inputs(shards[0]):  # (gemma3n, gemma4's 2B/4B)
                     per_layer = sharding.per_layer_inputs(shards[0], tokens, h)
                 for (a, _), shard, c in zip(split, shards, caches, strict=True):
-                    inputs = None
-                    if per_layer is not None:
-                        inputs = LayerInputs([done[0]], [0], per_layer=per_layer[:, :, a:])
+                    inputs = None  # (as the header gives them: the step's position)
+                    if shard.takes_inputs:
+                        layers = None if per_layer is None else per_layer[:, :, a:]
+                        inputs = LayerInputs([done[0]], [0], per_layer=layers)
                     h = sharding.run_layers(shard, h, c, inputs)
                 done[0] += tokens.shape[1]
                 return sharding.head(shards[0], h)[:, -1]

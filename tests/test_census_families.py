@@ -58,6 +58,15 @@ FAMILIES = (
     # sliding and full attention with sinks)
     "longcat_flash",
     "mimo_v2_flash",
+    # every layer takes the step's position offset (step_inputs.LAYER_INPUTS), which
+    # their forward reads from an attention layer's cache; a rank may hold none
+    "bailing_moe_linear",
+    "bailing_hybrid",
+    "bailing_moe_v3",
+    # layers with no-op attention keep no cache (sharding._KEEPS_CACHE)
+    "nemotron-nas",
+    "pixtral",
+    "lfm2-vl",
     # a layer's cache chosen by its index in the whole model (baichuan_m1's sliding
     # layers, each a CacheList of a conv state and a KV cache): a shard of later layers
     # got full-attention caches for its sliding ones until the caches came from a
@@ -97,6 +106,7 @@ def test_stages_equal_the_whole_model(family, tmp_path):
         ("gpt2", "learned position embeddings"),  # added at the embedding, by position
         ("longcat_flash_ngram", "n-gram embedding"),  # each sequence's last ids, at embedding
         ("afm7", "kv_reuse_layers"),  # a second layer list reusing the first's last keys
+        ("kimi_k3", "takes (x, mask, cache, blocks)"),  # attention residuals across blocks
     ],
 )
 def test_families_a_stage_cannot_run_are_refused_with_the_reason(family, reason, tmp_path):
@@ -105,13 +115,24 @@ def test_families_a_stage_cannot_run_are_refused_with_the_reason(family, reason,
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize(("family", "layers"), [("ministral3", "2,4"), ("nemotron_h", "3,3")])
+@pytest.mark.parametrize(
+    ("family", "layers"),
+    [
+        ("ministral3", "2,4"),
+        ("nemotron_h", "3,3"),
+        ("bailing_hybrid", "2,4"),
+        ("baichuan_m1", "2,4"),
+    ],
+)
 def test_in_a_cluster_equals_mlx_lm(family, layers, tmp_path, cluster_factory):
     """Two uneven ranks, a greedy and a seeded chat decoded at once (one batch of caches
     with different offsets), token-exact against mlx-lm. Ministral 3's layers take an
     attention scale that grows past its original context (16 positions here);
     nemotron_h's MLP and MoE layers keep no cache between its mamba and attention ones
-    (M * - | M E *: each rank holds one)."""
+    (M * - | M E *: each rank holds one). bailing_hybrid's layers take the step's offset
+    (one per row in a group: the header's); rank 0 holds only linear-attention layers,
+    whose caches do not count positions. baichuan_m1: rank 1's first layer is a sliding
+    one, which only the whole model's cache list knows."""
     path = write_tokenizer(family_census.write_model(family, tmp_path / family))
     running = cluster_factory(path, 2, layers=layers)
     texts = [("Tell me about the sea and the lighthouse.", None), ("Why is the sky blue?", 7)]

@@ -175,13 +175,15 @@ _PARTS: dict[str, Parts] = {
     "jamba": Parts(norm="final_layernorm"),
     "lfm2": Parts(norm="embedding_norm"),  # (its final norm, whatever the name says)
     "lfm2_moe": Parts(norm="embedding_norm"),
+    "lfm2-vl": Parts(norm="embedding_norm"),  # (its lfm2 decoder in a language_model)
     # embeddings and heads named otherwise
     "internlm2": Parts(embed="tok_embeddings", head="output"),
     "llama4_text": Parts(head="output"),
     "bailing_moe": Parts(embed="word_embeddings"),
-    # (refused by their layers' signature: each takes the attention cache's offset too)
+    # (each layer takes the step's offset too: step_inputs.LAYER_INPUTS)
     "bailing_moe_linear": Parts(embed="word_embeddings"),
     "bailing_hybrid": Parts(embed="word_embeddings"),
+    "bailing_moe_v3": Parts(embed="word_embeddings"),
     # (refused by its layers' signature: each takes and returns the first layer's values)
     "rwkv7": Parts(embed="embeddings"),
     # whole decoders named otherwise
@@ -250,6 +252,9 @@ def _llama4_scale(args: Any, h: mx.array, c: Any) -> mx.array:
 
 
 _LAYER_CALLS: dict[str, _LayerCall] = {
+    # the step's position offset, from the header (step_inputs.LAYER_INPUTS)
+    "bailing_moe_linear": lambda layer, h, mask_for, c, **kw: layer(h, mask_for(c), c, **kw),
+    "bailing_hybrid": lambda layer, h, mask_for, c, **kw: layer(h, mask_for(c), c, **kw),
     # returns (h, its keys and values, offset), which a KV-shared layer takes (run_layers
     # passes them where a layer reuses an earlier one's); the 2B/4B layouts' layers take
     # their per-layer input (step_inputs.py)
@@ -285,6 +290,7 @@ _REFUSE_CONFIG: dict[str, Callable[[Any], str | None]] = {}
 # family's forward gives it nothing it reads.
 _KEEPS_CACHE: dict[str, Callable[[Any], bool]] = {
     "nemotron_h": lambda layer: layer.block_type in ("M", "*"),
+    "nemotron-nas": lambda layer: layer.self_attn is not None,  # (no-op attention: none)
 }
 
 
@@ -1024,8 +1030,10 @@ def kv_shared_tail(config: dict[str, Any]) -> int:
 
 
 def _offset(caches: list[Any]) -> int:
-    """The positions the caches of one sequence hold (for a run without step inputs)."""
-    return int(getattr(mask_source(caches[0]), "offset", 0)) if caches else 0
+    """The positions the caches of one sequence hold (for a run without step inputs):
+    the first cache that counts them (a linear-attention state does not)."""
+    counting = (c for c in flat_caches(caches) if hasattr(c, "offset"))
+    return int(getattr(next(counting, None), "offset", 0))
 
 
 # Families whose forward gives its sliding-window layers a mask window other than their

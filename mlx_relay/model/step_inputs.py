@@ -115,6 +115,15 @@ def _per_layer(layers: list[Any], h: mx.array, inputs: LayerInputs) -> list[dict
     return [{"per_layer_input": per_layer[:, :, i, :]} for i in range(len(layers))]
 
 
+def _offset(layers: list[Any], h: mx.array, inputs: LayerInputs) -> list[dict[str, Any]]:
+    """bailing_moe_linear, bailing_hybrid: every layer takes the step's first position,
+    which their forward reads from an attention layer's cache (a rank may hold none):
+    here from the header, one per row where a group has several."""
+    offsets = inputs.offsets
+    offset: int | mx.array = offsets[0] if len(offsets) == 1 else mx.array(offsets)
+    return [{"offset": offset}] * len(layers)
+
+
 # family -> (this rank's layers, h entering them, the step's inputs) -> each layer's
 # keyword arguments for this call
 LAYER_INPUTS: dict[str, Callable[[list[Any], mx.array, LayerInputs], list[dict[str, Any]]]] = {
@@ -122,6 +131,8 @@ LAYER_INPUTS: dict[str, Callable[[list[Any], mx.array, LayerInputs], list[dict[s
     "qwen2_5_vl": _mrope,
     "gemma4_text": _per_layer,
     "gemma3n": _per_layer,  # (always: every gemma3n has per-layer inputs)
+    "bailing_moe_linear": _offset,
+    "bailing_hybrid": _offset,
 }
 # Families in LAYER_INPUTS that take inputs only in some configurations (their ModelArgs)
 _TAKES_INPUTS: dict[str, Callable[[Any], bool]] = {
