@@ -16,6 +16,7 @@ cluster's concurrent greedy and seeded streams token-exact.
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import mlx.core as mx
@@ -48,6 +49,27 @@ PROMPTS = [("Tell me about the sea.", None), ("Write add(a, b) in Python.", 21)]
 def model(tiny_model):
     """The E2B/E4B layout: per-layer inputs and KV sharing."""
     return tiny_model("gemma4_text", NUM_LAYERS, overrides=KV_SHARED)
+
+
+@pytest.fixture(scope="module")
+def wrapped(model, tmp_path_factory):
+    """The same model as a Gemma 4 checkpoint: model_type gemma4, the text model's
+    settings nested in text_config and its weights under `language_model.` (mlx-lm's
+    gemma4 wraps gemma4_text and drops the vision and audio towers on load)."""
+    path = tmp_path_factory.mktemp("gemma4") / "wrapped"
+    shutil.copytree(model, path)
+    text = json.loads((model / "config.json").read_text())
+    config = {"model_type": "gemma4", "vocab_size": text["vocab_size"], "text_config": text}
+    (path / "config.json").write_text(json.dumps(config))
+    for f in path.glob("*.safetensors"):
+        weights = {f"language_model.{k}": v for k, v in mx.load(str(f)).items()}
+        mx.save_safetensors(str(f), weights, metadata={"format": "mlx"})
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {f"language_model.{k}": v for k, v in data["weight_map"].items()}
+        index.write_text(json.dumps(data))
+    return path
 
 
 def _staged(shards: list[sharding.Shard], caches: list[SlotCaches]):
@@ -91,6 +113,24 @@ def test_stages_equal_the_whole_model(tiny_model, overrides, splits):
         assert [len(s.make_caches()) for s in shards][-1] == split[-1][1] - split[-1][0] - (
             2 if overrides == KV_SHARED else 0
         )
+        forward = _staged(shards, [SlotCaches(s) for s in shards])
+        got = [forward(prompt)] + [forward(t) for t in steps]
+        for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+            assert mx.array_equal(a, b).item(), f"split {split}: step {i} differs"
+
+
+def test_a_gemma4_checkpoint_splits_as_its_text_model(wrapped):
+    """model_type gemma4 (a real Gemma 4 checkpoint's) gets every rule of gemma4_text,
+    whose decoder it wraps: per-layer inputs, KV sharing, soft-capped logits."""
+    whole = _whole(wrapped)
+    prompt = mx.array([[(7 * i + 11) % 500 + 7 for i in range(40)]])
+    steps = [mx.array([[t]]) for t in (9, 99, 199)]
+    cache = make_prompt_cache(whole)
+    expected = [whole(prompt, cache=cache)[:, -1]] + [whole(t, cache=cache)[:, -1] for t in steps]
+    assert sharding.kv_shared_tail(sharding.read_config(wrapped)) == TAIL
+    for split in SHARED_SPLITS:
+        shards = [sharding.load_shard(wrapped, a, b, has_ends=a == 0) for a, b in split]
+        assert all(s.takes_inputs for s in shards)
         forward = _staged(shards, [SlotCaches(s) for s in shards])
         got = [forward(prompt)] + [forward(t) for t in steps]
         for i, (a, b) in enumerate(zip(got, expected, strict=True)):
@@ -187,3 +227,13 @@ def test_cluster_equals_mlx_lm(model, cluster_factory):
     results = generate_concurrently(running.client, [_request(*p) for p in PROMPTS])
     for i, (text, seed) in enumerate(PROMPTS):
         assert results[i] == _oracle(model, text, seed), f"request {i} ({seed=})"
+
+
+@pytest.mark.cluster
+def test_a_gemma4_checkpoint_in_a_cluster_equals_mlx_lm(wrapped, cluster_factory):
+    """Two ranks on the default split of a gemma4 checkpoint: concurrent greedy and
+    seeded streams equal mlx-lm's."""
+    running = cluster_factory(wrapped, 2)
+    results = generate_concurrently(running.client, [_request(*p) for p in PROMPTS])
+    for i, (text, seed) in enumerate(PROMPTS):
+        assert results[i] == _oracle(wrapped, text, seed), f"request {i} ({seed=})"

@@ -217,8 +217,14 @@ _PARTS: dict[str, Parts] = {
 _TEXT_ARGS = {"gemma3n": "model.language_model.config"}
 
 
+# Families whose ModelArgs wrap a text model's config and whose decoder is that text
+# model's (mlx-lm's gemma4: the text of a Gemma 4 checkpoint, its towers dropped on
+# load): every rule of the tables here is the text family's.
+_TEXT_FAMILIES = {"gemma4": "gemma4_text"}
+
+
 def parts_of(config: dict[str, Any]) -> Parts:
-    return _PARTS.get(config.get("model_type", ""), Parts())
+    return _PARTS.get(family_of(config), Parts())
 
 
 # How a family's forward calls a layer, where not `layer(h, mask, cache)`: given the
@@ -481,7 +487,7 @@ class Shard:
     def row_by_row(self) -> bool:
         """Whether a decode group runs each row alone on its own caches (Rows): caches
         with no batch form (quantized), or a family a batch changes (_ROW_BY_ROW)."""
-        return self.kv is not None or self.config.get("model_type") in _ROW_BY_ROW
+        return self.kv is not None or family_of(self.config) in _ROW_BY_ROW
 
     def usable_prefix(self, held: int, shared: int) -> bool:
         """Whether a parked cache holding `held` positions can start a sequence at its
@@ -750,10 +756,10 @@ def check_splittable(
     """Refuse, before any weight is read, a family whose layers a stage cannot run as
     the full model does: UnsupportedFamily names the family and the reason. `inner`:
     the decoder, where it is not `inner_model(model)` (a VLM's language model)."""
-    family = config.get("model_type", type(model).__module__)
+    family = family_of(config) if "model_type" in config else type(model).__module__
 
     def refuse(why: str) -> UnsupportedFamily:
-        return unsplittable(family, why)
+        return unsplittable(config.get("model_type", family), why)
 
     if family in _NOT_SPLITTABLE:
         raise refuse(_NOT_SPLITTABLE[family])
@@ -830,6 +836,8 @@ def model_args(shard: Shard) -> Any:
 def model_args_of(outer: nn.Module, config: dict[str, Any]) -> Any:
     if path := _TEXT_ARGS.get(family_of(config)):
         return _attr_path(outer, path)
+    if config.get("model_type") in _TEXT_FAMILIES:  # (the wrapped text model's own)
+        return getattr(outer, "language_model", outer).args
     args = getattr(outer, "args", None)
     if args is None and isinstance(getattr(outer, "config", None), BaseModelArgs):
         args = outer.config  # (plamo keeps its ModelArgs as `config`)
@@ -837,7 +845,19 @@ def model_args_of(outer: nn.Module, config: dict[str, Any]) -> Any:
 
 
 def family_of(config: dict[str, Any]) -> str:
-    return str(config.get("model_type", ""))
+    """The family whose rules apply: the model type, or the text model's it wraps."""
+    model_type = str(config.get("model_type", ""))
+    return _TEXT_FAMILIES.get(model_type, model_type)
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config the decoder is built from: the text config a _TEXT_FAMILIES wrapper
+    passes on (with the defaults its own ModelArgs fills in), else the config itself."""
+    model_type = config.get("model_type")
+    if model_type not in _TEXT_FAMILIES:
+        return config
+    wrapper = importlib.import_module(f"mlx_lm.models.{model_type}")
+    return dict(wrapper.ModelArgs.from_dict(config).text_config)
 
 
 def computes_per_layer_inputs(shard: Shard) -> bool:
@@ -893,7 +913,7 @@ def run_layers(
             masks[key] = make_mask(shard, kind, first, source)
         return masks[key]
 
-    family = shard.config.get("model_type", "")
+    family = family_of(shard.config)
     call = _LAYER_CALLS.get(family, _plain_call)
     if shard.takes_inputs:
         if inputs is None:  # (a probe, or a test's own run: positions from the caches)
@@ -1007,7 +1027,7 @@ def _kv_sharing_args(config: dict[str, Any]) -> Any:
     module = importlib.import_module(f"mlx_lm.models.{family}")
     if family in _TEXT_ARGS:  # (gemma3n: its decoder's own TextConfig)
         return module.TextConfig.from_dict(config.get("text_config") or {})
-    return module.ModelArgs.from_dict(config)
+    return module.ModelArgs.from_dict(text_config(config))
 
 
 def kv_shared_layers(config: dict[str, Any]) -> int:
@@ -1055,7 +1075,7 @@ def make_mask(shard: Shard, kind: str, h: mx.array, cache: Any) -> Any:
 def head(shard: Shard, h: mx.array) -> mx.array:
     """Final norm and LM head (tied embeddings when the model has no lm_head), with
     whatever the family's own forward does around them (the tables above)."""
-    family = shard.config.get("model_type", "")
+    family = family_of(shard.config)
     if family in altup.FAMILIES:  # gemma3n: its AltUp streams merged into one first
         h = altup.merge(shard.inner, h)
     norm = shard.parts.norm
