@@ -67,6 +67,10 @@ FAMILIES = (
     "nemotron-nas",
     "pixtral",
     "lfm2-vl",
+    # chunked attention on 3 layers in 4 (ChunkedKVCache: its own mask kind, each cache
+    # trimmed to its chunk before a step as the forward does; no batch form, so a decode
+    # group runs row by row)
+    "llama4",
     # a layer's cache chosen by its index in the whole model (baichuan_m1's sliding
     # layers, each a CacheList of a conv state and a KV cache): a shard of later layers
     # got full-attention caches for its sliding ones until the caches came from a
@@ -101,7 +105,6 @@ def test_stages_equal_the_whole_model(family, tmp_path):
         ("hunyuan", "takes (x, mask, cache, shared_kv_states)"),  # keys shared across layers
         ("deepseek_v41", "LayerCache"),  # its own cache: window plus compressed groups
         ("iquestloopcoder", "makes 12 caches for 6 layers"),  # loops over its layers twice
-        ("llama4", "ChunkedKVCache"),  # chunked attention on 3 layers in 4
         ("rwkv7", "takes (x, v_first, cache)"),  # the first layer's values, to every layer
         ("gpt2", "learned position embeddings"),  # added at the embedding, by position
         ("longcat_flash_ngram", "n-gram embedding"),  # each sequence's last ids, at embedding
@@ -122,6 +125,7 @@ def test_families_a_stage_cannot_run_are_refused_with_the_reason(family, reason,
         ("nemotron_h", "3,3"),
         ("bailing_hybrid", "2,4"),
         ("baichuan_m1", "2,4"),
+        ("llama4", "3,3"),
     ],
 )
 def test_in_a_cluster_equals_mlx_lm(family, layers, tmp_path, cluster_factory):
@@ -132,7 +136,8 @@ def test_in_a_cluster_equals_mlx_lm(family, layers, tmp_path, cluster_factory):
     (M * - | M E *: each rank holds one). bailing_hybrid's layers take the step's offset
     (one per row in a group: the header's); rank 0 holds only linear-attention layers,
     whose caches do not count positions. baichuan_m1: rank 1's first layer is a sliding
-    one, which only the whole model's cache list knows."""
+    one, which only the whole model's cache list knows. llama4: chunks of 8 positions,
+    the chats longer than that."""
     path = write_tokenizer(family_census.write_model(family, tmp_path / family))
     running = cluster_factory(path, 2, layers=layers)
     texts = [("Tell me about the sea and the lighthouse.", None), ("Why is the sky blue?", 7)]

@@ -40,6 +40,7 @@ from mlx_lm.models.cache import (
     BatchKVCache,
     BatchRotatingKVCache,
     CacheList,
+    ChunkedKVCache,
     ConcatenateKVCache,
     KVCache,
     QuantizedKVCache,
@@ -317,10 +318,12 @@ def _cacheless_count(layers: list[Any], config: dict[str, Any]) -> int:
 _KV_SHARING = {"gemma4_text": "previous_kvs", "gemma3n": "layer_idx_to_cache_idx"}
 
 # What mask a layer gets, by its cache's kind: the models build one mask per kind from
-# the first cache of that kind (full attention, sliding window, linear attention).
-FULL, SLIDING, SSM = "full", "sliding", "ssm"
+# the first cache of that kind (full attention, sliding window, chunked attention,
+# linear attention).
+FULL, SLIDING, CHUNKED, SSM = "full", "sliding", "chunked", "ssm"
 _MASK_KINDS: tuple[tuple[tuple[type, ...], str], ...] = (
     ((RotatingKVCache, BatchRotatingKVCache), SLIDING),
+    ((ChunkedKVCache,), CHUNKED),  # (llama 4: attention within chunks of positions)
     ((KVCache, BatchKVCache, QuantizedKVCache, ConcatenateKVCache), FULL),
     ((ArraysCache,), SSM),  # MambaCache is one too
 )
@@ -348,7 +351,7 @@ _ROOT_PARTS = {
 # quantized caches do): phi3small's block-sparse attention layers place their blocks by
 # the length of the cache and add the boolean mask to their scores, so the padded batch
 # caches of a group (several sequences at once) would change its tokens.
-_ROW_BY_ROW = ("phi3small",)
+_ROW_BY_ROW = ("phi3small", "llama4")  # (llama4's ChunkedKVCache has no batch form)
 
 # Families that pass the structural checks but whose own forward does more than embed,
 # run the layers and apply norm and head, so a split would not give their tokens
@@ -908,6 +911,8 @@ def run_layers(
     def mask_for(cache: Any) -> Any:
         source = mask_source(cache)
         kind = mask_kind(source)
+        if kind == CHUNKED:  # (each chunked cache drops what its next chunk cannot see
+            source.maybe_trim_front()  # before the step, as llama 4's forward does)
         key = (kind, source.max_size if kind == SLIDING else 0)  # windows may differ
         if key not in masks:
             masks[key] = make_mask(shard, kind, first, source)
@@ -1061,11 +1066,23 @@ def _offset(caches: list[Any]) -> int:
 _SLIDING_MASK_WINDOW: dict[str, Callable[[Any], int]] = {"plamo3": lambda a: a.window_size + 1}
 
 
+def _chunk_mask(h: mx.array, cache: ChunkedKVCache) -> mx.array:
+    """Llama 4's chunked attention: a position sees the earlier positions of its own
+    chunk that the cache still holds (from its start_position on)."""
+    end = cache.offset + h.shape[1]
+    held = mx.arange(cache.start_position, end)
+    new = mx.arange(cache.offset, end)[:, None]
+    same_chunk = (held // cache.chunk_size) == (new // cache.chunk_size)
+    return same_chunk & (held <= new)
+
+
 def make_mask(shard: Shard, kind: str, h: mx.array, cache: Any) -> Any:
     """The mask the full model builds for layers of this kind (a sliding cache knows
     its own window, which is the model's unless _SLIDING_MASK_WINDOW says otherwise)."""
     if kind == SSM:
         return create_ssm_mask(h, cache)
+    if kind == CHUNKED:
+        return _chunk_mask(h, cache)
     window = None
     if kind == SLIDING and (rule := _SLIDING_MASK_WINDOW.get(family_of(shard.config))):
         window = rule(model_args(shard))
