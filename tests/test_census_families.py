@@ -67,6 +67,9 @@ FAMILIES = (
     "nemotron-nas",
     "pixtral",
     "lfm2-vl",
+    # its layers take and return keys and values shared with the next (none without
+    # use_cla, cross-layer attention)
+    "hunyuan",
     # chunked attention on 3 layers in 4 (ChunkedKVCache: its own mask kind, each cache
     # trimmed to its chunk before a step as the forward does; no batch form, so a decode
     # group runs row by row)
@@ -102,7 +105,6 @@ def test_stages_equal_the_whole_model(family, tmp_path):
     ("family", "reason"),
     [
         ("talkie", "TransformerBlock takes (e_x, x, mask, cache)"),  # the embedding, per layer
-        ("hunyuan", "takes (x, mask, cache, shared_kv_states)"),  # keys shared across layers
         ("deepseek_v41", "LayerCache"),  # its own cache: window plus compressed groups
         ("iquestloopcoder", "makes 12 caches for 6 layers"),  # loops over its layers twice
         ("rwkv7", "takes (x, v_first, cache)"),  # the first layer's values, to every layer
@@ -115,6 +117,16 @@ def test_stages_equal_the_whole_model(family, tmp_path):
 def test_families_a_stage_cannot_run_are_refused_with_the_reason(family, reason, tmp_path):
     status, why = family_census.check(family, tmp_path)
     assert status == "REFUSED" and f"'{family}'" in why and reason in why
+
+
+def test_cross_layer_attention_is_refused(tmp_path, monkeypatch):
+    """hunyuan with use_cla (Hunyuan-Large): each second layer reuses the keys and values
+    of the layer before it, computed in the same step, which no hop carries."""
+    monkeypatch.setitem(
+        family_census.OVERRIDES, "hunyuan", {**family_census.OVERRIDES["hunyuan"], "use_cla": True}
+    )
+    status, why = family_census.check("hunyuan", tmp_path)
+    assert status == "REFUSED" and "use_cla" in why
 
 
 @pytest.mark.cluster

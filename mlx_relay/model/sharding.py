@@ -259,6 +259,9 @@ def _llama4_scale(args: Any, h: mx.array, c: Any) -> mx.array:
 
 
 _LAYER_CALLS: dict[str, _LayerCall] = {
+    # takes and returns the keys and values a layer shares with the next (use_cla, which
+    # _REFUSE_CONFIG refuses): without it, none
+    "hunyuan": lambda layer, h, mask_for, c: layer(h, mask_for(c), c, None)[0],
     # the step's position offset, from the header (step_inputs.LAYER_INPUTS)
     "bailing_moe_linear": lambda layer, h, mask_for, c, **kw: layer(h, mask_for(c), c, **kw),
     "bailing_hybrid": lambda layer, h, mask_for, c, **kw: layer(h, mask_for(c), c, **kw),
@@ -289,7 +292,14 @@ _LAYER_CALLS: dict[str, _LayerCall] = {
 # Families splittable only in some configurations: given the model's ModelArgs, why
 # this one is not (None: it is). (gemma4's KV sharing splits where a rank holds the
 # shared layers with the layers they reuse: see kv_shared_sources.)
-_REFUSE_CONFIG: dict[str, Callable[[Any], str | None]] = {}
+_REFUSE_CONFIG: dict[str, Callable[[Any], str | None]] = {
+    "hunyuan": lambda a: (
+        "its layers share keys and values across layers (use_cla: cross-layer attention), "
+        "which a stage cannot pass on"
+        if a.use_cla
+        else None
+    ),
+}
 
 # Families some of whose layers keep no cache (nemotron_h's MLP and MoE blocks, between
 # its mamba and attention ones): given a layer, whether it keeps one. The model makes
