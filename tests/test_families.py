@@ -20,7 +20,6 @@ from conftest import start_cluster
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
-    ChunkedKVCache,
     KVCache,
     RotatingKVCache,
     make_prompt_cache,
@@ -429,13 +428,15 @@ def test_prefix_reuse_only_where_exact(tiny_model):
 
 
 def test_a_cache_kind_without_a_mask_rule_is_refused(tiny_model):
-    """A layer cache of a kind no general mask rule covers (llama4's chunked attention),
-    alone or inside a CacheList, is refused before any weight is read."""
+    """A layer cache of a kind no general mask rule covers (deepseek_v41's own window and
+    compressed groups), alone or inside a CacheList, is refused before any weight is read."""
+    from mlx_lm.models.deepseek_v41 import LayerCache
+
     config = _config("llama", 4, 64, None, None, None)
     arch = importlib.import_module("mlx_lm.models.llama")
     model = arch.Model(arch.ModelArgs.from_dict(config))
-    for cache in (ChunkedKVCache(8), CacheList(ArraysCache(2), ChunkedKVCache(8))):
-        with pytest.raises(sharding.UnsupportedFamily, match="'llama'.*ChunkedKVCache"):
+    for cache in (LayerCache(8), CacheList(ArraysCache(2), LayerCache(8))):
+        with pytest.raises(sharding.UnsupportedFamily, match="'llama'.*LayerCache"):
             sharding.check_splittable(model, config, [cache] * 4)
 
 
