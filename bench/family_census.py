@@ -515,7 +515,7 @@ def check(family: str, workdir: Path) -> tuple[str, str]:
             done = [0]  # positions already in the caches
 
             def forward(tokens, split=split, shards=shards, caches=caches, done=done) -> mx.array:
-                h = sharding.embed(shards[0], tokens)
+                h = sharding.embed(shards[0], tokens, [done[0]])
                 per_layer = None
                 if sharding.computes_per_layer_inputs(shards[0]):  # (gemma3n, gemma4's 2B/4B)
                     per_layer = sharding.per_layer_inputs(shards[0], tokens, h)

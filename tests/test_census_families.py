@@ -70,6 +70,10 @@ FAMILIES = (
     # its layers take and return keys and values shared with the next (none without
     # use_cla, cross-layer attention)
     "hunyuan",
+    # learned position embeddings added at the embedding by each row's position (the
+    # header's offsets), a table only rank 0 holds (GPT-2, StarCoder 1)
+    "gpt2",
+    "gpt_bigcode",
     # chunked attention on 3 layers in 4 (ChunkedKVCache: its own mask kind, each cache
     # trimmed to its chunk before a step as the forward does; no batch form, so a decode
     # group runs row by row)
@@ -108,7 +112,6 @@ def test_stages_equal_the_whole_model(family, tmp_path):
         ("deepseek_v41", "LayerCache"),  # its own cache: window plus compressed groups
         ("iquestloopcoder", "makes 12 caches for 6 layers"),  # loops over its layers twice
         ("rwkv7", "takes (x, v_first, cache)"),  # the first layer's values, to every layer
-        ("gpt2", "learned position embeddings"),  # added at the embedding, by position
         ("longcat_flash_ngram", "n-gram embedding"),  # each sequence's last ids, at embedding
         ("afm7", "kv_reuse_layers"),  # a second layer list reusing the first's last keys
         ("kimi_k3", "takes (x, mask, cache, blocks)"),  # attention residuals across blocks
@@ -138,6 +141,7 @@ def test_cross_layer_attention_is_refused(tmp_path, monkeypatch):
         ("bailing_hybrid", "2,4"),
         ("baichuan_m1", "2,4"),
         ("llama4", "3,3"),
+        ("gpt2", "2,4"),
     ],
 )
 def test_in_a_cluster_equals_mlx_lm(family, layers, tmp_path, cluster_factory):
@@ -149,7 +153,8 @@ def test_in_a_cluster_equals_mlx_lm(family, layers, tmp_path, cluster_factory):
     (one per row in a group: the header's); rank 0 holds only linear-attention layers,
     whose caches do not count positions. baichuan_m1: rank 1's first layer is a sliding
     one, which only the whole model's cache list knows. llama4: chunks of 8 positions,
-    the chats longer than that."""
+    the chats longer than that. gpt2: each row's learned position embedding by its own
+    offset in the decode group."""
     path = write_tokenizer(family_census.write_model(family, tmp_path / family))
     running = cluster_factory(path, 2, layers=layers)
     texts = [("Tell me about the sea and the lighthouse.", None), ("Why is the sky blue?", 7)]

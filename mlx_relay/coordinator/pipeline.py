@@ -230,7 +230,7 @@ class Pipeline:
         )
         # (side inputs: only a multimodal-rope model's image prompts and later steps)
         sides = self._side_inputs(header, prompt) if prompt is not None or self._deltas else []
-        h = sharding.embed(self.shard, tokens) if prompt is None else prompt.embeddings
+        h = sharding.embed(self.shard, tokens, offsets) if prompt is None else prompt.embeddings
         if self._per_layer:  # gemma4's per-layer inputs: every step, from the token ids
             per_layer = sharding.per_layer_inputs(self.shard, tokens, h)
             header.sides.append(

@@ -25,7 +25,7 @@ import inspect
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -194,6 +194,8 @@ _PARTS: dict[str, Parts] = {
         layers="h", embed="embed_in", norm="final_layer_norm", head="model.embed_out"
     ),
     "gptj": Parts(layers="h", embed="wte", norm="ln_f"),
+    "gpt2": Parts(layers="h", embed="wte", norm="ln_f"),
+    "gpt_bigcode": Parts(decoder="transformer", layers="h", embed="wte", norm="ln_f"),
     "qwen": Parts(decoder="transformer", layers="h", embed="wte", norm="ln_f"),
     "spark2_5": Parts(embed="embedding"),
     "openelm": Parts(decoder="transformer", embed="token_embeddings"),
@@ -342,6 +344,8 @@ _MASK_KINDS: tuple[tuple[tuple[type, ...], str], ...] = (
 # per-layer embedding table (most of a 2B/4B model's weights) and projection, which
 # compute the per-layer inputs rank 0 sends (step_inputs.py).
 _ROOT_PARTS = {
+    "gpt2": ("wpe",),  # (learned position embeddings: _POSITION_EMBEDDINGS)
+    "gpt_bigcode": ("wpe",),
     "gemma4_text": (
         "embed_tokens_per_layer",
         "per_layer_model_projection",
@@ -363,12 +367,14 @@ _ROOT_PARTS = {
 # caches of a group (several sequences at once) would change its tokens.
 _ROW_BY_ROW = ("phi3small", "llama4")  # (llama4's ChunkedKVCache has no batch form)
 
+# Families whose embedding adds learned position embeddings (this table of the decoder,
+# which only rank 0 holds) by each token's position: GPT-2, StarCoder 1.
+_POSITION_EMBEDDINGS = {"gpt2": "wpe", "gpt_bigcode": "wpe"}
+
 # Families that pass the structural checks but whose own forward does more than embed,
 # run the layers and apply norm and head, so a split would not give their tokens
 # (gemma3n, once here, splits with its AltUp streams folded: altup.py).
 _NOT_SPLITTABLE: dict[str, str] = {
-    "gpt2": "its embedding adds learned position embeddings by each sequence's position",
-    "gpt_bigcode": "its embedding adds learned position embeddings by each sequence's position",
     "longcat_flash_ngram": (
         "its n-gram embedding keeps each sequence's last token ids in a cache of its own"
     ),
@@ -890,10 +896,15 @@ def per_layer_inputs(shard: Shard, tokens: mx.array, h: mx.array) -> mx.array:
     return inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(tokens))
 
 
-def embed(shard: Shard, tokens: mx.array) -> mx.array:
-    """Token embeddings as the family's own forward feeds them to its first layer."""
+def embed(shard: Shard, tokens: mx.array, offsets: Sequence[int] | None = None) -> mx.array:
+    """Token embeddings as the family's own forward feeds them to its first layer.
+    `offsets`: each row's first position (learned position embeddings read them)."""
     h = getattr(shard.inner, shard.parts.embed)(tokens)
     family = family_of(shard.config)
+    if table := _POSITION_EMBEDDINGS.get(family):
+        rows, length = tokens.shape
+        start = mx.array(list(offsets) if offsets is not None else [0] * rows)
+        h = h + getattr(shard.inner, table)(start[:, None] + mx.arange(length))
     op = _EMBED_OPS.get(family)
     h = op(model_args(shard), h) if op else h
     return altup.expand(shard.inner, h) if family in altup.FAMILIES else h
