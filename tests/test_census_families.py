@@ -7,6 +7,7 @@ for on the wrapper only."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from tiny_models import write_tokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import family_census  # noqa: E402
+
+from mlx_relay.model import memory  # noqa: E402
 
 FAMILIES = (
     "qwen3_5",
@@ -120,6 +123,20 @@ def test_stages_equal_the_whole_model(family, tmp_path):
 def test_families_a_stage_cannot_run_are_refused_with_the_reason(family, reason, tmp_path):
     status, why = family_census.check(family, tmp_path)
     assert status == "REFUSED" and f"'{family}'" in why and reason in why
+
+
+def test_the_memory_check_counts_a_chunk_for_chunked_layers(tmp_path):
+    """Llama 4's chunked layers (3 in 4) hold at most a chunk of positions, so --layers
+    auto and the check at load count that for them, not the whole context."""
+    path = family_census.write_model("llama4", tmp_path / "llama4")
+    config = json.loads((path / "config.json").read_text())  # as Llama 4's: all in text_config
+    mla = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+    text = {k: v for k, v in config["text_config"].items() if k not in mla}  # (the census's)
+    config = {"model_type": "llama4", "text_config": text}
+    (path / "config.json").write_text(json.dumps(config))
+    full = memory.cache_nbytes(path, 3, 4, 4096)  # layer 3 attends to every position
+    chunked = memory.cache_nbytes(path, 0, 1, 4096)  # chunks of 8 positions
+    assert 0 < chunked < full / 10
 
 
 def test_cross_layer_attention_is_refused(tmp_path, monkeypatch):

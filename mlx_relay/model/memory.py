@@ -167,8 +167,10 @@ def _layer_caches(path: str, start: int, end: int) -> tuple[int, tuple[int | Non
     config = _read_config(path)
     family = str(config.get("model_type", ""))
     layer_types = config.get("layer_types")
+    chunk = _chunk_window(path, config)
     if not (
-        family in ATTENTION_FAMILIES
+        chunk
+        or family in ATTENTION_FAMILIES
         or family in MLA_FAMILIES
         or family in MLA_INDEXER_FAMILIES
         or isinstance(layer_types, list)
@@ -191,12 +193,24 @@ def _layer_caches(path: str, start: int, end: int) -> tuple[int, tuple[int | Non
             if kind not in ("full_attention", "sliding_attention"):
                 raise CacheUnknown(f"layer {layer} is {kind!r}, not attention")
             windows.append(int(window) if kind == "sliding_attention" and window else None)
+        elif chunk and (layer + 1) % 4:  # (llama 4: every 4th layer attends to all)
+            windows.append(chunk)
         elif family.startswith("gemma3") and config.get("sliding_window_pattern") and window:
             pattern = int(config["sliding_window_pattern"])
             windows.append(None if layer % pattern == pattern - 1 else int(window))
         else:
             windows.append(None)
     return per_position, tuple(windows)
+
+
+def _chunk_window(path: str, config: dict[str, Any]) -> int:
+    """Positions a chunked-attention layer of Llama 4 holds at most (0: not Llama 4):
+    its chunk, plus what one step adds before the cache drops what is out of it."""
+    with open(Path(path) / "config.json") as f:
+        if json.load(f).get("model_type") != "llama4":
+            return 0
+    chunk = int(config.get("attention_chunk_size") or 0)
+    return chunk + CACHE_STEP if chunk else 0
 
 
 def _position_values(family: str, config: dict[str, Any]) -> int:
