@@ -206,9 +206,8 @@ def _layer_caches(path: str, start: int, end: int) -> tuple[int, tuple[int | Non
 def _chunk_window(path: str, config: dict[str, Any]) -> int:
     """Positions a chunked-attention layer of Llama 4 holds at most (0: not Llama 4):
     its chunk, plus what one step adds before the cache drops what is out of it."""
-    with open(Path(path) / "config.json") as f:
-        if json.load(f).get("model_type") != "llama4":
-            return 0
+    if sharding.read_config(Path(path)).get("model_type") != "llama4":  # (not its text's)
+        return 0
     chunk = int(config.get("attention_chunk_size") or 0)
     return chunk + CACHE_STEP if chunk else 0
 

@@ -241,6 +241,12 @@ def _plain_call(layer: Any, h: mx.array, mask_for: Callable[[Any], Any], c: Any)
     return layer(h, mask_for(c), c)
 
 
+def _keyword_call(
+    layer: Any, h: mx.array, mask_for: Callable[[Any], Any], c: Any, **kw: Any
+) -> mx.array:
+    return layer(h, mask_for(c), c, **kw)
+
+
 def _mrope_call(
     layer: Any, h: mx.array, mask_for: Callable[[Any], Any], c: Any, **kw: Any
 ) -> mx.array:
@@ -265,8 +271,8 @@ _LAYER_CALLS: dict[str, _LayerCall] = {
     # _REFUSE_CONFIG refuses): without it, none
     "hunyuan": lambda layer, h, mask_for, c: layer(h, mask_for(c), c, None)[0],
     # the step's position offset, from the header (step_inputs.LAYER_INPUTS)
-    "bailing_moe_linear": lambda layer, h, mask_for, c, **kw: layer(h, mask_for(c), c, **kw),
-    "bailing_hybrid": lambda layer, h, mask_for, c, **kw: layer(h, mask_for(c), c, **kw),
+    "bailing_moe_linear": _keyword_call,
+    "bailing_hybrid": _keyword_call,
     # returns (h, its keys and values, offset), which a KV-shared layer takes (run_layers
     # passes them where a layer reuses an earlier one's); the 2B/4B layouts' layers take
     # their per-layer input (step_inputs.py)
@@ -497,10 +503,9 @@ class Shard:
     # Whether each local layer keeps a cache, where some do not (_KEEPS_CACHE); None: all do.
     keeps_cache: tuple[bool, ...] | None = None
     # Empty caches of the local layers as the whole model made them at load, copied for
-    # each new sequence (None: the shard's own model makes them). A model may choose a
-    # layer's cache by its index (baichuan_m1's sliding layers), which only the whole
-    # layer list gives right.
-    cache_template: tuple[Any, ...] | None = None
+    # each new sequence. A model may choose a layer's cache by its index (baichuan_m1's
+    # sliding layers), which only the whole layer list gives right.
+    cache_template: tuple[Any, ...] = ()
 
     @property
     def row_by_row(self) -> bool:
@@ -671,11 +676,7 @@ def load_shard(
         # A prefix's quantized keys depend on when each position was quantized (which
         # step), so a parked cache would not give what a fresh prefill gives.
         reusable, cut_back_below = False, 0.0
-    template = None
-    if _KEEPS_CACHE.get(family_of(config)) is None and len(caches) == num_layers - (
-        _kv_shared_count(inner, config)
-    ):
-        template = tuple(caches[start : end - len(kv_sources or ())])
+    template = _local_caches(caches, _attr_path(inner, parts.layers), inner, config, start, end)
     _set_attr_path(inner, parts.layers, _attr_path(inner, parts.layers)[start:end])
     if not has_ends:
         for owner, name in ((inner, parts.embed), (inner, parts.norm), (outer, parts.head_name)):
@@ -708,6 +709,24 @@ def load_shard(
     if kv is not None:
         check_quantizable(shard, caches)
     return shard
+
+
+def _local_caches(
+    caches: list[Any],
+    layers: list[Any],
+    inner: nn.Module,
+    config: dict[str, Any],
+    start: int,
+    end: int,
+) -> tuple[Any, ...]:
+    """The whole model's caches of layers [start, end): it makes one, in layer order, for
+    each layer that keeps its own (none for a KV-shared layer or one _KEEPS_CACHE says
+    keeps none; check_splittable has made sure the counts agree)."""
+    keeps = _keeps_cache(layers, config) or (True,) * len(layers)
+    sources = _kv_sources_of(inner, config) or list(range(len(layers)))
+    owns = [k and source == i for i, (k, source) in enumerate(zip(keeps, sources, strict=True))]
+    first = sum(owns[:start])
+    return tuple(caches[first : first + sum(owns[start:end])])
 
 
 def quantize_caches(caches: list[Any], kv: KVQuant) -> None:
@@ -834,17 +853,7 @@ def wants_array_masks(inner: nn.Module) -> bool:
 def new_caches(shard: Shard) -> list[Any]:
     """Fresh KV caches for the local layers, of the types the model itself would use
     (none for a layer that reuses another's keys and values: `kv_sources`)."""
-    if shard.cache_template is not None:
-        return copy.deepcopy(list(shard.cache_template))  # (one copy: shared parts stay so)
-    caches = make_prompt_cache(shard.model)
-    local = shard.end - shard.start - len(shard.kv_sources or ())  # (shared layers: last)
-    if shard.keeps_cache is not None:
-        local = sum(shard.keeps_cache)
-    if len(caches) == shard.num_layers - _kv_shared_count(shard.inner, shard.config):
-        caches = caches[shard.start : shard.start + local]  # the model's, for all its layers
-    if len(caches) != local:
-        raise ValueError(f"model made {len(caches)} caches for {local} local layers")
-    return caches
+    return copy.deepcopy(list(shard.cache_template))  # (one copy: shared parts stay so)
 
 
 def model_args(shard: Shard) -> Any:
