@@ -13,7 +13,8 @@ and linear attention (conv/SSM state), dense and MoE MLPs. What mask each layer 
 follows from its cache's kind (`mask_kind`), as in the models' own `__call__`; a
 family this cannot reproduce is refused when it loads (`check_splittable`). What
 travels between ranks may be more than one hidden state: gemma3n's AltUp streams,
-folded into the payload's width (altup.py).
+folded into the payload's width (altup.py), or talkie's and rwkv7's second hidden
+state (carried.py).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from mlx_lm.models.cache import (
 )
 from mlx_lm.utils import load_model
 
-from mlx_relay.model import altup, vision
+from mlx_relay.model import altup, carried, vision
 from mlx_relay.model.step_inputs import LAYER_INPUTS, LayerInputs, takes_inputs
 
 # What each family's own forward does around the layers besides embed_tokens, the final
@@ -116,6 +117,7 @@ _EMBED_OPS: dict[str, _Op] = {
     "gemma4_text": lambda a, h: h * (a.hidden_size**0.5),
     "gemma3n": lambda a, h: h * (a.hidden_size**0.5),  # (then its AltUp streams: altup.py)
     "nanochat": _nanochat_norm,
+    "talkie": lambda a, h: mx.fast.rms_norm(h, None, a.rms_norm_eps),  # (weightless)
     "phi3small": lambda a, h: a.mup_embedding_multiplier * h if a.mup_embedding_multiplier else h,
     "recurrent_gemma": lambda a, h: (
         h * math.sqrt(h.shape[-1]) if a.embeddings_scale_by_sqrt_dim else h
@@ -125,6 +127,7 @@ _PRE_HEAD_OPS: dict[str, _Op] = {
     "minicpm": _minicpm_pre_head,
     "minicpm3": _minicpm_pre_head,
     "nanochat": _nanochat_norm,  # its final norm (it has no norm module)
+    "talkie": lambda a, h: mx.fast.rms_norm(h, None, a.rms_norm_eps),
 }
 _LOGITS_OPS: dict[str, _Op] = {
     "gemma2": lambda a, x: _softcap(a.final_logit_softcapping, x),
@@ -141,6 +144,11 @@ _LOGITS_OPS: dict[str, _Op] = {
     "falcon_h1": _falcon_h1_logits,
     "recurrent_gemma": lambda a, x: _softcap(a.logits_soft_cap, x),
     "phi3small": lambda a, x: x / a.mup_width_multiplier if a.mup_width_multiplier else x,
+}
+# Families whose LM head is not a module called on h: given the module holding it and h.
+_HEAD_CALLS: dict[str, Callable[[Any, mx.array], mx.array]] = {
+    # a bare (vocab, hidden) parameter, scaled by a learned gain
+    "talkie": lambda outer, h: outer.lm_head_gain(h @ outer.lm_head.T),
 }
 # Token ids whose logits the family's own head sets to -inf (after its LOGITS op), by
 # the name of the model's attribute that holds them.
@@ -185,7 +193,7 @@ _PARTS: dict[str, Parts] = {
     "bailing_moe_linear": Parts(embed="word_embeddings"),
     "bailing_hybrid": Parts(embed="word_embeddings"),
     "bailing_moe_v3": Parts(embed="word_embeddings"),
-    # (refused by its layers' signature: each takes and returns the first layer's values)
+    # (each layer takes and returns the first layer's values besides h: carried.py)
     "rwkv7": Parts(embed="embeddings"),
     # whole decoders named otherwise
     "nanochat": Parts(decoder="transformer", layers="h", embed="wte", norm=None),
@@ -211,7 +219,7 @@ _PARTS: dict[str, Parts] = {
     "plamo3": Parts(layers="layers.layers"),
     "plamo": Parts(layers="layers.layers"),
     "gemma3n": Parts(decoder="model.language_model"),  # (its towers: sanitize drops them)
-    # refused by its blocks' signature: each takes the normed embedding besides h
+    # each block takes the normed embedding besides h (carried.py); weightless norms
     "talkie": Parts(layers="blocks", embed="embed", norm=None),
 }
 
@@ -831,7 +839,8 @@ def check_splittable(
             mask_kind(mask_source(cache))
         except UnsupportedFamily as e:
             raise refuse(f"layer {i}: {e}") from None
-    if family in _LAYER_CALLS or family in altup.FAMILIES:  # called as its forward does
+    if family in _LAYER_CALLS or family in altup.FAMILIES or family in carried.FAMILIES:
+        # (called as its forward does)
         return
     for layer in {type(layer): layer for layer in layers}.values():
         params = list(inspect.signature(layer.__call__).parameters)
@@ -916,6 +925,8 @@ def embed(shard: Shard, tokens: mx.array, offsets: Sequence[int] | None = None) 
         h = h + getattr(shard.inner, table)(start[:, None] + mx.arange(length))
     op = _EMBED_OPS.get(family)
     h = op(model_args(shard), h) if op else h
+    if family in carried.FAMILIES:
+        return carried.pair(family, h)
     return altup.expand(shard.inner, h) if family in altup.FAMILIES else h
 
 
@@ -949,6 +960,8 @@ def run_layers(
         return masks[key]
 
     family = family_of(shard.config)
+    if family in carried.FAMILIES:
+        return carried.run_layers(family, shard.layers, h, caches, mask_for)
     call = _LAYER_CALLS.get(family, _plain_call)
     if shard.takes_inputs:
         if inputs is None:  # (a probe, or a test's own run: positions from the caches)
@@ -1125,12 +1138,16 @@ def head(shard: Shard, h: mx.array) -> mx.array:
     family = family_of(shard.config)
     if family in altup.FAMILIES:  # gemma3n: its AltUp streams merged into one first
         h = altup.merge(shard.inner, h)
+    if family in carried.FAMILIES:
+        h = carried.hidden(h)
     norm = shard.parts.norm
     if norm is not None:
         h = getattr(shard.inner, norm)(h)
     if op := _PRE_HEAD_OPS.get(family):
         h = op(model_args(shard), h)
-    if shard.parts.head_name in shard.outer:
+    if call := _HEAD_CALLS.get(family):
+        logits = call(shard.outer, h)
+    elif shard.parts.head_name in shard.outer:
         logits = shard.outer[shard.parts.head_name](h)
     else:
         logits = getattr(shard.inner, shard.parts.embed).as_linear(h)
