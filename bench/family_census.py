@@ -311,6 +311,7 @@ OVERRIDES: dict[str, dict] = {
         "num_shared_experts": 1,
         "moe_intermediate_size": 32,
         "first_k_dense_replace": 1,
+        "attn_res_block_size": 2,  # (attention residuals: a block state every 2 layers)
     },
     "muse_spark": {
         "text_config": {

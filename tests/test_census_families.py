@@ -105,6 +105,9 @@ FAMILIES = (
     # first layer's values every later layer mixes in (rwkv7)
     "talkie",
     "rwkv7",
+    # attention residuals: one hidden state per block of layers so far, carried after h
+    # (a hop after more blocks is wider); its final norm reads their mix
+    "kimi_k3",
 )
 
 
@@ -120,7 +123,6 @@ def test_stages_equal_the_whole_model(family, tmp_path):
         ("iquestloopcoder", "makes 12 caches for 6 layers"),  # loops over its layers twice
         ("longcat_flash_ngram", "n-gram embedding"),  # each sequence's last ids, at embedding
         ("afm7", "kv_reuse_layers"),  # a second layer list reusing the first's last keys
-        ("kimi_k3", "takes (x, mask, cache, blocks)"),  # attention residuals across blocks
     ],
 )
 def test_families_a_stage_cannot_run_are_refused_with_the_reason(family, reason, tmp_path):
@@ -154,31 +156,35 @@ def test_cross_layer_attention_is_refused(tmp_path, monkeypatch):
 
 @pytest.mark.cluster
 @pytest.mark.parametrize(
-    ("family", "layers"),
+    ("family", "layers", "hops"),
     [
-        ("ministral3", "2,4"),
-        ("nemotron_h", "3,3"),
-        ("bailing_hybrid", "2,4"),
-        ("baichuan_m1", "2,4"),
-        ("llama4", "3,3"),
-        ("gpt2", "2,4"),
-        ("talkie", "2,4"),
-        ("rwkv7", "2,4"),
+        ("ministral3", "2,4", "auto"),
+        ("nemotron_h", "3,3", "auto"),
+        ("bailing_hybrid", "2,4", "auto"),
+        ("baichuan_m1", "2,4", "auto"),
+        ("llama4", "3,3", "auto"),
+        ("gpt2", "2,4", "auto"),
+        ("talkie", "2,4", "auto"),
+        ("rwkv7", "2,4", "auto"),
+        ("kimi_k3", "1,2,3", "eager"),
     ],
 )
-def test_in_a_cluster_equals_mlx_lm(family, layers, tmp_path, cluster_factory):
-    """Two uneven ranks, a greedy and a seeded chat decoded at once (one batch of caches
-    with different offsets), token-exact against mlx-lm. Ministral 3's layers take an
-    attention scale that grows past its original context (16 positions here);
-    nemotron_h's MLP and MoE layers keep no cache between its mamba and attention ones
-    (M * - | M E *: each rank holds one). bailing_hybrid's layers take the step's offset
-    (one per row in a group: the header's); rank 0 holds only linear-attention layers,
-    whose caches do not count positions. baichuan_m1: rank 1's first layer is a sliding
-    one, which only the whole model's cache list knows. llama4: chunks of 8 positions,
-    the chats longer than that. gpt2: each row's learned position embedding by its own
-    offset in the decode group. talkie and rwkv7: a second hidden state travels with h."""
+def test_in_a_cluster_equals_mlx_lm(family, layers, hops, tmp_path, cluster_factory):
+    """Two (or three) uneven ranks, a greedy and a seeded chat decoded at once (one
+    batch of caches with different offsets), token-exact against mlx-lm. Ministral 3's
+    layers take an attention scale that grows past its original context (16 positions
+    here); nemotron_h's MLP and MoE layers keep no cache between its mamba and attention
+    ones (M * - | M E *: each rank holds one). bailing_hybrid's layers take the step's
+    offset (one per row in a group: the header's); rank 0 holds only linear-attention
+    layers, whose caches do not count positions. baichuan_m1: rank 1's first layer is a
+    sliding one, which only the whole model's cache list knows. llama4: chunks of 8
+    positions, the chats longer than that. gpt2: each row's learned position embedding
+    by its own offset in the decode group. talkie and rwkv7: a second hidden state
+    travels with h. kimi_k3, at 3 ranks: its attention residuals keep a block state
+    every 2 layers, carried after h, so each hop is wider than the one before (2, 3,
+    then 4 x hidden back to rank 0, whose receive eager hops post at launch)."""
     path = write_tokenizer(family_census.write_model(family, tmp_path / family))
-    running = cluster_factory(path, 2, layers=layers)
+    running = cluster_factory(path, len(layers.split(",")), "--hop-mode", hops, layers=layers)
     texts = [("Tell me about the sea and the lighthouse.", None), ("Why is the sky blue?", 7)]
     got = generate_concurrently(running.client, [chat_request(t, s, 12) for t, s in texts])
     for (text, seed), tokens in zip(texts, got, strict=True):

@@ -28,6 +28,27 @@ def test_header_round_trip_with_several_sequences():
     assert hdr.payload_nbytes_shape(h) == (3, 7, 576)
 
 
+def test_the_return_hop_carries_each_rows_last_position_at_the_last_ranks_width():
+    """Rank 0 posts the return's receive when it launches a step: one position a row,
+    all of it only when it wants the output, at the width the last layer leaves (Kimi
+    K3's layers widen the state: rank 0 says how wide)."""
+    sent = hdr.StepHeader(
+        cmd=hdr.CMD_FORWARD,
+        flags=hdr.FLAG_WANT_OUTPUT,
+        payload_kind=hdr.PAYLOAD_HIDDEN,
+        payload_dtype="float32",
+        payload_shape=(2, 9, 128),
+        slots=[0, 1],
+        offsets=[0, 0],
+        lengths=[9, 9],
+    )
+    assert hdr.returned(sent).payload_shape == (2, 1, 128)
+    assert hdr.returned(sent, 256).payload_shape == (2, 1, 256)
+    sent.flags = 0  # (a prefill chunk: its first value only says it was computed)
+    assert hdr.returned(sent, 256).payload_shape == (2, 1, 1)
+    assert sent.payload_shape == (2, 9, 128)  # (a copy: what was sent is kept)
+
+
 def test_error_flags_keep_the_first_failure_code():
     h = hdr.StepHeader(cmd=hdr.CMD_PING)
     h.mark_failed(2, hdr.ERR_OUT_OF_MEMORY)

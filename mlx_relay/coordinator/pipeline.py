@@ -331,7 +331,7 @@ class Pipeline:
                 mx.async_eval(payload)
             self._unannounced.append((step, payload))
             return
-        back = hdr.returned(step.header)
+        back = hdr.returned(step.header, self._returned_width(step.header))
         try:
             step.posted = self.ring.send(step.header, payload, step.sides)
             step.returned = self.ring.post_recv_payload(
@@ -380,6 +380,14 @@ class Pipeline:
             self.done(step)  # failed or not: nothing more will come of it
         return back
 
+    def _returned_width(self, header: hdr.StepHeader) -> int | None:
+        """The width of the state the last rank sends back for a forward step: what the
+        model's last layer leaves (wider than what rank 0 sent where the layers widen
+        it: Kimi K3's attention residuals); None for anything else."""
+        if header.payload_kind != hdr.PAYLOAD_HIDDEN or self.shard is None:
+            return None
+        return sharding.output_width(self.shard, header.payload_shape[2], self.shard.num_layers)
+
     def _receive(self, step: Step) -> tuple[hdr.StepHeader, mx.array | None]:
         """The header that came back, and the receive of its payload, posted. A failed
         step's payload (zeros) is received all the same, so the ring stays in step."""
@@ -389,7 +397,7 @@ class Pipeline:
         if (
             back.step_id != header.step_id
             or back.cmd != header.cmd
-            or shape != hdr.payload_nbytes_shape(hdr.returned(header))
+            or shape != hdr.payload_nbytes_shape(hdr.returned(header, self._returned_width(header)))
         ):
             raise ClusterFailure(
                 -1, "", f"ranks out of step: sent {header.describe()}, got {back.describe()}"

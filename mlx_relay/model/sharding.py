@@ -13,8 +13,8 @@ and linear attention (conv/SSM state), dense and MoE MLPs. What mask each layer 
 follows from its cache's kind (`mask_kind`), as in the models' own `__call__`; a
 family this cannot reproduce is refused when it loads (`check_splittable`). What
 travels between ranks may be more than one hidden state: gemma3n's AltUp streams,
-folded into the payload's width (altup.py), or talkie's and rwkv7's second hidden
-state (carried.py).
+folded into the payload's width (altup.py), or what talkie's, rwkv7's and Kimi K3's
+layers take besides h (carried.py).
 """
 
 from __future__ import annotations
@@ -926,8 +926,19 @@ def embed(shard: Shard, tokens: mx.array, offsets: Sequence[int] | None = None) 
     op = _EMBED_OPS.get(family)
     h = op(model_args(shard), h) if op else h
     if family in carried.FAMILIES:
-        return carried.pair(family, h)
+        return carried.start(family, h)
     return altup.expand(shard.inner, h) if family in altup.FAMILIES else h
+
+
+def output_width(shard: Shard, width: int, layers_done: int | None = None) -> int:
+    """The width of the state the model's first `layers_done` layers (default: up to
+    this shard's last) leave, where `width` entered this shard: the same, except for a
+    family whose carried state grows (carried.py)."""
+    family = family_of(shard.config)
+    if family not in carried.FAMILIES:
+        return width
+    done = shard.end if layers_done is None else layers_done
+    return carried.width_after(family, shard.inner, done, width)
 
 
 def run_layers(
@@ -961,7 +972,7 @@ def run_layers(
 
     family = family_of(shard.config)
     if family in carried.FAMILIES:
-        return carried.run_layers(family, shard.layers, h, caches, mask_for)
+        return carried.run_layers(family, shard.inner, shard.layers, h, caches, mask_for)
     call = _LAYER_CALLS.get(family, _plain_call)
     if shard.takes_inputs:
         if inputs is None:  # (a probe, or a test's own run: positions from the caches)
@@ -1139,7 +1150,7 @@ def head(shard: Shard, h: mx.array) -> mx.array:
     if family in altup.FAMILIES:  # gemma3n: its AltUp streams merged into one first
         h = altup.merge(shard.inner, h)
     if family in carried.FAMILIES:
-        h = carried.hidden(h)
+        h = carried.final(family, shard.inner, h)
     norm = shard.parts.norm
     if norm is not None:
         h = getattr(shard.inner, norm)(h)

@@ -189,28 +189,31 @@ def payload_nbytes_shape(header: StepHeader) -> tuple[int, ...]:
     return tuple(header.payload_shape)
 
 
-def set_returned_payload(header: StepHeader) -> None:
+def set_returned_payload(header: StepHeader, width: int | None = None) -> None:
     """Make `header` announce what the last rank sends back to rank 0 for it.
 
     A forward step returns each row's last position: all of it (what the LM head needs)
     when rank 0 asked for output, else its first value only, which tells rank 0 that
     every rank has computed the step (a prefill chunk is timed by it, and no more steps
     are in flight than the engine allows). A command returns nothing. Rank 0 knows this
-    when it launches a step, so it can post the receive at once.
+    when it launches a step, so it can post the receive at once. Each rank announces
+    the width of what it sends on (a family's layers may widen the state: Kimi K3's
+    attention residuals); `width`: the last rank's, where rank 0 has announced its own.
     """
     header.sides = []  # the last rank sends no side arrays back
     if header.cmd == CMD_FORWARD and header.payload_kind == PAYLOAD_HIDDEN:
         rows, _, hidden = header.payload_shape
+        hidden = hidden if width is None else width
         header.payload_shape = (rows, 1, hidden if header.flags & FLAG_WANT_OUTPUT else 1)
     else:
         header.payload_kind = PAYLOAD_NONE
         header.payload_shape = (0, 0, 0)
 
 
-def returned(header: StepHeader) -> StepHeader:
+def returned(header: StepHeader, width: int | None = None) -> StepHeader:
     """A copy of `header` as the last rank sends it back (see set_returned_payload)."""
     back = dataclasses.replace(header)
-    set_returned_payload(back)
+    set_returned_payload(back, width)
     return back
 
 

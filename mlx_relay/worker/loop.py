@@ -134,6 +134,8 @@ class Worker:
         and its first value otherwise, which tells rank 0 the step was computed."""
         if out is not None and out.dtype != mx_dtype(header.payload_dtype):
             out = out.astype(mx_dtype(header.payload_dtype))
+        if out is not None and header.payload_kind == hdr.PAYLOAD_HIDDEN:
+            header.payload_shape = tuple(out.shape)  # (a family's layers may widen it)
         if not self.is_last:
             return out
         hdr.set_returned_payload(header)
@@ -143,9 +145,12 @@ class Worker:
         return out[:, -1:, : header.payload_shape[2]]
 
     def _zeros_like_announced(self, header: hdr.StepHeader) -> mx.array | None:
+        """A failed step's output: zeros of the shape its layers would have given."""
         shape = hdr.payload_nbytes_shape(header)
         if not shape:
             return None
+        if header.payload_kind == hdr.PAYLOAD_HIDDEN and self.shard is not None:
+            shape = (*shape[:2], sharding.output_width(self.shard, shape[2]))
         return mx.zeros(shape, dtype=mx_dtype(header.payload_dtype))
 
     def _act(
