@@ -204,7 +204,10 @@ OVERRIDES: dict[str, dict] = {
         "gate_low_rank_dim": 8,
         "decay_low_rank_dim": 8,
     },
-    "hunyuan": {"rope_scaling": {"alpha": 1.0, "factor": 1.0, "type": "dynamic"}},
+    "hunyuan": {
+        "rope_scaling": {"alpha": 1.0, "factor": 1.0, "type": "dynamic"},
+        "use_cla": True,  # (Hunyuan-Large's cross-layer attention: pairs of layers)
+    },
     "exaone4": {"sliding_window_pattern": "LLG"},
     "lfm2": {"layer_types": ["conv", "full_attention", "conv", "conv", "full_attention", "conv"]},
     "lfm2_moe": {

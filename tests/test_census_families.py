@@ -70,9 +70,6 @@ FAMILIES = (
     "nemotron-nas",
     "pixtral",
     "lfm2-vl",
-    # its layers take and return keys and values shared with the next (none without
-    # use_cla, cross-layer attention)
-    "hunyuan",
     # learned position embeddings added at the embedding by each row's position (the
     # header's offsets), a table only rank 0 holds (GPT-2, StarCoder 1)
     "gpt2",
@@ -144,14 +141,15 @@ def test_the_memory_check_counts_a_chunk_for_chunked_layers(tmp_path):
     assert 0 < chunked < full / 10
 
 
-def test_cross_layer_attention_is_refused(tmp_path, monkeypatch):
+@pytest.mark.parametrize("cla", [True, False])
+def test_cross_layer_attention_splits_anywhere(cla, tmp_path, monkeypatch):
     """hunyuan with use_cla (Hunyuan-Large): each second layer reuses the keys and values
-    of the layer before it, computed in the same step, which no hop carries."""
+    of the layer before it, computed in the same step; where a split parts a pair (after
+    layer 1 or 3 here) they travel with h. Without it (Hunyuan-A13B) nothing does."""
     monkeypatch.setitem(
-        family_census.OVERRIDES, "hunyuan", {**family_census.OVERRIDES["hunyuan"], "use_cla": True}
+        family_census.OVERRIDES, "hunyuan", {**family_census.OVERRIDES["hunyuan"], "use_cla": cla}
     )
-    status, why = family_census.check("hunyuan", tmp_path)
-    assert status == "REFUSED" and "use_cla" in why
+    assert family_census.check("hunyuan", tmp_path) == ("EXACT", "")
 
 
 @pytest.mark.cluster
@@ -167,6 +165,7 @@ def test_cross_layer_attention_is_refused(tmp_path, monkeypatch):
         ("talkie", "2,4", "auto"),
         ("rwkv7", "2,4", "auto"),
         ("kimi_k3", "1,2,3", "eager"),
+        ("hunyuan", "1,2,3", "auto"),
     ],
 )
 def test_in_a_cluster_equals_mlx_lm(family, layers, hops, tmp_path, cluster_factory):
@@ -182,7 +181,9 @@ def test_in_a_cluster_equals_mlx_lm(family, layers, hops, tmp_path, cluster_fact
     by its own offset in the decode group. talkie and rwkv7: a second hidden state
     travels with h. kimi_k3, at 3 ranks: its attention residuals keep a block state
     every 2 layers, carried after h, so each hop is wider than the one before (2, 3,
-    then 4 x hidden back to rank 0, whose receive eager hops post at launch)."""
+    then 4 x hidden back to rank 0, whose receive eager hops post at launch). hunyuan,
+    at 3 ranks: both hops part a pair of layers sharing keys and values (use_cla), which
+    travel with h."""
     path = write_tokenizer(family_census.write_model(family, tmp_path / family))
     running = cluster_factory(path, len(layers.split(",")), "--hop-mode", hops, layers=layers)
     texts = [("Tell me about the sea and the lighthouse.", None), ("Why is the sky blue?", 7)]

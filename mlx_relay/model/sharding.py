@@ -275,9 +275,6 @@ def _llama4_scale(args: Any, h: mx.array, c: Any) -> mx.array:
 
 
 _LAYER_CALLS: dict[str, _LayerCall] = {
-    # takes and returns the keys and values a layer shares with the next (use_cla, which
-    # _REFUSE_CONFIG refuses): without it, none
-    "hunyuan": lambda layer, h, mask_for, c: layer(h, mask_for(c), c, None)[0],
     # the step's position offset, from the header (step_inputs.LAYER_INPUTS)
     "bailing_moe_linear": _keyword_call,
     "bailing_hybrid": _keyword_call,
@@ -304,18 +301,6 @@ _LAYER_CALLS: dict[str, _LayerCall] = {
     "qwen2_5_vl": _mrope_call,
 }
 
-
-# Families splittable only in some configurations: given the model's ModelArgs, why
-# this one is not (None: it is). (gemma4's KV sharing splits where a rank holds the
-# shared layers with the layers they reuse: see kv_shared_sources.)
-_REFUSE_CONFIG: dict[str, Callable[[Any], str | None]] = {
-    "hunyuan": lambda a: (
-        "its layers share keys and values across layers (use_cla: cross-layer attention), "
-        "which a stage cannot pass on"
-        if a.use_cla
-        else None
-    ),
-}
 
 # Families some of whose layers keep no cache (nemotron_h's MLP and MoE blocks, between
 # its mamba and attention ones): given a layer, whether it keeps one. The model makes
@@ -816,8 +801,6 @@ def check_splittable(
             "its config soft-caps the logits (final_logit_softcapping), and "
             "mlx-relay has no rule for where this family applies it"
         )
-    if family in _REFUSE_CONFIG and (why := _REFUSE_CONFIG[family](model_args_of(model, config))):
-        raise refuse(why)
     parts = parts_of(config)
     inner = inner if inner is not None else inner_model(model, parts)
     for name in (parts.embed, parts.norm):
@@ -972,7 +955,9 @@ def run_layers(
 
     family = family_of(shard.config)
     if family in carried.FAMILIES:
-        return carried.run_layers(family, shard.inner, shard.layers, h, caches, mask_for)
+        return carried.run_layers(
+            family, shard.inner, shard.start, shard.layers, h, caches, mask_for
+        )
     call = _LAYER_CALLS.get(family, _plain_call)
     if shard.takes_inputs:
         if inputs is None:  # (a probe, or a test's own run: positions from the caches)
