@@ -444,7 +444,11 @@ def tiny_config(family: str) -> dict:
 SPLITS = ([(0, 6)], [(0, 2), (2, 6)], [(0, 1), (1, 4), (4, 6)])
 # Families whose splits must keep some layers together: gemma3n's last 2 layers (the
 # tests' model) reuse the keys and values of layers 2 and 3, so the last rank holds 2-5.
-FAMILY_SPLITS = {"gemma3n": ([(0, 6)], [(0, 2), (2, 6)], [(0, 1), (1, 2), (2, 6)])}
+FAMILY_SPLITS = {
+    "gemma3n": ([(0, 6)], [(0, 2), (2, 6)], [(0, 1), (1, 2), (2, 6)]),
+    # afm7's last 2 layers (its second list) reuse layer 3's keys and values
+    "afm7": ([(0, 6)], [(0, 2), (2, 6)], [(0, 1), (1, 3), (3, 6)]),
+}
 
 
 def families() -> list[str]:

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import family_census  # noqa: E402
 
-from mlx_relay.model import memory  # noqa: E402
+from mlx_relay.model import memory, sharding, split  # noqa: E402
 
 FAMILIES = (
     "qwen3_5",
@@ -105,6 +105,10 @@ FAMILIES = (
     # attention residuals: one hidden state per block of layers so far, carried after h
     # (a hop after more blocks is wider); its final norm reads their mix
     "kimi_k3",
+    # a second layer list after the first, each reusing the keys and values the first
+    # list's last layer holds (kv_reuse_layers): joined into one list, split as
+    # KV-shared layers are (the last rank holds them with the layer they reuse)
+    "afm7",
 )
 
 
@@ -119,7 +123,6 @@ def test_stages_equal_the_whole_model(family, tmp_path):
         ("deepseek_v41", "LayerCache"),  # its own cache: window plus compressed groups
         ("iquestloopcoder", "makes 12 caches for 6 layers"),  # loops over its layers twice
         ("longcat_flash_ngram", "n-gram embedding"),  # each sequence's last ids, at embedding
-        ("afm7", "kv_reuse_layers"),  # a second layer list reusing the first's last keys
     ],
 )
 def test_families_a_stage_cannot_run_are_refused_with_the_reason(family, reason, tmp_path):
@@ -139,6 +142,21 @@ def test_the_memory_check_counts_a_chunk_for_chunked_layers(tmp_path):
     full = memory.cache_nbytes(path, 3, 4, 4096)  # layer 3 attends to every position
     chunked = memory.cache_nbytes(path, 0, 1, 4096)  # chunks of 8 positions
     assert 0 < chunked < full / 10
+
+
+def test_afm7s_second_layer_list_is_its_last_layers(tmp_path):
+    """afm7's kv_reuse_layers are the model's last layers to the split and the memory
+    check (their tensors are named `kv_reuse_layers.N`), and a split that parts them
+    from the layer whose cache they read is refused with what to do."""
+    path = family_census.write_model("afm7", tmp_path / "afm7")
+    config = sharding.read_config(path)
+    costs = split.layer_costs(path, 6, config)
+    assert costs is not None and all(costs.held) and costs.held[4] == costs.held[5]
+    assert memory.shard_nbytes(path, 4, 6) == costs.held[4] + costs.held[5]
+    with pytest.raises(ValueError, match="must hold at least 3 layers"):
+        split.resolve_layers("4,2", 6, 2, 0.0, costs, sharding.kv_shared_tail(config))
+    with pytest.raises(sharding.UnsupportedFamily, match="layer 4 reuses layer 3's keys"):
+        sharding.load_shard(path, 4, 6, has_ends=False)
 
 
 @pytest.mark.parametrize("cla", [True, False])
@@ -166,6 +184,7 @@ def test_cross_layer_attention_splits_anywhere(cla, tmp_path, monkeypatch):
         ("rwkv7", "2,4", "auto"),
         ("kimi_k3", "1,2,3", "eager"),
         ("hunyuan", "1,2,3", "auto"),
+        ("afm7", "2,4", "auto"),
     ],
 )
 def test_in_a_cluster_equals_mlx_lm(family, layers, hops, tmp_path, cluster_factory):
@@ -183,7 +202,8 @@ def test_in_a_cluster_equals_mlx_lm(family, layers, hops, tmp_path, cluster_fact
     every 2 layers, carried after h, so each hop is wider than the one before (2, 3,
     then 4 x hidden back to rank 0, whose receive eager hops post at launch). hunyuan,
     at 3 ranks: both hops part a pair of layers sharing keys and values (use_cla), which
-    travel with h."""
+    travel with h. afm7: rank 1 holds the last layer of the first list and the second
+    list's two layers, which read all its cache holds."""
     path = write_tokenizer(family_census.write_model(family, tmp_path / family))
     running = cluster_factory(path, len(layers.split(",")), "--hop-mode", hops, layers=layers)
     texts = [("Tell me about the sea and the lighthouse.", None), ("Why is the sky blue?", 7)]

@@ -16,6 +16,9 @@ from mlx_relay.model import vision
 
 # A decoder layer's tensors: `...layers.N.` (nanochat's decoder: `transformer.h.N.`).
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
+# Layers kept in a second list after the first (afm7's `kv_reuse_layers.N.`): the
+# model's layer (length of the first list) + N.
+_SECOND_LIST = re.compile(r"(?:^|\.)kv_reuse_layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -43,11 +46,14 @@ def tensor_bytes(path: Path) -> dict[str, int]:
     return {name: t.nbytes for name, t in tensors(path).items()}
 
 
-def layer_of(name: str) -> int | None:
+def layer_of(name: str, second_list_from: int = 0) -> int | None:
     """The decoder layer tensor `name` belongs to; None for everything else: the
     embedding, final norm and LM head, and a VLM's vision tower and projector (whose own
-    `layers.N` are not the language model's), all rank 0's."""
+    `layers.N` are not the language model's), all rank 0's. `second_list_from`: the
+    model's index of the first layer of a second list (sharding.second_list_from)."""
     if vision.encoder_tensor(name):
         return None
+    if second_list_from and (match := _SECOND_LIST.search(name)):
+        return second_list_from + int(match.group(1))
     match = _LAYER.search(name)
     return int(match.group(1)) if match else None

@@ -274,8 +274,9 @@ def shard_nbytes(path: Path, start: int, end: int, *, ends: bool = False) -> int
     (embedding, final norm, LM head; a VLM's vision tower and projector), from the
     safetensors headers: no weight is read."""
     total = 0
+    second = sharding.second_list_from(_read_config(str(path)))
     for name, nbytes in checkpoint.tensor_bytes(path).items():
-        layer = checkpoint.layer_of(name)
+        layer = checkpoint.layer_of(name, second)
         if (layer is not None and start <= layer < end) or (ends and layer is None):
             total += nbytes
     return total

@@ -206,6 +206,7 @@ _PARTS: dict[str, Parts] = {
     "gpt_bigcode": Parts(decoder="transformer", layers="h", embed="wte", norm="ln_f"),
     "qwen": Parts(decoder="transformer", layers="h", embed="wte", norm="ln_f"),
     "spark2_5": Parts(embed="embedding"),
+    "afm7": Parts(embed="embedding", norm="output_norm"),  # (its second list: _REUSE_LISTS)
     "openelm": Parts(decoder="transformer", embed="token_embeddings"),
     "dbrx": Parts(decoder="transformer", layers="blocks", embed="wte", norm="norm_f"),
     "lille-130m": Parts(decoder="transformer", embed="tok_embeddings"),
@@ -328,6 +329,14 @@ def _cacheless_count(layers: list[Any], config: dict[str, Any]) -> int:
 # its own).
 _KV_SHARING = {"gemma4_text": "previous_kvs", "gemma3n": "layer_idx_to_cache_idx"}
 
+# Families whose decoder keeps its last layers in a second list, run after the first,
+# each of which reuses the keys and values of the first list's last layer (afm7:
+# kv_reuse_layers, num_kv_reuse_layers of them): the list, and the config key counting
+# it. A shard joins the two lists into one (`_join_layer_lists`) and splits that; the
+# reusing layers are KV-shared layers like gemma4's, so one rank holds them together
+# with the layer they reuse.
+_REUSE_LISTS = {"afm7": ("kv_reuse_layers", "num_kv_reuse_layers")}
+
 # What mask a layer gets, by its cache's kind: the models build one mask per kind from
 # the first cache of that kind (full attention, sliding window, chunked attention,
 # linear attention).
@@ -376,10 +385,6 @@ _POSITION_EMBEDDINGS = {"gpt2": "wpe", "gpt_bigcode": "wpe"}
 _NOT_SPLITTABLE: dict[str, str] = {
     "longcat_flash_ngram": (
         "its n-gram embedding keeps each sequence's last token ids in a cache of its own"
-    ),
-    "afm7": (
-        "its last layers (kv_reuse_layers, a list of their own) reuse the keys and values "
-        "of the last layer before them"
     ),
 }
 
@@ -658,10 +663,11 @@ def load_shard(
             raise unsplittable(config.get("model_type"), str(e)) from None
         outer = head_owner(model, parts_of(config).head)
     parts = parts_of(config)
+    caches = make_prompt_cache(model)  # all layers still here
+    _join_layer_lists(inner, parts, config)
     num_layers = len(_attr_path(inner, parts.layers))
     if not 0 <= start < end <= num_layers:
         raise ValueError(f"layer range [{start}, {end}) outside the model's {num_layers} layers")
-    caches = make_prompt_cache(model)  # all layers still here
     check_splittable(model, config, caches, inner)
     kv_sources = kv_shared_sources(inner, config, start, end)
     reusable, cut_back_below = reuse_rule(caches)
@@ -702,6 +708,24 @@ def load_shard(
     if kv is not None:
         check_quantizable(shard, caches)
     return shard
+
+
+def second_list_from(config: dict[str, Any]) -> int:
+    """The model's index of the first layer of its second layer list (_REUSE_LISTS);
+    0 for a model with one list."""
+    reusing = kv_shared_layers(config) if family_of(config) in _REUSE_LISTS else 0
+    return count_layers(config) - reusing if reusing else 0
+
+
+def _join_layer_lists(inner: nn.Module, parts: Parts, config: dict[str, Any]) -> None:
+    """One layer list of a decoder that keeps its last layers in a second (_REUSE_LISTS),
+    so that the split, the memory check and the shard see the model's layers in order."""
+    rule = _REUSE_LISTS.get(family_of(config))
+    if rule is None:
+        return
+    second = getattr(inner, rule[0])
+    _set_attr_path(inner, parts.layers, list(_attr_path(inner, parts.layers)) + list(second))
+    setattr(inner, rule[0], [])
 
 
 def _local_caches(
@@ -822,7 +846,8 @@ def check_splittable(
             mask_kind(mask_source(cache))
         except UnsupportedFamily as e:
             raise refuse(f"layer {i}: {e}") from None
-    if family in _LAYER_CALLS or family in altup.FAMILIES or family in carried.FAMILIES:
+    called_otherwise = (_LAYER_CALLS, altup.FAMILIES, carried.FAMILIES, _REUSE_LISTS)
+    if any(family in table for table in called_otherwise):
         # (called as its forward does)
         return
     for layer in {type(layer): layer for layer in layers}.values():
@@ -991,7 +1016,17 @@ def _run_kv_shared(
 ) -> mx.array:
     """gemma4's layers as its forward runs them: a layer with its own cache returns its
     keys, values and offset, and a KV-shared layer (no cache) takes those of the layer it
-    reuses, from this very step, with that layer's mask (kv_sources: both are here)."""
+    reuses, from this very step, with that layer's mask (kv_sources: both are here).
+    afm7's reusing layers take all that layer's cache holds after this step's update."""
+    if family_of(shard.config) in _REUSE_LISTS:  # (afm7: the reused cache's contents)
+        for i, layer in enumerate(shard.layers):
+            source = shard.kv_sources.get(i)
+            if source is None:
+                h = layer(h, mask_for(caches[i]), caches[i])
+            else:
+                keys, values = caches[source].keys_and_values()
+                h = layer(h, keys, values, mask_for(caches[source]))
+        return h
     returned: dict[int, tuple[Any, Any]] = {}
     for i, (layer, kw) in enumerate(zip(shard.layers, kws, strict=True)):
         source = shard.kv_sources.get(i) if shard.kv_sources else None
@@ -1027,6 +1062,9 @@ def _run_altup(
 
 def _kv_sources_of(inner: nn.Module, config: dict[str, Any]) -> list[int]:
     """For each of the decoder's layers, the layer whose keys and values it uses."""
+    if family_of(config) in _REUSE_LISTS:  # (the last layers reuse the one before them)
+        n, reusing = count_layers(config), kv_shared_layers(config)
+        return list(range(n - reusing)) + [n - reusing - 1] * reusing
     name = _KV_SHARING.get(family_of(config))
     return list(getattr(inner, name, None) or []) if name else []
 
@@ -1053,8 +1091,8 @@ def kv_shared_sources(
             tail = kv_shared_tail(config)
             raise unsplittable(
                 family_of(config),
-                f"layer {layer} reuses layer {source}'s keys and values "
-                f"(num_kv_shared_layers), computed in the same step, so one rank must hold "
+                f"layer {layer} reuses layer {source}'s keys and values, computed in the "
+                f"same step, so one rank must hold "
                 f"both; layers [{start}, {end}) part them: give the last rank at least "
                 f"the last {tail} layers (--layers)",
             )
@@ -1076,6 +1114,8 @@ def _kv_sharing_args(config: dict[str, Any]) -> Any:
 
 def kv_shared_layers(config: dict[str, Any]) -> int:
     """How many last layers keep no keys and values of their own (0: none share)."""
+    if rule := _REUSE_LISTS.get(family_of(config)):
+        return int(text_config(config).get(rule[1]) or 0)
     args = _kv_sharing_args(config)
     return max(0, int(getattr(args, "num_kv_shared_layers", 0) or 0)) if args else 0
 
@@ -1086,6 +1126,8 @@ def kv_shared_tail(config: dict[str, Any]) -> int:
     of its type before the shared ones); 0 for a model without KV sharing."""
     if not kv_shared_layers(config):
         return 0
+    if family_of(config) in _REUSE_LISTS:  # (and the one layer they all reuse)
+        return kv_shared_layers(config) + 1
     args = _kv_sharing_args(config)
     n = args.num_hidden_layers
     first_shared = n - args.num_kv_shared_layers

@@ -100,7 +100,7 @@ def _active_expert_share(config: dict[str, Any]) -> float:
 def layer_costs(path: Path, num_layers: int, config: dict[str, Any]) -> LayerCosts | None:
     """Each layer's bytes from the model's weight files; None if they say nothing
     (no safetensors, or no tensor named after its layer)."""
-    from mlx_relay.model import checkpoint  # with vision's tower names: MLX, lazily
+    from mlx_relay.model import checkpoint, sharding  # (they import MLX: lazily)
 
     try:
         sizes = checkpoint.tensor_bytes(path)
@@ -109,8 +109,9 @@ def layer_costs(path: Path, num_layers: int, config: dict[str, Any]) -> LayerCos
     share = _active_expert_share(config)
     held, work = [0] * num_layers, [0.0] * num_layers
     ends = 0
+    second = sharding.second_list_from(config)
     for name, nbytes in sizes.items():
-        i = checkpoint.layer_of(name)
+        i = checkpoint.layer_of(name, second)
         if i is None:
             ends += nbytes
             continue
@@ -220,7 +221,7 @@ def parse_layers(
 def kv_shared_refusal(counts: list[int], tail: int) -> str:
     return (
         f"layer split {counts}: this model's last {tail} layers reuse each other's keys "
-        "and values within a step (num_kv_shared_layers), so the last rank must hold "
+        "and values within a step, so the last rank must hold "
         f"at least {tail} layers"
     )
 
