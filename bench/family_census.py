@@ -316,6 +316,26 @@ OVERRIDES: dict[str, dict] = {
         "first_k_dense_replace": 1,
         "attn_res_block_size": 2,  # (attention residuals: a block state every 2 layers)
     },
+    # a window of 4; groups of 2 positions compressed by layers 1 and 3, indexed by
+    # layers 1 and 4, read by all but layer 0 (every compressed layer's picks must index
+    # entries of its ratio: mlx-lm gathers them unchecked)
+    "deepseek_v41": {
+        "head_dim": 32,
+        "q_lora_rank": 32,
+        "o_groups": 2,
+        "o_lora_rank": 16,
+        "sliding_window": 4,
+        "compress_ratios": [0, 2, 2, 2, 2, 2],
+        "kv_source_layer_ids": [1, 3],
+        "index_source_layer_ids": [1, 4],
+        "candidate_source_layer_id": 1,
+        "candidate_topk_blocks": 2,
+        "candidate_block_size": 2,
+        "index_n_heads": 2,
+        "index_head_dim": 16,
+        "index_topk": 3,
+        "hc_sinkhorn_iters": 3,
+    },
     "muse_spark": {
         "text_config": {
             "post_norm_eps": 1e-6,
@@ -448,6 +468,9 @@ FAMILY_SPLITS = {
     "gemma3n": ([(0, 6)], [(0, 2), (2, 6)], [(0, 1), (1, 2), (2, 6)]),
     # afm7's last 2 layers (its second list) reuse layer 3's keys and values
     "afm7": ([(0, 6)], [(0, 2), (2, 6)], [(0, 1), (1, 3), (3, 6)]),
+    # deepseek_v41's hops after layers 2, 3 and 4 carry different parts of its shared
+    # state (after layer 1 none: layer 0 compresses nothing)
+    "deepseek_v41": ([(0, 6)], [(0, 3), (3, 6)], [(0, 2), (2, 4), (4, 6)]),
 }
 
 

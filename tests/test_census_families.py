@@ -109,6 +109,11 @@ FAMILIES = (
     # list's last layer holds (kv_reuse_layers): joined into one list, split as
     # KV-shared layers are (the last rank holds them with the layer they reuse)
     "afm7",
+    # hyper-connection streams, their collapse weights and the state its layers share
+    # (compressed rows, index keys, top-k picks, candidate blocks) laid out by the step's
+    # position (deepseek_v4.py); splits at layers 2, 3 and 4 (FAMILY_SPLITS) each carry
+    # a different part of it
+    "deepseek_v41",
 )
 
 
@@ -120,7 +125,6 @@ def test_stages_equal_the_whole_model(family, tmp_path):
 @pytest.mark.parametrize(
     ("family", "reason"),
     [
-        ("deepseek_v41", "LayerCache"),  # its own cache: window plus compressed groups
         ("iquestloopcoder", "makes 12 caches for 6 layers"),  # loops over its layers twice
         ("longcat_flash_ngram", "n-gram embedding"),  # each sequence's last ids, at embedding
     ],
@@ -185,6 +189,8 @@ def test_cross_layer_attention_splits_anywhere(cla, tmp_path, monkeypatch):
         ("kimi_k3", "1,2,3", "eager"),
         ("hunyuan", "1,2,3", "auto"),
         ("afm7", "2,4", "auto"),
+        ("deepseek_v41", "2,2,2", "eager"),
+        ("deepseek_v41", "3,3", "auto"),
     ],
 )
 def test_in_a_cluster_equals_mlx_lm(family, layers, hops, tmp_path, cluster_factory):
@@ -203,7 +209,9 @@ def test_in_a_cluster_equals_mlx_lm(family, layers, hops, tmp_path, cluster_fact
     then 4 x hidden back to rank 0, whose receive eager hops post at launch). hunyuan,
     at 3 ranks: both hops part a pair of layers sharing keys and values (use_cla), which
     travel with h. afm7: rank 1 holds the last layer of the first list and the second
-    list's two layers, which read all its cache holds."""
+    list's two layers, which read all its cache holds. deepseek_v41: its streams and
+    shared state cross each hop, laid out by each row's position (two rows at different
+    positions decode row by row, padded to the wider)."""
     path = write_tokenizer(family_census.write_model(family, tmp_path / family))
     running = cluster_factory(path, len(layers.split(",")), "--hop-mode", hops, layers=layers)
     texts = [("Tell me about the sea and the lighthouse.", None), ("Why is the sky blue?", 7)]

@@ -429,7 +429,8 @@ def test_prefix_reuse_only_where_exact(tiny_model):
 
 def test_a_cache_kind_without_a_mask_rule_is_refused(tiny_model):
     """A layer cache of a kind no general mask rule covers (deepseek_v41's own window and
-    compressed groups), alone or inside a CacheList, is refused before any weight is read."""
+    compressed groups, which only its own layers read, maskless: deepseek_v4.py), alone
+    or inside a CacheList, is refused before any weight is read."""
     from mlx_lm.models.deepseek_v41 import LayerCache
 
     config = _config("llama", 4, 64, None, None, None)

@@ -11,7 +11,8 @@ by layers on later ranks, so it travels with h, folded into the payload's width 
 gemma3n's AltUp streams are (altup.py): (batch, tokens, width), h first, then the
 carried states in order. Kimi K3's state grows by one hidden state at each block
 start, so a hop after more blocks is wider; Hunyuan's carries the group's keys and
-values only where a hop parts a group. Rank 0 folds the embedding (`start`),
+values only where a hop parts a group. DeepSeek V4.1's hyper-connection streams and
+the state its layers share are laid out in deepseek_v4.py. Rank 0 folds the embedding (`start`),
 every rank runs its layers on the folded state as the family's forward does
 (`run_layers`), and the head reads the h the final norm gets (`final`). Folding and
 unfolding only move values, so a stage computes exactly what the whole model computes.
@@ -25,7 +26,9 @@ from typing import Any
 
 import mlx.core as mx
 
-FAMILIES = ("talkie", "rwkv7", "kimi_k3", "hunyuan")
+from mlx_relay.model import deepseek_v4
+
+FAMILIES = ("talkie", "rwkv7", "kimi_k3", "hunyuan", deepseek_v4.FAMILY)
 
 
 def _fold(parts: list[mx.array]) -> mx.array:
@@ -59,7 +62,7 @@ def _kv_width(args: Any) -> int:
     return args.num_key_value_heads * (args.hidden_size // args.num_attention_heads)
 
 
-def start(family: str, h: mx.array) -> mx.array:
+def start(family: str, inner: Any, h: mx.array) -> mx.array:
     """The folded state before the first layer, from the embedding h: talkie's
     companion is h itself (its forward norms the embedding, then keeps it as e_x);
     rwkv7's is zeros, as layer 0 makes v_first and reads none; Kimi K3 has no block yet."""
@@ -67,7 +70,20 @@ def start(family: str, h: mx.array) -> mx.array:
         return _fold([h, h])
     if family == "rwkv7":
         return _fold([h, mx.zeros_like(h)])
+    if family == deepseek_v4.FAMILY:
+        return deepseek_v4.start(inner.args, h)
     return h
+
+
+def probe_state(family: str, inner: Any, first: int, h: mx.array) -> mx.array:
+    """Zeros of the state entering the model's layer `first` in a first step of h's
+    tokens, for a probe run (h: zeros of the hidden state's shape)."""
+    if family in ("talkie", "rwkv7"):
+        return _fold([h, h])
+    if family == deepseek_v4.FAMILY:
+        return deepseek_v4.probe_state(inner.args, first, h)
+    width = width_after(family, inner, first, h.shape[-1])
+    return mx.zeros((*h.shape[:2], width), h.dtype)
 
 
 def width_after(family: str, inner: Any, layers_done: int, width: int) -> int:
@@ -79,6 +95,8 @@ def width_after(family: str, inner: Any, layers_done: int, width: int) -> int:
     if family == "hunyuan":
         args = inner.args
         return args.hidden_size + (2 * _kv_width(args) if _cla_open(args, layers_done) else 0)
+    if family == deepseek_v4.FAMILY:
+        return deepseek_v4.width_after(inner.args, layers_done, width)
     if family != "kimi_k3" or not inner.use_attn_res:
         return width
     args = inner.args
@@ -88,7 +106,7 @@ def width_after(family: str, inner: Any, layers_done: int, width: int) -> int:
 def final(family: str, inner: Any, x: mx.array) -> mx.array:
     """The h the final norm reads: h itself, or for Kimi K3 with attention residuals
     its mix with every block's state, as its forward computes it on the last rank."""
-    if family == "hunyuan":  # (no group is open after the last layer)
+    if family in ("hunyuan", deepseek_v4.FAMILY):  # (no group open; streams collapsed)
         return x
     width = inner.args.hidden_size if family == "kimi_k3" else x.shape[-1] // 2
     h, *_ = parts = _unfold(x, width)
@@ -130,6 +148,8 @@ def run_layers(
     the family's forward calls it."""
     if family == "hunyuan":
         return _hunyuan_layers(inner.args, first, layers, x, caches, mask_for)
+    if family == deepseek_v4.FAMILY:  # (no masks: its attention reads its own windows)
+        return deepseek_v4.run_layers(inner, first, layers, x, caches)
     if family == "kimi_k3":
         h, *raw = _unfold(x, inner.args.hidden_size)
         blocks = _residual_blocks(inner, raw) if inner.use_attn_res else None

@@ -373,7 +373,12 @@ _ROOT_PARTS = {
 # quantized caches do): phi3small's block-sparse attention layers place their blocks by
 # the length of the cache and add the boolean mask to their scores, so the padded batch
 # caches of a group (several sequences at once) would change its tokens.
-_ROW_BY_ROW = ("phi3small", "llama4")  # (llama4's ChunkedKVCache has no batch form)
+# (llama4's ChunkedKVCache and DeepSeek V4.1's LayerCache have no batch form)
+_ROW_BY_ROW = ("phi3small", "llama4", "deepseek_v41")
+
+# Families whose layers take no mask, keeping a cache of their own kind that has none
+# (DeepSeek V4.1's window and compressed groups: carried.py runs them).
+_MASKLESS = ("deepseek_v41",)
 
 # Families whose embedding adds learned position embeddings (this table of the decoder,
 # which only rank 0 holds) by each token's position: GPT-2, StarCoder 1.
@@ -775,6 +780,8 @@ def check_quantizable(shard: Shard, all_caches: list[Any]) -> None:
         if mx.issubdtype(a.dtype, mx.floating)
     ]
     h = mx.zeros((1, 2, int(text["hidden_size"])), floats[0] if floats else mx.float32)
+    if (name := family_of(shard.config)) in carried.FAMILIES:  # (what enters its layers)
+        h = carried.probe_state(name, shard.inner, shard.start, h)
     caches = new_caches(shard)
     try:
         mx.eval(run_layers(shard, h, caches))
@@ -841,7 +848,7 @@ def check_splittable(
             f"it makes {len(caches)} caches for {owners} layers (mlx-relay keeps one cache "
             "per layer; here some layers keep none or several)"
         )
-    for i, cache in enumerate(caches):
+    for i, cache in enumerate(caches if family not in _MASKLESS else ()):
         try:
             mask_kind(mask_source(cache))
         except UnsupportedFamily as e:
@@ -934,7 +941,7 @@ def embed(shard: Shard, tokens: mx.array, offsets: Sequence[int] | None = None) 
     op = _EMBED_OPS.get(family)
     h = op(model_args(shard), h) if op else h
     if family in carried.FAMILIES:
-        return carried.start(family, h)
+        return carried.start(family, shard.inner, h)
     return altup.expand(shard.inner, h) if family in altup.FAMILIES else h
 
 
@@ -964,7 +971,7 @@ def run_layers(
             run_layers(shard, h[i : i + 1], c, inputs and inputs.row(i))
             for i, c in enumerate(caches)
         ]
-        return mx.concatenate(rows, axis=0)
+        return _stack_rows(rows)
     masks: dict[tuple[str, int], Any] = {}
     first = h
 
@@ -1005,6 +1012,17 @@ def run_layers(
     for layer, cache in zip(shard.layers, caches, strict=True):
         h = call(layer, h, mask_for, cache)
     return h
+
+
+def _stack_rows(rows: list[mx.array]) -> mx.array:
+    """Rows run one by one, as one batch; a family whose state's width depends on the
+    row's position (carried.py: DeepSeek V4.1's) gets every row padded to the widest."""
+    width = max(r.shape[-1] for r in rows)
+    padded = [
+        r if r.shape[-1] == width else mx.pad(r, [(0, 0), (0, 0), (0, width - r.shape[-1])])
+        for r in rows
+    ]
+    return mx.concatenate(padded, axis=0)
 
 
 def _run_kv_shared(
