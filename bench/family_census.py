@@ -544,9 +544,13 @@ def check(family: str, workdir: Path) -> tuple[str, str]:
             caches = [s.make_caches() for s in shards]
 
             done = [0]  # positions already in the caches
+            seen = [mx.zeros((1, 0), mx.int32)]  # the ids so far (an n-gram embedding's)
 
-            def forward(tokens, split=split, shards=shards, caches=caches, done=done) -> mx.array:
-                h = sharding.embed(shards[0], tokens, [done[0]])
+            def forward(
+                tokens, split=split, shards=shards, caches=caches, done=done, seen=seen
+            ) -> mx.array:
+                h = sharding.embed(shards[0], tokens, [done[0]], [seen[0]])
+                seen[0] = mx.concatenate([seen[0], tokens], axis=1)
                 per_layer = None
                 if sharding.computes_per_layer_inputs(shards[0]):  # (gemma3n, gemma4's 2B/4B)
                     per_layer = sharding.per_layer_inputs(shards[0], tokens, h)

@@ -11,15 +11,19 @@ import json
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
-from oracle import chat_request, chat_tokens, generate_concurrently, mlx_lm_tokens
+from oracle import chat_request, chat_tokens, generate_concurrently, mlx_lm_tokens, tokenizer_for
+from test_families import RAW_TOKENS, _continuable_prompt, _raw, _second_equals_mlx_lm
 from tiny_models import write_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import family_census  # noqa: E402
 
+from mlx_relay.coordinator.requests import encode_text  # noqa: E402
 from mlx_relay.model import memory, sharding, split  # noqa: E402
+from mlx_relay.model.kvcache import CacheError, SlotCaches  # noqa: E402
 
 FAMILIES = (
     "qwen3_5",
@@ -114,6 +118,10 @@ FAMILIES = (
     # position (deepseek_v4.py); splits at layers 2, 3 and 4 (FAMILY_SPLITS) each carry
     # a different part of it
     "deepseek_v41",
+    # an n-gram embedding of each position's previous ids (LongCat Flash): rank 0 keeps
+    # each sequence's ids and gives every row its own (the census passes them as the
+    # header's slots would)
+    "longcat_flash_ngram",
 )
 
 
@@ -126,7 +134,6 @@ def test_stages_equal_the_whole_model(family, tmp_path):
     ("family", "reason"),
     [
         ("iquestloopcoder", "makes 12 caches for 6 layers"),  # loops over its layers twice
-        ("longcat_flash_ngram", "n-gram embedding"),  # each sequence's last ids, at embedding
     ],
 )
 def test_families_a_stage_cannot_run_are_refused_with_the_reason(family, reason, tmp_path):
@@ -191,6 +198,7 @@ def test_cross_layer_attention_splits_anywhere(cla, tmp_path, monkeypatch):
         ("afm7", "2,4", "auto"),
         ("deepseek_v41", "2,2,2", "eager"),
         ("deepseek_v41", "3,3", "auto"),
+        ("longcat_flash_ngram", "2,4", "auto"),
     ],
 )
 def test_in_a_cluster_equals_mlx_lm(family, layers, hops, tmp_path, cluster_factory):
@@ -211,7 +219,8 @@ def test_in_a_cluster_equals_mlx_lm(family, layers, hops, tmp_path, cluster_fact
     travel with h. afm7: rank 1 holds the last layer of the first list and the second
     list's two layers, which read all its cache holds. deepseek_v41: its streams and
     shared state cross each hop, laid out by each row's position (two rows at different
-    positions decode row by row, padded to the wider)."""
+    positions decode row by row, padded to the wider). longcat_flash_ngram: each row's
+    n-gram embedding reads its own earlier ids, which rank 0 keeps."""
     path = write_tokenizer(family_census.write_model(family, tmp_path / family))
     running = cluster_factory(path, len(layers.split(",")), "--hop-mode", hops, layers=layers)
     texts = [("Tell me about the sea and the lighthouse.", None), ("Why is the sky blue?", 7)]
@@ -220,3 +229,36 @@ def test_in_a_cluster_equals_mlx_lm(family, layers, hops, tmp_path, cluster_fact
         prompt = chat_tokens(path, [{"role": "user", "content": text}])
         sampler = {"temp": 0.9, "top_p": 0.95} if seed is not None else None
         assert tokens == mlx_lm_tokens(path, prompt, 12, seed=seed, sampler=sampler)
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("family", ["longcat_flash_ngram", "deepseek_v41"])
+def test_a_prompt_goes_on_from_a_parked_request(family, tmp_path, cluster_factory):
+    """A raw prompt continuing an earlier prompt and its output starts from that
+    request's parked caches: longcat_flash_ngram's n-gram embedding from the ids rank 0
+    kept for it, deepseek_v41 from its LayerCaches (windows and compressed groups, reused
+    whole only). The tokens are mlx-lm's going on from the same state."""
+    path = write_tokenizer(family_census.write_model(family, tmp_path / "m"))
+    running = cluster_factory(path, 2, layers="2,4")
+    raw = _continuable_prompt(path)
+    reply = running.client.generate(_raw(raw, RAW_TOKENS)).text
+    first = encode_text(tokenizer_for(path), raw)
+    cached = _second_equals_mlx_lm(running, path, first, raw + reply + "\nAnd then?")
+    assert cached > len(first)
+
+
+def test_the_ids_rank_0_keeps_follow_the_caches(tmp_path):
+    """What the n-gram embedding reads before a step: the slot's own ids, or a parked
+    slot's up to the shared prefix; a freed slot's are gone."""
+    path = family_census.write_model("longcat_flash_ngram", tmp_path / "m")
+    caches = SlotCaches(sharding.load_shard(path, 0, 6, has_ends=True))
+    assert caches.ids_before(0, 0).shape == (1, 0)
+    caches.record_ids(0, caches.ids_before(0, 0), mx.array([[5, 6, 7, 8]]))
+    caches.record_ids(0, caches.ids_before(0, 4), mx.array([[9]]))
+    assert caches.ids_before(0, 5).tolist() == [[5, 6, 7, 8, 9]]
+    assert caches.ids_before(1, 3, source=0).tolist() == [[5, 6, 7]]  # (a prefix reused)
+    with pytest.raises(CacheError):
+        caches.ids_before(1, 6, source=0)
+    caches.free([0])
+    with pytest.raises(CacheError):
+        caches.ids_before(0, 1)

@@ -230,7 +230,12 @@ class Pipeline:
         )
         # (side inputs: only a multimodal-rope model's image prompts and later steps)
         sides = self._side_inputs(header, prompt) if prompt is not None or self._deltas else []
-        h = sharding.embed(self.shard, tokens, offsets) if prompt is None else prompt.embeddings
+        if prompt is not None:
+            h = prompt.embeddings
+        elif sharding.embeds_ids(self.shard):  # (each row's earlier ids too)
+            h = self._embed_with_ids(slots, offsets, tokens, lengths, reuse_from)
+        else:
+            h = sharding.embed(self.shard, tokens, offsets)
         if self._per_layer:  # gemma4's per-layer inputs: every step, from the token ids
             per_layer = sharding.per_layer_inputs(self.shard, tokens, h)
             header.sides.append(
@@ -255,6 +260,26 @@ class Pipeline:
         header.payload_shape = tuple(h.shape)
         self._launch(step, h)
         return step
+
+    def _embed_with_ids(
+        self,
+        slots: list[int],
+        offsets: list[int],
+        tokens: mx.array,
+        lengths: list[int],
+        reuse_from: int | None,
+    ) -> mx.array:
+        """The embedding of a family that reads each sequence's earlier ids (LongCat
+        Flash's n-gram embedding), which the slot caches keep from step to step."""
+        assert self.caches is not None
+        before = [
+            self.caches.ids_before(slot, offset, reuse_from)
+            for slot, offset in zip(slots, offsets, strict=True)
+        ]
+        h = sharding.embed(self.shard, tokens, offsets, before)
+        for i, (slot, length) in enumerate(zip(slots, lengths, strict=True)):
+            self.caches.record_ids(slot, before[i], tokens[i : i + 1, :length])
+        return h
 
     def _side_inputs(self, header: hdr.StepHeader, prompt: PromptInputs | None) -> list[mx.array]:
         """The step's side arrays, listed in `header`, and its sequences' deltas."""

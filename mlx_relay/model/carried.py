@@ -12,10 +12,13 @@ gemma3n's AltUp streams are (altup.py): (batch, tokens, width), h first, then th
 carried states in order. Kimi K3's state grows by one hidden state at each block
 start, so a hop after more blocks is wider; Hunyuan's carries the group's keys and
 values only where a hop parts a group. DeepSeek V4.1's hyper-connection streams and
-the state its layers share are laid out in deepseek_v4.py. Rank 0 folds the embedding (`start`),
-every rank runs its layers on the folded state as the family's forward does
-(`run_layers`), and the head reads the h the final norm gets (`final`). Folding and
-unfolding only move values, so a stage computes exactly what the whole model computes.
+the state its layers share are laid out in deepseek_v4.py.
+
+Each family is a `Carrier`: rank 0 folds the embedding (`start`), every rank runs its
+layers on the folded state as the family's forward does (`run_layers`), and the head
+reads the h the final norm gets (`final`); `width_after` says how wide the state is
+after some layers (what rank 0 posts the return's receive for). Folding and unfolding
+only move values, so a stage computes exactly what the whole model computes.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import mlx.core as mx
 
 from mlx_relay.model import deepseek_v4
 
-FAMILIES = ("talkie", "rwkv7", "kimi_k3", "hunyuan", deepseek_v4.FAMILY)
+MaskFor = Callable[[Any], Any]
 
 
 def _fold(parts: list[mx.array]) -> mx.array:
@@ -47,149 +50,227 @@ def _unfold(x: mx.array, width: int, *widths: int) -> list[mx.array]:
     return [mx.contiguous(x[..., a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
-def _cla_open(args: Any, layers_done: int) -> bool:
-    """Whether Hunyuan's cross-layer attention group is still open after the model's
-    first `layers_done` layers: its next layer reuses keys and values made before."""
-    return (
-        bool(args.use_cla)
-        and layers_done % args.cla_share_factor != 0
-        and layers_done < args.num_hidden_layers
-    )
+class Carrier:
+    """How one family's layers run on a folded state. The defaults: the state is h."""
 
-
-def _kv_width(args: Any) -> int:
-    """The width of one of Hunyuan's shared keys or values (before the heads split)."""
-    return args.num_key_value_heads * (args.hidden_size // args.num_attention_heads)
-
-
-def start(family: str, inner: Any, h: mx.array) -> mx.array:
-    """The folded state before the first layer, from the embedding h: talkie's
-    companion is h itself (its forward norms the embedding, then keeps it as e_x);
-    rwkv7's is zeros, as layer 0 makes v_first and reads none; Kimi K3 has no block yet."""
-    if family == "talkie":
-        return _fold([h, h])
-    if family == "rwkv7":
-        return _fold([h, mx.zeros_like(h)])
-    if family == deepseek_v4.FAMILY:
-        return deepseek_v4.start(inner.args, h)
-    return h
-
-
-def probe_state(family: str, inner: Any, first: int, h: mx.array) -> mx.array:
-    """Zeros of the state entering the model's layer `first` in a first step of h's
-    tokens, for a probe run (h: zeros of the hidden state's shape)."""
-    if family in ("talkie", "rwkv7"):
-        return _fold([h, h])
-    if family == deepseek_v4.FAMILY:
-        return deepseek_v4.probe_state(inner.args, first, h)
-    width = width_after(family, inner, first, h.shape[-1])
-    return mx.zeros((*h.shape[:2], width), h.dtype)
-
-
-def width_after(family: str, inner: Any, layers_done: int, width: int) -> int:
-    """The folded state's width after the model's first `layers_done` layers, where a
-    state of `width` entered them: Kimi K3 with attention residuals holds h and one
-    state per block begun so far (a block begins at every attn_res_block_size-th
-    layer); Hunyuan's holds the open group's keys and values after h; every other
-    family's width does not change."""
-    if family == "hunyuan":
-        args = inner.args
-        return args.hidden_size + (2 * _kv_width(args) if _cla_open(args, layers_done) else 0)
-    if family == deepseek_v4.FAMILY:
-        return deepseek_v4.width_after(inner.args, layers_done, width)
-    if family != "kimi_k3" or not inner.use_attn_res:
-        return width
-    args = inner.args
-    return (1 + math.ceil(layers_done / args.attn_res_block_size)) * args.hidden_size
-
-
-def final(family: str, inner: Any, x: mx.array) -> mx.array:
-    """The h the final norm reads: h itself, or for Kimi K3 with attention residuals
-    its mix with every block's state, as its forward computes it on the last rank."""
-    if family in ("hunyuan", deepseek_v4.FAMILY):  # (no group open; streams collapsed)
-        return x
-    width = inner.args.hidden_size if family == "kimi_k3" else x.shape[-1] // 2
-    h, *_ = parts = _unfold(x, width)
-    if family != "kimi_k3" or not inner.use_attn_res:
+    def start(self, inner: Any, h: mx.array) -> mx.array:
+        """The state before the first layer, from the embedding h."""
         return h
-    from mlx_lm.models.kimi_k3 import _attn_res_mix
 
-    blocks = _residual_blocks(inner, parts[1:])
-    if inner._output_res_w_eff is None:  # (as its forward caches it)
-        inner._output_res_w_eff = inner.output_attn_res_norm.weight.astype(
-            mx.float32
-        ) * inner.output_attn_res_proj.weight.reshape(-1)
-    return _attn_res_mix(blocks, h, inner._output_res_w_eff, inner.args.rms_norm_eps, True)
+    def width_after(self, inner: Any, layers_done: int, width: int) -> int:
+        """The state's width after the model's first `layers_done` layers, where one of
+        `width` entered them."""
+        return width
+
+    def probe_state(self, inner: Any, first: int, h: mx.array) -> mx.array:
+        """Zeros of the state entering layer `first` in a first step of h's tokens, for
+        a probe run (h: zeros of the hidden state's shape)."""
+        return mx.zeros((*h.shape[:2], self.width_after(inner, first, h.shape[-1])), h.dtype)
+
+    def final(self, inner: Any, x: mx.array) -> mx.array:
+        """The h the final norm reads, from the state after the last layer."""
+        return x
+
+    def run_layers(
+        self,
+        inner: Any,
+        first: int,
+        layers: list[Any],
+        x: mx.array,
+        caches: list[Any],
+        mask_for: MaskFor,
+    ) -> mx.array:
+        """The layers (the model's from index `first` on) on a folded state, each called
+        as the family's forward calls it."""
+        raise NotImplementedError
 
 
-def _residual_blocks(inner: Any, raw: list[mx.array]) -> Any:
-    """Kimi K3's ResidualBlocks holding these blocks' states, their inverse RMS
-    computed as its pipeline's receiving rank computes them."""
-    from mlx_lm.models.kimi_k3 import ResidualBlocks
+class _Paired(Carrier):
+    """h and a companion of its width (talkie's e_x, rwkv7's v_first)."""
 
-    blocks = ResidualBlocks(inner.args.rms_norm_eps)
-    if raw:
-        blocks.raw = mx.stack(raw)
-        xf = blocks.raw.astype(mx.float32)
-        blocks.inv_rms = mx.rsqrt((xf * xf).mean(axis=-1) + inner.args.rms_norm_eps)
-    return blocks
+    def start(self, inner: Any, h: mx.array) -> mx.array:
+        return _fold([h, h])
+
+    def probe_state(self, inner: Any, first: int, h: mx.array) -> mx.array:
+        return _fold([h, h])
+
+    def final(self, inner: Any, x: mx.array) -> mx.array:
+        return _unfold(x, x.shape[-1] // 2)[0]
 
 
-def run_layers(
-    family: str,
-    inner: Any,
-    first: int,
-    layers: list[Any],
-    x: mx.array,
-    caches: list[Any],
-    mask_for: Callable[[Any], Any],
-) -> mx.array:
-    """The layers (the model's from index `first` on) on a folded state, each called as
-    the family's forward calls it."""
-    if family == "hunyuan":
-        return _hunyuan_layers(inner.args, first, layers, x, caches, mask_for)
-    if family == deepseek_v4.FAMILY:  # (no masks: its attention reads its own windows)
-        return deepseek_v4.run_layers(inner, first, layers, x, caches)
-    if family == "kimi_k3":
+class _Talkie(_Paired):
+    """Every block adds the normed embedding (its forward norms it, then keeps it)."""
+
+    def run_layers(
+        self,
+        inner: Any,
+        first: int,
+        layers: list[Any],
+        x: mx.array,
+        caches: list[Any],
+        mask_for: MaskFor,
+    ) -> mx.array:
+        h, embedding = _unfold(x, x.shape[-1] // 2)
+        for layer, cache in zip(layers, caches, strict=True):
+            h = layer(embedding, h, mask_for(cache), cache)
+        return _fold([h, embedding])
+
+
+class _Rwkv7(_Paired):
+    """Every layer after the first mixes in the first layer's values (zeros before it:
+    layer 0 makes v_first and reads none); no masks, its state is recurrent."""
+
+    def start(self, inner: Any, h: mx.array) -> mx.array:
+        return _fold([h, mx.zeros_like(h)])
+
+    def run_layers(
+        self,
+        inner: Any,
+        first: int,
+        layers: list[Any],
+        x: mx.array,
+        caches: list[Any],
+        mask_for: MaskFor,
+    ) -> mx.array:
+        h, companion = _unfold(x, x.shape[-1] // 2)
+        if not layers:
+            return x
+        # (batch, tokens, heads, head_dim), heads x head_dim = hidden
+        shape = (*companion.shape[:2], layers[0].attn.num_heads, layers[0].attn.head_dim)
+        v_first = companion.reshape(shape)
+        for layer, cache in zip(layers, caches, strict=True):
+            h, v_first = layer(h, v_first, cache)
+        return _fold([h, v_first.reshape(companion.shape)])
+
+
+class _KimiK3(Carrier):
+    """Attention residuals: h, then one state per block of attn_res_block_size layers
+    begun so far; the final norm reads their mix with h (the output mix)."""
+
+    def width_after(self, inner: Any, layers_done: int, width: int) -> int:
+        if not inner.use_attn_res:
+            return width
+        args = inner.args
+        return (1 + math.ceil(layers_done / args.attn_res_block_size)) * args.hidden_size
+
+    def final(self, inner: Any, x: mx.array) -> mx.array:
         h, *raw = _unfold(x, inner.args.hidden_size)
-        blocks = _residual_blocks(inner, raw) if inner.use_attn_res else None
+        if not inner.use_attn_res:
+            return h
+        from mlx_lm.models.kimi_k3 import _attn_res_mix
+
+        if inner._output_res_w_eff is None:  # (as its forward caches it)
+            inner._output_res_w_eff = inner.output_attn_res_norm.weight.astype(
+                mx.float32
+            ) * inner.output_attn_res_proj.weight.reshape(-1)
+        blocks = self._blocks(inner, raw)
+        return _attn_res_mix(blocks, h, inner._output_res_w_eff, inner.args.rms_norm_eps, True)
+
+    def run_layers(
+        self,
+        inner: Any,
+        first: int,
+        layers: list[Any],
+        x: mx.array,
+        caches: list[Any],
+        mask_for: MaskFor,
+    ) -> mx.array:
+        h, *raw = _unfold(x, inner.args.hidden_size)
+        blocks = self._blocks(inner, raw) if inner.use_attn_res else None
         for layer, cache in zip(layers, caches, strict=True):
             h, blocks = layer(h, mask=mask_for(cache), cache=cache, blocks=blocks)
         if blocks is None or blocks.raw is None:
             return h
         return _fold([h, *(blocks.raw[i] for i in range(blocks.raw.shape[0]))])
-    h, companion = _unfold(x, x.shape[-1] // 2)
-    if family == "talkie":
-        for layer, cache in zip(layers, caches, strict=True):
-            h = layer(companion, h, mask_for(cache), cache)
-        return _fold([h, companion])
-    # rwkv7: v_first is (batch, tokens, heads, head_dim), heads x head_dim = hidden
-    if not layers:
-        return x
-    shape = (*companion.shape[:2], layers[0].attn.num_heads, layers[0].attn.head_dim)
-    v_first = companion.reshape(shape)
-    for layer, cache in zip(layers, caches, strict=True):  # (no mask: recurrent state)
-        h, v_first = layer(h, v_first, cache)
-    return _fold([h, v_first.reshape(companion.shape)])
+
+    @staticmethod
+    def _blocks(inner: Any, raw: list[mx.array]) -> Any:
+        """Its ResidualBlocks holding these blocks' states, their inverse RMS computed
+        as its own pipeline's receiving rank computes them."""
+        from mlx_lm.models.kimi_k3 import ResidualBlocks
+
+        blocks = ResidualBlocks(inner.args.rms_norm_eps)
+        if raw:
+            blocks.raw = mx.stack(raw)
+            xf = blocks.raw.astype(mx.float32)
+            blocks.inv_rms = mx.rsqrt((xf * xf).mean(axis=-1) + inner.args.rms_norm_eps)
+        return blocks
 
 
-def _hunyuan_layers(
-    args: Any,
-    first: int,
-    layers: list[Any],
-    x: mx.array,
-    caches: list[Any],
-    mask_for: Callable[[Any], Any],
-) -> mx.array:
-    """Hunyuan's layers as its forward runs them: a group's first layer projects keys and
-    values, the others reuse them (received with h where the group began on a rank
-    before this one; sent on where it goes on after this rank's last layer)."""
-    h, *shared = _unfold(x, args.hidden_size, _kv_width(args), _kv_width(args))
-    kv_states = tuple(shared) or None
-    for i, (layer, cache) in enumerate(zip(layers, caches, strict=True), start=first):
-        if not args.use_cla or i % args.cla_share_factor == 0:
-            kv_states = None
-        h, kv_states = layer(h, mask_for(cache), cache, kv_states)
-    if _cla_open(args, first + len(layers)):
-        return _fold([h, *kv_states])
-    return h
+class _Hunyuan(Carrier):
+    """Cross-layer attention: a group's first layer projects keys and values, the others
+    reuse them; carried after h where a hop parts a group."""
+
+    def width_after(self, inner: Any, layers_done: int, width: int) -> int:
+        args = inner.args
+        return args.hidden_size + (2 * self._kv_width(args) if self._open(args, layers_done) else 0)
+
+    def run_layers(
+        self,
+        inner: Any,
+        first: int,
+        layers: list[Any],
+        x: mx.array,
+        caches: list[Any],
+        mask_for: MaskFor,
+    ) -> mx.array:
+        args = inner.args
+        h, *shared = _unfold(x, args.hidden_size, self._kv_width(args), self._kv_width(args))
+        kv_states = tuple(shared) or None
+        for i, (layer, cache) in enumerate(zip(layers, caches, strict=True), start=first):
+            if not args.use_cla or i % args.cla_share_factor == 0:
+                kv_states = None
+            h, kv_states = layer(h, mask_for(cache), cache, kv_states)
+        if self._open(args, first + len(layers)):
+            return _fold([h, *kv_states])
+        return h
+
+    @staticmethod
+    def _open(args: Any, layers_done: int) -> bool:
+        """Whether a group is still open after the model's first `layers_done` layers:
+        its next layer reuses keys and values made before."""
+        return (
+            bool(args.use_cla)
+            and layers_done % args.cla_share_factor != 0
+            and layers_done < args.num_hidden_layers
+        )
+
+    @staticmethod
+    def _kv_width(args: Any) -> int:
+        """The width of its shared keys or values (before the heads split)."""
+        return args.num_key_value_heads * (args.hidden_size // args.num_attention_heads)
+
+
+class _DeepSeekV4(Carrier):
+    """Hyper-connection streams and the state its layers share: deepseek_v4.py. The
+    last layer's rank collapses the streams, so the final norm reads the state as is."""
+
+    def start(self, inner: Any, h: mx.array) -> mx.array:
+        return deepseek_v4.start(inner.args, h)
+
+    def width_after(self, inner: Any, layers_done: int, width: int) -> int:
+        return deepseek_v4.width_after(inner.args, layers_done, width)
+
+    def probe_state(self, inner: Any, first: int, h: mx.array) -> mx.array:
+        return deepseek_v4.probe_state(inner.args, first, h)
+
+    def run_layers(
+        self,
+        inner: Any,
+        first: int,
+        layers: list[Any],
+        x: mx.array,
+        caches: list[Any],
+        mask_for: MaskFor,
+    ) -> mx.array:
+        return deepseek_v4.run_layers(inner, first, layers, x, caches)  # (no masks)
+
+
+CARRIERS: dict[str, Carrier] = {
+    "talkie": _Talkie(),
+    "rwkv7": _Rwkv7(),
+    "kimi_k3": _KimiK3(),
+    "hunyuan": _Hunyuan(),
+    deepseek_v4.FAMILY: _DeepSeekV4(),
+}
+FAMILIES = tuple(CARRIERS)

@@ -16,6 +16,7 @@ decode group runs row by row on them (sharding.Rows): they have no batch form.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,22 @@ class SlotCaches:
         self.single: dict[int, list[Any]] = {}
         self.at: dict[int, int] = {}  # each single sequence's position
         self.groups: dict[int, _Group] = {}
+        # each sequence's ids so far, where rank 0's embedding reads them (embeds_ids)
+        self.ids: dict[int, mx.array] = {}
+
+    def ids_before(self, slot: int, offset: int, source: int | None = None) -> mx.array:
+        """The ids (1, offset) of the sequence before a step from `offset`: the slot's
+        own, or those of the parked `source` it starts from (as for_sequence's caches)."""
+        if offset == 0:
+            return mx.zeros((1, 0), mx.int32)
+        held = self.ids.get(slot if source is None else source)
+        if held is None or held.shape[1] < offset:
+            raise CacheError(f"slot {slot} holds no ids up to position {offset}")
+        return held[:, :offset]
+
+    def record_ids(self, slot: int, before: mx.array, new: mx.array) -> None:
+        """The slot's ids after a step: those before it, then its own (1, length)."""
+        self.ids[slot] = mx.concatenate([before, new.astype(before.dtype)], axis=1)
 
     def for_sequence(
         self, slot: int, offset: int, source: int | None = None, length: int = 1
@@ -58,14 +75,14 @@ class SlotCaches:
         allows: a cache that cannot be cut back is reused whole or not at all.
         """
         if offset == 0:
-            self.free([slot])
+            self._drop([slot])
             self.single[slot] = sharding.new_caches(self.shard)
             self.at[slot] = 0
         elif source is not None and source != slot:
             parked = self.single.get(source)
             if parked is None or self.at.get(source, 0) < offset:
                 raise CacheError(f"slot {source} holds no cache of {offset} positions to copy")
-            self.free([slot])
+            self._drop([slot])
             held = self.at[source]
             self.single[slot] = [_copy_prefix(c, offset, held) for c in parked]
             self.at[slot] = offset
@@ -171,6 +188,13 @@ class SlotCaches:
         self.free_groups(slots)
 
     def free(self, slots: list[int]) -> None:
+        self._drop(slots)
+        for slot in slots:
+            self.ids.pop(slot, None)
+
+    def _drop(self, slots: list[int]) -> None:
+        """The slots' caches gone (their ids stay: a step starting afresh has recorded
+        its own already)."""
         for slot in slots:
             self.single.pop(slot, None)
             self.at.pop(slot, None)
@@ -190,6 +214,7 @@ class SlotCaches:
                 g.positions = [g.positions[i] for i in keep]
 
     def clear(self) -> None:
+        self.ids.clear()
         self.single.clear()
         self.at.clear()
         self.groups.clear()
@@ -207,11 +232,13 @@ def _copy_prefix(cache: Any, n: int, held: int) -> Any:
     copied whole."""
     if isinstance(cache, CacheList):
         return CacheList(*(_copy_prefix(c, n, held) for c in cache.caches))
+    if isinstance(cache, sharding.STATE_CACHES) and n != held:
+        raise CacheError(f"a {type(cache).__name__} of {held} positions cannot be cut back")
     if isinstance(cache, ArraysCache):
-        if n != held:
-            raise CacheError(f"an SSM state of {held} positions cannot be cut back to {n}")
         out = ArraysCache(len(cache.cache))
         out.cache = [None if a is None else mx.contiguous(a) for a in cache.cache]
+    elif isinstance(cache, sharding.DeepSeekLayerCache):
+        out = copy.copy(cache)  # (its updates make new arrays: sharing them is safe)
     elif isinstance(cache, RotatingKVCache):
         out = RotatingKVCache(cache.max_size, cache.keep)
         if n == cache.offset:

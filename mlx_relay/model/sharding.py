@@ -48,6 +48,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
     make_prompt_cache,
 )
+from mlx_lm.models.deepseek_v41 import LayerCache as DeepSeekLayerCache
 from mlx_lm.utils import load_model
 
 from mlx_relay.model import altup, carried, vision
@@ -207,6 +208,7 @@ _PARTS: dict[str, Parts] = {
     "qwen": Parts(decoder="transformer", layers="h", embed="wte", norm="ln_f"),
     "spark2_5": Parts(embed="embedding"),
     "afm7": Parts(embed="embedding", norm="output_norm"),  # (its second list: _REUSE_LISTS)
+    "longcat_flash_ngram": Parts(embed="ngram_embeddings"),  # (_EMBED_READS_IDS)
     "openelm": Parts(decoder="transformer", embed="token_embeddings"),
     "dbrx": Parts(decoder="transformer", layers="blocks", embed="wte", norm="norm_f"),
     "lille-130m": Parts(decoder="transformer", embed="tok_embeddings"),
@@ -380,6 +382,12 @@ _ROW_BY_ROW = ("phi3small", "llama4", "deepseek_v41")
 # (DeepSeek V4.1's window and compressed groups: carried.py runs them).
 _MASKLESS = ("deepseek_v41",)
 
+# Families whose embedding reads the ids of the sequence before the step's (LongCat
+# Flash's n-gram embedding, which keeps the last few in a cache of its own, first in the
+# model's cache list): rank 0 keeps every sequence's ids (kvcache.SlotCaches) and gives
+# each row its own to `embed`; the layers' caches are the rest of the list.
+_EMBED_READS_IDS = ("longcat_flash_ngram",)
+
 # Families whose embedding adds learned position embeddings (this table of the decoder,
 # which only rank 0 holds) by each token's position: GPT-2, StarCoder 1.
 _POSITION_EMBEDDINGS = {"gpt2": "wpe", "gpt_bigcode": "wpe"}
@@ -387,11 +395,12 @@ _POSITION_EMBEDDINGS = {"gpt2": "wpe", "gpt_bigcode": "wpe"}
 # Families that pass the structural checks but whose own forward does more than embed,
 # run the layers and apply norm and head, so a split would not give their tokens
 # (gemma3n, once here, splits with its AltUp streams folded: altup.py).
-_NOT_SPLITTABLE: dict[str, str] = {
-    "longcat_flash_ngram": (
-        "its n-gram embedding keeps each sequence's last token ids in a cache of its own"
-    ),
-}
+_NOT_SPLITTABLE: dict[str, str] = {}
+
+
+# Caches that summarise every position so far (an SSM state; DeepSeek V4.1's window and
+# closed compressed groups): reusable whole, never cut back.
+STATE_CACHES: tuple[type, ...] = (ArraysCache, DeepSeekLayerCache)
 
 
 class UnsupportedFamily(ValueError):
@@ -669,6 +678,8 @@ def load_shard(
         outer = head_owner(model, parts_of(config).head)
     parts = parts_of(config)
     caches = make_prompt_cache(model)  # all layers still here
+    if family_of(config) in _EMBED_READS_IDS:  # (the embedding's own: see the table)
+        caches = caches[1:]
     _join_layer_lists(inner, parts, config)
     num_layers = len(_attr_path(inner, parts.layers))
     if not 0 <= start < end <= num_layers:
@@ -781,7 +792,7 @@ def check_quantizable(shard: Shard, all_caches: list[Any]) -> None:
     ]
     h = mx.zeros((1, 2, int(text["hidden_size"])), floats[0] if floats else mx.float32)
     if (name := family_of(shard.config)) in carried.FAMILIES:  # (what enters its layers)
-        h = carried.probe_state(name, shard.inner, shard.start, h)
+        h = carried.CARRIERS[name].probe_state(shard.inner, shard.start, h)
     caches = new_caches(shard)
     try:
         mx.eval(run_layers(shard, h, caches))
@@ -799,9 +810,9 @@ def reuse_rule(caches: list[Any]) -> tuple[bool, float]:
     layers make these caches; the same on every rank, as it looks at all layers."""
     caches = flat_caches(caches)  # a CacheList is reusable where all it holds is
     kinds = {type(c) for c in caches}
-    if not kinds <= {KVCache, RotatingKVCache, ArraysCache}:
+    if not kinds <= {KVCache, RotatingKVCache, *STATE_CACHES}:
         return False, 0.0
-    if ArraysCache in kinds:  # a state summarises every position: no going back
+    if kinds & set(STATE_CACHES):  # a state summarises every position: no going back
         return True, 0.0
     windows = [c.max_size for c in caches if isinstance(c, RotatingKVCache)]
     return True, float(min(windows)) if windows else math.inf
@@ -929,11 +940,24 @@ def per_layer_inputs(shard: Shard, tokens: mx.array, h: mx.array) -> mx.array:
     return inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(tokens))
 
 
-def embed(shard: Shard, tokens: mx.array, offsets: Sequence[int] | None = None) -> mx.array:
+def embeds_ids(shard: Shard) -> bool:
+    """Whether rank 0's embedding reads each sequence's earlier ids (_EMBED_READS_IDS)."""
+    return shard.has_ends and family_of(shard.config) in _EMBED_READS_IDS
+
+
+def embed(
+    shard: Shard,
+    tokens: mx.array,
+    offsets: Sequence[int] | None = None,
+    before: Sequence[mx.array] | None = None,
+) -> mx.array:
     """Token embeddings as the family's own forward feeds them to its first layer.
-    `offsets`: each row's first position (learned position embeddings read them)."""
-    h = getattr(shard.inner, shard.parts.embed)(tokens)
+    `offsets`: each row's first position (learned position embeddings read them);
+    `before`: each row's ids before these (1, offset), for `embeds_ids`."""
     family = family_of(shard.config)
+    if family in _EMBED_READS_IDS:
+        return _ngram_embed(getattr(shard.inner, shard.parts.embed), tokens, before)
+    h = getattr(shard.inner, shard.parts.embed)(tokens)
     if table := _POSITION_EMBEDDINGS.get(family):
         rows, length = tokens.shape
         start = mx.array(list(offsets) if offsets is not None else [0] * rows)
@@ -941,7 +965,7 @@ def embed(shard: Shard, tokens: mx.array, offsets: Sequence[int] | None = None) 
     op = _EMBED_OPS.get(family)
     h = op(model_args(shard), h) if op else h
     if family in carried.FAMILIES:
-        return carried.start(family, shard.inner, h)
+        return carried.CARRIERS[family].start(shard.inner, h)
     return altup.expand(shard.inner, h) if family in altup.FAMILIES else h
 
 
@@ -953,7 +977,20 @@ def output_width(shard: Shard, width: int, layers_done: int | None = None) -> in
     if family not in carried.FAMILIES:
         return width
     done = shard.end if layers_done is None else layers_done
-    return carried.width_after(family, shard.inner, done, width)
+    return carried.CARRIERS[family].width_after(shard.inner, done, width)
+
+
+def _ngram_embed(embedding: Any, tokens: mx.array, before: Sequence[mx.array] | None) -> mx.array:
+    """LongCat Flash's n-gram embedding of each row, given the row's earlier ids as the
+    cache its forward keeps would hold them (the last emb_neighbor_num - 1)."""
+    rows = []
+    for i in range(tokens.shape[0]):
+        earlier = before[i] if before is not None else None
+        context = ArraysCache(size=1)
+        if earlier is not None and earlier.shape[1]:
+            context[0] = earlier[:, max(0, earlier.shape[1] - embedding.n + 1) :].astype(mx.int64)
+        rows.append(embedding(tokens[i : i + 1], cache=context))
+    return rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=0)
 
 
 def run_layers(
@@ -987,9 +1024,8 @@ def run_layers(
 
     family = family_of(shard.config)
     if family in carried.FAMILIES:
-        return carried.run_layers(
-            family, shard.inner, shard.start, shard.layers, h, caches, mask_for
-        )
+        carrier = carried.CARRIERS[family]
+        return carrier.run_layers(shard.inner, shard.start, shard.layers, h, caches, mask_for)
     call = _LAYER_CALLS.get(family, _plain_call)
     if shard.takes_inputs:
         if inputs is None:  # (a probe, or a test's own run: positions from the caches)
@@ -1195,7 +1231,7 @@ def head(shard: Shard, h: mx.array) -> mx.array:
     if family in altup.FAMILIES:  # gemma3n: its AltUp streams merged into one first
         h = altup.merge(shard.inner, h)
     if family in carried.FAMILIES:
-        h = carried.final(family, shard.inner, h)
+        h = carried.CARRIERS[family].final(shard.inner, h)
     norm = shard.parts.norm
     if norm is not None:
         h = getattr(shard.inner, norm)(h)
