@@ -133,7 +133,7 @@ def test_stages_equal_the_whole_model(family, tmp_path):
 @pytest.mark.parametrize(
     ("family", "reason"),
     [
-        ("iquestloopcoder", "makes 12 caches for 6 layers"),  # loops over its layers twice
+        ("iquestloopcoder", "round the ring of ranks twice"),  # loops over its layers twice
     ],
 )
 def test_families_a_stage_cannot_run_are_refused_with_the_reason(family, reason, tmp_path):

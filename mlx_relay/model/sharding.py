@@ -392,10 +392,17 @@ _EMBED_READS_IDS = ("longcat_flash_ngram",)
 # which only rank 0 holds) by each token's position: GPT-2, StarCoder 1.
 _POSITION_EMBEDDINGS = {"gpt2": "wpe", "gpt_bigcode": "wpe"}
 
-# Families that pass the structural checks but whose own forward does more than embed,
-# run the layers and apply norm and head, so a split would not give their tokens
-# (gemma3n, once here, splits with its AltUp streams folded: altup.py).
-_NOT_SPLITTABLE: dict[str, str] = {}
+# Families whose own forward does what a split cannot give, refused by name with the
+# reason (the others once here split since: gemma3n's AltUp streams, altup.py; what
+# talkie's, rwkv7's, Kimi K3's, Hunyuan's and DeepSeek V4.1's layers pass on besides h,
+# carried.py; afm7's second layer list; LongCat Flash's n-gram embedding).
+_NOT_SPLITTABLE: dict[str, str] = {
+    "iquestloopcoder": (
+        "it runs all its layers twice a token, the second pass reading the first pass's "
+        "keys and values, so every step would go round the ring of ranks twice, which "
+        "mlx-relay's pipeline does not do (run it on one machine)"
+    ),
+}
 
 
 # Caches that summarise every position so far (an SSM state; DeepSeek V4.1's window and
