@@ -316,6 +316,7 @@ OVERRIDES: dict[str, dict] = {
         "first_k_dense_replace": 1,
         "attn_res_block_size": 2,  # (attention residuals: a block state every 2 layers)
     },
+    "iquestloopcoder": {"loop_window_size": 8},  # (its second pass's window slides)
     # a window of 4; groups of 2 positions compressed by layers 1 and 3, indexed by
     # layers 1 and 4, read by all but layer 0 (every compressed layer's picks must index
     # entries of its ratio: mlx-lm gathers them unchecked)
@@ -560,6 +561,9 @@ def check(family: str, workdir: Path) -> tuple[str, str]:
                         layers = None if per_layer is None else per_layer[:, :, a:]
                         inputs = LayerInputs([done[0]], [0], per_layer=layers)
                     h = sharding.run_layers(shard, h, c, inputs)
+                if shards[0].passes == 2:  # (the ring's second lap: every shard again)
+                    for shard, c in zip(shards, caches, strict=True):
+                        h = sharding.run_layers(shard, h, c, second_pass=True)
                 done[0] += tokens.shape[1]
                 return sharding.head(shards[0], h)[:, -1]
 

@@ -122,23 +122,15 @@ FAMILIES = (
     # each sequence's ids and gives every row its own (the census passes them as the
     # header's slots would)
     "longcat_flash_ngram",
+    # every layer runs twice a step (two_pass.py): the ring twice, the second lap on
+    # the caches the first left, a window of 8 sliding in the second pass
+    "iquestloopcoder",
 )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_stages_equal_the_whole_model(family, tmp_path):
     assert family_census.check(family, tmp_path) == ("EXACT", "")
-
-
-@pytest.mark.parametrize(
-    ("family", "reason"),
-    [
-        ("iquestloopcoder", "round the ring of ranks twice"),  # loops over its layers twice
-    ],
-)
-def test_families_a_stage_cannot_run_are_refused_with_the_reason(family, reason, tmp_path):
-    status, why = family_census.check(family, tmp_path)
-    assert status == "REFUSED" and f"'{family}'" in why and reason in why
 
 
 def test_the_memory_check_counts_a_chunk_for_chunked_layers(tmp_path):
@@ -199,6 +191,8 @@ def test_cross_layer_attention_splits_anywhere(cla, tmp_path, monkeypatch):
         ("deepseek_v41", "2,2,2", "eager"),
         ("deepseek_v41", "3,3", "auto"),
         ("longcat_flash_ngram", "2,4", "auto"),
+        ("iquestloopcoder", "2,4", "auto"),
+        ("iquestloopcoder", "1,2,3", "eager"),
     ],
 )
 def test_in_a_cluster_equals_mlx_lm(family, layers, hops, tmp_path, cluster_factory):
@@ -220,7 +214,8 @@ def test_in_a_cluster_equals_mlx_lm(family, layers, hops, tmp_path, cluster_fact
     list's two layers, which read all its cache holds. deepseek_v41: its streams and
     shared state cross each hop, laid out by each row's position (two rows at different
     positions decode row by row, padded to the wider). longcat_flash_ngram: each row's
-    n-gram embedding reads its own earlier ids, which rank 0 keeps."""
+    n-gram embedding reads its own earlier ids, which rank 0 keeps. iquestloopcoder:
+    every step goes round the ring twice."""
     path = write_tokenizer(family_census.write_model(family, tmp_path / family))
     running = cluster_factory(path, len(layers.split(",")), "--hop-mode", hops, layers=layers)
     texts = [("Tell me about the sea and the lighthouse.", None), ("Why is the sky blue?", 7)]
@@ -232,7 +227,7 @@ def test_in_a_cluster_equals_mlx_lm(family, layers, hops, tmp_path, cluster_fact
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("family", ["longcat_flash_ngram", "deepseek_v41"])
+@pytest.mark.parametrize("family", ["longcat_flash_ngram", "deepseek_v41", "iquestloopcoder"])
 def test_a_prompt_goes_on_from_a_parked_request(family, tmp_path, cluster_factory):
     """A raw prompt continuing an earlier prompt and its output starts from that
     request's parked caches: longcat_flash_ngram's n-gram embedding from the ids rank 0

@@ -615,7 +615,8 @@ class Engine:
     def _launch_ready(self) -> None:
         if self._commands:  # a command waits for the ring to empty: launch nothing new
             return
-        while len(self._launched) < self.max_in_flight and self._launch_next():
+        limit = min(self.max_in_flight, self.pipeline.in_flight_limit)
+        while len(self._launched) < limit and self._launch_next():
             pass
 
     def _join_group(self, seq: Sequence) -> None:

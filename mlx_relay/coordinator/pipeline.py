@@ -10,6 +10,7 @@ run locally.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import socket
@@ -93,6 +94,22 @@ class Step:
     sides: list[mx.array] = field(default_factory=list)  # sent after the payload
 
 
+def _second_lap_header(first: hdr.StepHeader) -> hdr.StepHeader:
+    """The header of a step's second lap (its first: FLAG_FIRST_LAP): the same rows and
+    positions, on the caches the first lap left (no reuse to start from again)."""
+    flags = first.flags & ~(hdr.FLAG_FIRST_LAP | hdr.FLAG_REUSE) | hdr.FLAG_SECOND_LAP
+    return dataclasses.replace(
+        first,
+        flags=flags,
+        step_id=0,
+        slots=list(first.slots),
+        offsets=list(first.offsets),
+        lengths=list(first.lengths),
+        deltas=list(first.deltas),
+        sides=[],
+    )
+
+
 @dataclass
 class LoadedModel:
     spec: str
@@ -125,6 +142,9 @@ class Pipeline:
         # first: what the step timeout watches.
         self._outstanding: dict[int, Step] = {}
         self._unannounced: deque[tuple[Step, mx.array | None]] = deque()
+        # Frees asked for while a two-pass model's first lap is round the ring: they go
+        # after its second lap, here and on the ring (see launch_free).
+        self._deferred: deque[tuple[Step | None, list[int], bool]] = deque()
         # slot -> its sequence's position delta (multimodal rope: set by its prompt's
         # positions, every later step's header carries it); empty for other models
         self._deltas: dict[int, int] = {}
@@ -244,8 +264,12 @@ class Pipeline:
                 )
             )
             sides.append(per_layer)
+        if self.shard.passes == 2:  # (IQuest Loop Coder: the ring twice, see _second_lap)
+            header.flags |= hdr.FLAG_FIRST_LAP
         try:
             h = forward_stage(self.shard, self.caches, header, h, sides)
+            if self.shard.passes == 2 and self.world_size == 1:  # (both passes here)
+                h = forward_stage(self.shard, self.caches, _second_lap_header(header), h)
         except CacheError as e:
             raise RuntimeError(f"rank 0: {e}") from e
         if sides:  # (what the next ranks need of them)
@@ -300,39 +324,90 @@ class Pipeline:
 
     def launch_free(self, slots: list[int], park: bool = False) -> Step | None:
         """Drop the slots' caches (or, with `park`, keep each as a single sequence's for
-        a later prefix reuse) here now and on every worker when the step reaches it."""
+        a later prefix reuse) here now and on every worker when the step reaches it.
+
+        While a two-pass model's first lap is round the ring, its second lap (launched
+        when the first comes back) still needs the caches of its slots, here and on the
+        ring: the free waits for it, and goes right after it (`_release_deferred`)."""
+        step = None
+        if self.world_size > 1 and slots and self.shard is not None:
+            header = hdr.StepHeader(
+                cmd=hdr.CMD_FREE, flags=hdr.FLAG_PARK if park else 0, slots=list(slots)
+            )
+            header.offsets = header.lengths = [0] * len(slots)
+            step = Step(header, want_logits=False)
+        if any(s.header.flags & hdr.FLAG_FIRST_LAP for s in self._in_flight):
+            self._deferred.append((step, slots, park))
+        else:
+            self._free(step, slots, park)
+        return step
+
+    def _free(self, step: Step | None, slots: list[int], park: bool) -> None:
         for slot in slots if self._deltas else ():
             self._deltas.pop(slot, None)
         if self.caches is not None:
             (self.caches.park if park else self.caches.free)(slots)
-        if self.world_size == 1 or not slots or self.shard is None:
-            return None
-        header = hdr.StepHeader(
-            cmd=hdr.CMD_FREE, flags=hdr.FLAG_PARK if park else 0, slots=list(slots)
-        )
-        header.offsets = header.lengths = [0] * len(slots)
-        step = Step(header, want_logits=False)
-        self._launch(step, None)
-        return step
+        if step is not None:
+            self._launch(step, None)
+
+    def _release_deferred(self) -> None:
+        """The frees that waited for a second lap (launch_free), in order."""
+        while self._deferred:
+            self._free(*self._deferred.popleft())
 
     def complete(self, step: Step) -> mx.array | None:
         """Take the oldest step in flight back: its logits (batch, vocab) if it asked for
         them, as a graph still to be computed. RankFailure if a rank failed it."""
         if self.world_size > 1:
+            if any(deferred is step for deferred, _, _ in self._deferred):
+                self._release_deferred()  # (its first lap failed: no second lap came)
             if not self._in_flight or self._in_flight[0] is not step:
                 raise RuntimeError("steps must complete in the order they were launched")
             self._in_flight.popleft()
             self.announce()
             step.posted = None
             _, step.hidden = self._receive(step)
+            if step.header.flags & hdr.FLAG_FIRST_LAP:
+                return self._second_lap(step)
         if not step.want_logits:
             mx.eval(step.hidden)  # computed on every rank when this returns: it is timed
             return None
         return sharding.head(self.shard, step.hidden)[:, -1, :]
 
+    def _second_lap(self, step: Step) -> mx.array | None:
+        """A two-pass model's step (Shard.passes) after its first lap came back with
+        every position: rank 0 runs its layers' second pass on them and sends the step
+        round again; what that lap returns is the step's. Only one step is in flight for
+        such a model (in_flight_limit), so the second lap follows its first directly."""
+        assert self.shard is not None and self.caches is not None and step.hidden is not None
+        header = _second_lap_header(step.header)
+        try:
+            h = forward_stage(self.shard, self.caches, header, step.hidden)
+        except CacheError as e:
+            raise RuntimeError(f"rank 0: {e}") from e
+        header.payload_shape = tuple(h.shape)
+        lap = Step(header, step.want_logits)
+        self._launch(lap, h)
+        self._release_deferred()
+        try:
+            return self.complete(lap)
+        finally:
+            self.done(lap)
+
+    @property
+    def in_flight_limit(self) -> int:
+        """How many steps may be round the ring at once: one a rank, or one for a model
+        whose steps go round twice (the second lap starts from the first's return)."""
+        if self.shard is not None and self.shard.passes == 2:
+            return 1
+        return self.world_size
+
     def complete_all(self) -> None:
         """Let every step in flight come back (before a command, or when giving up)."""
-        while self._in_flight:
+        while self._in_flight or self._deferred:
+            if not self._in_flight:
+                self._release_deferred()
+                continue
             step = self._in_flight[0]
             try:
                 self.complete(step)

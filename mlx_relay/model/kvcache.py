@@ -64,7 +64,13 @@ class SlotCaches:
         self.ids[slot] = mx.concatenate([before, new.astype(before.dtype)], axis=1)
 
     def for_sequence(
-        self, slot: int, offset: int, source: int | None = None, length: int = 1
+        self,
+        slot: int,
+        offset: int,
+        source: int | None = None,
+        length: int = 1,
+        *,
+        again: bool = False,
     ) -> list[Any]:
         """The caches of one sequence outside any group, for a step of `length` tokens
         from `offset` (offset 0 starts afresh).
@@ -74,6 +80,8 @@ class SlotCaches:
         them and stays parked. The engine asks only for what `shard.usable_prefix`
         allows: a cache that cannot be cut back is reused whole or not at all.
         """
+        if again:  # (the second lap of a step whose first lap moved the caches on)
+            return self._again(slot, offset + length)
         if offset == 0:
             self._drop([slot])
             self.single[slot] = sharding.new_caches(self.shard)
@@ -101,9 +109,16 @@ class SlotCaches:
         self._quantize(caches)
         return caches
 
-    def for_group(self, group: int, slots: list[int], offsets: list[int]) -> list[Any]:
+    def for_group(
+        self, group: int, slots: list[int], offsets: list[int], *, again: bool = False
+    ) -> list[Any]:
         """The batch caches of a decode group holding exactly `slots`, in that order,
-        for a step of one token per row (they move on by one position)."""
+        for a step of one token per row (they move on by one position). `again`: a
+        second lap of the step (Shard.passes), on caches its first lap moved on."""
+        if again:
+            if not self.shard.row_by_row:
+                raise CacheError("a second lap needs each row's own caches (row by row)")
+            return sharding.Rows(self._again(s, o + 1) for s, o in zip(slots, offsets, strict=True))
         if self.shard.row_by_row:  # quantized caches have no batch form, phi3small's
             return sharding.Rows(self._own(s, o) for s, o in zip(slots, offsets, strict=True))
         current = self.groups.get(group)
@@ -119,6 +134,13 @@ class SlotCaches:
             )
         current.positions = [p + 1 for p in offsets]
         return current.caches
+
+    def _again(self, slot: int, at: int) -> list[Any]:
+        """A sequence's own caches as the first lap of a step left them, at `at`."""
+        caches = self.single.get(slot)
+        if caches is None or self.at.get(slot) != at:
+            raise CacheError(f"slot {slot} is not where a step's first lap left it ({at})")
+        return caches
 
     def _own(self, slot: int, offset: int) -> list[Any]:
         caches = self.single.get(slot)

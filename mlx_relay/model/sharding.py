@@ -51,7 +51,7 @@ from mlx_lm.models.cache import (
 from mlx_lm.models.deepseek_v41 import LayerCache as DeepSeekLayerCache
 from mlx_lm.utils import load_model
 
-from mlx_relay.model import altup, carried, vision
+from mlx_relay.model import altup, carried, two_pass, vision
 from mlx_relay.model.step_inputs import LAYER_INPUTS, LayerInputs, takes_inputs
 
 # What each family's own forward does around the layers besides embed_tokens, the final
@@ -375,8 +375,9 @@ _ROOT_PARTS = {
 # quantized caches do): phi3small's block-sparse attention layers place their blocks by
 # the length of the cache and add the boolean mask to their scores, so the padded batch
 # caches of a group (several sequences at once) would change its tokens.
-# (llama4's ChunkedKVCache and DeepSeek V4.1's LayerCache have no batch form)
-_ROW_BY_ROW = ("phi3small", "llama4", "deepseek_v41")
+# (llama4's ChunkedKVCache and DeepSeek V4.1's LayerCache have no batch form; IQuest
+# Loop Coder's second pass makes its masks as of before the step, from a row's offset)
+_ROW_BY_ROW = ("phi3small", "llama4", "deepseek_v41", two_pass.FAMILY)
 
 # Families whose layers take no mask, keeping a cache of their own kind that has none
 # (DeepSeek V4.1's window and compressed groups: carried.py runs them).
@@ -391,18 +392,6 @@ _EMBED_READS_IDS = ("longcat_flash_ngram",)
 # Families whose embedding adds learned position embeddings (this table of the decoder,
 # which only rank 0 holds) by each token's position: GPT-2, StarCoder 1.
 _POSITION_EMBEDDINGS = {"gpt2": "wpe", "gpt_bigcode": "wpe"}
-
-# Families whose own forward does what a split cannot give, refused by name with the
-# reason (the others once here split since: gemma3n's AltUp streams, altup.py; what
-# talkie's, rwkv7's, Kimi K3's, Hunyuan's and DeepSeek V4.1's layers pass on besides h,
-# carried.py; afm7's second layer list; LongCat Flash's n-gram embedding).
-_NOT_SPLITTABLE: dict[str, str] = {
-    "iquestloopcoder": (
-        "it runs all its layers twice a token, the second pass reading the first pass's "
-        "keys and values, so every step would go round the ring of ranks twice, which "
-        "mlx-relay's pipeline does not do (run it on one machine)"
-    ),
-}
 
 
 # Caches that summarise every position so far (an SSM state; DeepSeek V4.1's window and
@@ -525,6 +514,12 @@ class Shard:
     # each new sequence. A model may choose a layer's cache by its index (baichuan_m1's
     # sliding layers), which only the whole layer list gives right.
     cache_template: tuple[Any, ...] = ()
+
+    @property
+    def passes(self) -> int:
+        """How many times a step runs the layers: 2 for IQuest Loop Coder (two_pass.py),
+        whose steps go round the ring twice."""
+        return 2 if family_of(self.config) == two_pass.FAMILY else 1
 
     @property
     def row_by_row(self) -> bool:
@@ -670,9 +665,6 @@ def load_shard(
     """
     kv = KVQuant.of(kv)
     config = read_config(Path(path))
-    family = config.get("model_type")
-    if family in _NOT_SPLITTABLE:  # before mlx-lm builds it, whose decoder may be elsewhere
-        raise unsplittable(family, _NOT_SPLITTABLE[family])
     if vision.is_vlm(config):
         model, config = vision.load_vlm(Path(path))
         inner, outer = model.language_model.model, model.language_model
@@ -687,6 +679,8 @@ def load_shard(
     caches = make_prompt_cache(model)  # all layers still here
     if family_of(config) in _EMBED_READS_IDS:  # (the embedding's own: see the table)
         caches = caches[1:]
+    if family_of(config) == two_pass.FAMILY:  # (a layer's two: one per pass)
+        caches = two_pass.pair_caches(caches)
     _join_layer_lists(inner, parts, config)
     num_layers = len(_attr_path(inner, parts.layers))
     if not 0 <= start < end <= num_layers:
@@ -786,6 +780,11 @@ def check_quantizable(shard: Shard, all_caches: list[Any]) -> None:
     kv = shard.kv
     assert kv is not None
     family = shard.config.get("model_type")
+    if shard.passes == 2:
+        raise UnsupportedFamily(
+            f"model family {family!r}: --kv-bits cannot quantize its caches (its second "
+            "pass reads the first pass's keys and values as they are); serve it without"
+        )
     if any(isinstance(c, RotatingKVCache) for c in all_caches):
         raise UnsupportedFamily(
             f"model family {family!r}: --kv-bits cannot quantize its sliding-window "
@@ -841,8 +840,6 @@ def check_splittable(
     def refuse(why: str) -> UnsupportedFamily:
         return unsplittable(config.get("model_type", family), why)
 
-    if family in _NOT_SPLITTABLE:
-        raise refuse(_NOT_SPLITTABLE[family])
     if config.get("final_logit_softcapping") and family not in _LOGITS_OPS:
         # A family not in the tables whose forward may soft-cap its logits: refused
         # rather than split into different logits.
@@ -871,7 +868,13 @@ def check_splittable(
             mask_kind(mask_source(cache))
         except UnsupportedFamily as e:
             raise refuse(f"layer {i}: {e}") from None
-    called_otherwise = (_LAYER_CALLS, altup.FAMILIES, carried.FAMILIES, _REUSE_LISTS)
+    called_otherwise = (
+        _LAYER_CALLS,
+        altup.FAMILIES,
+        carried.FAMILIES,
+        _REUSE_LISTS,
+        (two_pass.FAMILY,),
+    )
     if any(family in table for table in called_otherwise):
         # (called as its forward does)
         return
@@ -1001,21 +1004,31 @@ def _ngram_embed(embedding: Any, tokens: mx.array, before: Sequence[mx.array] | 
 
 
 def run_layers(
-    shard: Shard, h: mx.array, caches: list[Any], inputs: LayerInputs | None = None
+    shard: Shard,
+    h: mx.array,
+    caches: list[Any],
+    inputs: LayerInputs | None = None,
+    *,
+    second_pass: bool = False,
 ) -> mx.array:
     """Each layer gets the mask its own cache implies; caches of one kind share one mask.
 
     Within a step every cache of a kind (full attention, sliding window, linear
     attention) holds the same positions, so their masks are equal: build each once
     from the first cache of its kind, as the models themselves do. `inputs`: the step's
-    inputs besides h, for a family whose layers take more (step_inputs.LAYER_INPUTS).
+    inputs besides h, for a family whose layers take more (step_inputs.LAYER_INPUTS);
+    `second_pass`: a two-pass model's second run of the layers (Shard.passes).
     """
     if isinstance(caches, Rows):
         rows = [
-            run_layers(shard, h[i : i + 1], c, inputs and inputs.row(i))
+            run_layers(shard, h[i : i + 1], c, inputs and inputs.row(i), second_pass=second_pass)
             for i, c in enumerate(caches)
         ]
         return _stack_rows(rows)
+    if shard.passes == 2:  # (IQuest Loop Coder: which pass, the step's header says)
+        if second_pass:
+            return two_pass.second_pass(shard.inner, shard.start, shard.layers, h, caches)
+        return two_pass.first_pass(shard.layers, h, caches)
     masks: dict[tuple[str, int], Any] = {}
     first = h
 

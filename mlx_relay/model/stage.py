@@ -28,22 +28,23 @@ def forward_stage(
     """
     takes_inputs = shard.takes_inputs
     arrays = {side.kind: a for side, a in zip(header.sides, sides, strict=True)} if sides else {}
+    again = bool(header.flags & hdr.FLAG_SECOND_LAP)  # (the caches its first lap moved on)
     if header.group != hdr.NO_GROUP:
-        batch = caches.for_group(header.group, header.slots, header.offsets)
+        batch = caches.for_group(header.group, header.slots, header.offsets, again=again)
         inputs = (
             LayerInputs.of_step(header, arrays, slice(None), h.shape[1]) if takes_inputs else None
         )
-        return sharding.run_layers(shard, h, batch, inputs)
+        return sharding.run_layers(shard, h, batch, inputs, second_pass=again)
     outputs = []
     source = header.source if header.flags & hdr.FLAG_REUSE else None
     for i, (slot, offset, length) in enumerate(
         zip(header.slots, header.offsets, header.lengths, strict=True)
     ):
-        caches_i = caches.for_sequence(slot, offset, source, length)
+        caches_i = caches.for_sequence(slot, offset, source, length, again=again)
         inputs = (
             LayerInputs.of_step(header, arrays, slice(i, i + 1), length) if takes_inputs else None
         )
-        out = sharding.run_layers(shard, h[i : i + 1, :length], caches_i, inputs)
+        out = sharding.run_layers(shard, h[i : i + 1, :length], caches_i, inputs, second_pass=again)
         if length < h.shape[1]:
             pad = mx.zeros((1, h.shape[1] - length, out.shape[-1]), dtype=out.dtype)
             out = mx.concatenate([out, pad], axis=1)

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-PROTOCOL_VERSION = 4  # 4: side arrays and deltas
+PROTOCOL_VERSION = 5  # 4: side arrays and deltas; 5: laps, widths that change on the way
 MAGIC = 0x4D4C5200 | PROTOCOL_VERSION  # "MLR" + version
 
 MAX_SEQS = 16
@@ -83,6 +83,11 @@ FLAG_PARK = 1 << 1
 # CMD_FORWARD of one sequence: start from slot `source`'s kept cache, cut back to the
 # step's offset (source == the slot: in place; another slot: a copy, the source stays).
 FLAG_REUSE = 1 << 2
+# CMD_FORWARD of a model whose steps run its layers twice (IQuest Loop Coder): the first
+# lap, whose last rank sends every position back (rank 0 starts the second lap on them),
+# and the second lap, which runs each rank's layers again on the caches the first left.
+FLAG_FIRST_LAP = 1 << 3
+FLAG_SECOND_LAP = 1 << 4
 
 # Payload kinds.
 PAYLOAD_NONE = 0
@@ -199,12 +204,16 @@ def set_returned_payload(header: StepHeader, width: int | None = None) -> None:
     when it launches a step, so it can post the receive at once. Each rank announces
     the width of what it sends on (a family's layers may widen the state: Kimi K3's
     attention residuals); `width`: the last rank's, where rank 0 has announced its own.
+    A first lap (FLAG_FIRST_LAP) returns every position whole.
     """
     header.sides = []  # the last rank sends no side arrays back
     if header.cmd == CMD_FORWARD and header.payload_kind == PAYLOAD_HIDDEN:
-        rows, _, hidden = header.payload_shape
+        rows, tokens, hidden = header.payload_shape
         hidden = hidden if width is None else width
-        header.payload_shape = (rows, 1, hidden if header.flags & FLAG_WANT_OUTPUT else 1)
+        if header.flags & FLAG_FIRST_LAP:
+            header.payload_shape = (rows, tokens, hidden)
+        else:
+            header.payload_shape = (rows, 1, hidden if header.flags & FLAG_WANT_OUTPUT else 1)
     else:
         header.payload_kind = PAYLOAD_NONE
         header.payload_shape = (0, 0, 0)

@@ -142,7 +142,8 @@ class Worker:
         if header.payload_kind == hdr.PAYLOAD_NONE:
             return None
         assert out is not None, "a forward step always has an output (zeros if it failed)"
-        return out[:, -1:, : header.payload_shape[2]]
+        _, tokens, width = header.payload_shape
+        return out[:, -tokens:, :width]
 
     def _zeros_like_announced(self, header: hdr.StepHeader) -> mx.array | None:
         """A failed step's output: zeros of the shape its layers would have given."""
