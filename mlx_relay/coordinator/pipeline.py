@@ -336,11 +336,15 @@ class Pipeline:
             )
             header.offsets = header.lengths = [0] * len(slots)
             step = Step(header, want_logits=False)
-        if any(s.header.flags & hdr.FLAG_FIRST_LAP for s in self._in_flight):
+        if self._first_lap_in_flight():
             self._deferred.append((step, slots, park))
         else:
+            self._release_deferred()  # (any still waiting go first, in order)
             self._free(step, slots, park)
         return step
+
+    def _first_lap_in_flight(self) -> bool:
+        return any(s.header.flags & hdr.FLAG_FIRST_LAP for s in self._in_flight)
 
     def _free(self, step: Step | None, slots: list[int], park: bool) -> None:
         for slot in slots if self._deltas else ():
@@ -352,8 +356,10 @@ class Pipeline:
 
     def _release_deferred(self) -> None:
         """The frees that waited for a second lap (launch_free), in order."""
-        while self._deferred:
-            self._free(*self._deferred.popleft())
+        waiting = list(self._deferred)
+        self._deferred.clear()
+        for step, slots, park in waiting:
+            self._free(step, slots, park)
 
     def complete(self, step: Step) -> mx.array | None:
         """Take the oldest step in flight back: its logits (batch, vocab) if it asked for
@@ -422,6 +428,9 @@ class Pipeline:
     def _launch(self, step: Step, payload: mx.array | None) -> None:
         """Post rank 0's part of the step and, with eager hops, send it on and post the
         receive of what comes back; otherwise `announce` sends it once it is computed."""
+        if self._deferred and not step.header.flags & hdr.FLAG_SECOND_LAP:
+            if not self._first_lap_in_flight():  # (frees that waited for a first lap
+                self._release_deferred()  # that failed go before anything later)
         self._step_id += 1
         step.header.step_id = self._step_id
         self._outstanding[step.header.step_id] = step
