@@ -13,8 +13,9 @@ and linear attention (conv/SSM state), dense and MoE MLPs. What mask each layer 
 follows from its cache's kind (`mask_kind`), as in the models' own `__call__`; a
 family this cannot reproduce is refused when it loads (`check_splittable`). What
 travels between ranks may be more than one hidden state: gemma3n's AltUp streams,
-folded into the payload's width (altup.py), or what talkie's, rwkv7's and Kimi K3's
-layers take besides h (carried.py).
+folded into the payload's width (altup.py), or what the layers of talkie, rwkv7, Kimi
+K3, Hunyuan-Large and DeepSeek V4.1 take besides h (carried.py); IQuest Loop Coder runs
+every layer twice a step, its steps going round the ring twice (two_pass.py).
 """
 
 from __future__ import annotations
