@@ -8,6 +8,7 @@ whole context (2,048 tokens) for 8 sequences do not fit while those of 128 token
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -57,9 +58,16 @@ def test_cache_estimate_is_what_mlx_lm_allocates(family, tmp_path):
 
 
 def test_caches_of_another_kind_are_named_not_guessed(tmp_path):
-    """qwen3_next keeps conv and gated-delta state (ArraysCache) on 2 of 3 layers."""
+    """qwen3_next keeps conv and gated-delta state (ArraysCache) on 2 of 3 layers; a
+    DeepSeek-V3.2 config without its indexer's width says so instead of a KeyError."""
     path = make_tiny_model(tmp_path / "m", "qwen3_next", num_layers=3)
     with pytest.raises(memory.CacheUnknown, match="qwen3_next"):
+        memory.cache_nbytes(path, 0, 3, 100)
+    path = make_tiny_model(tmp_path / "v32", "deepseek_v32", num_layers=3)
+    config = json.loads((path / "config.json").read_text())
+    del config["index_head_dim"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(memory.CacheUnknown, match="index_head_dim"):
         memory.cache_nbytes(path, 0, 3, 100)
 
 

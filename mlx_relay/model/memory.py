@@ -179,7 +179,7 @@ def _layer_caches(path: str, start: int, end: int) -> tuple[int, tuple[int | Non
         raise CacheUnknown(f"model_type {family!r} makes caches of its own kind")
     try:
         per_position = _position_values(family, config) * _dtype_bytes(Path(path), config)
-    except (TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError) as e:  # (a config without what it reads)
         raise CacheUnknown(f"model_type {family!r}: {e}") from None
     window = config.get("sliding_window")
     # KV-shared layers (gemma4's, gemma3n's) read the caches of layers they reuse
