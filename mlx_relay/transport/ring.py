@@ -62,8 +62,9 @@ def choose_hop_mode(
     EAGER_CORES_PER_RANK cores (on a 2-core box running 2 ranks the spinning threads take
     the cores the ranks compute on, and READY is several times faster). A GPU rank hops
     READY: on CUDA a rank settles its receives (see Ring), which leaves EAGER little to
-    gain (two H200s, Llama-3-8B's shape: 0.504 of mlx-lm against READY's 0.509), and a
-    16-stream EAGER run there did not finish; on Metal it was never tried.
+    gain single-stream (two H200s, Llama-3-8B's shape: 0.504 of mlx-lm against READY's
+    0.509) and costs it under load (two H100s, 16 streams: 366 tok/s against READY's
+    406); on Metal it was never tried.
     """
     if requested != AUTO:
         if requested not in HOP_MODES:
