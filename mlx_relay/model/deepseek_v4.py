@@ -25,15 +25,10 @@ import math
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models import deepseek_v41 as ds
 
 FAMILY = "deepseek_v41"
 _CACHE_FIELDS = ("compress_kv", "index_k")  # (grow each step: new rows only)
-
-
-def _ds() -> Any:
-    from mlx_lm.models import deepseek_v41
-
-    return deepseek_v41
 
 
 def _bits(a: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -44,7 +39,6 @@ def _bits(a: mx.array, dtype: mx.Dtype) -> mx.array:
 def _new_rows(args: Any, source: int, start_pos: int, length: int) -> int:
     """The compressed rows source layer `source` adds in a step of `length` from
     `start_pos`."""
-    ds = _ds()
     return ds._entries(args, source, start_pos + length) - ds._entries(args, source, start_pos)
 
 
@@ -52,7 +46,6 @@ def _layout(
     args: Any, crossing: dict[str, int], length: int, start_pos: int, dtype: mx.Dtype
 ) -> list[tuple[str, int]]:
     """(part, width in `dtype` values) of a hop's folded state, in order."""
-    ds = _ds()
     end = start_pos + length
     layout = [
         ("streams", args.hc_mult * args.hidden_size),
@@ -85,7 +78,7 @@ def start(args: Any, h: mx.array) -> mx.array:
 
 def probe_state(args: Any, first: int, h: mx.array) -> mx.array:
     """Zeros of the state entering layer `first` in a first step of h's tokens."""
-    crossing = _ds()._crossing(args, first)
+    crossing = ds._crossing(args, first)
     width = sum(w for _, w in _layout(args, crossing, h.shape[1], 0, h.dtype))
     return mx.zeros((*h.shape[:2], width), h.dtype)
 
@@ -100,7 +93,6 @@ def run_layers(inner: Any, first: int, layers: list[Any], x: mx.array, caches: l
     """The model's layers from index `first` on a folded state, as its forward runs
     them; the folded state for the next rank, or the collapsed hidden state after the
     model's last layer."""
-    ds = _ds()
     args = inner.args
     batch, length, _ = x.shape
     own = caches[0]
@@ -130,7 +122,6 @@ def _receive(
 ) -> tuple[mx.array, mx.array]:
     """The streams and pre_mix from a folded state; what the layers from `first` on
     read of the layers before them into `shared` (compressed rows into `own`)."""
-    ds = _ds()
     batch, length, _ = x.shape
     crossing = ds._crossing(args, first)
     parts: dict[str, mx.array] = {}
@@ -168,7 +159,6 @@ def _send(
     shared: dict[str, Any],
 ) -> mx.array:
     """The folded state for the rank holding layers from `end` on."""
-    ds = _ds()
     batch, length = streams.shape[:2]
     dtype = streams.dtype
     crossing = ds._crossing(args, end)

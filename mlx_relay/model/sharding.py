@@ -72,6 +72,12 @@ def _minicpm_pre_head(a: Any, h: mx.array) -> mx.array:
     return h if a.tie_word_embeddings else h / (a.hidden_size / a.dim_model_base)
 
 
+def _weightless_norm(a: Any, h: mx.array) -> mx.array:
+    """An RMS norm without a weight, at the model's eps (muse_glimmer's embedding,
+    talkie's embedding and final norm)."""
+    return mx.fast.rms_norm(h, None, a.rms_norm_eps)
+
+
 def _nanochat_norm(a: Any, h: mx.array) -> mx.array:
     """nanochat's norms have no weights: its own functional rms_norm."""
     from mlx_lm.models.nanochat import rms_norm
@@ -115,11 +121,11 @@ _EMBED_OPS: dict[str, _Op] = {
     "minicpm3": lambda a, h: h * a.scale_emb,
     "afmoe": lambda a, h: h * math.sqrt(a.hidden_size) if a.mup_enabled else h,
     "gear": lambda a, h: h * math.sqrt(a.hidden_size),
-    "muse_glimmer": lambda a, h: mx.fast.rms_norm(h, None, a.rms_norm_eps),
+    "muse_glimmer": _weightless_norm,
     "gemma4_text": lambda a, h: h * (a.hidden_size**0.5),
     "gemma3n": lambda a, h: h * (a.hidden_size**0.5),  # (then its AltUp streams: altup.py)
     "nanochat": _nanochat_norm,
-    "talkie": lambda a, h: mx.fast.rms_norm(h, None, a.rms_norm_eps),  # (weightless)
+    "talkie": _weightless_norm,
     "phi3small": lambda a, h: a.mup_embedding_multiplier * h if a.mup_embedding_multiplier else h,
     "recurrent_gemma": lambda a, h: (
         h * math.sqrt(h.shape[-1]) if a.embeddings_scale_by_sqrt_dim else h
@@ -129,7 +135,7 @@ _PRE_HEAD_OPS: dict[str, _Op] = {
     "minicpm": _minicpm_pre_head,
     "minicpm3": _minicpm_pre_head,
     "nanochat": _nanochat_norm,  # its final norm (it has no norm module)
-    "talkie": lambda a, h: mx.fast.rms_norm(h, None, a.rms_norm_eps),
+    "talkie": _weightless_norm,
 }
 _LOGITS_OPS: dict[str, _Op] = {
     "gemma2": lambda a, x: _softcap(a.final_logit_softcapping, x),
