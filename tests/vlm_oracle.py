@@ -20,7 +20,9 @@ from PIL import Image
 from mlx_relay.model import sharding, vision
 from mlx_relay.model.kvcache import SlotCaches
 from mlx_relay.model.stage import forward_stage
+from mlx_relay.model.step_inputs import PromptInputs, pass_on
 from mlx_relay.protocol import header as hdr
+from mlx_relay.transport.ring import dtype_name
 
 MAX_TOKENS = 12
 QUESTION = "Describe the picture."
@@ -67,8 +69,10 @@ def mlx_vlm_tokens(
     encoded = encoded or inputs(path, images, text, system)
     pixels = mx.array(encoded["pixel_values"]) if images else None
     mask = mx.array(encoded["attention_mask"]) if "attention_mask" in encoded else None
-    # (what else the processor says of the images: Qwen2-VL's image grids)
-    extra = {k: mx.array(encoded[k]) for k in vision.IMAGE_EXTRAS if k in encoded and images}
+    # (what else the processor says of the images: Qwen2-VL's image grids, Gemma 4's
+    # token types, which mlx-vlm's generate passes on as its model's own keywords)
+    keys = (*vision.IMAGE_EXTRAS, "mm_token_type_ids")
+    extra = {k: mx.array(encoded[k]) for k in keys if k in encoded and images}
     steps = generate_step(
         mx.array(encoded["input_ids"]),
         model,
@@ -86,38 +90,54 @@ def staged_tokens(
 ) -> list[int]:
     """Greedy tokens of the model cut into `ranges` in one process, as the ranks run it:
     rank 0's merged image embeddings (and, for a multimodal-rope model, its positions as
-    a side array and its rope delta in every header), prefill chunks of `chunk` tokens
-    (0: the whole prompt), each stage a forward step's `forward_stage` on its own slot
-    caches, each header through the wire format; the stages after rank 0 hold no vision
-    tower."""
+    a side array and its rope delta in every header; for gemma4 its per-layer inputs
+    and, with the prompt, its token types), prefill chunks of `chunk` tokens (0: the
+    whole prompt), each stage a forward step's `forward_stage` on its own slot caches,
+    each header through the wire format, each stage passing on what the next need of
+    the side arrays; the stages after rank 0 hold no vision tower."""
     encoded = vision.processor_for(str(path)).encode(prompt, [image])
     shards = [sharding.load_shard(path, a, b, has_ends=a == 0) for a, b in ranges]
-    assert all("vision_tower" not in s.model for s in shards[1:])
+    assert all(not any(p in s.model for p in vision.ENCODER_PARTS) for s in shards[1:])
     caches = [SlotCaches(s) for s in shards]
     prompt_in = vision.prompt_inputs(shards[0].model, encoded.token_ids, encoded.pixel_values)
     size = len(encoded.token_ids)
 
-    def step(h: mx.array, offset: int, sides: list[mx.array]) -> mx.array:
+    def step(h: mx.array, tokens: mx.array, offset: int, part: PromptInputs | None) -> mx.array:
         header = hdr.StepHeader(
             cmd=hdr.CMD_FORWARD, slots=[3], offsets=[offset], lengths=[h.shape[1]]
         )
-        header.sides = [hdr.SideArray(hdr.SIDE_POSITIONS, "int32", tuple(a.shape)) for a in sides]
+        sides: list[tuple[int, mx.array]] = []
+        if part is not None and part.positions is not None:
+            sides.append((hdr.SIDE_POSITIONS, part.positions.astype(mx.int32)))
+        if part is not None and part.token_types is not None:
+            sides.append((hdr.SIDE_TOKEN_TYPES, part.token_types.astype(mx.int32)))
+        if sharding.computes_per_layer_inputs(shards[0]):
+            ids_part = part.per_layer if part is not None else None
+            per_layer = sharding.per_layer_inputs(shards[0], tokens, h, ids_part)
+            sides.append((hdr.SIDE_PER_LAYER, per_layer))
+        header.sides = [
+            hdr.SideArray(kind, dtype_name(a.dtype), tuple(a.shape)) for kind, a in sides
+        ]
         header.deltas = [prompt_in.delta] if prompt_in.delta else []
+        arrays = [a for _, a in sides]
         for shard, c in zip(shards, caches, strict=True):
-            h = forward_stage(shard, c, hdr.decode(hdr.encode(header)), h, sides)
+            header = hdr.decode(hdr.encode(header))
+            h = forward_stage(shard, c, header, h, arrays)
+            arrays = pass_on(header, arrays, len(shard.layers)) if arrays else []
         return h
 
     position, h = 0, None
     while position < size:
         n = min(chunk or size, size - position)
         part = prompt_in.chunk(position, n)
-        sides = [] if part.positions is None else [part.positions.astype(mx.int32)]
-        h = step(part.embeddings, position, sides)
+        ids = mx.array([encoded.token_ids[position : position + n]])
+        h = step(part.embeddings, ids, position, part)
         position += n
     got = []
     for _ in range(MAX_TOKENS):
         token = int(mx.argmax(sharding.head(shards[0], h)[:, -1], axis=-1).item())
         got.append(token)
-        h = step(sharding.embed(shards[0], mx.array([[token]])), position, [])
+        tokens = mx.array([[token]])
+        h = step(sharding.embed(shards[0], tokens), tokens, position, None)
         position += 1
     return got

@@ -134,12 +134,15 @@ def _has_images(seq: Sequence) -> bool:
     return seq.request.pixel_values is not None
 
 
-def _cached_before_images(request: Request, cached: int, image_token: int) -> int:
+def _cached_before_images(request: Request, cached: int, config: dict[str, Any]) -> int:
     """An image request reuses a parked cache only where it ends before the first
-    image token: past it, equal token ids need not mean equal images."""
+    image token: past it, equal token ids need not mean equal images. None where the
+    prompt goes whole from position 0 (vision.prefills_whole: gemma4's image mask)."""
     if request.pixel_values is None or not cached:
         return cached
-    prompt = request.prompt_tokens
+    if vision.prefills_whole(config):
+        return 0
+    prompt, image_token = request.prompt_tokens, vision.image_token_id(config)
     first = prompt.index(image_token) if image_token in prompt else len(prompt)
     return cached if cached <= first else 0
 
@@ -413,8 +416,7 @@ class Engine:
         self._free_slot(taken.slot)  # it may hold an evicted cache on every rank
 
     def _new_sequence(self, request: Request, taken: Taken) -> Sequence:
-        image_token = vision.image_token_id(self.pipeline.shard.config)
-        cached = _cached_before_images(request, taken.cached, image_token)
+        cached = _cached_before_images(request, taken.cached, self.pipeline.shard.config)
         return Sequence(
             request=request,
             slot=taken.slot,
@@ -451,8 +453,10 @@ class Engine:
             for g, members in enumerate(self._groups)
             if members and all(s.next_input is not None for s in members)
         ]
+        shard = self.pipeline.shard  # (whole: its image prompts go in one step)
+        whole = shard is not None and vision.prefills_whole(shard.config)
         units += [
-            Unit("prefill", s, len(s.pending))
+            Unit("prefill", s, len(s.pending), whole and s.request.pixel_values is not None)
             for s in self._active
             if s.group is None and s.prefilling and not s.request.cancelled.is_set()
         ]

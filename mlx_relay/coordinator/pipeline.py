@@ -257,7 +257,8 @@ class Pipeline:
         else:
             h = sharding.embed(self.shard, tokens, offsets)
         if self._per_layer:  # gemma4's per-layer inputs: every step, from the token ids
-            per_layer = sharding.per_layer_inputs(self.shard, tokens, h)
+            ids_part = prompt.per_layer if prompt is not None else None  # (an image's)
+            per_layer = sharding.per_layer_inputs(self.shard, tokens, h, ids_part)
             header.sides.append(
                 hdr.SideArray(
                     hdr.SIDE_PER_LAYER, dtype_name(per_layer.dtype), tuple(per_layer.shape)
@@ -314,6 +315,10 @@ class Pipeline:
             header.sides = [hdr.SideArray(hdr.SIDE_POSITIONS, "int32", tuple(positions.shape))]
             header.deltas = [prompt.delta]
             return [positions]
+        if prompt is not None and prompt.token_types is not None:  # gemma4's image mask
+            types = prompt.token_types.astype(mx.int32)
+            header.sides = [hdr.SideArray(hdr.SIDE_TOKEN_TYPES, "int32", tuple(types.shape))]
+            return [types]
         if self._deltas:  # a multimodal-rope model with an image request running
             if header.group == hdr.NO_GROUP:  # a text prompt in the slot starts afresh
                 for slot in header.slots:

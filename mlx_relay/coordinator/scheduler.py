@@ -82,6 +82,9 @@ class Unit:
     kind: str  # "group" or "prefill"
     key: Any  # the group's index, or the engine's sequence
     pending: int = 0  # prompt tokens still to send (a prefill)
+    # the prompt goes in one step, its last token in it (gemma4's image prompts: its
+    # image tokens attend to each other only in an unchunked prefill, as in mlx-vlm)
+    whole: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,8 @@ class Scheduler:
         """The unit to launch next (units take turns) and its step, or None if none can run.
 
         ``decoding``: streams are running, so a prompt chunk is paced beside them. A prompt
-        is sent in chunks up to its last token, which goes alone: its logits give token 1.
+        is sent in chunks up to its last token, which goes alone: its logits give token 1
+        (a `whole` prompt goes in one step with its last token).
         """
         if not units:
             return None
@@ -124,8 +128,8 @@ class Scheduler:
         self._turn += 1
         if unit.kind == "group":
             return Scheduled(unit, 1, True)
-        if unit.pending <= 1:
-            return Scheduled(unit, 1, True)
+        if unit.pending <= 1 or unit.whole:
+            return Scheduled(unit, max(1, unit.pending), True)
         return Scheduled(unit, min(self.pacer.chunk_size(decoding), unit.pending - 1), False)
 
     def update_from_output(self, out: StepOutput) -> None:

@@ -917,7 +917,9 @@ def model_args_of(outer: nn.Module, config: dict[str, Any]) -> Any:
     if path := _TEXT_ARGS.get(family_of(config)):
         return _attr_path(outer, path)
     if config.get("model_type") in _TEXT_FAMILIES:  # (the wrapped text model's own)
-        return getattr(outer, "language_model", outer).args
+        language_model = getattr(outer, "language_model", outer)
+        # (mlx-vlm's language model, of the family's VLM, keeps its TextConfig as config)
+        return getattr(language_model, "args", None) or language_model.config
     args = getattr(outer, "args", None)
     if args is None and isinstance(getattr(outer, "config", None), BaseModelArgs):
         args = outer.config  # (plamo keeps its ModelArgs as `config`)
@@ -941,19 +943,31 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def computes_per_layer_inputs(shard: Shard) -> bool:
-    """Whether rank 0 computes per-layer inputs for this model's layers every step."""
-    return shard.takes_inputs and family_of(shard.config) in _ROOT_PARTS
+    """Whether rank 0 computes per-layer inputs for this model's layers every step (a
+    gemma4 VLM may take step inputs without them: an image prompt's token types)."""
+    return (
+        shard.takes_inputs
+        and family_of(shard.config) in _ROOT_PARTS
+        and bool(getattr(model_args(shard), "hidden_size_per_layer_input", True))
+    )
 
 
-def per_layer_inputs(shard: Shard, tokens: mx.array, h: mx.array) -> mx.array:
+def per_layer_inputs(
+    shard: Shard, tokens: mx.array, h: mx.array, ids_part: mx.array | None = None
+) -> mx.array:
     """gemma4's and gemma3n's per-layer inputs of every layer (batch, tokens, layers,
     dim), on rank 0 from the token ids and the first hidden state (embed's output; for
     gemma3n its first AltUp stream), by the model's own methods, as its forward computes
-    them before its first layer."""
+    them before its first layer. `ids_part`: the part from the ids, already computed
+    (a gemma4 image prompt's, by mlx-vlm's get_input_embeddings)."""
     inner = shard.inner
     if family_of(shard.config) in altup.FAMILIES:  # gemma3n: from stream 0, its embedding
         h0 = altup.first_stream(h, altup.streams(inner))
         return inner.project_per_layer_inputs(h0, inner.get_per_layer_inputs(tokens))
+    if shard.vision:  # (mlx-vlm's gemma4 names them without mlx-lm's underscore)
+        if ids_part is None:
+            ids_part = inner.get_per_layer_inputs(tokens)
+        return inner.project_per_layer_inputs(h, ids_part)
     return inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(tokens))
 
 
@@ -1038,13 +1052,17 @@ def run_layers(
         return two_pass.first_pass(shard.layers, h, caches)
     masks: dict[tuple[str, int], Any] = {}
     first = h
+    if inputs is not None and inputs.token_types is not None:  # gemma4's image prompt
+        layer_masks = vision.image_masks(shard.inner, h, caches, inputs.token_types)
+        for cache, mask in zip(caches, layer_masks, strict=False):  # (the owners first)
+            masks[_mask_key(mask_source(cache))] = mask
 
     def mask_for(cache: Any) -> Any:
         source = mask_source(cache)
         kind = mask_kind(source)
         if kind == CHUNKED:  # (each chunked cache drops what its next chunk cannot see
             source.maybe_trim_front()  # before the step, as llama 4's forward does)
-        key = (kind, source.max_size if kind == SLIDING else 0)  # windows may differ
+        key = _mask_key(source)
         if key not in masks:
             masks[key] = make_mask(shard, kind, first, source)
         return masks[key]
@@ -1075,6 +1093,13 @@ def run_layers(
     for layer, cache in zip(shard.layers, caches, strict=True):
         h = call(layer, h, mask_for, cache)
     return h
+
+
+def _mask_key(source: Any) -> tuple[str, int]:
+    """Which of a step's masks a layer with this cache gets: its kind's (and for a
+    sliding window, its window's: windows may differ)."""
+    kind = mask_kind(source)
+    return (kind, source.max_size if kind == SLIDING else 0)
 
 
 def _stack_rows(rows: list[mx.array]) -> mx.array:

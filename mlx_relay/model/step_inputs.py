@@ -31,16 +31,30 @@ from mlx_relay.protocol import header as hdr
 class PromptInputs:
     """What rank 0 feeds a prompt's prefill besides token ids (an image request): the
     merged input embeddings (1, tokens, hidden), for a multimodal-rope model the
-    positions (3, 1, tokens) and the delta its decode positions keep (offset + delta)."""
+    positions (3, 1, tokens) and the delta its decode positions keep (offset + delta);
+    for gemma4 the per-layer inputs its model takes from the ids (1, tokens, layers,
+    dim; not yet projected) and the token types (1, tokens) that its image mask reads."""
 
     embeddings: mx.array
     positions: mx.array | None = None
     delta: int = 0
+    per_layer: mx.array | None = None
+    token_types: mx.array | None = None
 
     def chunk(self, start: int, n: int) -> PromptInputs:
         """Prompt positions [start, start + n): one prefill chunk's share."""
+
+        def part(a: mx.array | None) -> mx.array | None:
+            return None if a is None else a[:, start : start + n]
+
         positions = None if self.positions is None else self.positions[..., start : start + n]
-        return PromptInputs(self.embeddings[:, start : start + n], positions, self.delta)
+        return PromptInputs(
+            part(self.embeddings),
+            positions,
+            self.delta,
+            part(self.per_layer),
+            part(self.token_types),
+        )
 
 
 @dataclass
@@ -52,6 +66,7 @@ class LayerInputs:
     deltas: list[int]
     positions: mx.array | None = None  # (3, rows, tokens): explicit multimodal positions
     per_layer: mx.array | None = None  # (rows, tokens, layers from this rank's first, dim)
+    token_types: mx.array | None = None  # (rows, tokens): gemma4's image prompt
 
     @classmethod
     def of_step(
@@ -60,11 +75,13 @@ class LayerInputs:
         """The inputs of the step's rows `rows`, their first `length` tokens."""
         positions = sides.get(hdr.SIDE_POSITIONS)
         per_layer = sides.get(hdr.SIDE_PER_LAYER)
+        types = sides.get(hdr.SIDE_TOKEN_TYPES)
         return cls(
             offsets=header.offsets[rows],
             deltas=(header.deltas or [0] * header.n_seqs)[rows],
             positions=None if positions is None else positions[:, rows, :length],
             per_layer=None if per_layer is None else per_layer[rows, :length],
+            token_types=None if types is None else types[rows, :length],
         )
 
     def row(self, i: int) -> LayerInputs:
@@ -75,6 +92,7 @@ class LayerInputs:
             deltas=self.deltas[i : i + 1],
             positions=None if self.positions is None else self.positions[:, i : i + 1],
             per_layer=None if self.per_layer is None else self.per_layer[i : i + 1],
+            token_types=None if self.token_types is None else self.token_types[i : i + 1],
         )
 
 
@@ -110,7 +128,7 @@ def _mrope(layers: list[Any], h: mx.array, inputs: LayerInputs) -> list[dict[str
 def _per_layer(layers: list[Any], h: mx.array, inputs: LayerInputs) -> list[dict[str, Any]]:
     """gemma4 (2B/4B layouts), gemma3n: layer i takes its slice of the per-layer inputs."""
     per_layer = inputs.per_layer
-    if per_layer is None:  # (a probe run without inputs)
+    if per_layer is None:  # (a probe run; a gemma4 VLM without them: token types only)
         return [{"per_layer_input": None}] * len(layers)
     return [{"per_layer_input": per_layer[:, :, i, :]} for i in range(len(layers))]
 
@@ -135,8 +153,12 @@ LAYER_INPUTS: dict[str, Callable[[list[Any], mx.array, LayerInputs], list[dict[s
     "bailing_hybrid": _offset,
 }
 # Families in LAYER_INPUTS that take inputs only in some configurations (their ModelArgs)
+# (gemma4 as a VLM, loaded through mlx-vlm, also takes an image prompt's token types)
 _TAKES_INPUTS: dict[str, Callable[[Any], bool]] = {
-    "gemma4_text": lambda a: bool(getattr(a, "hidden_size_per_layer_input", 0)),
+    "gemma4_text": lambda a: (
+        bool(getattr(a, "hidden_size_per_layer_input", 0))
+        or getattr(a, "use_bidirectional_attention", None) == "vision"
+    ),
 }
 
 

@@ -40,7 +40,11 @@ VLM_FAMILIES = {
     "gemma3": ("gemma3_text",),
     "qwen2_vl": ("qwen2_vl", "qwen2_vl_text"),
     "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl_text"),
+    "gemma4": ("gemma4_text",),
 }
+# Families that are VLMs only where the config has a vision tower (a Gemma 4 checkpoint
+# without one is a text model, which mlx-lm loads: sharding._TEXT_FAMILIES).
+_VISION_CONFIG_NEEDED = ("gemma4",)
 # Families whose language model multiplies its input embeddings, image features merged
 # in, by sqrt(hidden_size) rounded to bfloat16 inside its forward (mlx-vlm's gemma3 does;
 # its get_input_embeddings divides the image features by the same root beforehand).
@@ -48,8 +52,15 @@ SCALED_INPUT_EMBEDDINGS = ("gemma3",)
 # Families whose layers take multimodal rope positions, which rank 0 computes with the
 # merged embeddings from the image grid (get_rope_index) and sends (step_inputs.py).
 MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
-# Modules of a VLM that only rank 0 holds (workers drop them before any weight is read).
-ENCODER_PARTS = ("vision_tower", "multi_modal_projector")
+# Modules of a VLM that only rank 0 holds (workers drop them before any weight is read):
+# the towers and what projects their features (gemma4: embed_vision, and its audio's).
+ENCODER_PARTS = (
+    "vision_tower",
+    "multi_modal_projector",
+    "embed_vision",
+    "audio_tower",
+    "embed_audio",
+)
 MAX_IMAGE_BYTES = 20 * 2**20
 # What a processor says of the images besides their pixels that get_input_embeddings reads.
 IMAGE_EXTRAS = ("image_grid_thw",)
@@ -68,7 +79,18 @@ def encoder_tensor(name: str) -> bool:
 
 def is_vlm(config: dict[str, Any]) -> bool:
     """Whether the model is a vision-language model that mlx-relay loads with mlx-vlm."""
-    return config.get("model_type") in VLM_FAMILIES
+    family = config.get("model_type")
+    if family in _VISION_CONFIG_NEEDED and not config.get("vision_config"):
+        return False
+    return family in VLM_FAMILIES
+
+
+def prefills_whole(config: dict[str, Any]) -> bool:
+    """Whether an image prompt of this (loaded) VLM goes round in one step from position
+    0, its token types with it: a model whose image tokens attend to each other (gemma4:
+    `use_bidirectional_attention: "vision"`), which mlx-vlm's mask does only in such a
+    prefill (and so mlx-vlm's generate prefills such a prompt unchunked)."""
+    return is_vlm(config) and config.get("use_bidirectional_attention") == "vision"
 
 
 def _mlx_vlm() -> Any:
@@ -266,6 +288,22 @@ def prompt_inputs(model: nn.Module, token_ids: list[int], pixels: Pixels) -> Pro
         hidden = model.language_model.config.hidden_size
         h = h * mx.array(hidden**0.5, mx.bfloat16).astype(h.dtype)
     if family not in MROPE_FAMILIES:
-        return PromptInputs(h)
+        # gemma4: the per-layer inputs of the ids with the image tokens' zeroed, and
+        # which tokens are an image's, for its mask (image_masks)
+        types = None
+        if getattr(model.language_model.config, "use_bidirectional_attention", None) == "vision":
+            types = (ids == model.config.image_token_id).astype(mx.int32)
+        return PromptInputs(h, per_layer=features.per_layer_inputs, token_types=types)
     delta = int(features.rope_deltas.reshape(-1)[0].item())
     return PromptInputs(h, features.position_ids, delta)
+
+
+def image_masks(
+    inner: nn.Module, h: mx.array, caches: list[Any], token_types: mx.array
+) -> list[Any]:
+    """The masks of a shard's layers (`inner`: its mlx-vlm decoder) for an image prompt's
+    prefill from position 0, by mlx-vlm's own gemma4 code: causal (within the window)
+    and each image's tokens seeing all that image's. `caches`: the layers' own, in order
+    (its KV-shared layers, last, have none; their masks are their kind's)."""
+    padded = list(caches) + [None] * (len(inner.layers) - len(caches))
+    return inner._make_masks(h, padded, token_types)

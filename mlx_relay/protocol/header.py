@@ -52,7 +52,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-PROTOCOL_VERSION = 5  # 4: side arrays and deltas; 5: laps, widths that change on the way
+# 4: side arrays and deltas; 5: laps, widths that change on the way; 6: token types
+PROTOCOL_VERSION = 6
 MAGIC = 0x4D4C5200 | PROTOCOL_VERSION  # "MLR" + version
 
 MAX_SEQS = 16
@@ -99,7 +100,12 @@ DTYPES = ("float32", "float16", "bfloat16", "uint8", "int32")
 # Side array kinds (see above).
 SIDE_POSITIONS = 1  # int32 (3, rows, tokens): multimodal rope positions (t, h, w) per token
 SIDE_PER_LAYER = 2  # float (rows, tokens, layers, dim): inputs each layer gets besides h
-SIDE_KINDS = {SIDE_POSITIONS: "positions", SIDE_PER_LAYER: "per-layer inputs"}
+SIDE_TOKEN_TYPES = 3  # int32 (rows, tokens): 1 at an image's tokens (gemma4's image mask)
+SIDE_KINDS = {
+    SIDE_POSITIONS: "positions",
+    SIDE_PER_LAYER: "per-layer inputs",
+    SIDE_TOKEN_TYPES: "token types",
+}
 MAX_SIDE = 2
 SIDE_DIMS = 4
 _SIDE_ENTRY = 3 + SIDE_DIMS  # kind, dtype, ndim, shape
