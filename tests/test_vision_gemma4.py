@@ -38,7 +38,7 @@ from vlm_oracle import (  # noqa: E402
     staged_tokens,
 )
 
-from mlx_relay.model import sharding, vision  # noqa: E402
+from mlx_relay.model import memory, sharding, split, vision  # noqa: E402
 from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
 
 # Uneven splits whose last rank holds the KV-shared layers with the layers they reuse.
@@ -98,6 +98,36 @@ def test_stages_equal_mlx_vlm(layout, vlm, vlm_plain):
             assert got == want, f"split {ranges}"
 
 
+def test_two_images_of_different_sizes(vlm):
+    """Two images in one prompt, of different shapes (the processor gives a list of
+    pixel arrays): each image's tokens see each other's, not the other image's."""
+    images = [png(1), png(4, (24, 48))]
+    want = mlx_vlm_tokens(vlm, images)
+    for ranges in SPLITS[1:]:
+        assert staged_tokens(vlm, images, prompt_text(vlm, 2), ranges) == want
+
+
+def test_the_towers_are_rank_0s_in_the_byte_counts(vlm):
+    """The vision tower and its projector (embed_vision), like the per-layer table,
+    count as rank 0's, not as language-model layers; the shards' bytes add up."""
+    weights: dict[str, mx.array] = {}
+    for f in vlm.glob("*.safetensors"):
+        weights.update(mx.load(str(f)))
+    assert any(k.startswith("embed_vision.") for k in weights)
+    layer = [
+        sum(
+            a.nbytes
+            for k, a in weights.items()
+            if k.startswith(f"language_model.model.layers.{i}.")
+        )
+        for i in range(NUM_LAYERS)
+    ]
+    costs = split.layer_costs(vlm, NUM_LAYERS, sharding.read_config(vlm))
+    assert costs is not None and costs.held == layer
+    total = sum(a.nbytes for a in weights.values())
+    assert memory.shard_nbytes(vlm, 0, 2, ends=True) + memory.shard_nbytes(vlm, 2, 6) == total
+
+
 @pytest.fixture(
     scope="module",
     params=[(1, None), (2, "2,4"), (3, "1,1,4")],
@@ -122,8 +152,8 @@ def _request(images: list[bytes], text: str = QUESTION) -> pb.GenerateRequest:
 @pytest.mark.cluster
 def test_image_chats_equal_mlx_vlm(vlm, cluster):
     """Two images at once (one prefilled whole while the other decodes), the first
-    again (no cached prefix: its mask needs the prompt from position 0), then a
-    text-only chat (chunked): mlx-vlm's greedy tokens."""
+    again (no cached prefix: its mask needs the prompt from position 0), both in one
+    chat, then a text-only chat (chunked): mlx-vlm's greedy tokens."""
     images = [png(2), png(3, (20, 50))]
     with ThreadPoolExecutor(2) as pool:
         answers = list(pool.map(lambda i: cluster.client.generate(_request([i])), images))
@@ -131,5 +161,7 @@ def test_image_chats_equal_mlx_vlm(vlm, cluster):
         assert list(answer.token_ids) == mlx_vlm_tokens(vlm, [image])
     again = cluster.client.generate(_request([images[0]]))
     assert list(again.token_ids) == list(answers[0].token_ids)
+    both = cluster.client.generate(_request(images))  # (of different sizes)
+    assert list(both.token_ids) == mlx_vlm_tokens(vlm, images)
     text = list(cluster.client.generate(_request([])).token_ids)
     assert text == mlx_vlm_tokens(vlm, [])

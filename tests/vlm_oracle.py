@@ -67,7 +67,11 @@ def mlx_vlm_tokens(
     """Single-process mlx-vlm: its processor, its model and caches, its greedy decoding."""
     model, _ = loaded(str(path))
     encoded = encoded or inputs(path, images, text, system)
-    pixels = mx.array(encoded["pixel_values"]) if images else None
+    pixels = encoded["pixel_values"] if images else None
+    if isinstance(pixels, list):  # (images of different sizes: gemma4's processor)
+        pixels = [mx.array(p) for p in pixels]
+    elif pixels is not None:
+        pixels = mx.array(pixels)
     mask = mx.array(encoded["attention_mask"]) if "attention_mask" in encoded else None
     # (what else the processor says of the images: Qwen2-VL's image grids, Gemma 4's
     # token types, which mlx-vlm's generate passes on as its model's own keywords)
@@ -86,7 +90,11 @@ def mlx_vlm_tokens(
 
 
 def staged_tokens(
-    path: Path, image: bytes, prompt: str, ranges: list[tuple[int, int]], chunk: int = 0
+    path: Path,
+    image: bytes | list[bytes],
+    prompt: str,
+    ranges: list[tuple[int, int]],
+    chunk: int = 0,
 ) -> list[int]:
     """Greedy tokens of the model cut into `ranges` in one process, as the ranks run it:
     rank 0's merged image embeddings (and, for a multimodal-rope model, its positions as
@@ -95,7 +103,8 @@ def staged_tokens(
     whole prompt), each stage a forward step's `forward_stage` on its own slot caches,
     each header through the wire format, each stage passing on what the next need of
     the side arrays; the stages after rank 0 hold no vision tower."""
-    encoded = vision.processor_for(str(path)).encode(prompt, [image])
+    images = image if isinstance(image, list) else [image]
+    encoded = vision.processor_for(str(path)).encode(prompt, images)
     shards = [sharding.load_shard(path, a, b, has_ends=a == 0) for a, b in ranges]
     assert all(not any(p in s.model for p in vision.ENCODER_PARTS) for s in shards[1:])
     caches = [SlotCaches(s) for s in shards]

@@ -149,7 +149,7 @@ class Pixels:
     processor says of them that its `get_input_embeddings` reads (Qwen2-VL's
     `image_grid_thw`: each image's patch grid, which its positions follow)."""
 
-    values: np.ndarray
+    values: np.ndarray | list[np.ndarray]  # (a list: images of different sizes, gemma4's)
     extra: dict[str, np.ndarray]
 
 
@@ -182,7 +182,10 @@ class ImageProcessor:
         if bos is not None and ids[:2] == [bos, bos]:
             ids = ids[1:]
         extra = {k: np.asarray(out[k]) for k in IMAGE_EXTRAS if k in out}
-        return Encoded(ids, Pixels(np.asarray(out["pixel_values"]), extra))
+        values = out["pixel_values"]
+        if isinstance(values, list):  # (one array an image, each its own size)
+            return Encoded(ids, Pixels([np.asarray(v) for v in values], extra))
+        return Encoded(ids, Pixels(np.asarray(values), extra))
 
 
 class MessageParts:
@@ -280,7 +283,7 @@ def prompt_inputs(model: nn.Module, token_ids: list[int], pixels: Pixels) -> Pro
     # (the attention mask of the prompt, all of it, as mlx-vlm's generate passes it)
     extra = {k: mx.array(v) for k, v in pixels.extra.items()}
     features = model.get_input_embeddings(
-        ids, mx.array(pixels.values), mask=mx.ones_like(ids), **extra
+        ids, _mx_pixels(pixels.values), mask=mx.ones_like(ids), **extra
     )
     h = features.inputs_embeds
     family = model.config.model_type
@@ -296,6 +299,10 @@ def prompt_inputs(model: nn.Module, token_ids: list[int], pixels: Pixels) -> Pro
         return PromptInputs(h, per_layer=features.per_layer_inputs, token_types=types)
     delta = int(features.rope_deltas.reshape(-1)[0].item())
     return PromptInputs(h, features.position_ids, delta)
+
+
+def _mx_pixels(values: np.ndarray | list[np.ndarray]) -> mx.array | list[mx.array]:
+    return [mx.array(v) for v in values] if isinstance(values, list) else mx.array(values)
 
 
 def image_masks(
