@@ -25,8 +25,13 @@ pytest.importorskip("mlx_vlm", reason="the vision extra (mlx-vlm) is not install
 import mlx.core as mx  # noqa: E402
 from conftest import start_cluster  # noqa: E402
 from mlx_vlm.generate.ar import generate_step  # noqa: E402
-from tiny_gemma4_vl import MAX_SOFT_TOKENS, NUM_LAYERS, TAIL, WINDOW  # noqa: E402
-from tiny_gemma4_vl import make_tiny_gemma4_vlm  # noqa: E402
+from tiny_gemma4_vl import (  # noqa: E402
+    MAX_SOFT_TOKENS,
+    NUM_LAYERS,
+    TAIL,
+    WINDOW,
+    make_tiny_gemma4_vlm,  # noqa: E402
+)
 from vlm_oracle import (  # noqa: E402
     MAX_TOKENS,
     QUESTION,
