@@ -6,12 +6,21 @@ embeddings with the projected image features spliced in at the image tokens), an
 decoder's layers are split over ranks like any text model's: the workers never see an
 image, only hidden states. Only families whose image features merge into the input
 embeddings before the first layer are accepted (`VLM_FAMILIES`: llava, gemma3, qwen2_vl,
-qwen2_5_vl). Qwen2-VL's and Qwen2.5-VL's layers also take multimodal rope positions
+qwen2_5_vl, gemma4). Qwen2-VL's and Qwen2.5-VL's layers also take multimodal rope positions
 (temporal, height, width) that mlx-vlm's own `get_rope_index` computes from the image
 grid: rank 0 computes them with the embeddings and sends them with each prefill chunk,
 and decode positions are offset + the prompt's rope delta (step_inputs.py). What a family's own forward does to the merged
 embeddings before its first layer (gemma3's sqrt(hidden) scale) is done here too, and
 its layers keep the caches its language model makes (gemma3's sliding windows).
+
+Gemma 4 (a gemma4 checkpoint with a `vision_config`; one without is text, for mlx-lm)
+keeps gemma4_text's split rules (per-layer inputs, KV-shared last layers on the last
+rank), run on mlx-vlm's classes. Its image tokens attend to each other both ways
+(`use_bidirectional_attention: "vision"`), which mlx-vlm's mask does only in an
+unchunked prefill from position 0: such a prompt goes round whole, from position 0
+(`prefills_whole`), with its token types as a side array, from which every rank builds
+mlx-vlm's own masks (`image_masks`); its per-layer inputs are mlx-vlm's
+`get_input_embeddings`' (the image tokens' ids zeroed), projected on rank 0.
 
 mlx-vlm is an optional extra (`pip install 'mlx-relay[vision]'`): it is imported only
 when a VLM is loaded or an image request arrives.
