@@ -14,6 +14,7 @@ whose prefill chunks (6 tokens) are shorter than the image prompt.
 
 from __future__ import annotations
 
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from vlm_oracle import (  # noqa: E402
     staged_tokens,
 )
 
+from mlx_relay.coordinator import requests  # noqa: E402
 from mlx_relay.model import memory, sharding, split, vision  # noqa: E402
 from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
 
@@ -110,6 +112,23 @@ def test_two_images_of_different_sizes(vlm):
     want = mlx_vlm_tokens(vlm, images)
     for ranges in SPLITS[1:]:
         assert staged_tokens(vlm, images, prompt_text(vlm, 2), ranges) == want
+
+
+def test_without_the_towers_weights_it_is_a_text_model(vlm, tmp_path):
+    """A Gemma 4 converted to text (mlx-lm keeps the config's vision_config, drops the
+    tower's weights) loads through mlx-lm as text, as before, and refuses images."""
+    text = tmp_path / "text"
+    shutil.copytree(vlm, text)
+    weights = mx.load(str(text / "model.safetensors"))
+    kept = {k: v for k, v in weights.items() if not k.startswith(vision.ENCODER_PARTS)}
+    mx.save_safetensors(str(text / "model.safetensors"), kept, metadata={"format": "mlx"})
+    assert vision.is_vlm(sharding.read_config(text))  # (by its config alone)
+    shard = sharding.load_shard(text, 0, NUM_LAYERS, has_ends=True)
+    assert not shard.vision and type(shard.model).__module__ == "mlx_lm.models.gemma4"
+    assert not vision.is_vlm(shard.config)
+    prompt = requests.Prompt(text="x", token_ids=[1], images=[png(1)])
+    with pytest.raises(requests.InvalidRequest, match="reads text only"):
+        requests.encode_images(prompt, str(text), shard.config)
 
 
 def test_the_towers_are_rank_0s_in_the_byte_counts(vlm):

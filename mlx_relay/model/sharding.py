@@ -672,11 +672,13 @@ def load_shard(
     """
     kv = KVQuant.of(kv)
     config = read_config(Path(path))
-    if vision.is_vlm(config):
-        model, config = vision.load_vlm(Path(path))
+    vlm = vision.load_vlm(Path(path)) if vision.is_vlm(config) else None
+    if vlm is not None:
+        model, config = vlm
         inner, outer = model.language_model.model, model.language_model
-    else:
+    else:  # (a text model; a Gemma 4 without its tower's weights too: vision.text_only)
         model, config = load_model(Path(path), lazy=True)
+        config = vision.text_only(config)
         try:
             inner = inner_model(model, parts_of(config))
         except ValueError as e:

@@ -51,9 +51,11 @@ VLM_FAMILIES = {
     "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl_text"),
     "gemma4": ("gemma4_text",),
 }
-# Families that are VLMs only where the config has a vision tower (a Gemma 4 checkpoint
-# without one is a text model, which mlx-lm loads: sharding._TEXT_FAMILIES).
-_VISION_CONFIG_NEEDED = ("gemma4",)
+# Families that are VLMs only where the checkpoint has a vision tower: its config says
+# so (vision_config) and its weights hold one (a Gemma 4 converted to text by mlx-lm
+# keeps the vision_config, not the tower). Otherwise they are text models, which mlx-lm
+# loads (sharding._TEXT_FAMILIES).
+_TOWER_OPTIONAL = ("gemma4",)
 # Families whose language model multiplies its input embeddings, image features merged
 # in, by sqrt(hidden_size) rounded to bfloat16 inside its forward (mlx-vlm's gemma3 does;
 # its get_input_embeddings divides the image features by the same root beforehand).
@@ -89,9 +91,17 @@ def encoder_tensor(name: str) -> bool:
 def is_vlm(config: dict[str, Any]) -> bool:
     """Whether the model is a vision-language model that mlx-relay loads with mlx-vlm."""
     family = config.get("model_type")
-    if family in _VISION_CONFIG_NEEDED and not config.get("vision_config"):
+    if family in _TOWER_OPTIONAL and not config.get("vision_config"):
         return False
     return family in VLM_FAMILIES
+
+
+def text_only(config: dict[str, Any]) -> dict[str, Any]:
+    """The config of a checkpoint loaded as a text model: a _TOWER_OPTIONAL family's
+    without its vision_config, which names a tower the checkpoint does not hold."""
+    if config.get("model_type") not in _TOWER_OPTIONAL:
+        return config
+    return {k: v for k, v in config.items() if k != "vision_config"}
 
 
 def prefills_whole(config: dict[str, Any]) -> bool:
@@ -113,12 +123,16 @@ def _mlx_vlm() -> Any:
     return mlx_vlm.utils
 
 
-def load_vlm(path: Path) -> tuple[nn.Module, dict[str, Any]]:
+def load_vlm(path: Path) -> tuple[nn.Module, dict[str, Any]] | None:
     """The whole VLM, lazily (nothing read yet), and its config with the text model's
-    settings (hidden size, context length ...) at the top level as text models have."""
+    settings (hidden size, context length ...) at the top level as text models have;
+    None for a checkpoint of a _TOWER_OPTIONAL family without the tower's weights
+    (mlx-vlm drops a module it finds none for), which is a text model."""
     utils = _mlx_vlm()
     model = utils.load_model(Path(path), lazy=True)
     config = dict(utils.load_config(Path(path)))
+    if config["model_type"] in _TOWER_OPTIONAL and getattr(model, "vision_tower", None) is None:
+        return None
     text = config.get("text_config") or {}
     family = text.get("model_type", config["model_type"])
     allowed = VLM_FAMILIES[config["model_type"]]
