@@ -154,14 +154,17 @@ def test_the_towers_are_rank_0s_in_the_byte_counts(vlm):
 
 @pytest.fixture(
     scope="module",
-    params=[(1, None), (2, "2,4"), (3, "1,1,4")],
-    ids=["1rank", "2ranks", "3ranks"],
+    params=[(1, None, "ready"), (2, "2,4", "ready"), (3, "1,1,4", "eager")],
+    ids=["1rank", "2ranks-ready", "3ranks-eager"],
 )
 def cluster(request, vlm, tmp_path_factory):
-    ranks, layers = request.param
-    running = start_cluster(
-        vlm, ranks, tmp_path_factory.mktemp("logs"), "--prefill-chunk", "6", layers=layers
-    )
+    """Eager hops post every receive, the token types' too, when the header comes."""
+    ranks, layers, hops = request.param
+    logs = tmp_path_factory.mktemp("logs")
+    args = ("--prefill-chunk", "6", "--hop-mode", hops)
+    running = start_cluster(vlm, ranks, logs, *args, layers=layers)
+    if ranks > 1:
+        assert running.logs().count(f"{hops} hops") == ranks, running.logs()
     yield running
     running.stop()
 
