@@ -60,7 +60,7 @@ def vlm(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def vlm_plain(tmp_path_factory) -> Path:
-    """The 26B/31B layout: neither per-layer inputs nor KV sharing."""
+    """The 26B/31B layout: neither per-layer inputs nor KV sharing; K = V, MoE."""
     return make_tiny_gemma4_vlm(tmp_path_factory.mktemp("gemma4-vlm-plain"), per_layer=False)
 
 

@@ -70,8 +70,9 @@ def make_tiny_gemma4_vlm(
     path: Path, *, per_layer: bool = True, hidden_size: int = 64, seed: int = 0
 ) -> Path:
     """Write the tiny Gemma 4 VLM and its processor files into `path`; return it.
-    `per_layer`: the E2B/E4B layout (per-layer inputs, KV-shared layers); else the
-    26B/31B one (neither)."""
+    `per_layer`: the E2B/E4B layout (per-layer inputs, KV-shared layers, whose MLPs
+    are twice as wide); else the 26B/31B one (neither; full attention's keys are its
+    values, over wider heads; an MoE block beside each dense MLP)."""
     path = write_tokenizer(path)
     ids = _add_tokens(path, (BOI, EOI, IMAGE, "<|video|>"))
     vocab = ids["<|video|>"] + 1
@@ -90,7 +91,7 @@ def make_tiny_gemma4_vlm(
         "vocab_size_per_layer_input": vocab,
         "hidden_size_per_layer_input": 8 if per_layer else 0,
         "num_kv_shared_layers": KV_SHARED if per_layer else 0,
-        "use_double_wide_mlp": False,
+        "use_double_wide_mlp": per_layer,
         "layer_types": LAYER_TYPES,
         "sliding_window": WINDOW,
         "max_position_embeddings": 2048,
@@ -98,6 +99,16 @@ def make_tiny_gemma4_vlm(
         "use_bidirectional_attention": "vision",
         "tie_word_embeddings": True,
     }
+    if not per_layer:
+        text.update(
+            global_head_dim=2 * head_dim,
+            attention_k_eq_v=True,
+            num_global_key_value_heads=1,
+            enable_moe_block=True,
+            num_experts=4,
+            top_k_experts=2,
+            moe_intermediate_size=hidden_size,
+        )
     vision = {
         "model_type": "gemma4_vision",
         "hidden_size": 32,
