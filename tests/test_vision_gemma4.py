@@ -154,7 +154,8 @@ def test_the_towers_are_rank_0s_in_the_byte_counts(vlm):
 
 @pytest.fixture(
     scope="module",
-    params=[(1, None, "ready"), (2, "2,4", "ready"), (3, "1,1,4", "eager")],
+    # (2 ranks: the default split, which gives the last rank the KV-shared tail: 2, 4)
+    params=[(1, None, "ready"), (2, None, "ready"), (3, "1,1,4", "eager")],
     ids=["1rank", "2ranks-ready", "3ranks-eager"],
 )
 def cluster(request, vlm, tmp_path_factory):
@@ -165,6 +166,7 @@ def cluster(request, vlm, tmp_path_factory):
     running = start_cluster(vlm, ranks, logs, *args, layers=layers)
     if ranks > 1:
         assert running.logs().count(f"{hops} hops") == ranks, running.logs()
+        assert f"loaded layers [2, {NUM_LAYERS})" in running.logs(), running.logs()
     yield running
     running.stop()
 
