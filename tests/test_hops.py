@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from oracle import chat_tokens, mlx_lm_tokens
+from oracle import chat_request, chat_tokens, mlx_lm_tokens
 
 from mlx_relay.protocol import relay_pb2 as pb
 from mlx_relay.transport.ring import AUTO, EAGER, READY, choose_hop_mode
@@ -60,9 +60,25 @@ def test_settled_receives_keep_tokens_exact(tiny_model, cluster_factory, hops):
     ]
     prompts.append([{"role": "user", "content": "Tell me a story. " * 12}])
     calls = [running.client.stream(_chat(p)) for p in prompts]
+    # Rank 0 builds its next step before settling a return: sampled rows and logits
+    # processors are built on the unsettled return too.
+    sampled = chat_request("Seeded: why is the sea blue?", seed=7, max_tokens=8)
+    penalised = _chat(prompts[0])
+    penalised.params.repetition_penalty = 1.3
+    more = [running.client.stream(r) for r in (sampled, penalised)]
     for p, call in zip(prompts, calls, strict=True):
         tokens = [t for chunk in call for t in chunk.token_ids]
         assert tokens == mlx_lm_tokens(model, chat_tokens(model, p), 8)
+    seeded, repeated = ([t for chunk in call for t in chunk.token_ids] for call in more)
+    seeded_prompt = chat_tokens(
+        model, [{"role": "user", "content": "Seeded: why is the sea blue?"}]
+    )
+    assert seeded == mlx_lm_tokens(
+        model, seeded_prompt, 8, seed=7, sampler={"temp": 0.9, "top_p": 0.95}
+    )
+    assert repeated == mlx_lm_tokens(
+        model, chat_tokens(model, prompts[0]), 8, processors={"repetition_penalty": 1.3}
+    )
     assert "settled receives" in running.logs()
 
 

@@ -583,8 +583,14 @@ class Engine:
                     self._finish(seq, Chunk(), reason="cancelled")
             rows = [(i, s) for i, s in enumerate(seqs) if s in self._active]
             if logits is not None and rows:
-                sampled = self._sample(step, rows, logits)
+                # On CUDA the return is settled only once the next steps are built on
+                # the sampled tokens, right before their launch (Pipeline.settle).
+                settling = self.pipeline.unsettled
+                sampled = self._sample(step, rows, logits, start=not settling)
                 self._launch_ready()
+                if settling:
+                    self.pipeline.settle()
+                    mx.async_eval(sampled.tokens)
         except ClusterFailure:
             raise
         except RankFailure as e:
@@ -628,9 +634,12 @@ class Engine:
         seq.group = group
         self._groups[group].append(seq)
 
-    def _sample(self, step: Step, rows: list[tuple[int, Sequence]], logits: mx.array) -> Sampled:
+    def _sample(
+        self, step: Step, rows: list[tuple[int, Sequence]], logits: mx.array, start: bool = True
+    ) -> Sampled:
         """mlx-lm's step for each row (logits processors, log-softmax, sample), built as
-        one graph and started, not waited for; each sequence's next input is its row.
+        one graph and started (unless not `start`: the caller starts it once the return
+        it reads is settled), not waited for; each sequence's next input is its row.
 
         Rows that take the plain greedy token share one argmax; only requests that need
         their own work (a seed, penalties, a grammar) get a row of their own. A grammar's
@@ -671,7 +680,8 @@ class Engine:
             seq.next_input = tokens[j : j + 1]
             if seq.group is None:
                 self._join_group(seq)
-        mx.async_eval(tokens)
+        if start:
+            mx.async_eval(tokens)
         return Sampled(step, seqs, tokens, wanted)
 
     def _emit_sampled(self, sampled: Sampled) -> None:

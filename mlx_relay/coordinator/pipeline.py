@@ -145,6 +145,9 @@ class Pipeline:
         # Frees asked for while a two-pass model's first lap is round the ring: they go
         # after its second lap, here and on the ring (see launch_free).
         self._deferred: deque[tuple[Step | None, list[int], bool]] = deque()
+        # Returns received but not yet settled (CUDA, see settle): what reads them is
+        # built meanwhile and launched only after settle.
+        self._unsettled: list[mx.array] = []
         # slot -> its sequence's position delta (multimodal rope: set by its prompt's
         # positions, every later step's header carries it); empty for other models
         self._deltas: dict[int, int] = {}
@@ -381,6 +384,7 @@ class Pipeline:
             if step.header.flags & hdr.FLAG_FIRST_LAP:
                 return self._second_lap(step)
         if not step.want_logits:
+            self.settle()
             mx.eval(step.hidden)  # computed on every rank when this returns: it is timed
             return None
         return sharding.head(self.shard, step.hidden)[:, -1, :]
@@ -430,9 +434,24 @@ class Pipeline:
                 self.done(step)
 
     # --- the ring ------------------------------------------------------------------
+    @property
+    def unsettled(self) -> bool:
+        """Whether a return is still to be settled before what reads it is launched."""
+        return bool(self._unsettled)
+
+    def settle(self) -> None:
+        """Wait for the returns received since the last launch (on CUDA; see Ring): the
+        last thing before launching what reads them, so rank 0 builds its next step
+        (head, sampling, embedding, its layers) while the return is still on its way,
+        instead of after it arrived."""
+        if self._unsettled:
+            self.ring.settle(*self._unsettled)
+            self._unsettled.clear()
+
     def _launch(self, step: Step, payload: mx.array | None) -> None:
         """Post rank 0's part of the step and, with eager hops, send it on and post the
         receive of what comes back; otherwise `announce` sends it once it is computed."""
+        self.settle()
         if self._deferred and not step.header.flags & hdr.FLAG_SECOND_LAP:
             if not self._first_lap_in_flight():  # (frees that waited for a first lap
                 self._release_deferred()  # that failed go before anything later)
@@ -488,6 +507,7 @@ class Pipeline:
         try:
             self.announce()
             back, out = self._receive(step)
+            self.settle()
             if out is not None:
                 mx.eval(out)
         finally:
@@ -524,7 +544,8 @@ class Pipeline:
                 raise self._ring_broken(e, self.ring.prev) from e
         if back.error_mask:
             raise self._failure(back)
-        self.ring.settle(out)  # (CUDA: before the head's kernels read it; see Ring)
+        if out is not None and self.ring.settles:
+            self._unsettled.append(out)  # (CUDA: settled right before what reads it launches)
         return back, out
 
     def _wait_for_return(self, header: hdr.StepHeader) -> hdr.StepHeader:
