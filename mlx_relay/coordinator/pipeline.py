@@ -596,7 +596,7 @@ class Pipeline:
             f"{header.describe()} overdue after {elapsed:.1f} s (--step-timeout)"
             + (f"; {suspect.reason}" if suspect else "")
             + (
-                "; with eager hops on a GPU (the less tried mode there), --hop-mode ready may avoid this"
+                "; with eager hops, --hop-mode ready may avoid this (it posts no receive early)"
                 if self.ring is not None and self.ring.eager
                 else ""
             ),

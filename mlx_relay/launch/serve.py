@@ -112,8 +112,8 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
             help="eager: each rank queues its part of a step as soon as rank 0 decides it, "
             "and keeps one core spinning on the receive while busy (fastest where cores are "
             "spare); ready: a rank starts its part once its input has arrived (nothing spins); "
-            "auto: eager with the ring backend on a GPU rank alone on its machine or a CPU "
-            "rank with 4+ cores",
+            "auto: eager with the ring or jaccl backend on a rank with 4+ cores of its own "
+            "(CPU or GPU), else ready",
         ),
     ),
     (
@@ -311,7 +311,6 @@ def _serve(args: argparse.Namespace) -> int:
         mode = choose_hop_mode(
             args.hop_mode,
             _backend_in_use(args.backend),
-            on_gpu=mx.default_device() == mx.gpu,
             cores=_cores(),
             ranks_here=hosts.count(hosts[rank]),
         )

@@ -51,20 +51,19 @@ HOP_MODES = (EAGER, READY)
 EAGER_CORES_PER_RANK = 4
 
 
-def choose_hop_mode(
-    requested: str, backend: str, *, on_gpu: bool, cores: int, ranks_here: int
-) -> str:
+def choose_hop_mode(requested: str, backend: str, *, cores: int, ranks_here: int) -> str:
     """The hop mode for `--hop-mode requested` (AUTO or one of HOP_MODES).
 
-    AUTO picks EAGER where what it costs is free and it was seen to work. Its receives
+    AUTO picks EAGER where what it costs is free and it was seen to pay. Its receives
     run on CPU streams of their own, which MPI does not allow (MLX's plain MPI_Init is
-    not thread-safe). A posted receive spins one core, so a CPU rank needs
+    not thread-safe). A posted receive spins one core, so a rank needs
     EAGER_CORES_PER_RANK cores (on a 2-core box running 2 ranks the spinning threads take
-    the cores the ranks compute on, and READY is several times faster). A GPU rank hops
-    READY: on CUDA a rank settles its receives (see Ring), which leaves EAGER little to
-    gain single-stream (two H200s, Llama-3-8B's shape: 0.504 of mlx-lm against READY's
-    0.509) and costs it under load (two H100s, 16 streams: 366 tok/s against READY's
-    406); on Metal it was never tried.
+    the cores the ranks compute on, and READY is several times faster). A GPU rank with
+    the cores hops EAGER too: on CUDA, where receives are settled (see Ring), eager hops
+    still let every rank build its part of a step while the ranks before it compute
+    (two H100s, Llama-3-8B's shape: 0.48-0.52 of mlx-lm against READY's 0.43-0.44
+    single-stream, 328 tok/s against 296 with 16 streams); on Metal nothing is settled
+    and a rank's kernels wait for their input on the GPU, launched.
     """
     if requested != AUTO:
         if requested not in HOP_MODES:
@@ -73,8 +72,6 @@ def choose_hop_mode(
             raise ValueError("eager hops need the ring or jaccl backend, not mpi")
         return requested
     if backend == "mpi":
-        return READY
-    if on_gpu:
         return READY
     return EAGER if cores >= EAGER_CORES_PER_RANK * max(1, ranks_here) else READY
 
