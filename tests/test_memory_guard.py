@@ -20,6 +20,7 @@ import mlx.core as mx
 import pytest
 from conftest import assert_gone, start_cluster
 from launching import MLX_RELAY
+from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 from oracle import mlx_lm_tokens, tokenizer_for
@@ -27,7 +28,7 @@ from tiny_models import make_tiny_model
 
 from mlx_relay.coordinator.requests import encode_text
 from mlx_relay.launch.local import free_ports
-from mlx_relay.model import memory
+from mlx_relay.model import memory, sharding
 from mlx_relay.protocol import exits
 from mlx_relay.protocol import relay_pb2 as pb
 
@@ -69,6 +70,62 @@ def test_caches_of_another_kind_are_named_not_guessed(tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(memory.CacheUnknown, match="index_head_dim"):
         memory.cache_nbytes(path, 0, 3, 100)
+
+
+def _allocated(path: Path, tokens_after_prompt: int = 300) -> int:
+    """Bytes mlx-lm's own caches hold after a 40-token prompt and this many decode steps:
+    KV buffers whole (they grow by 256 positions), states as they are."""
+    net, _ = load(str(path))
+    caches = make_prompt_cache(net)
+    net(mx.array([list(range(5, 45))]), cache=caches)
+    for _ in range(tokens_after_prompt):
+        net(mx.array([[7]]), cache=caches)
+    total = 0
+    for cache in sharding.flat_caches(caches):
+        mx.eval(cache.state)
+        if isinstance(getattr(cache, "keys", None), mx.array):
+            total += cache.keys.nbytes + cache.values.nbytes
+        else:
+            total += sum(a.nbytes for _, a in tree_flatten(cache.state) if a is not None)
+    return total
+
+
+def test_caches_of_their_own_kind_are_measured_on_the_loaded_shard(tmp_path):
+    """qwen3_next (conv and gated-delta state on 2 of 3 layers, KV on the third): what
+    the config cannot tell is read off a probe step of the lazily loaded shard, to the
+    byte of what mlx-lm holds; split over ranks, the parts add up."""
+    path = make_tiny_model(tmp_path / "m", "qwen3_next", num_layers=3)
+    real = _allocated(path)
+    for start, end in [(0, 3), (0, 1), (1, 3)]:
+        shard = sharding.load_shard(path, start, end, has_ends=start == 0)
+        layout = memory.check_measured(path, start, end, shard, ends=start == 0)
+        assert layout is not None
+    assert memory.cache_nbytes(path, 0, 3, 340) == real
+    assert memory.cache_nbytes(path, 0, 1, 340) + memory.cache_nbytes(path, 1, 3, 340) == real
+    # A model the config tells about is not measured.
+    plain = make_tiny_model(tmp_path / "llama", "llama", num_layers=2)
+    shard = sharding.load_shard(plain, 0, 2, has_ends=True)
+    assert memory.check_measured(plain, 0, 2, shard, ends=True) is None
+
+
+def test_admission_takes_a_workers_measured_layout_for_its_model_only(tmp_path):
+    """A worker sends the layout it measured in its stats; rank 0 counts it where the
+    fingerprint and the layers are those of the model it serves."""
+    path = make_tiny_model(tmp_path / "m", "qwen3_next", num_layers=3)
+    layout = memory.measure_caches(sharding.load_shard(path, 1, 3, has_ends=False))
+    mb = 1_000_000
+    per_seq = memory.layout_nbytes(layout, 300)
+    short = {"memory_limit": 100 * mb, "free_memory": 10**12}
+    short["active_memory"] = 100 * mb - per_seq // 2 - int(0.025 * 100 * mb)
+    fp = sharding.fingerprint(path)
+    mine = {"fingerprint": fp, "layers": [1, 3], "layout": layout}
+    figures = {1: {**short, "cache_layout": mine}}
+    refused = memory.admission_shortfall(path, [(0, 1), (1, 3)], figures, 300, [], [], fp)
+    assert refused.startswith("rank 1 has "), refused
+    stale = {**mine, "fingerprint": "another model"}
+    fresh = make_tiny_model(tmp_path / "n", "qwen3_next", num_layers=3, seed=1)
+    figures = {1: {**short, "cache_layout": stale}}
+    assert memory.admission_shortfall(fresh, [(0, 1), (1, 3)], figures, 300, [], [], fp) == ""
 
 
 def test_admission_counts_growth_of_running_sequences_and_parked_caches(model):
@@ -122,6 +179,20 @@ def test_a_cluster_whose_caches_do_not_fit_refuses_to_start_with_the_numbers(mod
     assert code == exits.EXIT_RANK_FAILED and "rank 0" in last, out
     assert "layers [0, 2) with embedding and head need" in last, last
     print(f"\nrefused in {took:.1f} s: {last}")
+
+
+@pytest.mark.cluster
+def test_a_hybrid_whose_measured_caches_do_not_fit_refuses_to_start(tmp_path):
+    """qwen3_next's caches are measured once each rank has loaded its layers lazily (no
+    weight read): rank 1's KV layer for 8 x 2,048 tokens (4.2 MB) does not fit 3 MB, and
+    the cluster says so at start, with the numbers, as for a plain model."""
+    path = make_tiny_model(tmp_path / "m", "qwen3_next", num_layers=3)
+    code, out, _ = _local(path, "-n", "2", "--layers", "1,2", "--restarts", "2", limit="3MB")
+    assert code == exits.EXIT_RANK_FAILED, out
+    last = out.strip().splitlines()[-1]
+    assert "rank 1" in last and "layers [1, 3) need" in last, last
+    assert "MB of caches for --max-active 8 sequences of --max-context 2,048" in last, last
+    assert "Traceback" not in out
 
 
 @pytest.fixture(scope="module")

@@ -400,7 +400,7 @@ class Engine:
         if self.pipeline.hub is not None:
             figures.update({r: i.stats for r, i in self.pipeline.hub.snapshot().items()})
         short = memory.admission_shortfall(
-            Path(loaded.path), loaded.ranges, figures, tokens, running, parked
+            Path(loaded.path), loaded.ranges, figures, tokens, running, parked, loaded.fingerprint
         )
         self._memory_checked = (now, request, short)
         return short

@@ -185,6 +185,11 @@ class Pipeline:
                 self._command(hdr.CMD_LOAD, bytes_payload(json.dumps(document).encode()))
             start, end = ranges[0]
             self.shard = sharding.load_shard(path, start, end, has_ends=True, kv=kv)
+            try:
+                memory.check_measured(path, start, end, self.shard, ends=True)
+            except memory.ShardTooBig as e:
+                host = socket.gethostname()
+                raise RankFailure(0, host, str(e), hdr.ERR_OUT_OF_MEMORY) from e
             self.caches = SlotCaches(self.shard)
             self._per_layer = sharding.computes_per_layer_inputs(self.shard)
         except Exception:

@@ -6,7 +6,9 @@ Cache sizes come from the model's config, by the kind of cache each layer keeps 
 mlx-lm makes them): a plain KV cache grows by 2 x KV heads x head dim x dtype bytes per
 token (in steps of 256 positions), a sliding-window layer stops at its window. A model
 whose caches are of another kind (state-space layers, linear attention) cannot be
-estimated this way: the check then covers its weights only and says so.
+estimated this way: each rank measures them on its lazily loaded shard instead
+(`check_measured`: the shapes of a probe step's graph, nothing computed) and checks
+again; a worker's layout reaches rank 0's run-time check in its stats.
 
 On a Mac, memory that runs out kills the process or stalls the GPU, so a rank refuses
 at load what would not fit, and rank 0 admits at run time only what fits what each
@@ -27,6 +29,7 @@ from typing import Any
 
 import mlx.core as mx
 import psutil
+from mlx.utils import tree_flatten
 
 from mlx_relay.model import checkpoint, sharding
 
@@ -253,9 +256,16 @@ def _dtype_bytes(path: Path, config: dict[str, Any]) -> int:
 
 
 def cache_nbytes(path: Path, start: int, end: int, tokens: int) -> int:
-    """Bytes the caches of layers [start, end) take for one sequence of `tokens` tokens
-    (CacheUnknown if the model's caches are of another kind)."""
-    per_position, windows = _layer_caches(str(path), start, end)
+    """Bytes the caches of layers [start, end) take for one sequence of `tokens` tokens:
+    from the config, or for caches of a model's own kind as measured on the loaded shard
+    (`measure_caches`); CacheUnknown if neither tells."""
+    try:
+        per_position, windows = _layer_caches(str(path), start, end)
+    except CacheUnknown:
+        layout = _measured.get((str(path), start, end))
+        if layout is None:
+            raise
+        return layout_nbytes(layout, tokens)
     held = math.ceil(tokens / CACHE_STEP) * CACHE_STEP
     full = per_position  # a full-attention layer's bytes per position
     config = _read_config(str(path))
@@ -267,6 +277,74 @@ def cache_nbytes(path: Path, start: int, end: int, tokens: int) -> int:
         values = per_position // dtype
         full = values * _plan.kv_bits // 8 + 2 * dtype * values // _plan.kv_group_size
     return sum(full * held if w is None else per_position * min(held, w) for w in windows)
+
+
+# A shard's caches as measured (`measure_caches`): per cache, (bytes whatever the
+# length, bytes per position, the most positions it keeps or 0 for all of them).
+CacheLayout = list[tuple[int, int, int]]
+_measured: dict[tuple[str, int, int], CacheLayout] = {}
+# A probe step's lengths: whole cache steps, so that a cache growing by whole steps or
+# keeping one row per group of positions (a compressed cache) shows its rate.
+_PROBE_TOKENS = (2 * CACHE_STEP, 4 * CACHE_STEP)
+
+
+def measure_caches(shard: sharding.Shard) -> CacheLayout:
+    """The layout of the caches the shard's layers make, read off a probe step built at
+    two lengths and never computed: the shapes of a lazy graph's arrays are known
+    before anything runs, so no weight is read (unless the family's own code reads a
+    value while building: then this runs like a prompt of that length)."""
+    sizes = []
+    for tokens in _PROBE_TOKENS:
+        caches = sharding.new_caches(shard)
+        sharding.run_layers(shard, sharding.probe_input(shard, tokens), caches)
+        flat = sharding.flat_caches(caches)
+        sizes.append([_state_nbytes(c) for c in flat])
+    short, long = _PROBE_TOKENS
+    layout: CacheLayout = []
+    for cache, small, large in zip(flat, *sizes, strict=True):
+        per_position = max(0, (large - small) // (long - short))
+        window = cache.max_size if isinstance(cache, sharding.RotatingKVCache) else 0
+        layout.append((max(0, small - per_position * short), per_position, int(window or 0)))
+    return layout
+
+
+def _state_nbytes(cache: Any) -> int:
+    return sum(a.nbytes for _, a in tree_flatten(cache.state) if isinstance(a, mx.array))
+
+
+def layout_nbytes(layout: CacheLayout, tokens: int) -> int:
+    """Bytes of a measured layout's caches for one sequence of `tokens` tokens."""
+    held = math.ceil(tokens / CACHE_STEP) * CACHE_STEP
+    return sum(
+        fixed + per_position * (min(held, window) if window else held)
+        for fixed, per_position, window in layout
+    )
+
+
+def check_measured(
+    path: Path, start: int, end: int, shard: sharding.Shard, *, ends: bool = False
+) -> CacheLayout | None:
+    """After a lazy load (no weight read yet), for a model whose caches the config does
+    not tell: measure them, keep the layout for `cache_nbytes`, and check the shard
+    again with them (ShardTooBig). Returns the layout, None where the config told."""
+    try:
+        _layer_caches(str(path), start, end)
+        return None
+    except CacheUnknown:
+        pass
+    try:
+        layout = measure_caches(shard)
+    except Exception as e:  # noqa: BLE001 - a family's probe may not run: weights only
+        log.warning("layers [%d, %d): caches not measured: %s (weights only)", start, end, e)
+        return None
+    register_layout(path, start, end, layout)
+    check_fits(path, start, end, ends=ends)
+    return layout
+
+
+def register_layout(path: Path, start: int, end: int, layout: CacheLayout) -> None:
+    """A rank's measured layout (its own, or a worker's from its LOADED message)."""
+    _measured[(str(path), start, end)] = [tuple(int(v) for v in entry) for entry in layout]
 
 
 def shard_nbytes(path: Path, start: int, end: int, *, ends: bool = False) -> int:
@@ -317,8 +395,8 @@ def check_fits(path: Path, start: int, end: int, *, ends: bool = False) -> None:
     context = sequence_bound(model_context(path))
     try:
         caches = _plan.max_active * cache_nbytes(path, start, end, context)
-    except CacheUnknown as e:
-        log.warning("%s: caches not checked against memory: %s (weights only)", what, e)
+    except CacheUnknown as e:  # (check_measured measures them once loaded)
+        log.info("%s: caches checked once loaded: %s", what, e)
         return
     need = int((weights + caches) * (1 + HEADROOM))
     if need > allowed:
@@ -347,6 +425,7 @@ def admission_shortfall(
     tokens: int,
     running: list[tuple[int, int]],
     parked: list[int],
+    fingerprint: str = "",
 ) -> str:
     """Why a new sequence of `tokens` tokens (prompt + max_tokens) would not fit now
     ('' if it would).
@@ -355,12 +434,24 @@ def admission_shortfall(
     most) of each running sequence, whose caches may still grow that far; `parked`: the
     tokens of each parked prompt cache, memory that is given back when its slot is taken.
     The new caches and that growth must fit in what each rank has left, less
-    RUNTIME_RESERVE of its allowance.
+    RUNTIME_RESERVE of its allowance. A worker's stats may hold the layout of caches it
+    measured at load (`check_measured`), taken where its model's `fingerprint` is this one.
     """
     for rank, (start, end) in enumerate(ranges):
         figures = rank_stats.get(rank)
         if not figures:
             continue
+        measured = figures.get("cache_layout")  # (a worker's, measured at its load)
+        if (
+            measured
+            and measured["fingerprint"] == fingerprint
+            and measured["layers"]
+            == [
+                start,
+                end,
+            ]
+        ):
+            register_layout(path, start, end, measured["layout"])
         try:
             need = cache_nbytes(path, start, end, tokens)
             growth = sum(

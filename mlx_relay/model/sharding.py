@@ -799,15 +799,7 @@ def check_quantizable(shard: Shard, all_caches: list[Any]) -> None:
             f"model family {family!r}: --kv-bits cannot quantize its sliding-window "
             "caches (mlx-lm cannot either); serve it without --kv-bits"
         )
-    text = shard.config.get("text_config") or shard.config
-    floats = [
-        a.dtype
-        for _, a in tree_flatten(shard.layers[0].parameters())
-        if mx.issubdtype(a.dtype, mx.floating)
-    ]
-    h = mx.zeros((1, 2, int(text["hidden_size"])), floats[0] if floats else mx.float32)
-    if (name := family_of(shard.config)) in carried.FAMILIES:  # (what enters its layers)
-        h = carried.CARRIERS[name].probe_state(shard.inner, shard.start, h)
+    h = probe_input(shard, 2)
     caches = new_caches(shard)
     try:
         mx.eval(run_layers(shard, h, caches))
@@ -818,6 +810,21 @@ def check_quantizable(shard: Shard, all_caches: list[Any]) -> None:
             f"model family {family!r}: its caches cannot be quantized with --kv-bits "
             f"{kv.bits} --kv-group-size {kv.group_size}: {e}"
         ) from None
+
+
+def probe_input(shard: Shard, tokens: int) -> mx.array:
+    """What enters the shard's first layer for a probe step of `tokens` positions: zeros
+    of the hidden state, in its layers' float dtype, with any state its family carries."""
+    text = shard.config.get("text_config") or shard.config
+    floats = [
+        a.dtype
+        for _, a in tree_flatten(shard.layers[0].parameters())
+        if mx.issubdtype(a.dtype, mx.floating)
+    ]
+    h = mx.zeros((1, tokens, int(text["hidden_size"])), floats[0] if floats else mx.float32)
+    if (name := family_of(shard.config)) in carried.FAMILIES:  # (what enters its layers)
+        h = carried.CARRIERS[name].probe_state(shard.inner, shard.start, h)
+    return h
 
 
 def reuse_rule(caches: list[Any]) -> tuple[bool, float]:

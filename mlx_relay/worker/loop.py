@@ -188,6 +188,7 @@ class Worker:
             memory.check_fits(path, start, end)
             kv = spec.get("kv")  # rank 0's KV quantization, not this rank's flags
             self.shard = sharding.load_shard(path, start, end, has_ends=False, kv=kv)
+            layout = memory.check_measured(path, start, end, self.shard)
             self.caches = SlotCaches(self.shard)
         except StepError:
             raise
@@ -196,11 +197,18 @@ class Worker:
         except Exception as e:
             raise StepError(hdr.ERR_LOAD, str(e)) from e
         log.info("rank %d: loaded layers [%d, %d) of %s", self.rank, start, end, path)
+        # (the layout of caches measured here, for rank 0's admission check: always
+        # sent, so a reload's replaces an earlier model's)
+        measured = layout and {
+            "fingerprint": spec["fingerprint"],
+            "layers": [start, end],
+            "layout": layout,
+        }
         self.link.send(
             control.LOADED,
             layers=[start, end],
             fingerprint=spec["fingerprint"],
-            stats=memory.stats(),
+            stats={**memory.stats(), "cache_layout": measured or None},
         )
 
     def _unload(self) -> None:
