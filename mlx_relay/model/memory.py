@@ -442,15 +442,7 @@ def admission_shortfall(
         if not figures:
             continue
         measured = figures.get("cache_layout")  # (a worker's, measured at its load)
-        if (
-            measured
-            and measured["fingerprint"] == fingerprint
-            and measured["layers"]
-            == [
-                start,
-                end,
-            ]
-        ):
+        if measured and (measured["fingerprint"], *measured["layers"]) == (fingerprint, start, end):
             register_layout(path, start, end, measured["layout"])
         try:
             need = cache_nbytes(path, start, end, tokens)
