@@ -23,7 +23,6 @@ import pytest
 
 pytest.importorskip("mlx_vlm", reason="the vision extra (mlx-vlm) is not installed")
 
-import mlx.core as mx  # noqa: E402
 from conftest import start_cluster  # noqa: E402
 from mlx_vlm.prompt_utils import apply_chat_template  # noqa: E402
 from mlx_vlm.utils import load_config  # noqa: E402
@@ -32,7 +31,9 @@ from tiny_models import make_tiny_vlm  # noqa: E402
 from vlm_oracle import (  # noqa: E402
     MAX_TOKENS,
     QUESTION,
+    checkpoint_weights,
     inputs,
+    layer_bytes,
     loaded,
     mlx_vlm_tokens,
     png,
@@ -79,15 +80,13 @@ def test_the_vision_tower_is_rank_0s_in_the_byte_counts(vlm):
     """The tower's own `layers.N` are not the language model's layers: the memory check
     (shard_nbytes) and the split by bytes (layer_costs) give each layer the language
     model's bytes only, and the tower and projector to rank 0, with the embedding."""
-    weights: dict[str, mx.array] = {}
-    for f in vlm.glob("*.safetensors"):
-        weights.update(mx.load(str(f)))
+    weights = checkpoint_weights(vlm)
     assert any(k.startswith("vision_tower.") and ".layers.0." in k for k in weights)
 
     def nbytes(prefix: str | tuple[str, ...]) -> int:
         return sum(a.nbytes for k, a in weights.items() if k.startswith(prefix))
 
-    layer = [nbytes(f"language_model.model.layers.{i}.") for i in range(NUM_LAYERS)]
+    layer = layer_bytes(weights, NUM_LAYERS)
     encoder = nbytes(("vision_tower.", "multi_modal_projector."))
     total = nbytes("")
     rank0_rest = total - sum(layer)  # embedding, norm, head, tower, projector

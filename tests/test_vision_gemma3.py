@@ -25,11 +25,18 @@ import mlx.core as mx  # noqa: E402
 from conftest import start_cluster  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_vlm.models import gemma3  # noqa: E402
-from tiny_models import CHAT_TEMPLATE, _config, _init_weights, write_tokenizer  # noqa: E402
+from tiny_models import (  # noqa: E402
+    CHAT_TEMPLATE,
+    _config,
+    _init_weights,
+    add_special_tokens,
+    write_tokenizer,
+)
 from vlm_oracle import (  # noqa: E402
-    MAX_TOKENS,
-    QUESTION,
+    checkpoint_weights,
+    image_request,
     inputs,
+    layer_bytes,
     mlx_vlm_tokens,
     png,
     prompt_text,
@@ -37,7 +44,6 @@ from vlm_oracle import (  # noqa: E402
 )
 
 from mlx_relay.model import memory, sharding, split  # noqa: E402
-from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
 
 NUM_LAYERS = 4
 WINDOW = 16  # sliding window of the local layers: the image prompt is longer
@@ -59,25 +65,12 @@ def make_tiny_gemma3_vlm(
 ) -> Path:
     """A tiny random-weight Gemma 3 VLM in mlx-vlm's layout, with its processor files."""
     path = write_tokenizer(path)
-    tokenizer = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
-    config_json = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
-    ids = {}
-    for token in (BOI, EOI, SOFT):
-        ids[token] = len(tokenizer["model"]["vocab"]) + len(ids)
-        added = {
-            "content": token,
-            "single_word": False,
-            "lstrip": False,
-            "rstrip": False,
-            "normalized": False,
-            "special": True,
-        }
-        tokenizer["added_tokens"].append({"id": ids[token], **added})
-        config_json["added_tokens_decoder"][str(ids[token])] = added
-    config_json["extra_special_tokens"] = {"boi_token": BOI, "eoi_token": EOI, "image_token": SOFT}
-    config_json["chat_template"] = TEMPLATE
-    (path / "tokenizer.json").write_text(json.dumps(tokenizer), encoding="utf-8")
-    (path / "tokenizer_config.json").write_text(json.dumps(config_json, indent=2))
+    ids = add_special_tokens(
+        path,
+        (BOI, EOI, SOFT),
+        TEMPLATE,
+        {"boi_token": BOI, "eoi_token": EOI, "image_token": SOFT},
+    )
 
     vocab = ids[SOFT] + 1
     text = _config("gemma3_text", num_layers, hidden_size, True, WINDOW, 2)
@@ -162,17 +155,8 @@ def test_stages_equal_mlx_vlm(vlm):
 
 
 def test_the_tower_is_rank_0s_in_the_byte_counts(vlm):
-    weights: dict[str, mx.array] = {}
-    for f in vlm.glob("*.safetensors"):
-        weights.update(mx.load(str(f)))
-    layer = [
-        sum(
-            a.nbytes
-            for k, a in weights.items()
-            if k.startswith(f"language_model.model.layers.{i}.")
-        )
-        for i in range(NUM_LAYERS)
-    ]
+    weights = checkpoint_weights(vlm)
+    layer = layer_bytes(weights, NUM_LAYERS)
     costs = split.layer_costs(vlm, NUM_LAYERS, sharding.read_config(vlm))
     assert costs is not None and costs.held == layer
     total = sum(a.nbytes for a in weights.values())
@@ -194,21 +178,14 @@ def cluster(request, vlm, tmp_path_factory):
     running.stop()
 
 
-def _request(images: list[bytes], text: str = QUESTION) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
-        messages=[pb.ChatMessage(role="user", content=text, images=images)],
-        params=pb.SamplingParams(max_tokens=MAX_TOKENS),
-    )
-
-
 @pytest.mark.cluster
 def test_image_chats_equal_mlx_vlm(vlm, cluster):
     """Two images at once (their sliding-window caches batched), then a text-only chat:
     mlx-vlm's greedy tokens."""
     images = [png(2), png(3, (20, 50))]
     with ThreadPoolExecutor(2) as pool:
-        answers = list(pool.map(lambda i: cluster.client.generate(_request([i])), images))
+        answers = list(pool.map(lambda i: cluster.client.generate(image_request([i])), images))
     for image, answer in zip(images, answers, strict=True):
         assert list(answer.token_ids) == mlx_vlm_tokens(vlm, [image])
-    text = list(cluster.client.generate(_request([])).token_ids)
+    text = list(cluster.client.generate(image_request([])).token_ids)
     assert text == mlx_vlm_tokens(vlm, [])

@@ -35,8 +35,10 @@ from tiny_gemma4_vl import (  # noqa: E402
 )
 from vlm_oracle import (  # noqa: E402
     MAX_TOKENS,
-    QUESTION,
+    checkpoint_weights,
+    image_request,
     inputs,
+    layer_bytes,
     loaded,
     mlx_vlm_tokens,
     png,
@@ -46,7 +48,6 @@ from vlm_oracle import (  # noqa: E402
 
 from mlx_relay.coordinator import requests  # noqa: E402
 from mlx_relay.model import memory, sharding, split, vision  # noqa: E402
-from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
 
 # Uneven splits whose last rank holds the KV-shared layers with the layers they reuse.
 SPLITS = ([(0, 6)], [(0, 2), (2, 6)], [(0, 1), (1, 2), (2, 6)])
@@ -134,18 +135,9 @@ def test_without_the_towers_weights_it_is_a_text_model(vlm, tmp_path):
 def test_the_towers_are_rank_0s_in_the_byte_counts(vlm):
     """The vision tower and its projector (embed_vision), like the per-layer table,
     count as rank 0's, not as language-model layers; the shards' bytes add up."""
-    weights: dict[str, mx.array] = {}
-    for f in vlm.glob("*.safetensors"):
-        weights.update(mx.load(str(f)))
+    weights = checkpoint_weights(vlm)
     assert any(k.startswith("embed_vision.") for k in weights)
-    layer = [
-        sum(
-            a.nbytes
-            for k, a in weights.items()
-            if k.startswith(f"language_model.model.layers.{i}.")
-        )
-        for i in range(NUM_LAYERS)
-    ]
+    layer = layer_bytes(weights, NUM_LAYERS)
     costs = split.layer_costs(vlm, NUM_LAYERS, sharding.read_config(vlm))
     assert costs is not None and costs.held == layer
     total = sum(a.nbytes for a in weights.values())
@@ -171,13 +163,6 @@ def cluster(request, vlm, tmp_path_factory):
     running.stop()
 
 
-def _request(images: list[bytes], text: str = QUESTION) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
-        messages=[pb.ChatMessage(role="user", content=text, images=images)],
-        params=pb.SamplingParams(max_tokens=MAX_TOKENS),
-    )
-
-
 @pytest.mark.cluster
 def test_image_chats_equal_mlx_vlm(vlm, cluster):
     """Two images at once (one prefilled whole while the other decodes), the first
@@ -185,12 +170,12 @@ def test_image_chats_equal_mlx_vlm(vlm, cluster):
     chat, then a text-only chat (chunked): mlx-vlm's greedy tokens."""
     images = [png(2), png(3, (20, 50))]
     with ThreadPoolExecutor(2) as pool:
-        answers = list(pool.map(lambda i: cluster.client.generate(_request([i])), images))
+        answers = list(pool.map(lambda i: cluster.client.generate(image_request([i])), images))
     for image, answer in zip(images, answers, strict=True):
         assert list(answer.token_ids) == mlx_vlm_tokens(vlm, [image])
-    again = cluster.client.generate(_request([images[0]]))
+    again = cluster.client.generate(image_request([images[0]]))
     assert list(again.token_ids) == list(answers[0].token_ids)
-    both = cluster.client.generate(_request(images))  # (of different sizes)
+    both = cluster.client.generate(image_request(images))  # (of different sizes)
     assert list(both.token_ids) == mlx_vlm_tokens(vlm, images)
-    text = list(cluster.client.generate(_request([])).token_ids)
+    text = list(cluster.client.generate(image_request([])).token_ids)
     assert text == mlx_vlm_tokens(vlm, [])

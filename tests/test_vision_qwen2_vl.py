@@ -26,6 +26,8 @@ from tiny_qwen_vl import QWEN_VL_FAMILIES, make_tiny_qwen_vl  # noqa: E402
 from vlm_oracle import (  # noqa: E402
     MAX_TOKENS,
     QUESTION,
+    checkpoint_weights,
+    layer_bytes,
     loaded,
     mlx_vlm_tokens,
     png,
@@ -145,17 +147,8 @@ def test_rank_0_sends_positions_with_the_prompt_and_the_delta_with_every_step(mo
 
 def test_the_tower_is_rank_0s_in_the_byte_counts(models):
     path = models["qwen2_5_vl"]
-    weights: dict[str, mx.array] = {}
-    for f in path.glob("*.safetensors"):
-        weights.update(mx.load(str(f)))
-    layer = [
-        sum(
-            a.nbytes
-            for k, a in weights.items()
-            if k.startswith(f"language_model.model.layers.{i}.")
-        )
-        for i in range(NUM_LAYERS)
-    ]
+    weights = checkpoint_weights(path)
+    layer = layer_bytes(weights, NUM_LAYERS)
     costs = split.layer_costs(path, NUM_LAYERS, sharding.read_config(path))
     assert costs is not None and costs.held == layer
     total = sum(a.nbytes for a in weights.values())

@@ -19,6 +19,7 @@ from tiny_models import (
     GEMMA_EMBED_RMS,
     LOGIT_STD,
     _init_weights,
+    add_special_tokens,
     write_tokenizer,
 )
 
@@ -42,30 +43,6 @@ TEMPLATE = CHAT_TEMPLATE.replace(
 assert TEMPLATE != CHAT_TEMPLATE
 
 
-def _add_tokens(path: Path, tokens: tuple[str, ...]) -> dict[str, int]:
-    """Gemma 4's image tokens as special tokens of the tiny tokenizer; their ids."""
-    tokenizer = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
-    config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
-    ids: dict[str, int] = {}
-    for token in tokens:
-        ids[token] = len(tokenizer["model"]["vocab"]) + len(ids)
-        added = {
-            "content": token,
-            "single_word": False,
-            "lstrip": False,
-            "rstrip": False,
-            "normalized": False,
-            "special": True,
-        }
-        tokenizer["added_tokens"].append({"id": ids[token], **added})
-        config["added_tokens_decoder"][str(ids[token])] = added
-    config["extra_special_tokens"] = {"boi_token": BOI, "eoi_token": EOI, "image_token": IMAGE}
-    config["chat_template"] = TEMPLATE
-    (path / "tokenizer.json").write_text(json.dumps(tokenizer), encoding="utf-8")
-    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return ids
-
-
 def make_tiny_gemma4_vlm(
     path: Path, *, per_layer: bool = True, hidden_size: int = 64, seed: int = 0
 ) -> Path:
@@ -74,7 +51,12 @@ def make_tiny_gemma4_vlm(
     are twice as wide); else the 26B/31B one (neither; full attention's keys are its
     values, over wider heads; an MoE block beside each dense MLP)."""
     path = write_tokenizer(path)
-    ids = _add_tokens(path, (BOI, EOI, IMAGE, "<|video|>"))
+    ids = add_special_tokens(
+        path,
+        (BOI, EOI, IMAGE, "<|video|>"),
+        TEMPLATE,
+        {"boi_token": BOI, "eoi_token": EOI, "image_token": IMAGE},
+    )
     vocab = ids["<|video|>"] + 1
     heads, head_dim = 4, hidden_size // 4
     text = {

@@ -255,6 +255,37 @@ def write_tokenizer(path: pathlib.Path) -> pathlib.Path:
     return path
 
 
+def add_special_tokens(
+    path: pathlib.Path,
+    tokens: tuple[str, ...],
+    chat_template: str,
+    extra_special_tokens: dict[str, str] | None = None,
+) -> dict[str, int]:
+    """Append special tokens (a VLM's image markers) to the tiny tokenizer that
+    ``write_tokenizer`` wrote in ``path``, with the VLM's chat template; their ids."""
+    tokenizer = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
+    config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    ids: dict[str, int] = {}
+    for token in tokens:
+        ids[token] = len(tokenizer["model"]["vocab"]) + len(ids)
+        added = {
+            "content": token,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        tokenizer["added_tokens"].append({"id": ids[token], **added})
+        config["added_tokens_decoder"][str(ids[token])] = added
+    if extra_special_tokens:
+        config["extra_special_tokens"] = extra_special_tokens
+    config["chat_template"] = chat_template
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer), encoding="utf-8")
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return ids
+
+
 def _config(
     family: str,
     num_layers: int,

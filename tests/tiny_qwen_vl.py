@@ -13,7 +13,7 @@ import pathlib
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from tiny_models import CHAT_TEMPLATE, _config, _init_weights, write_tokenizer
+from tiny_models import CHAT_TEMPLATE, _config, _init_weights, add_special_tokens, write_tokenizer
 
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
@@ -28,28 +28,6 @@ TEMPLATE = CHAT_TEMPLATE.replace(
     "{%- elif part.type == 'text' %}{{- part.text }}{%- endif %}{%- endfor %}",
 )
 assert TEMPLATE != CHAT_TEMPLATE
-
-
-def _add_tokens(path: pathlib.Path) -> dict[str, int]:
-    tokenizer = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
-    config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
-    ids: dict[str, int] = {}
-    for token in (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD):
-        ids[token] = len(tokenizer["model"]["vocab"]) + len(ids)
-        added = {
-            "content": token,
-            "single_word": False,
-            "lstrip": False,
-            "rstrip": False,
-            "normalized": False,
-            "special": True,
-        }
-        tokenizer["added_tokens"].append({"id": ids[token], **added})
-        config["added_tokens_decoder"][str(ids[token])] = added
-    config["chat_template"] = TEMPLATE
-    (path / "tokenizer.json").write_text(json.dumps(tokenizer), encoding="utf-8")
-    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return ids
 
 
 def _vision_config(family: str, hidden: int) -> dict:
@@ -84,7 +62,7 @@ def make_tiny_qwen_vl(
     else:
         from mlx_vlm.models import qwen2_5_vl as module
     path = write_tokenizer(path)
-    ids = _add_tokens(path)
+    ids = add_special_tokens(path, (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD), TEMPLATE)
     text = _config("qwen2", num_layers, hidden_size, family == "qwen2_5_vl", None, None)
     head_dim = text.pop("head_dim")
     text.update(

@@ -22,6 +22,7 @@ from mlx_relay.model.kvcache import SlotCaches
 from mlx_relay.model.stage import forward_stage
 from mlx_relay.model.step_inputs import PromptInputs, pass_on
 from mlx_relay.protocol import header as hdr
+from mlx_relay.protocol import relay_pb2 as pb
 from mlx_relay.transport.ring import dtype_name
 
 MAX_TOKENS = 12
@@ -34,6 +35,34 @@ def png(seed: int, size: tuple[int, int] = (40, 32)) -> bytes:
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, format="PNG")
     return out.getvalue()
+
+
+def image_request(images: list[bytes], text: str = QUESTION) -> pb.GenerateRequest:
+    """A one-message greedy chat with these images, MAX_TOKENS long."""
+    return pb.GenerateRequest(
+        messages=[pb.ChatMessage(role="user", content=text, images=images)],
+        params=pb.SamplingParams(max_tokens=MAX_TOKENS),
+    )
+
+
+def checkpoint_weights(path: Path) -> dict[str, mx.array]:
+    """Every tensor of a tiny checkpoint, by name."""
+    weights: dict[str, mx.array] = {}
+    for f in path.glob("*.safetensors"):
+        weights.update(mx.load(str(f)))
+    return weights
+
+
+def layer_bytes(weights: dict[str, mx.array], num_layers: int) -> list[int]:
+    """Each language-model layer's bytes, as mlx-vlm names them."""
+    return [
+        sum(
+            a.nbytes
+            for k, a in weights.items()
+            if k.startswith(f"language_model.model.layers.{i}.")
+        )
+        for i in range(num_layers)
+    ]
 
 
 @lru_cache(maxsize=4)
