@@ -36,6 +36,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.utils import load_tokenizer
 
+from mlx_relay import timeline
 from mlx_relay.coordinator.constraints import Constraint, apply_mask
 from mlx_relay.coordinator.markup import ChatMarkup
 from mlx_relay.coordinator.output import Chunk, OutputProcessor
@@ -687,6 +688,7 @@ class Engine:
     def _emit_sampled(self, sampled: Sampled) -> None:
         """The one wait for the device per step: read the sampled tokens, then stream."""
         values = sampled.tokens.tolist()
+        timeline.mark("tokens", sampled.step.header.step_id)
         self.pipeline.done(sampled.step)
         now = time.perf_counter()
         for seq, token, logprobs in zip(sampled.seqs, values, sampled.logprobs, strict=True):

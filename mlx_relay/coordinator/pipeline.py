@@ -21,6 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_relay import timeline
 from mlx_relay.model import memory, sharding
 from mlx_relay.model.default_model import resolve_model
 from mlx_relay.model.kvcache import CacheError, SlotCaches
@@ -246,6 +247,7 @@ class Pipeline:
         """
         if self.shard is None or self.caches is None:
             raise RuntimeError("no model loaded")
+        timeline.mark("build", self._step_id + 1)  # (the id _launch will give it)
         header = hdr.StepHeader(
             cmd=hdr.CMD_FORWARD,
             flags=(hdr.FLAG_WANT_OUTPUT if want_logits else 0)
@@ -287,6 +289,9 @@ class Pipeline:
         if self.world_size == 1:
             step.hidden = h[:, -1:, :] if want_logits else h
             mx.async_eval(step.hidden)
+            self._step_id += 1  # (numbered as on a ring, for timeline and logs)
+            header.step_id = self._step_id
+            timeline.mark("posted", header.step_id)
             return step
         header.payload_kind = hdr.PAYLOAD_HIDDEN
         header.payload_dtype = dtype_name(h.dtype)
@@ -450,8 +455,10 @@ class Pipeline:
         (head, sampling, embedding, its layers) while the return is still on its way,
         instead of after it arrived."""
         if self._unsettled:
+            timeline.mark("settle", self._step_id + 1)
             self.ring.settle(*self._unsettled)
             self._unsettled.clear()
+            timeline.mark("return_settled", self._step_id + 1)
 
     def _launch(self, step: Step, payload: mx.array | None) -> None:
         """Post rank 0's part of the step and, with eager hops, send it on and post the
@@ -532,6 +539,7 @@ class Pipeline:
         step's payload (zeros) is received all the same, so the ring stays in step."""
         header = step.header
         back = self._wait_for_return(header)
+        timeline.mark("returned", back.step_id)
         shape = hdr.payload_nbytes_shape(back)
         if (
             back.step_id != header.step_id

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from mlx_relay import timeline
 from mlx_relay.errors import UserError, add_log_level, debugging
 from mlx_relay.launch import preflight
 from mlx_relay.launch.lifeline import watch_launcher
@@ -284,6 +285,7 @@ def _serve(args: argparse.Namespace) -> int:
         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    timeline.start(rank)  # (MLX_RELAY_TIMELINE: each rank's hot-path events, for profiling)
     from mlx_relay.model import memory
 
     # What each load checks to fit, and how rank 0's loads quantize the KV caches.

@@ -14,6 +14,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlx_relay import timeline
 from mlx_relay.protocol import header as hdr
 from mlx_relay.transport.doorbell import Doorbell
 
@@ -148,11 +149,7 @@ class Ring:
             return None
         if payload is None or tuple(payload.shape) != shape:
             raise hdr.ProtocolError(f"{header.describe()} announces a payload of shape {shape}")
-        sent = mx.distributed.send(
-            payload, self.next, group=self.group, stream=self._stream("send")
-        )
-        mx.async_eval(sent)
-        return sent
+        return self._post_send(payload)
 
     def send(
         self,
@@ -176,15 +173,25 @@ class Ring:
         if payload is not None and not self.eager:
             self.settle(*reads)
             mx.eval(payload, *sides)
+            timeline.mark("computed", header.step_id)
         self.send_header(header)
+        timeline.mark("header_sent", header.step_id)
         if self.eager:
             self.settle(*reads)
+            timeline.mark("settled", header.step_id)
         posted = self.send_payload(header, payload)
+        timeline.mark("posted", header.step_id)
         if not pairs:  # (most models: nothing more)
             return posted
-        return [posted, *(self._send_side(array) for _, array in pairs)]
+        return [posted, *(self._post_send(array) for _, array in pairs)]
 
-    def _send_side(self, array: mx.array) -> mx.array:
+    def _post_send(self, array: mx.array) -> mx.array:
+        """Post `array`'s computation, then its send: apart, so that the host does not
+        wait for the device. (In one evaluation MLX's CUDA backend fences a device's
+        output that a CPU stream reads by waiting on the host, so every rank would wait
+        for its own layers before it could build anything else; posted first, the send
+        waits for it on its own stream.)"""
+        mx.async_eval(array)
         sent = mx.distributed.send(array, self.next, group=self.group, stream=self._stream("send"))
         mx.async_eval(sent)
         return sent

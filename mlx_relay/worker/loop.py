@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 import zmq
 
+from mlx_relay import timeline
 from mlx_relay.model import memory, sharding
 from mlx_relay.model.default_model import resolve_model
 from mlx_relay.model.kvcache import CacheError, SlotCaches
@@ -71,6 +72,7 @@ class Worker:
                 header = self.ring.recv_header(timeout=0)
             except DoorbellTimeout:
                 continue  # what arrived was not a signed header: it was dropped
+            timeline.mark("header", header.step_id)
             self.link.state = "busy"
             started = time.perf_counter()
             try:
@@ -83,6 +85,7 @@ class Worker:
                 sides = self.ring.post_recv_sides(header) if header.sides else []
                 received = [payload, *sides]
                 out = self.step(header, payload, sides)
+                timeline.mark("built", header.step_id)
                 if header.sides:  # (what the next ranks need of them)
                     layers = len(self.shard.layers) if self.shard is not None else 0
                     sides = pass_on(header, sides, layers)

@@ -1,0 +1,94 @@
+"""Where a step's time goes, from the timelines the ranks of one cluster recorded.
+
+    MLX_RELAY_TIMELINE=/tmp/tl python3 bench/bench_pipeline.py --ranks 2 --hop-modes eager ...
+    python3 bench/timeline_report.py /tmp/tl
+
+Run one cluster configuration at a time (every rank r of every cluster writes
+`rank<r>.tsv`). Each step is anchored at the moment rank 0 began to build it; the report
+prints, for the steady steps, the median time of every rank's events of that step and of
+rank 0's events of the next one after that anchor, in the order they happen, and the
+median step period. Events (see the `timeline.mark` calls): rank 0 `build`s a step,
+`settle`s the return it reads (CUDA), has it (`return_settled`), sends the header
+(`header_sent`) and has launched its part (`posted`); a worker has the `header`, has
+`built` its part, sent the header on, has its input (`settled`, eager hops) or its
+output (`computed`, ready hops) and has `posted` its part; rank 0 has the header back
+(`returned`) and the step's sampled `tokens` read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+Events = dict[tuple[int, str, int], int]  # (rank, event, step) -> ns, first occurrence
+
+
+def read(folder: Path) -> Events:
+    events: Events = {}
+    for path in sorted(folder.glob("rank*.tsv")):
+        rank = int(path.stem.removeprefix("rank"))
+        for line in path.read_text().splitlines():
+            event, step, ns = line.split("\t")
+            events.setdefault((rank, event, int(step)), int(ns))
+    return events
+
+
+def report(events: Events, skip: int) -> list[str]:
+    """The median offsets of each (rank, event) from its step's rank-0 build, in ms."""
+    builds = sorted(step for rank, event, step in events if rank == 0 and event == "build")
+    built = set(builds)
+    steady = [s for s in builds[skip:] if s + 1 in built]
+    if not steady:
+        return ["no steady steps recorded (rank 0's `build` events of consecutive steps)"]
+    offsets: dict[tuple[str, int, str], list[float]] = defaultdict(list)
+    periods = []
+    for s in steady:
+        anchor = events[(0, "build", s)]
+        periods.append((events[(0, "build", s + 1)] - anchor) / 1e6)
+        for (rank, event, step), ns in events.items():
+            if step == s:
+                offsets[("step", rank, event)].append((ns - anchor) / 1e6)
+            elif step == s + 1 and rank == 0:
+                offsets[("next", rank, event)].append((ns - anchor) / 1e6)
+    rows = sorted(
+        (
+            (statistics.median(v), which, rank, event, len(v))
+            for (which, rank, event), v in offsets.items()
+        ),
+    )
+    lines = [
+        f"{len(steady)} steady steps; median period {statistics.median(periods):.3f} ms "
+        f"(p10 {_quantile(periods, 0.1):.3f}, p90 {_quantile(periods, 0.9):.3f})",
+        "median ms after rank 0 began to build step s:",
+    ]
+    previous = 0.0
+    for median, which, rank, event, count in rows:
+        label = f"rank {rank} {event}" + (" (step s+1)" if which == "next" else "")
+        lines.append(f"  {median:8.3f}  (+{median - previous:7.3f})  {label}  [{count}]")
+        previous = median
+    return lines
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--skip", type=int, default=8, help="first steps left out (warm-up)")
+    args = parser.parse_args()
+    events = read(args.folder)
+    if not events:
+        print(f"no timelines in {args.folder}", file=sys.stderr)
+        return 1
+    print("\n".join(report(events, args.skip)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
