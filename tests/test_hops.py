@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 from oracle import chat_request, chat_tokens, mlx_lm_tokens
 
 from mlx_relay.protocol import relay_pb2 as pb
 from mlx_relay.transport.ring import AUTO, EAGER, READY, choose_hop_mode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import timeline_report  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -36,10 +42,12 @@ def test_an_explicit_mode_is_kept_and_a_bad_one_is_refused_clearly():
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("hops", [EAGER, READY])
-def test_settled_receives_keep_tokens_exact(tiny_model, cluster_factory, hops):
+def test_settled_receives_keep_tokens_exact(tiny_model, cluster_factory, hops, tmp_path):
     """The CUDA path (each receive waited for before the kernels reading it launch), run
-    on the CPU: concurrent chats, a long prompt in chunks, tokens equal to mlx-lm's."""
+    on the CPU: concurrent chats, a long prompt in chunks, tokens equal to mlx-lm's. Each
+    rank's timeline (MLX_RELAY_TIMELINE) records the steps in causal order."""
     model = tiny_model("llama", 6)
+    timelines = tmp_path / "timelines"
     running = cluster_factory(
         model,
         3,
@@ -47,7 +55,7 @@ def test_settled_receives_keep_tokens_exact(tiny_model, cluster_factory, hops):
         hops,
         "--prefill-chunk",
         "16",
-        env={"MLX_RELAY_SETTLE_RECEIVES": "1"},
+        env={"MLX_RELAY_SETTLE_RECEIVES": "1", "MLX_RELAY_TIMELINE": str(timelines)},
     )
     prompts = [
         [{"role": "user", "content": f"Question {i}: why is the sky blue?"}] for i in range(3)
@@ -74,6 +82,27 @@ def test_settled_receives_keep_tokens_exact(tiny_model, cluster_factory, hops):
         model, chat_tokens(model, prompts[0]), 8, processors={"repetition_penalty": 1.3}
     )
     assert "settled receives" in running.logs()
+    running.stop()  # (each rank writes the rest of its timeline as it exits)
+    _check_timelines(timelines, ranks=3, hops=hops)
+
+
+def _check_timelines(folder, ranks: int, hops: str) -> None:
+    """Every forward step rank 0 built reached each worker after it was built there and
+    came back after the last one had it; the report lays a step out across the ranks."""
+    events = timeline_report.read(folder)
+    assert {rank for rank, _, _ in events} == set(range(ranks))
+    built = [step for rank, event, step in events if rank == 0 and event == "build"]
+    assert len(built) > 30
+    for step in built:
+        start = events[(0, "build", step)]
+        arrivals = [events[(r, "header", step)] for r in range(1, ranks)]
+        assert start <= arrivals[0] <= arrivals[-1] <= events[(0, "returned", step)]
+        assert (ranks - 1, "posted", step) in events
+        if hops == EAGER:
+            assert (ranks - 1, "settled", step) in events
+    lines = timeline_report.report(events, skip=4)
+    assert "median period" in lines[0]
+    assert any(f"rank {ranks - 1} posted" in line for line in lines)
 
 
 def _chat(messages: list[dict]) -> pb.GenerateRequest:
