@@ -4,8 +4,8 @@ With `MLX_RELAY_TIMELINE=DIR` every rank appends one line per event to
 `DIR/rank<R>.tsv`: the event, the step id and `time.perf_counter_ns()`. On Linux and
 macOS that clock is the machine's monotonic clock, shared by all processes on it, so the
 files of ranks on one machine line up into one timeline (`bench/timeline_report.py`
-reads them). An accelerator hides nothing from it: the host waits it records are the
-device's work and the ring's hops as the host sees them. Off, an event costs one check.
+reads them). On an accelerator the host's waits between events show the device's work
+and the ring's hops, as the host sees them. Off, an event costs one check.
 """
 
 from __future__ import annotations
