@@ -12,7 +12,8 @@ median step period. Events (see the `timeline.mark` calls): rank 0 `build`s a st
 (`header_sent`) and has launched its part (`posted`); a worker has the `header`, has
 `built` its part, sent the header on, has its input (`settled`, eager hops) or its
 output (`computed`, ready hops) and has `posted` its part; rank 0 has the header back
-(`returned`) and the step's sampled `tokens` read.
+(`returned`) and the step's sampled `tokens` read. `--tokens N` keeps the steps that
+carry N tokens (rank 0's `build` records it): a batch of N streams' decode steps.
 """
 
 from __future__ import annotations
@@ -20,38 +21,51 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 Events = dict[tuple[int, str, int], int]  # (rank, event, step) -> ns, first occurrence
 
 
-def read(folder: Path) -> Events:
+def read(folder: Path) -> tuple[Events, dict[int, int]]:
+    """The events of every rank, and the tokens each step rank 0 built carries."""
     events: Events = {}
+    carries: dict[int, int] = {}
     for path in sorted(folder.glob("rank*.tsv")):
         rank = int(path.stem.removeprefix("rank"))
         for line in path.read_text().splitlines():
-            event, step, ns = line.split("\t")
+            event, step, ns, tokens = line.split("\t")
             events.setdefault((rank, event, int(step)), int(ns))
-    return events
+            if rank == 0 and event == "build":
+                carries[int(step)] = int(tokens)
+    return events, carries
 
 
-def report(events: Events, skip: int) -> list[str]:
-    """The median offsets of each (rank, event) from its step's rank-0 build, in ms."""
+def report(
+    events: Events, skip: int, carries: dict[int, int] | None = None, tokens: int = 0
+) -> list[str]:
+    """The median offsets of each (rank, event) from its step's rank-0 build, in ms;
+    with `tokens`, over the steps carrying that many tokens only (`carries`: read's)."""
     builds = sorted(step for rank, event, step in events if rank == 0 and event == "build")
     built = set(builds)
     steady = [s for s in builds[skip:] if s + 1 in built]
+    if tokens and carries is not None:
+        steady = [s for s in steady if carries.get(s) == tokens]
     if not steady:
-        return ["no steady steps recorded (rank 0's `build` events of consecutive steps)"]
+        carrying = f" carrying {tokens} tokens" if tokens else ""
+        return [f"no steady steps{carrying} (rank 0's `build` events of consecutive steps)"]
+    by_step: dict[int, list[tuple[int, str, int]]] = defaultdict(list)
+    for (rank, event, step), ns in events.items():
+        by_step[step].append((rank, event, ns))
     offsets: dict[tuple[str, int, str], list[float]] = defaultdict(list)
     periods = []
     for s in steady:
         anchor = events[(0, "build", s)]
         periods.append((events[(0, "build", s + 1)] - anchor) / 1e6)
-        for (rank, event, step), ns in events.items():
-            if step == s:
-                offsets[("step", rank, event)].append((ns - anchor) / 1e6)
-            elif step == s + 1 and rank == 0:
+        for rank, event, ns in by_step[s]:
+            offsets[("step", rank, event)].append((ns - anchor) / 1e6)
+        for rank, event, ns in by_step[s + 1]:
+            if rank == 0:
                 offsets[("next", rank, event)].append((ns - anchor) / 1e6)
     rows = sorted(
         (
@@ -81,12 +95,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--skip", type=int, default=8, help="first steps left out (warm-up)")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=0,
+        help="only steps carrying this many tokens (a decode step: one a stream)",
+    )
     args = parser.parse_args()
-    events = read(args.folder)
+    events, carries = read(args.folder)
     if not events:
         print(f"no timelines in {args.folder}", file=sys.stderr)
         return 1
-    print("\n".join(report(events, args.skip)))
+    counts = Counter(carries.values())
+    print("steps by tokens carried:", ", ".join(f"{n}: {c}" for n, c in sorted(counts.items())))
+    print("\n".join(report(events, args.skip, carries, args.tokens)))
     return 0
 
 

@@ -89,7 +89,7 @@ def test_settled_receives_keep_tokens_exact(tiny_model, cluster_factory, hops, t
 def _check_timelines(folder, ranks: int, hops: str) -> None:
     """Every forward step rank 0 built reached each worker after it was built there and
     came back after the last one had it; the report lays a step out across the ranks."""
-    events = timeline_report.read(folder)
+    events, carries = timeline_report.read(folder)
     assert {rank for rank, _, _ in events} == set(range(ranks))
     built = [step for rank, event, step in events if rank == 0 and event == "build"]
     assert len(built) > 30
@@ -100,6 +100,8 @@ def _check_timelines(folder, ranks: int, hops: str) -> None:
         assert (ranks - 1, "posted", step) in events
         if hops == EAGER:
             assert (ranks - 1, "settled", step) in events
+    # Each step's tokens: a prefill chunk 16 (--prefill-chunk), a decode step one a stream.
+    assert set(carries) == set(built) and 16 in carries.values() and min(carries.values()) >= 1
     lines = timeline_report.report(events, skip=4)
     assert "median period" in lines[0]
     assert any(f"rank {ranks - 1} posted" in line for line in lines)

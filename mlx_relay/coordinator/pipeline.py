@@ -247,7 +247,7 @@ class Pipeline:
         """
         if self.shard is None or self.caches is None:
             raise RuntimeError("no model loaded")
-        timeline.mark("build", self._step_id + 1)  # (the id _launch will give it)
+        timeline.mark("build", self._step_id + 1, sum(lengths))  # (the id _launch gives it)
         header = hdr.StepHeader(
             cmd=hdr.CMD_FORWARD,
             flags=(hdr.FLAG_WANT_OUTPUT if want_logits else 0)
