@@ -87,8 +87,8 @@ def test_settled_receives_keep_tokens_exact(tiny_model, cluster_factory, hops, t
 
 
 def _check_timelines(folder, ranks: int, hops: str) -> None:
-    """Every forward step rank 0 built reached each worker after it was built there and
-    came back after the last one had it; the report lays a step out across the ranks."""
+    """Every forward step reached each worker after rank 0 began to build it and came
+    back after the last worker had it; the report lays a step out across the ranks."""
     events, carries = timeline_report.read(folder)
     assert {rank for rank, _, _ in events} == set(range(ranks))
     built = [step for rank, event, step in events if rank == 0 and event == "build"]

@@ -202,16 +202,16 @@ class Worker:
         log.info("rank %d: loaded layers [%d, %d) of %s", self.rank, start, end, path)
         # (the layout of caches measured here, for rank 0's admission check: always
         # sent, so a reload's replaces an earlier model's)
-        measured = layout and {
-            "fingerprint": spec["fingerprint"],
-            "layers": [start, end],
-            "layout": layout,
-        }
+        measured = (
+            {"fingerprint": spec["fingerprint"], "layers": [start, end], "layout": layout}
+            if layout
+            else None
+        )
         self.link.send(
             control.LOADED,
             layers=[start, end],
             fingerprint=spec["fingerprint"],
-            stats={**memory.stats(), "cache_layout": measured or None},
+            stats={**memory.stats(), "cache_layout": measured},
         )
 
     def _unload(self) -> None:
