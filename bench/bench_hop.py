@@ -1,7 +1,7 @@
 """The floor of a pipeline token: one round trip of the ring, measured with the real hop.
 
     .venv/bin/python bench/bench_hop.py [--hidden 4096] [--dtype bfloat16] [--trips 500] [--gpus G]
-        [--hop-mode ready|eager]
+        [--hop-mode ready|eager|collective]
 
 Two ranks on loopback pass a decode step's payload, one hidden state (1, 1, hidden),
 round the ring with mlx-relay's own hop (ring.py: the header on the doorbell, the
@@ -9,7 +9,8 @@ payload over `mx.distributed`, each send after its payload is computed), and ran
 adds one to it on its device as a stand-in for its layers. A token on N ranks costs
 at least its compute plus one such round trip, so this is the floor the 2-rank
 decode ratio is measured against. `--gpus G` puts rank r on GPU r mod G; `--hop-mode eager`
-runs sends and receives on the CPU streams eager hops use.
+runs sends and receives on the CPU streams eager hops use, `collective` each payload as
+an all-sum of the pair (NCCL on CUDA).
 """
 
 from __future__ import annotations
@@ -31,13 +32,15 @@ def rank_main(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
     from mlx_relay.protocol import header as hdr
+    from mlx_relay.transport.collective import payload_groups
     from mlx_relay.transport.doorbell import Doorbell
-    from mlx_relay.transport.ring import Ring
+    from mlx_relay.transport.ring import COLLECTIVE, Ring
 
     group = mx.distributed.init(backend="ring", strict=True)
     rank = group.rank()
     bells = json.loads(os.environ["BENCH_BELLS"])
-    ring = Ring(group, Doorbell(rank, 2, bells, b"bench"), args.hop_mode)
+    payloads = payload_groups(group, "127.0.0.1") if args.hop_mode == COLLECTIVE else None
+    ring = Ring(group, Doorbell(rank, 2, bells, b"bench"), args.hop_mode, payloads=payloads)
     shape = (1, 1, args.hidden)
     header = hdr.StepHeader(
         cmd=hdr.CMD_FORWARD,
@@ -81,7 +84,7 @@ def main() -> int:
     ap.add_argument("--trips", type=int, default=500)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--gpus", type=int, default=0)
-    ap.add_argument("--hop-mode", choices=("ready", "eager"), default="ready")
+    ap.add_argument("--hop-mode", choices=("ready", "eager", "collective"), default="ready")
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank:
@@ -89,15 +92,16 @@ def main() -> int:
         return 0
     from mlx_relay.launch.local import free_ports
 
-    ports = free_ports(4)
+    ports = free_ports(5)
     workdir = Path(tempfile.mkdtemp(prefix="bench-hop-"))
     hostfile = workdir / "hostfile.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports[:2]]))
-    bells = json.dumps([f"tcp://127.0.0.1:{p}" for p in ports[2:]])
+    bells = json.dumps([f"tcp://127.0.0.1:{p}" for p in ports[2:4]])
     procs = []
     for rank in range(2):
         env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
         env["BENCH_BELLS"] = bells
+        env["NCCL_PORT"] = str(ports[4])
         if args.gpus:
             env["CUDA_VISIBLE_DEVICES"] = str(rank % args.gpus)
         procs.append(subprocess.Popen([sys.executable, __file__, "--rank", *sys.argv[1:]], env=env))

@@ -1,4 +1,5 @@
-"""How hops are timed (`--hop-mode`): the automatic choice, and eager hops end to end."""
+"""How hops are timed (`--hop-mode`): the automatic choice, settled receives and
+collective hops end to end."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from pathlib import Path
 import pytest
 from oracle import chat_request, chat_tokens, mlx_lm_tokens
 
+from mlx_relay.errors import UserError
+from mlx_relay.launch import preflight
 from mlx_relay.protocol import relay_pb2 as pb
-from mlx_relay.transport.ring import AUTO, EAGER, READY, choose_hop_mode
+from mlx_relay.transport.ring import AUTO, COLLECTIVE, EAGER, READY, choose_hop_mode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import timeline_report  # noqa: E402
@@ -34,9 +37,17 @@ def test_auto_picks_eager_hops_only_where_they_cost_nothing(backend, cores, rank
 def test_an_explicit_mode_is_kept_and_a_bad_one_is_refused_clearly():
     assert choose_hop_mode(EAGER, "ring", cores=2, ranks_here=3) == EAGER
     assert choose_hop_mode(READY, "ring", cores=64, ranks_here=1) == READY
+    assert choose_hop_mode(COLLECTIVE, "ring", cores=2, ranks_here=2) == COLLECTIVE
+
+
+def test_auto_gives_two_cuda_ranks_collective_hops():
+    assert choose_hop_mode(AUTO, "ring", cores=16, ranks_here=1, ranks=2, cuda=True) == COLLECTIVE
+    assert choose_hop_mode(AUTO, "ring", cores=16, ranks_here=1, ranks=3, cuda=True) == EAGER
+    assert choose_hop_mode(AUTO, "ring", cores=16, ranks_here=1, ranks=2) == EAGER  # (a CPU)
+    assert choose_hop_mode(AUTO, "mpi", cores=16, ranks_here=1, ranks=2, cuda=True) == READY
     with pytest.raises(ValueError, match="not mpi"):
         choose_hop_mode(EAGER, "mpi", cores=64, ranks_here=1)
-    with pytest.raises(ValueError, match="expected auto, eager or ready"):
+    with pytest.raises(ValueError, match="expected auto, eager, ready, collective"):
         choose_hop_mode("fast", "ring", cores=64, ranks_here=1)
 
 
@@ -84,6 +95,56 @@ def test_settled_receives_keep_tokens_exact(tiny_model, cluster_factory, hops, t
     assert "settled receives" in running.logs()
     running.stop()  # (each rank writes the rest of its timeline as it exits)
     _check_timelines(timelines, ranks=3, hops=hops)
+
+
+def test_collective_hops_join_two_ranks_only():
+    preflight.check_hop_mode(COLLECTIVE, 2)
+    preflight.check_hop_mode(EAGER, 3)
+    with pytest.raises(UserError, match="exactly 2 ranks.*has 3: use --hop-mode eager or ready"):
+        preflight.check_hop_mode(COLLECTIVE, 3)
+
+
+@pytest.mark.cluster
+def test_collective_hops_keep_tokens_exact(tiny_model, cluster_factory, tmp_path):
+    """Each payload an all-sum of the pair (on CUDA over NCCL; here the ring backend's):
+    concurrent chats, a long prompt in chunks, sampled and penalised rows, tokens equal
+    to mlx-lm's. Loading the model and shutting down travel the same hops."""
+    model = tiny_model("llama", 6)
+    timelines = tmp_path / "timelines"
+    running = cluster_factory(
+        model,
+        2,
+        "--hop-mode",
+        COLLECTIVE,
+        "--prefill-chunk",
+        "16",
+        env={"MLX_RELAY_TIMELINE": str(timelines)},
+    )
+    prompts = [
+        [{"role": "user", "content": f"Question {i}: why is the sky blue?"}] for i in range(3)
+    ]
+    prompts.append([{"role": "user", "content": "Tell me a story. " * 12}])
+    calls = [running.client.stream(_chat(p)) for p in prompts]
+    sampled = chat_request("Seeded: why is the sea blue?", seed=7, max_tokens=8)
+    penalised = _chat(prompts[0])
+    penalised.params.repetition_penalty = 1.3
+    more = [running.client.stream(r) for r in (sampled, penalised)]
+    for p, call in zip(prompts, calls, strict=True):
+        tokens = [t for chunk in call for t in chunk.token_ids]
+        assert tokens == mlx_lm_tokens(model, chat_tokens(model, p), 8)
+    seeded, repeated = ([t for chunk in call for t in chunk.token_ids] for call in more)
+    seeded_prompt = chat_tokens(
+        model, [{"role": "user", "content": "Seeded: why is the sea blue?"}]
+    )
+    assert seeded == mlx_lm_tokens(
+        model, seeded_prompt, 8, seed=7, sampler={"temp": 0.9, "top_p": 0.95}
+    )
+    assert repeated == mlx_lm_tokens(
+        model, chat_tokens(model, prompts[0]), 8, processors={"repetition_penalty": 1.3}
+    )
+    assert "collective hops" in running.logs() and "settled receives" not in running.logs()
+    running.stop()
+    _check_timelines(timelines, ranks=2, hops=COLLECTIVE)
 
 
 def _check_timelines(folder, ranks: int, hops: str) -> None:

@@ -111,11 +111,11 @@ class LocalCluster:
     def _rank_env_base(self) -> dict[str, str]:
         """What every rank's environment holds: the wiring on fresh ports, the secret."""
         assert self._workdir is not None and self._lifeline is not None
-        ports = free_ports(2 * self.n + 1)
+        ports = free_ports(2 * self.n + 2)
         hostfile = self._workdir / "hostfile.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports[: self.n]]))
         self.control_endpoint = f"tcp://127.0.0.1:{ports[self.n]}"
-        self.doorbell_endpoints = [f"tcp://127.0.0.1:{p}" for p in ports[self.n + 1 :]]
+        self.doorbell_endpoints = [f"tcp://127.0.0.1:{p}" for p in ports[self.n + 1 : -1]]
         env = {
             **os.environ,
             **self.env,
@@ -123,6 +123,7 @@ class LocalCluster:
             control.SECRET_ENV: control.new_secret(),
             control.CONTROL_ENV: self.control_endpoint,
             DOORBELLS_ENV: json.dumps(self.doorbell_endpoints),
+            "NCCL_PORT": str(ports[-1]),  # (collective hops on CUDA: NCCL's bootstrap)
             "PYTHONUNBUFFERED": "1",
         }
         if self.n > 1:
@@ -294,6 +295,7 @@ def preflight_checks(args: argparse.Namespace) -> None:
     if args.model:
         facts = preflight.check_model(args.model)
         preflight.check_split(facts, args.num_ranks, args.layers)
+    preflight.check_hop_mode(args.hop_mode, args.num_ranks)
     preflight.check_tls(args.tls_cert, args.tls_key)
     preflight.check_listen(args.grpc_address)
 

@@ -620,6 +620,7 @@ def preflight_checks(serve_opts: argparse.Namespace, n: int) -> None:
     if serve_opts.model:
         facts = preflight.check_model(serve_opts.model)
         preflight.check_split(facts, n, serve_opts.layers)
+    preflight.check_hop_mode(serve_opts.hop_mode, n)
     preflight.check_tls(serve_opts.tls_cert, serve_opts.tls_key)
     preflight.check_listen(serve_opts.grpc_address)
 

@@ -77,6 +77,17 @@ def check_split(facts: ModelFacts, n: int, layers: str) -> list[int] | str | Non
         raise UserError(str(e)) from None
 
 
+def check_hop_mode(mode: str, n: int) -> None:
+    """Collective hops are an all-sum of the pair a hop joins: a cluster of 2 ranks."""
+    from mlx_relay.transport.collective import check_pair
+
+    if mode == "collective":
+        try:
+            check_pair(n)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+
+
 def check_listen(address: str) -> None:
     """Nothing listens on the gRPC address `host:port` yet, and it is this machine's."""
     host, _, port = address.rpartition(":")

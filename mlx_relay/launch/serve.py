@@ -109,10 +109,12 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
         "--hop-mode",
         dict(
             default="auto",
-            choices=["auto", "eager", "ready"],
+            choices=["auto", "eager", "ready", "collective"],
             help="eager: each rank queues its part of a step as soon as rank 0 decides it, "
             "and keeps one core spinning on the receive while busy (fastest where cores are "
             "spare); ready: a rank starts its part once its input has arrived (nothing spins); "
+            "collective (2 ranks): timed as eager, each payload an all-sum of the pair, over "
+            "NCCL on the GPU's streams on CUDA; "
             "auto: eager with the ring or jaccl backend on a rank with 4+ cores of its own "
             "(CPU or GPU), else ready",
         ),
@@ -303,8 +305,9 @@ def _serve(args: argparse.Namespace) -> int:
         except UserError as e:
             return _fatal(rank, e)
 
+    from mlx_relay.transport.collective import on_cuda, payload_groups
     from mlx_relay.transport.doorbell import Doorbell, doorbell_endpoints
-    from mlx_relay.transport.ring import Ring, choose_hop_mode
+    from mlx_relay.transport.ring import COLLECTIVE, Ring, choose_hop_mode
 
     secret = control.cluster_secret()
     hosts = rank_hosts(size)
@@ -315,8 +318,15 @@ def _serve(args: argparse.Namespace) -> int:
             _backend_in_use(args.backend),
             cores=_cores(),
             ranks_here=hosts.count(hosts[rank]),
+            ranks=size,
+            cuda=on_cuda(),
         )
-        ring = Ring(group, Doorbell(rank, size, doorbell_endpoints(size, hosts), secret), mode)
+        doorbell = Doorbell(rank, size, doorbell_endpoints(size, hosts), secret)
+        try:
+            payloads = payload_groups(group, hosts[0]) if mode == COLLECTIVE else None
+        except ValueError as e:
+            return _fatal(rank, UserError(str(e)))
+        ring = Ring(group, doorbell, mode, payloads=payloads)
         log.info("rank %d: %s hops%s", rank, mode, ", settled receives" if ring.settles else "")
     endpoint = control_endpoint(args, hosts)
     if rank == 0:

@@ -16,6 +16,7 @@ import numpy as np
 
 from mlx_relay import timeline
 from mlx_relay.protocol import header as hdr
+from mlx_relay.transport.collective import PayloadGroups, on_cuda
 from mlx_relay.transport.doorbell import Doorbell
 
 _MX_DTYPES = {
@@ -44,36 +45,48 @@ def dtype_name(dtype: mx.Dtype) -> str:
 # posted receive (MLX's ring backend polls its socket). READY: a step is announced once
 # its payload is computed and a receive is posted only when its data is there: nothing
 # spins, but every hop adds a wake-up and the next rank's graph building to the token.
+# COLLECTIVE (two ranks): timed as EAGER, and each payload is an all-sum of the pair
+# (collective.py), on CUDA over NCCL on the GPU's streams: nothing is settled, and a
+# rank's kernels wait for their input on the device.
 EAGER = "eager"
 READY = "ready"
+COLLECTIVE = "collective"
 AUTO = "auto"
-HOP_MODES = (EAGER, READY)
+HOP_MODES = (EAGER, READY, COLLECTIVE)
 # Cores a rank needs for eager hops to pay: its compute, plus one spinning on a receive.
 EAGER_CORES_PER_RANK = 4
 
 
-def choose_hop_mode(requested: str, backend: str, *, cores: int, ranks_here: int) -> str:
-    """The hop mode for `--hop-mode requested` (AUTO or one of HOP_MODES).
+def choose_hop_mode(
+    requested: str, backend: str, *, cores: int, ranks_here: int, ranks: int = 0, cuda: bool = False
+) -> str:
+    """The hop mode for `--hop-mode requested` (AUTO or one of HOP_MODES) on a cluster of
+    `ranks` ranks (0: not known), `cuda` when this rank computes on a CUDA GPU.
 
-    AUTO picks EAGER where what it costs is free and it was seen to pay. Its receives
-    run on CPU streams of their own, which MPI does not allow (MLX's plain MPI_Init is
-    not thread-safe). A posted receive spins one core, so a rank needs
+    AUTO gives two CUDA ranks COLLECTIVE hops: a token costs what one process's does
+    (two H100s, Llama-3-8B's shape, single stream: 0.98 of mlx-lm against EAGER's 0.67),
+    at a price under load (16 streams 269 tok/s against EAGER's 413; bench/RESULTS.md).
+    Elsewhere AUTO picks EAGER where what it costs is free and it was seen to pay. Its
+    receives run on CPU streams of their own, which MPI does not allow (MLX's plain
+    MPI_Init is not thread-safe). A posted receive spins one core, so a rank needs
     EAGER_CORES_PER_RANK cores (on a 2-core box running 2 ranks the spinning threads take
     the cores the ranks compute on, and READY is several times faster). A GPU rank with
     the cores hops EAGER too: on CUDA, where receives are settled (see Ring), eager hops
     still let every rank build its part of a step while the ranks before it compute
-    (two H100s, Llama-3-8B's shape: 0.48-0.52 of mlx-lm against READY's 0.43-0.44
-    single-stream, 328 tok/s against 296 with 16 streams); on Metal nothing is settled
-    and a rank's kernels wait for their input on the GPU, launched.
+    (0.48-0.52 of mlx-lm against READY's 0.43-0.44 single-stream, 328 tok/s against 296
+    with 16 streams); on Metal nothing is settled and a rank's kernels wait for their
+    input on the GPU, launched.
     """
     if requested != AUTO:
         if requested not in HOP_MODES:
-            raise ValueError(f"hop mode {requested!r}: expected auto, eager or ready")
+            raise ValueError(f"hop mode {requested!r}: expected auto, {', '.join(HOP_MODES)}")
         if requested == EAGER and backend == "mpi":
             raise ValueError("eager hops need the ring or jaccl backend, not mpi")
         return requested
     if backend == "mpi":
         return READY
+    if cuda and ranks == 2:
+        return COLLECTIVE
     return EAGER if cores >= EAGER_CORES_PER_RANK * max(1, ranks_here) else READY
 
 
@@ -83,8 +96,7 @@ def settles_here() -> bool:
     forced = os.environ.get("MLX_RELAY_SETTLE_RECEIVES")
     if forced is not None:
         return forced == "1"
-    cuda = getattr(mx, "cuda", None)  # (MLX builds without the module: not CUDA)
-    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
+    return on_cuda()
 
 
 class Ring:
@@ -104,6 +116,7 @@ class Ring:
     JIT-compiled kernel module (`cuModuleLoadDataEx`: a quantized matmul's first use
     at a new size) does not return: on two H200s a rank hung there for good, at the
     first decode step with eager hops and in a 4,000-token prefill with ready ones.
+    COLLECTIVE hops (`payloads`) wait on the device inside NCCL instead: nothing settles.
     """
 
     def __init__(
@@ -113,14 +126,18 @@ class Ring:
         mode: str = READY,
         *,
         settles: bool | None = None,
+        payloads: PayloadGroups | None = None,
     ) -> None:
         if mode not in HOP_MODES:
             raise ValueError(f"hop mode {mode!r}: expected one of {', '.join(HOP_MODES)}")
+        if (mode == COLLECTIVE) != (payloads is not None):
+            raise ValueError("collective hops, and only they, take the payload groups")
         self.group = group
         self.doorbell = doorbell
         self.mode = mode
-        self.eager = mode == EAGER
-        self.settles = settles_here() if settles is None else settles
+        self.payloads = payloads
+        self.eager = mode in (EAGER, COLLECTIVE)
+        self.settles = payloads is None and (settles_here() if settles is None else settles)
         self.rank = group.rank()
         self.size = group.size()
         self.next = (self.rank + 1) % self.size
@@ -129,12 +146,19 @@ class Ring:
 
     def _stream(self, kind: str) -> mx.Stream | None:
         """EAGER: this thread's CPU stream for `kind` (sends or receives), made on first
-        use (MLX streams belong to the thread that made them); READY: the default."""
-        if not self.eager:
+        use (MLX streams belong to the thread that made them); COLLECTIVE on CUDA: a GPU
+        stream for receives; otherwise the default."""
+        if self.payloads is not None:
+            if kind != "recv" or not self.payloads.separate_streams:
+                return None
+            device = mx.gpu
+        elif self.eager:
+            device = mx.cpu
+        else:
             return None
         stream = getattr(self._streams, kind, None)
         if stream is None:
-            stream = mx.new_stream(mx.cpu)
+            stream = mx.new_stream(device)
             setattr(self._streams, kind, stream)
         return stream
 
@@ -192,7 +216,11 @@ class Ring:
         for its own layers before it could build anything else; posted first, the send
         waits for it on its own stream.)"""
         mx.async_eval(array)
-        sent = mx.distributed.send(array, self.next, group=self.group, stream=self._stream("send"))
+        if self.payloads is not None:  # (the receiver adds zeros: it gets `array`)
+            sent = mx.distributed.all_sum(array, group=self.payloads.send)
+        else:
+            stream = self._stream("send")
+            sent = mx.distributed.send(array, self.next, group=self.group, stream=stream)
         mx.async_eval(sent)
         return sent
 
@@ -209,9 +237,14 @@ class Ring:
         """Post the receive of a payload of known shape (None for no payload)."""
         if not shape:
             return None
-        payload = mx.distributed.recv(
-            shape, mx_dtype(dtype), self.prev, group=self.group, stream=self._stream("recv")
-        )
+        stream = self._stream("recv")
+        if self.payloads is not None:  # (the sender's payload plus these zeros)
+            zeros = mx.zeros(shape, mx_dtype(dtype), stream=stream)
+            payload = mx.distributed.all_sum(zeros, group=self.payloads.recv, stream=stream)
+        else:
+            payload = mx.distributed.recv(
+                shape, mx_dtype(dtype), self.prev, group=self.group, stream=stream
+            )
         mx.async_eval(payload)
         return payload
 

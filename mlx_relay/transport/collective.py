@@ -1,0 +1,67 @@
+"""Collective hops: a hop's payload carried by an all-sum of the two ranks it joins.
+
+MLX's NCCL backend (CUDA) has collectives but no send or recv. An all-sum in which the
+sender gives its payload and the receiver zeros of the same shape hands the receiver
+the payload exactly (x + 0 == x in every dtype), and it runs on the GPU's own stream:
+the kernels that read a receive wait for it on the device, launched ahead, with no CPU
+stream, managed memory or host wait on the hop, each of which MLX 0.32.4's CUDA backend
+puts on a ring hop (bench/RESULTS.md, sessions 10 and 11). An all-sum of a pair is a
+point-to-point hop only where the pair is the whole group, so collective hops join
+exactly two ranks.
+
+Each direction has a communicator of its own (NCCL: the world group and a duplicate
+split from it), and each rank posts its receives on a GPU stream of their own: a rank
+then receives the next step while it computes this one, and neither rank's stream
+holds a collective that waits for the other's later work (one communicator on one
+stream per rank would make rank 0's next layers wait for the last step's return).
+Elsewhere (the ring backend on a CPU, what the tests run) both directions share the
+ring group and the default stream, in the order they are posted.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+DEFAULT_NCCL_PORT = 50150  # rank 0's host: where NCCL's bootstrap listens (NCCL_PORT)
+
+
+@dataclass
+class PayloadGroups:
+    """Where a rank's collective hops run: what it sends on, what it receives on."""
+
+    send: mx.distributed.Group
+    recv: mx.distributed.Group
+    separate_streams: bool  # receives on a GPU stream of their own
+
+
+def on_cuda() -> bool:
+    cuda = getattr(mx, "cuda", None)  # (MLX builds without the module: not CUDA)
+    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
+
+
+def check_pair(ranks: int) -> None:
+    if ranks != 2:
+        raise ValueError(
+            f"collective hops join exactly 2 ranks (a hop is an all-sum of the pair); "
+            f"this cluster has {ranks}: use --hop-mode eager or ready"
+        )
+
+
+def payload_groups(group: mx.distributed.Group, rank0_host: str) -> PayloadGroups:
+    """The groups a rank's collective hops use: on CUDA an NCCL pair (bootstrapped at
+    rank 0's host, NCCL_PORT or DEFAULT_NCCL_PORT), else `group` itself."""
+    check_pair(group.size())
+    if not on_cuda():
+        return PayloadGroups(group, group, separate_streams=False)
+    os.environ.setdefault("NCCL_HOST_IP", rank0_host)
+    os.environ.setdefault("NCCL_PORT", str(DEFAULT_NCCL_PORT))
+    os.environ["MLX_RANK"] = str(group.rank())
+    os.environ["MLX_WORLD_SIZE"] = str(group.size())
+    forward = mx.distributed.init(strict=True, backend="nccl")  # rank 0 -> rank 1
+    back = forward.split(0)  # rank 1 -> rank 0: a communicator of its own
+    if group.rank() == 0:
+        return PayloadGroups(send=forward, recv=back, separate_streams=True)
+    return PayloadGroups(send=back, recv=forward, separate_streams=True)
