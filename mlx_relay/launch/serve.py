@@ -115,8 +115,8 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
             "spare); ready: a rank starts its part once its input has arrived (nothing spins); "
             "collective (2 ranks): timed as eager, each payload an all-sum of the pair, over "
             "NCCL on the GPU's streams on CUDA; "
-            "auto: eager with the ring or jaccl backend on a rank with 4+ cores of its own "
-            "(CPU or GPU), else ready",
+            "auto: collective for 2 CUDA ranks, else eager with the ring or jaccl backend on "
+            "a rank with 4+ cores of its own (CPU or GPU), else ready",
         ),
     ),
     (
