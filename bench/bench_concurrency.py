@@ -195,7 +195,8 @@ class MlxLmServer:
         conn.request("POST", "/v1/chat/completions", json.dumps(body))
         response = conn.getresponse()
         if response.status != 200:
-            raise OSError(f"mlx_lm.server: HTTP {response.status}")
+            why = response.read()[:300].decode(errors="replace")  # (its error, as JSON)
+            raise OSError(f"mlx_lm.server: HTTP {response.status}: {why}")
         chunks: list[float] = []
         used = 0
         for line in response:

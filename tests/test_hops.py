@@ -12,6 +12,7 @@ from oracle import chat_request, chat_tokens, mlx_lm_tokens
 from mlx_relay.errors import UserError
 from mlx_relay.launch import preflight
 from mlx_relay.protocol import relay_pb2 as pb
+from mlx_relay.transport.collective import on_gpus_of_their_own
 from mlx_relay.transport.ring import AUTO, COLLECTIVE, EAGER, READY, choose_hop_mode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -38,17 +39,21 @@ def test_an_explicit_mode_is_kept_and_a_bad_one_is_refused_clearly():
     assert choose_hop_mode(EAGER, "ring", cores=2, ranks_here=3) == EAGER
     assert choose_hop_mode(READY, "ring", cores=64, ranks_here=1) == READY
     assert choose_hop_mode(COLLECTIVE, "ring", cores=2, ranks_here=2) == COLLECTIVE
-
-
-def test_auto_gives_two_cuda_ranks_collective_hops():
-    assert choose_hop_mode(AUTO, "ring", cores=16, ranks_here=1, ranks=2, cuda=True) == COLLECTIVE
-    assert choose_hop_mode(AUTO, "ring", cores=16, ranks_here=1, ranks=3, cuda=True) == EAGER
-    assert choose_hop_mode(AUTO, "ring", cores=16, ranks_here=1, ranks=2) == EAGER  # (a CPU)
-    assert choose_hop_mode(AUTO, "mpi", cores=16, ranks_here=1, ranks=2, cuda=True) == READY
     with pytest.raises(ValueError, match="not mpi"):
         choose_hop_mode(EAGER, "mpi", cores=64, ranks_here=1)
     with pytest.raises(ValueError, match="expected auto, eager, ready, collective"):
         choose_hop_mode("fast", "ring", cores=64, ranks_here=1)
+
+
+def test_auto_gives_a_pair_of_cuda_ranks_collective_hops():
+    assert choose_hop_mode(AUTO, "ring", cores=16, ranks_here=2, gpu_pair=True) == COLLECTIVE
+    assert choose_hop_mode(AUTO, "ring", cores=16, ranks_here=2) == EAGER  # (CPUs, or 3 ranks)
+    assert choose_hop_mode(AUTO, "mpi", cores=16, ranks_here=1, gpu_pair=True) == READY
+    # Each rank names its CUDA GPU (0: none); NCCL refuses two ranks on one GPU.
+    assert on_gpus_of_their_own([0x1A2B3C5, 0x77F0013])
+    assert not on_gpus_of_their_own([0x1A2B3C5, 0x1A2B3C5])
+    assert not on_gpus_of_their_own([0x1A2B3C5, 0])  # (a CUDA rank and a CPU or Metal one)
+    assert not on_gpus_of_their_own([0, 0])
 
 
 @pytest.mark.cluster

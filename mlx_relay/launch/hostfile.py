@@ -348,7 +348,8 @@ def _check_launch(hf: Hostfile, backend: str) -> list[str]:
             problems.append(f"{_label(hf, 0)}: nccl needs rank 0's 'ips' (NCCL_HOST_IP)")
         problems.append(
             "nccl backend: MLX's NCCL backend has no send/recv, which mlx-relay's pipeline "
-            "needs; use ring (or mpi) on CUDA machines"
+            "needs; use ring (or mpi) on CUDA machines (two CUDA ranks still carry their "
+            "payloads over NCCL: --hop-mode collective, what auto picks there)"
         )
     return problems
 

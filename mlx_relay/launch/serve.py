@@ -305,9 +305,9 @@ def _serve(args: argparse.Namespace) -> int:
         except UserError as e:
             return _fatal(rank, e)
 
-    from mlx_relay.transport.collective import on_cuda, payload_groups
+    from mlx_relay.transport.collective import gpu_tags, on_gpus_of_their_own, payload_groups
     from mlx_relay.transport.doorbell import Doorbell, doorbell_endpoints
-    from mlx_relay.transport.ring import COLLECTIVE, Ring, choose_hop_mode
+    from mlx_relay.transport.ring import AUTO, COLLECTIVE, Ring, choose_hop_mode
 
     secret = control.cluster_secret()
     hosts = rank_hosts(size)
@@ -318,8 +318,8 @@ def _serve(args: argparse.Namespace) -> int:
             _backend_in_use(args.backend),
             cores=_cores(),
             ranks_here=hosts.count(hosts[rank]),
-            ranks=size,
-            cuda=on_cuda(),
+            # (every rank of a pair asks, over the ring, whose GPU the other one has)
+            gpu_pair=args.hop_mode == AUTO and size == 2 and on_gpus_of_their_own(gpu_tags(group)),
         )
         doorbell = Doorbell(rank, size, doorbell_endpoints(size, hosts), secret)
         try:

@@ -50,12 +50,41 @@ def check_pair(ranks: int) -> None:
         )
 
 
-def payload_groups(group: mx.distributed.Group, rank0_host: str) -> PayloadGroups:
-    """The groups a rank's collective hops use: on CUDA an NCCL pair (bootstrapped at
-    rank 0's host, NCCL_PORT or DEFAULT_NCCL_PORT), else `group` itself."""
-    check_pair(group.size())
+def gpu_tag() -> int:
+    """A number naming this rank's CUDA GPU (28 bits of its UUID), 0 off CUDA."""
     if not on_cuda():
+        return 0
+    uuid = str(mx.device_info().get("uuid", ""))
+    digits = "".join(c for c in uuid.lower() if c in "0123456789abcdef")
+    return int(digits[:7] or "1", 16) | 1
+
+
+def gpu_tags(group: mx.distributed.Group) -> list[int]:
+    """Every rank's `gpu_tag`, in rank order: a collective over `group` (the ring), so
+    every rank must ask at the same point."""
+    mine = mx.array([gpu_tag()], dtype=mx.int32)
+    return mx.distributed.all_gather(mine, group=group, stream=mx.cpu).tolist()
+
+
+def on_gpus_of_their_own(tags: list[int]) -> bool:
+    """Whether every rank computes on a CUDA GPU no other rank uses (NCCL refuses two
+    ranks on one GPU)."""
+    return all(tags) and len(set(tags)) == len(tags)
+
+
+def payload_groups(group: mx.distributed.Group, rank0_host: str) -> PayloadGroups:
+    """The groups a rank's collective hops use: on CUDA GPUs of their own an NCCL pair
+    (bootstrapped at rank 0's host, NCCL_PORT or DEFAULT_NCCL_PORT); on no CUDA rank
+    `group` itself. Every rank of the pair calls this (it asks the other's GPU first)."""
+    check_pair(group.size())
+    tags = gpu_tags(group)
+    if not any(tags):
         return PayloadGroups(group, group, separate_streams=False)
+    if not on_gpus_of_their_own(tags):
+        raise ValueError(
+            "collective hops need both ranks on CUDA GPUs of their own (give each rank "
+            "its GPU with CUDA_VISIBLE_DEVICES), or neither on CUDA; use --hop-mode eager"
+        )
     os.environ.setdefault("NCCL_HOST_IP", rank0_host)
     os.environ.setdefault("NCCL_PORT", str(DEFAULT_NCCL_PORT))
     os.environ["MLX_RANK"] = str(group.rank())

@@ -58,12 +58,12 @@ EAGER_CORES_PER_RANK = 4
 
 
 def choose_hop_mode(
-    requested: str, backend: str, *, cores: int, ranks_here: int, ranks: int = 0, cuda: bool = False
+    requested: str, backend: str, *, cores: int, ranks_here: int, gpu_pair: bool = False
 ) -> str:
-    """The hop mode for `--hop-mode requested` (AUTO or one of HOP_MODES) on a cluster of
-    `ranks` ranks (0: not known), `cuda` when this rank computes on a CUDA GPU.
+    """The hop mode for `--hop-mode requested` (AUTO or one of HOP_MODES); `gpu_pair`:
+    the cluster is two ranks, each on a CUDA GPU of its own (collective.gpu_tags).
 
-    AUTO gives two CUDA ranks COLLECTIVE hops: a token costs what one process's does
+    AUTO gives such a pair COLLECTIVE hops: a token costs what one process's does
     (two H100s, Llama-3-8B's shape, single stream: 0.98 of mlx-lm against EAGER's 0.67),
     at a price under load (16 streams 269 tok/s against EAGER's 413; bench/RESULTS.md).
     Elsewhere AUTO picks EAGER where what it costs is free and it was seen to pay. Its
@@ -85,7 +85,7 @@ def choose_hop_mode(
         return requested
     if backend == "mpi":
         return READY
-    if cuda and ranks == 2:
+    if gpu_pair:
         return COLLECTIVE
     return EAGER if cores >= EAGER_CORES_PER_RANK * max(1, ranks_here) else READY
 
