@@ -73,30 +73,9 @@ def test_settled_receives_keep_tokens_exact(tiny_model, cluster_factory, hops, t
         "16",
         env={"MLX_RELAY_SETTLE_RECEIVES": "1", "MLX_RELAY_TIMELINE": str(timelines)},
     )
-    prompts = [
-        [{"role": "user", "content": f"Question {i}: why is the sky blue?"}] for i in range(3)
-    ]
-    prompts.append([{"role": "user", "content": "Tell me a story. " * 12}])
-    calls = [running.client.stream(_chat(p)) for p in prompts]
     # Rank 0 builds its next step before settling a return: sampled rows and logits
     # processors are built on the unsettled return too.
-    sampled = chat_request("Seeded: why is the sea blue?", seed=7, max_tokens=8)
-    penalised = _chat(prompts[0])
-    penalised.params.repetition_penalty = 1.3
-    more = [running.client.stream(r) for r in (sampled, penalised)]
-    for p, call in zip(prompts, calls, strict=True):
-        tokens = [t for chunk in call for t in chunk.token_ids]
-        assert tokens == mlx_lm_tokens(model, chat_tokens(model, p), 8)
-    seeded, repeated = ([t for chunk in call for t in chunk.token_ids] for call in more)
-    seeded_prompt = chat_tokens(
-        model, [{"role": "user", "content": "Seeded: why is the sea blue?"}]
-    )
-    assert seeded == mlx_lm_tokens(
-        model, seeded_prompt, 8, seed=7, sampler={"temp": 0.9, "top_p": 0.95}
-    )
-    assert repeated == mlx_lm_tokens(
-        model, chat_tokens(model, prompts[0]), 8, processors={"repetition_penalty": 1.3}
-    )
+    _chats_equal_mlx_lm(running, model)
     assert "settled receives" in running.logs()
     running.stop()  # (each rank writes the rest of its timeline as it exits)
     _check_timelines(timelines, ranks=3, hops=hops)
@@ -125,6 +104,15 @@ def test_collective_hops_keep_tokens_exact(tiny_model, cluster_factory, tmp_path
         "16",
         env={"MLX_RELAY_TIMELINE": str(timelines)},
     )
+    _chats_equal_mlx_lm(running, model)
+    assert "collective hops" in running.logs() and "settled receives" not in running.logs()
+    running.stop()
+    _check_timelines(timelines, ranks=2, hops=COLLECTIVE)
+
+
+def _chats_equal_mlx_lm(running, model) -> None:
+    """Four greedy chats at once (one a prompt long enough for several chunks), a seeded
+    sampled one and a penalised one: each one's tokens are mlx-lm's."""
     prompts = [
         [{"role": "user", "content": f"Question {i}: why is the sky blue?"}] for i in range(3)
     ]
@@ -147,9 +135,6 @@ def test_collective_hops_keep_tokens_exact(tiny_model, cluster_factory, tmp_path
     assert repeated == mlx_lm_tokens(
         model, chat_tokens(model, prompts[0]), 8, processors={"repetition_penalty": 1.3}
     )
-    assert "collective hops" in running.logs() and "settled receives" not in running.logs()
-    running.stop()
-    _check_timelines(timelines, ranks=2, hops=COLLECTIVE)
 
 
 def _check_timelines(folder, ranks: int, hops: str) -> None:

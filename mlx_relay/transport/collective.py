@@ -2,7 +2,8 @@
 
 MLX's NCCL backend (CUDA) has collectives but no send or recv. An all-sum in which the
 sender gives its payload and the receiver zeros of the same shape hands the receiver
-the payload exactly (x + 0 == x in every dtype), and it runs on the GPU's own stream:
+the payload exactly (x + 0 == x; a -0.0 arrives as +0.0, which no layer tells apart),
+and it runs on the GPU's own stream:
 the kernels that read a receive wait for it on the device, launched ahead, with no CPU
 stream, managed memory or host wait on the hop, each of which MLX 0.32.4's CUDA backend
 puts on a ring hop (bench/RESULTS.md, sessions 10 and 11). An all-sum of a pair is a
@@ -10,10 +11,12 @@ point-to-point hop only where the pair is the whole group, so collective hops jo
 exactly two ranks.
 
 Each direction has a communicator of its own (NCCL: the world group and a duplicate
-split from it), and each rank posts its receives on a GPU stream of their own: a rank
-then receives the next step while it computes this one, and neither rank's stream
-holds a collective that waits for the other's later work (one communicator on one
-stream per rank would make rank 0's next layers wait for the last step's return).
+split from it), and each rank posts its receives on a GPU stream of their own, so that
+neither rank's stream holds a collective that waits for the other's later work (one
+communicator on one stream per rank makes rank 0's next layers wait for the last step's
+return). That is meant to let two steps in flight overlap; with MLX's CUDA graphs (on
+by default) they still did not, and without them they mostly did (bench/RESULTS.md,
+session 12): collective hops win single-stream decode, not throughput under load.
 Elsewhere (the ring backend on a CPU, what the tests run) both directions share the
 ring group and the default stream, in the order they are posted.
 """
