@@ -65,7 +65,7 @@ def choose_hop_mode(
 
     AUTO gives such a pair COLLECTIVE hops: a token costs what one process's does
     (two H100s, Llama-3-8B's shape, single stream: 0.98 of mlx-lm against EAGER's 0.67),
-    at a price under load (16 streams 269 tok/s against EAGER's 413; bench/RESULTS.md).
+    at a price under load (16 streams 269 tok/s against EAGER's 405; bench/RESULTS.md).
     Elsewhere AUTO picks EAGER where what it costs is free and it was seen to pay. Its
     receives run on CPU streams of their own, which MPI does not allow (MLX's plain
     MPI_Init is not thread-safe). A posted receive spins one core, so a rank needs
