@@ -32,14 +32,15 @@ def rank_main(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
     from mlx_relay.protocol import header as hdr
-    from mlx_relay.transport.collective import payload_groups
+    from mlx_relay.transport.collective import gpu_tags, payload_groups
     from mlx_relay.transport.doorbell import Doorbell
     from mlx_relay.transport.ring import COLLECTIVE, Ring
 
     group = mx.distributed.init(backend="ring", strict=True)
     rank = group.rank()
     bells = json.loads(os.environ["BENCH_BELLS"])
-    payloads = payload_groups(group, "127.0.0.1") if args.hop_mode == COLLECTIVE else None
+    collective = args.hop_mode == COLLECTIVE
+    payloads = payload_groups(group, "127.0.0.1", gpu_tags(group)) if collective else None
     ring = Ring(group, Doorbell(rank, 2, bells, b"bench"), args.hop_mode, payloads=payloads)
     shape = (1, 1, args.hidden)
     header = hdr.StepHeader(

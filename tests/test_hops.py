@@ -54,6 +54,7 @@ def test_auto_gives_a_pair_of_cuda_ranks_collective_hops():
     assert not on_gpus_of_their_own([0x1A2B3C5, 0x1A2B3C5])
     assert not on_gpus_of_their_own([0x1A2B3C5, 0])  # (a CUDA rank and a CPU or Metal one)
     assert not on_gpus_of_their_own([0, 0])
+    assert not on_gpus_of_their_own([])  # (not asked: 3 ranks, or eager hops asked for)
 
 
 @pytest.mark.cluster

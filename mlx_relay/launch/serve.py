@@ -313,17 +313,19 @@ def _serve(args: argparse.Namespace) -> int:
     hosts = rank_hosts(size)
     ring = None
     if size > 1:
+        # (every rank of a pair asks once, over the ring, whose GPU the other one has)
+        pair = size == 2 and args.hop_mode in (AUTO, COLLECTIVE)
+        tags = gpu_tags(group) if pair else []
         mode = choose_hop_mode(
             args.hop_mode,
             _backend_in_use(args.backend),
             cores=_cores(),
             ranks_here=hosts.count(hosts[rank]),
-            # (every rank of a pair asks, over the ring, whose GPU the other one has)
-            gpu_pair=args.hop_mode == AUTO and size == 2 and on_gpus_of_their_own(gpu_tags(group)),
+            gpu_pair=on_gpus_of_their_own(tags),
         )
         doorbell = Doorbell(rank, size, doorbell_endpoints(size, hosts), secret)
         try:
-            payloads = payload_groups(group, hosts[0]) if mode == COLLECTIVE else None
+            payloads = payload_groups(group, hosts[0], tags) if mode == COLLECTIVE else None
         except ValueError as e:
             return _fatal(rank, UserError(str(e)))
         ring = Ring(group, doorbell, mode, payloads=payloads)

@@ -70,17 +70,16 @@ def gpu_tags(group: mx.distributed.Group) -> list[int]:
 
 
 def on_gpus_of_their_own(tags: list[int]) -> bool:
-    """Whether every rank computes on a CUDA GPU no other rank uses (NCCL refuses two
-    ranks on one GPU)."""
-    return all(tags) and len(set(tags)) == len(tags)
+    """Whether every rank (`gpu_tags`; none: not known) computes on a CUDA GPU no other
+    rank uses (NCCL refuses two ranks on one GPU)."""
+    return bool(tags) and all(tags) and len(set(tags)) == len(tags)
 
 
-def payload_groups(group: mx.distributed.Group, rank0_host: str) -> PayloadGroups:
-    """The groups a rank's collective hops use: on CUDA GPUs of their own an NCCL pair
-    (bootstrapped at rank 0's host, NCCL_PORT or DEFAULT_NCCL_PORT); on no CUDA rank
-    `group` itself. Every rank of the pair calls this (it asks the other's GPU first)."""
+def payload_groups(group: mx.distributed.Group, rank0_host: str, tags: list[int]) -> PayloadGroups:
+    """The groups a rank's collective hops use, given every rank's `gpu_tags`: on CUDA
+    GPUs of their own an NCCL pair (bootstrapped at rank 0's host, NCCL_PORT or
+    DEFAULT_NCCL_PORT); on no CUDA rank `group` itself."""
     check_pair(group.size())
-    tags = gpu_tags(group)
     if not any(tags):
         return PayloadGroups(group, group, separate_streams=False)
     if not on_gpus_of_their_own(tags):
