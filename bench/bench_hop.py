@@ -55,7 +55,9 @@ def rank_main(args: argparse.Namespace) -> None:
     if rank == 1:
         for _ in range(args.trips + args.warmup):
             back = ring.recv_header()
-            payload = ring.post_recv_payload(hdr.payload_nbytes_shape(back), back.payload_dtype)
+            payload = ring.post_recv_payload(
+                hdr.payload_nbytes_shape(back), back.payload_dtype, collective=ring.collective(back)
+            )
             sent = ring.send(back, payload + 1, reads=[payload])
         mx.eval(sent)  # the last send has left before this process does
         return
@@ -64,9 +66,12 @@ def rank_main(args: argparse.Namespace) -> None:
     for i in range(args.trips + args.warmup):
         t0 = time.perf_counter()
         header.step_id = i + 1
+        ring.choose_path(header, alone=True)
         ring.send(header, x + 1)
         back = ring.recv_header()
-        x = ring.post_recv_payload(hdr.payload_nbytes_shape(back), back.payload_dtype)
+        x = ring.post_recv_payload(
+            hdr.payload_nbytes_shape(back), back.payload_dtype, collective=ring.collective(back)
+        )
         mx.eval(x)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)

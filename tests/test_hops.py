@@ -13,7 +13,7 @@ from mlx_relay.errors import UserError
 from mlx_relay.launch import preflight
 from mlx_relay.protocol import relay_pb2 as pb
 from mlx_relay.transport.collective import on_gpus_of_their_own
-from mlx_relay.transport.ring import AUTO, COLLECTIVE, EAGER, READY, choose_hop_mode
+from mlx_relay.transport.ring import ADAPTIVE, AUTO, COLLECTIVE, EAGER, READY, choose_hop_mode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import timeline_report  # noqa: E402
@@ -39,14 +39,15 @@ def test_an_explicit_mode_is_kept_and_a_bad_one_is_refused_clearly():
     assert choose_hop_mode(EAGER, "ring", cores=2, ranks_here=3) == EAGER
     assert choose_hop_mode(READY, "ring", cores=64, ranks_here=1) == READY
     assert choose_hop_mode(COLLECTIVE, "ring", cores=2, ranks_here=2) == COLLECTIVE
+    assert choose_hop_mode(ADAPTIVE, "ring", cores=2, ranks_here=2) == ADAPTIVE
     with pytest.raises(ValueError, match="not mpi"):
         choose_hop_mode(EAGER, "mpi", cores=64, ranks_here=1)
-    with pytest.raises(ValueError, match="expected auto, eager, ready, collective"):
+    with pytest.raises(ValueError, match="expected auto, eager, ready, collective, adaptive"):
         choose_hop_mode("fast", "ring", cores=64, ranks_here=1)
 
 
-def test_auto_gives_a_pair_of_cuda_ranks_collective_hops():
-    assert choose_hop_mode(AUTO, "ring", cores=16, ranks_here=2, gpu_pair=True) == COLLECTIVE
+def test_auto_gives_a_pair_of_cuda_ranks_adaptive_hops():
+    assert choose_hop_mode(AUTO, "ring", cores=16, ranks_here=2, gpu_pair=True) == ADAPTIVE
     assert choose_hop_mode(AUTO, "ring", cores=16, ranks_here=2) == EAGER  # (CPUs, or 3 ranks)
     assert choose_hop_mode(AUTO, "mpi", cores=16, ranks_here=1, gpu_pair=True) == READY
     # Each rank names its CUDA GPU (0: none); NCCL refuses two ranks on one GPU.
@@ -82,16 +83,19 @@ def test_settled_receives_keep_tokens_exact(tiny_model, cluster_factory, hops, t
     _check_timelines(timelines, ranks=3, hops=hops)
 
 
-def test_collective_hops_join_two_ranks_only():
-    preflight.check_hop_mode(COLLECTIVE, 2)
+@pytest.mark.parametrize("mode", [COLLECTIVE, ADAPTIVE])
+def test_collective_hops_join_two_ranks_only(mode):
+    preflight.check_hop_mode(mode, 2)
     preflight.check_hop_mode(EAGER, 3)
     with pytest.raises(UserError, match="exactly 2 ranks.*has 3: use --hop-mode eager or ready"):
-        preflight.check_hop_mode(COLLECTIVE, 3)
+        preflight.check_hop_mode(mode, 3)
 
 
 @pytest.mark.cluster
-def test_collective_hops_keep_tokens_exact(tiny_model, cluster_factory, tmp_path):
-    """Each payload an all-sum of the pair (on CUDA over NCCL; here the ring backend's):
+@pytest.mark.parametrize("hops", [COLLECTIVE, ADAPTIVE])
+def test_collective_hops_keep_tokens_exact(tiny_model, cluster_factory, hops, tmp_path):
+    """Each payload an all-sum of the pair (on CUDA over NCCL; here the ring backend's),
+    or with adaptive hops only a step's alone in flight, the others over the ring:
     concurrent chats, a long prompt in chunks, sampled and penalised rows, tokens equal
     to mlx-lm's. Loading the model and shutting down travel the same hops."""
     model = tiny_model("llama", 6)
@@ -100,15 +104,15 @@ def test_collective_hops_keep_tokens_exact(tiny_model, cluster_factory, tmp_path
         model,
         2,
         "--hop-mode",
-        COLLECTIVE,
+        hops,
         "--prefill-chunk",
         "16",
         env={"MLX_RELAY_TIMELINE": str(timelines)},
     )
     _chats_equal_mlx_lm(running, model)
-    assert "collective hops" in running.logs() and "settled receives" not in running.logs()
+    assert f"{hops} hops" in running.logs() and "settled receives" not in running.logs()
     running.stop()
-    _check_timelines(timelines, ranks=2, hops=COLLECTIVE)
+    _check_timelines(timelines, ranks=2, hops=hops)
 
 
 def _chats_equal_mlx_lm(running, model) -> None:
@@ -152,6 +156,16 @@ def _check_timelines(folder, ranks: int, hops: str) -> None:
         assert (ranks - 1, "posted", step) in events
         if hops == EAGER:
             assert (ranks - 1, "settled", step) in events
+    # Rank 0 marks the steps whose payloads hop collectively: all, or with adaptive hops
+    # those launched alone (each chat's decode steps once the others are done) but not
+    # those launched beside others (the four chats at once).
+    collective = {step for step in built if (0, "collective", step) in events}
+    if hops == COLLECTIVE:
+        assert collective == set(built)
+    elif hops == ADAPTIVE:
+        assert collective and collective != set(built)
+    else:
+        assert not collective
     # Each step's tokens: a prefill chunk 16 (--prefill-chunk), a decode step one a stream.
     assert set(carries) == set(built) and 16 in carries.values() and min(carries.values()) >= 1
     lines = timeline_report.report(events, skip=4)

@@ -470,6 +470,7 @@ class Pipeline:
         self._step_id += 1
         step.header.step_id = self._step_id
         self._outstanding[step.header.step_id] = step
+        self.ring.choose_path(step.header, alone=not self._in_flight)
         self._in_flight.append(step)
         if not self.ring.eager:
             if payload is not None:
@@ -480,7 +481,9 @@ class Pipeline:
         try:
             step.posted = self.ring.send(step.header, payload, step.sides)
             step.returned = self.ring.post_recv_payload(
-                hdr.payload_nbytes_shape(back), back.payload_dtype
+                hdr.payload_nbytes_shape(back),
+                back.payload_dtype,
+                collective=self.ring.collective(back),
             )
         except RuntimeError as e:
             # The header is out: whatever failed, the ring is no longer in step.
@@ -544,6 +547,7 @@ class Pipeline:
         if (
             back.step_id != header.step_id
             or back.cmd != header.cmd
+            or (back.flags ^ header.flags) & hdr.FLAG_COLLECTIVE
             or shape != hdr.payload_nbytes_shape(hdr.returned(header, self._returned_width(header)))
         ):
             raise ClusterFailure(
@@ -557,7 +561,7 @@ class Pipeline:
                 raise self._ring_broken(e, self.ring.prev) from e
         if back.error_mask:
             raise self._failure(back)
-        if out is not None and self.ring.settles:
+        if out is not None and self.ring.settles and not self.ring.collective(header):
             self._unsettled.append(out)  # (CUDA: settled right before what reads it launches)
         return back, out
 

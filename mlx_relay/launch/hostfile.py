@@ -349,7 +349,7 @@ def _check_launch(hf: Hostfile, backend: str) -> list[str]:
         problems.append(
             "nccl backend: MLX's NCCL backend has no send/recv, which mlx-relay's pipeline "
             "needs; use ring (or mpi) on CUDA machines (two CUDA ranks still carry their "
-            "payloads over NCCL: --hop-mode collective, what auto picks there)"
+            "payloads over NCCL: --hop-mode collective or adaptive, what auto picks there)"
         )
     return problems
 

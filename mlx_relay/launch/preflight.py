@@ -78,10 +78,11 @@ def check_split(facts: ModelFacts, n: int, layers: str) -> list[int] | str | Non
 
 
 def check_hop_mode(mode: str, n: int) -> None:
-    """Collective hops are an all-sum of the pair a hop joins: a cluster of 2 ranks."""
+    """Collective (and adaptive) hops are all-sums of the pair a hop joins: a cluster of 2
+    ranks."""
     from mlx_relay.transport.collective import check_pair
 
-    if mode == "collective":
+    if mode in ("collective", "adaptive"):
         try:
             check_pair(n)
         except ValueError as e:

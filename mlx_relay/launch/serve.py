@@ -109,13 +109,14 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
         "--hop-mode",
         dict(
             default="auto",
-            choices=["auto", "eager", "ready", "collective"],
+            choices=["auto", "eager", "ready", "collective", "adaptive"],
             help="eager: each rank queues its part of a step as soon as rank 0 decides it, "
             "and keeps one core spinning on the receive while busy (fastest where cores are "
             "spare); ready: a rank starts its part once its input has arrived (nothing spins); "
             "collective (2 ranks): timed as eager, each payload an all-sum of the pair, over "
-            "NCCL on the GPU's streams on CUDA; "
-            "auto: collective for 2 CUDA ranks, else eager with the ring or jaccl backend on "
+            "NCCL on the GPU's streams on CUDA; adaptive (2 ranks): collective for a step "
+            "alone in flight (single-stream decode), eager for steps in flight together; "
+            "auto: adaptive for 2 ranks on CUDA GPUs of their own, else eager with the ring or jaccl backend on "
             "a rank with 4+ cores of its own (CPU or GPU), else ready",
         ),
     ),
@@ -307,14 +308,14 @@ def _serve(args: argparse.Namespace) -> int:
 
     from mlx_relay.transport.collective import gpu_tags, on_gpus_of_their_own, payload_groups
     from mlx_relay.transport.doorbell import Doorbell, doorbell_endpoints
-    from mlx_relay.transport.ring import AUTO, COLLECTIVE, Ring, choose_hop_mode
+    from mlx_relay.transport.ring import AUTO, PAIRED_MODES, Ring, choose_hop_mode
 
     secret = control.cluster_secret()
     hosts = rank_hosts(size)
     ring = None
     if size > 1:
         # (every rank of a pair asks once, over the ring, whose GPU the other one has)
-        pair = size == 2 and args.hop_mode in (AUTO, COLLECTIVE)
+        pair = size == 2 and args.hop_mode in (AUTO, *PAIRED_MODES)
         tags = gpu_tags(group) if pair else []
         mode = choose_hop_mode(
             args.hop_mode,
@@ -325,7 +326,7 @@ def _serve(args: argparse.Namespace) -> int:
         )
         doorbell = Doorbell(rank, size, doorbell_endpoints(size, hosts), secret)
         try:
-            payloads = payload_groups(group, hosts[0], tags) if mode == COLLECTIVE else None
+            payloads = payload_groups(group, hosts[0], tags) if mode in PAIRED_MODES else None
         except ValueError as e:
             return _fatal(rank, UserError(str(e)))
         ring = Ring(group, doorbell, mode, payloads=payloads)

@@ -89,6 +89,9 @@ FLAG_REUSE = 1 << 2
 # and the second lap, which runs each rank's layers again on the caches the first left.
 FLAG_FIRST_LAP = 1 << 3
 FLAG_SECOND_LAP = 1 << 4
+# Every payload of the step (its sends, side arrays and return) hops as an all-sum of
+# the pair (transport/collective.py), not over the ring: rank 0 decides per step.
+FLAG_COLLECTIVE = 1 << 5
 
 # Payload kinds.
 PAYLOAD_NONE = 0

@@ -47,12 +47,19 @@ def dtype_name(dtype: mx.Dtype) -> str:
 # spins, but every hop adds a wake-up and the next rank's graph building to the token.
 # COLLECTIVE (two ranks): timed as EAGER, and each payload is an all-sum of the pair
 # (collective.py), on CUDA over NCCL on the GPU's streams: nothing is settled, and a
-# rank's kernels wait for their input on the device.
+# rank's kernels wait for their input on the device. ADAPTIVE (two ranks): timed as
+# EAGER; a step launched while no other is in flight (single-stream decode) hops
+# collectively, one launched beside others (load, a long prompt's chunks) hops as an
+# EAGER one: two collective steps in flight did not overlap on CUDA (bench/RESULTS.md,
+# session 12). The header says which (FLAG_COLLECTIVE), so every rank does alike, and
+# each transport keeps its steps in launch order.
 EAGER = "eager"
 READY = "ready"
 COLLECTIVE = "collective"
+ADAPTIVE = "adaptive"
 AUTO = "auto"
-HOP_MODES = (EAGER, READY, COLLECTIVE)
+HOP_MODES = (EAGER, READY, COLLECTIVE, ADAPTIVE)
+PAIRED_MODES = (COLLECTIVE, ADAPTIVE)  # the modes whose payloads may be all-sums of a pair
 # Cores a rank needs for eager hops to pay: its compute, plus one spinning on a receive.
 EAGER_CORES_PER_RANK = 4
 
@@ -63,9 +70,10 @@ def choose_hop_mode(
     """The hop mode for `--hop-mode requested` (AUTO or one of HOP_MODES); `gpu_pair`:
     the cluster is two ranks, each on a CUDA GPU of its own (collective.gpu_tags).
 
-    AUTO gives such a pair COLLECTIVE hops: a token costs what one process's does
-    (two H100s, Llama-3-8B's shape, single stream: 0.98 of mlx-lm against EAGER's 0.67),
-    at a price under load (16 streams 269 tok/s against EAGER's 405; bench/RESULTS.md).
+    AUTO gives such a pair ADAPTIVE hops: a lone step hops collectively, and a token
+    costs what one process's does (two H100s, Llama-3-8B's shape, single stream: 0.98 of
+    mlx-lm against EAGER's 0.67), while steps in flight together hop eagerly (COLLECTIVE
+    for all of them: 16 streams 269 tok/s against EAGER's 405; bench/RESULTS.md).
     Elsewhere AUTO picks EAGER where what it costs is free and it was seen to pay. Its
     receives run on CPU streams of their own, which MPI does not allow (MLX's plain
     MPI_Init is not thread-safe). A posted receive spins one core, so a rank needs
@@ -86,7 +94,7 @@ def choose_hop_mode(
     if backend == "mpi":
         return READY
     if gpu_pair:
-        return COLLECTIVE
+        return ADAPTIVE
     return EAGER if cores >= EAGER_CORES_PER_RANK * max(1, ranks_here) else READY
 
 
@@ -116,7 +124,7 @@ class Ring:
     JIT-compiled kernel module (`cuModuleLoadDataEx`: a quantized matmul's first use
     at a new size) does not return: on two H200s a rank hung there for good, at the
     first decode step with eager hops and in a 4,000-token prefill with ready ones.
-    COLLECTIVE hops (`payloads`) wait on the device inside NCCL instead: nothing settles.
+    Collective hops (`payloads`) wait on the device inside NCCL instead: nothing settles.
     """
 
     def __init__(
@@ -130,36 +138,59 @@ class Ring:
     ) -> None:
         if mode not in HOP_MODES:
             raise ValueError(f"hop mode {mode!r}: expected one of {', '.join(HOP_MODES)}")
-        if (mode == COLLECTIVE) != (payloads is not None):
-            raise ValueError("collective hops, and only they, take the payload groups")
+        if (mode in PAIRED_MODES) != (payloads is not None):
+            raise ValueError("collective and adaptive hops, and only they, take payload groups")
         self.group = group
         self.doorbell = doorbell
         self.mode = mode
         self.payloads = payloads
-        self.eager = mode in (EAGER, COLLECTIVE)
-        self.settles = payloads is None and (settles_here() if settles is None else settles)
+        self.eager = mode != READY
+        self.settles = mode != COLLECTIVE and (settles_here() if settles is None else settles)
         self.rank = group.rank()
         self.size = group.size()
         self.next = (self.rank + 1) % self.size
         self.prev = (self.rank - 1) % self.size
         self._streams = threading.local()
 
-    def _stream(self, kind: str) -> mx.Stream | None:
-        """EAGER: this thread's CPU stream for `kind` (sends or receives), made on first
-        use (MLX streams belong to the thread that made them); COLLECTIVE on CUDA: a GPU
-        stream for receives; otherwise the default."""
-        if self.payloads is not None:
+    def choose_path(self, header: hdr.StepHeader, *, alone: bool) -> None:
+        """Rank 0, launching a step (`alone`: no other step is in flight): mark it in its
+        header if its payloads hop collectively (COLLECTIVE: all; ADAPTIVE: a lone one)."""
+        header.flags &= ~hdr.FLAG_COLLECTIVE  # (a second lap's header is its first's copy)
+        if self.mode == COLLECTIVE or (self.mode == ADAPTIVE and alone):
+            header.flags |= hdr.FLAG_COLLECTIVE
+            timeline.mark("collective", header.step_id)
+
+    def collective(self, header: hdr.StepHeader) -> bool:
+        """Whether the step's payloads hop collectively (its header says so)."""
+        if not header.flags & hdr.FLAG_COLLECTIVE:
+            return False
+        if self.payloads is None:
+            raise hdr.ProtocolError(
+                f"{header.describe()} hops collectively, but this rank has {self.mode} hops"
+            )
+        return True
+
+    def _stream(self, kind: str, collective: bool) -> mx.Stream | None:
+        """The stream a payload's send or receive (`kind`) runs on. Collective: on CUDA
+        a GPU stream of its own for receives, else the default. Otherwise EAGER: this
+        thread's CPU stream for `kind`, made on first use (MLX streams belong to the
+        thread that made them), unless the ring group carries collective hops too (not
+        on CUDA): then the default, which keeps both kinds in the order they were posted."""
+        if collective:
             if kind != "recv" or not self.payloads.separate_streams:
                 return None
             device = mx.gpu
+        elif self.payloads is not None and not self.payloads.separate_streams:
+            return None
         elif self.eager:
             device = mx.cpu
         else:
             return None
-        stream = getattr(self._streams, kind, None)
+        name = f"{kind}_{'gpu' if device == mx.gpu else 'cpu'}"
+        stream = getattr(self._streams, name, None)
         if stream is None:
             stream = mx.new_stream(device)
-            setattr(self._streams, kind, stream)
+            setattr(self._streams, name, stream)
         return stream
 
     def send_header(self, header: hdr.StepHeader) -> None:
@@ -173,7 +204,7 @@ class Ring:
             return None
         if payload is None or tuple(payload.shape) != shape:
             raise hdr.ProtocolError(f"{header.describe()} announces a payload of shape {shape}")
-        return self._post_send(payload)
+        return self._post_send(payload, self.collective(header))
 
     def send(
         self,
@@ -186,7 +217,9 @@ class Ring:
         header lists them): at once in EAGER mode, once computed in READY mode. Returns
         what was posted, to be kept alive until it ran. What the header announces is
         checked first, so a mismatch never leaves half a step on the wire. `reads`: the
-        receives the payload's graph reads, settled before it is launched."""
+        receives the payload's graph reads, settled before it is launched (unless the
+        step hops collectively: its receives are waited for on the device)."""
+        collective = self.collective(header)
         shape = hdr.payload_nbytes_shape(header)
         if shape and (payload is None or tuple(payload.shape) != shape):
             raise hdr.ProtocolError(f"{header.describe()} announces a payload of shape {shape}")
@@ -200,26 +233,26 @@ class Ring:
             timeline.mark("computed", header.step_id)
         self.send_header(header)
         timeline.mark("header_sent", header.step_id)
-        if self.eager:
+        if self.eager and not collective:
             self.settle(*reads)
             timeline.mark("settled", header.step_id)
         posted = self.send_payload(header, payload)
         timeline.mark("posted", header.step_id)
         if not pairs:  # (most models: nothing more)
             return posted
-        return [posted, *(self._post_send(array) for _, array in pairs)]
+        return [posted, *(self._post_send(array, collective) for _, array in pairs)]
 
-    def _post_send(self, array: mx.array) -> mx.array:
+    def _post_send(self, array: mx.array, collective: bool) -> mx.array:
         """Post `array`'s computation, then its send: apart, so that the host does not
         wait for the device. (In one evaluation MLX's CUDA backend fences a device's
         output that a CPU stream reads by waiting on the host, so every rank would wait
         for its own layers before it could build anything else; posted first, the send
         waits for it on its own stream.)"""
         mx.async_eval(array)
-        if self.payloads is not None:  # (the receiver adds zeros: it gets `array`)
-            sent = mx.distributed.all_sum(array, group=self.payloads.send)
+        stream = self._stream("send", collective)
+        if collective:  # (the receiver adds zeros: it gets `array`)
+            sent = mx.distributed.all_sum(array, group=self.payloads.send, stream=stream)
         else:
-            stream = self._stream("send")
             sent = mx.distributed.send(array, self.next, group=self.group, stream=stream)
         mx.async_eval(sent)
         return sent
@@ -233,12 +266,15 @@ class Ring:
         """The next header from the left neighbour; DoorbellTimeout after `timeout` s."""
         return hdr.decode(np.frombuffer(self.doorbell.wait(timeout), dtype=np.int32))
 
-    def post_recv_payload(self, shape: tuple[int, ...], dtype: str) -> mx.array | None:
-        """Post the receive of a payload of known shape (None for no payload)."""
+    def post_recv_payload(
+        self, shape: tuple[int, ...], dtype: str, *, collective: bool = False
+    ) -> mx.array | None:
+        """Post the receive of a payload of known shape (None for no payload);
+        `collective`: its step hops collectively (`collective(header)`)."""
         if not shape:
             return None
-        stream = self._stream("recv")
-        if self.payloads is not None:  # (the sender's payload plus these zeros)
+        stream = self._stream("recv", collective)
+        if collective:  # (the sender's payload plus these zeros)
             zeros = mx.zeros(shape, mx_dtype(dtype), stream=stream)
             payload = mx.distributed.all_sum(zeros, group=self.payloads.recv, stream=stream)
         else:
@@ -250,7 +286,11 @@ class Ring:
 
     def post_recv_sides(self, header: hdr.StepHeader) -> list[mx.array]:
         """Post the receives of the side arrays the header lists, after its payload's."""
-        return [self.post_recv_payload(side.shape, side.dtype) for side in header.sides]
+        collective = self.collective(header)
+        return [
+            self.post_recv_payload(side.shape, side.dtype, collective=collective)
+            for side in header.sides
+        ]
 
 
 def zip_sides(

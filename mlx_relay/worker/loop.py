@@ -77,7 +77,9 @@ class Worker:
             started = time.perf_counter()
             try:
                 payload = self.ring.post_recv_payload(
-                    hdr.payload_nbytes_shape(header), header.payload_dtype
+                    hdr.payload_nbytes_shape(header),
+                    header.payload_dtype,
+                    collective=self.ring.collective(header),
                 )
                 # (side arrays: received after the payload, passed on as far as later
                 # ranks need them; the last rank sends none back. Most models' steps
