@@ -56,7 +56,9 @@ def rank_main(args: argparse.Namespace) -> None:
         for _ in range(args.trips + args.warmup):
             back = ring.recv_header()
             payload = ring.post_recv_payload(
-                hdr.payload_nbytes_shape(back), back.payload_dtype, collective=ring.collective(back)
+                hdr.payload_nbytes_shape(back),
+                back.payload_dtype,
+                collective=ring.receives_collectively(back),
             )
             sent = ring.send(back, payload + 1, reads=[payload])
         mx.eval(sent)  # the last send has left before this process does
@@ -70,7 +72,9 @@ def rank_main(args: argparse.Namespace) -> None:
         ring.send(header, x + 1)
         back = ring.recv_header()
         x = ring.post_recv_payload(
-            hdr.payload_nbytes_shape(back), back.payload_dtype, collective=ring.collective(back)
+            hdr.payload_nbytes_shape(back),
+            back.payload_dtype,
+            collective=ring.receives_collectively(back),
         )
         mx.eval(x)
         if i >= args.warmup:

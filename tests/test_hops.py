@@ -156,9 +156,9 @@ def _check_timelines(folder, ranks: int, hops: str) -> None:
         assert (ranks - 1, "posted", step) in events
         if hops == EAGER:
             assert (ranks - 1, "settled", step) in events
-    # Rank 0 marks the steps whose payloads hop collectively: all, or with adaptive hops
-    # those launched alone (each chat's decode steps once the others are done) but not
-    # those launched beside others (the four chats at once).
+    # Rank 0 marks the steps whose hops are all all-sums: every step, or with adaptive
+    # hops those launched alone (each chat's decode steps once the others are done) but
+    # not those launched beside others (the four chats at once: they return over the ring).
     collective = {step for step in built if (0, "collective", step) in events}
     if hops == COLLECTIVE:
         assert collective == set(built)

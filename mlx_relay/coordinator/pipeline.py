@@ -483,7 +483,7 @@ class Pipeline:
             step.returned = self.ring.post_recv_payload(
                 hdr.payload_nbytes_shape(back),
                 back.payload_dtype,
-                collective=self.ring.collective(back),
+                collective=self.ring.receives_collectively(back),
             )
         except RuntimeError as e:
             # The header is out: whatever failed, the ring is no longer in step.
@@ -547,7 +547,7 @@ class Pipeline:
         if (
             back.step_id != header.step_id
             or back.cmd != header.cmd
-            or (back.flags ^ header.flags) & hdr.FLAG_COLLECTIVE
+            or (back.flags ^ header.flags) & hdr.FLAGS_COLLECTIVE
             or shape != hdr.payload_nbytes_shape(hdr.returned(header, self._returned_width(header)))
         ):
             raise ClusterFailure(
@@ -561,7 +561,7 @@ class Pipeline:
                 raise self._ring_broken(e, self.ring.prev) from e
         if back.error_mask:
             raise self._failure(back)
-        if out is not None and self.ring.settles and not self.ring.collective(header):
+        if out is not None and self.ring.settles and not self.ring.receives_collectively(header):
             self._unsettled.append(out)  # (CUDA: settled right before what reads it launches)
         return back, out
 

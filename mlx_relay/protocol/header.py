@@ -89,9 +89,12 @@ FLAG_REUSE = 1 << 2
 # and the second lap, which runs each rank's layers again on the caches the first left.
 FLAG_FIRST_LAP = 1 << 3
 FLAG_SECOND_LAP = 1 << 4
-# Every payload of the step (its sends, side arrays and return) hops as an all-sum of
-# the pair (transport/collective.py), not over the ring: rank 0 decides per step.
-FLAG_COLLECTIVE = 1 << 5
+# A hop of the step whose payloads (and side arrays) travel as an all-sum of the pair
+# (transport/collective.py), not over the ring: the hop out of rank 0, and the hop back
+# to it. Rank 0 decides per step (a cluster of 2 ranks has no other hops).
+FLAG_COLLECTIVE_OUT = 1 << 5
+FLAG_COLLECTIVE_BACK = 1 << 6
+FLAGS_COLLECTIVE = FLAG_COLLECTIVE_OUT | FLAG_COLLECTIVE_BACK
 
 # Payload kinds.
 PAYLOAD_NONE = 0

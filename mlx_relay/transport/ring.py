@@ -49,10 +49,12 @@ def dtype_name(dtype: mx.Dtype) -> str:
 # (collective.py), on CUDA over NCCL on the GPU's streams: nothing is settled, and a
 # rank's kernels wait for their input on the device. ADAPTIVE (two ranks): timed as
 # EAGER; a step launched while no other is in flight (single-stream decode) hops
-# collectively, one launched beside others (load, a long prompt's chunks) hops as an
-# EAGER one: two collective steps in flight did not overlap on CUDA (bench/RESULTS.md,
-# session 12). The header says which (FLAG_COLLECTIVE), so every rank does alike, and
-# each transport keeps its steps in launch order.
+# collectively both ways, one launched beside others (load, a long prompt's chunks)
+# collectively out of rank 0 and back over the ring as an EAGER hop: two collective
+# steps in flight did not overlap on CUDA, and with collective returns under load a run
+# stalled (bench/RESULTS.md, sessions 12 and 13). The header says which hops are
+# all-sums (FLAGS_COLLECTIVE), so every rank does alike, and each transport keeps its
+# own order.
 EAGER = "eager"
 READY = "ready"
 COLLECTIVE = "collective"
@@ -72,8 +74,9 @@ def choose_hop_mode(
 
     AUTO gives such a pair ADAPTIVE hops: a lone step hops collectively, and a token
     costs what one process's does (two H100s, Llama-3-8B's shape, single stream: 0.98 of
-    mlx-lm against EAGER's 0.67), while steps in flight together hop eagerly (COLLECTIVE
-    for all of them: 16 streams 269 tok/s against EAGER's 405; bench/RESULTS.md).
+    mlx-lm against EAGER's 0.67), while steps in flight together return over the ring
+    (16 streams on two H200s: 399-408 tok/s against EAGER's 374-383; COLLECTIVE on two
+    H100s 264-280 against EAGER's 405-413; bench/RESULTS.md).
     Elsewhere AUTO picks EAGER where what it costs is free and it was seen to pay. Its
     receives run on CPU streams of their own, which MPI does not allow (MLX's plain
     MPI_Init is not thread-safe). A posted receive spins one core, so a rank needs
@@ -153,16 +156,28 @@ class Ring:
         self._streams = threading.local()
 
     def choose_path(self, header: hdr.StepHeader, *, alone: bool) -> None:
-        """Rank 0, launching a step (`alone`: no other step is in flight): mark it in its
-        header if its payloads hop collectively (COLLECTIVE: all; ADAPTIVE: a lone one)."""
-        header.flags &= ~hdr.FLAG_COLLECTIVE  # (a second lap's header is its first's copy)
+        """Rank 0, launching a step (`alone`: no other step is in flight): mark in its
+        header which of its hops are all-sums (COLLECTIVE: both; ADAPTIVE: both for a
+        lone step, else the hop out of rank 0, whose receiver then launches its part at
+        once, with no wait on its host, while rank 0 settles a return from the ring)."""
+        header.flags &= ~hdr.FLAGS_COLLECTIVE  # (a second lap's header is its first's copy)
         if self.mode == COLLECTIVE or (self.mode == ADAPTIVE and alone):
-            header.flags |= hdr.FLAG_COLLECTIVE
+            header.flags |= hdr.FLAGS_COLLECTIVE
             timeline.mark("collective", header.step_id)
+        elif self.mode == ADAPTIVE:
+            header.flags |= hdr.FLAG_COLLECTIVE_OUT
 
-    def collective(self, header: hdr.StepHeader) -> bool:
-        """Whether the step's payloads hop collectively (its header says so)."""
-        if not header.flags & hdr.FLAG_COLLECTIVE:
+    def sends_collectively(self, header: hdr.StepHeader) -> bool:
+        """Whether this rank's hop of the step is an all-sum (its header says so)."""
+        return self._collective(header, self.rank)
+
+    def receives_collectively(self, header: hdr.StepHeader) -> bool:
+        """Whether the hop of the step into this rank is an all-sum."""
+        return self._collective(header, self.prev)
+
+    def _collective(self, header: hdr.StepHeader, sender: int) -> bool:
+        flag = hdr.FLAG_COLLECTIVE_OUT if sender == 0 else hdr.FLAG_COLLECTIVE_BACK
+        if not header.flags & flag:
             return False
         if self.payloads is None:
             raise hdr.ProtocolError(
@@ -204,7 +219,7 @@ class Ring:
             return None
         if payload is None or tuple(payload.shape) != shape:
             raise hdr.ProtocolError(f"{header.describe()} announces a payload of shape {shape}")
-        return self._post_send(payload, self.collective(header))
+        return self._post_send(payload, self.sends_collectively(header))
 
     def send(
         self,
@@ -219,7 +234,7 @@ class Ring:
         checked first, so a mismatch never leaves half a step on the wire. `reads`: the
         receives the payload's graph reads, settled before it is launched (unless the
         step hops collectively: its receives are waited for on the device)."""
-        collective = self.collective(header)
+        collective = self.sends_collectively(header)
         shape = hdr.payload_nbytes_shape(header)
         if shape and (payload is None or tuple(payload.shape) != shape):
             raise hdr.ProtocolError(f"{header.describe()} announces a payload of shape {shape}")
@@ -233,7 +248,7 @@ class Ring:
             timeline.mark("computed", header.step_id)
         self.send_header(header)
         timeline.mark("header_sent", header.step_id)
-        if self.eager and not collective:
+        if self.eager and not self.receives_collectively(header):
             self.settle(*reads)
             timeline.mark("settled", header.step_id)
         posted = self.send_payload(header, payload)
@@ -270,7 +285,7 @@ class Ring:
         self, shape: tuple[int, ...], dtype: str, *, collective: bool = False
     ) -> mx.array | None:
         """Post the receive of a payload of known shape (None for no payload);
-        `collective`: its step hops collectively (`collective(header)`)."""
+        `collective`: its hop is an all-sum (`receives_collectively`)."""
         if not shape:
             return None
         stream = self._stream("recv", collective)
@@ -286,7 +301,7 @@ class Ring:
 
     def post_recv_sides(self, header: hdr.StepHeader) -> list[mx.array]:
         """Post the receives of the side arrays the header lists, after its payload's."""
-        collective = self.collective(header)
+        collective = self.receives_collectively(header)
         return [
             self.post_recv_payload(side.shape, side.dtype, collective=collective)
             for side in header.sides

@@ -79,7 +79,7 @@ class Worker:
                 payload = self.ring.post_recv_payload(
                     hdr.payload_nbytes_shape(header),
                     header.payload_dtype,
-                    collective=self.ring.collective(header),
+                    collective=self.ring.receives_collectively(header),
                 )
                 # (side arrays: received after the payload, passed on as far as later
                 # ranks need them; the last rank sends none back. Most models' steps
