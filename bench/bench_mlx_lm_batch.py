@@ -6,8 +6,9 @@
 bench_concurrency.py compares N ranks with one rank serving the same streams; this says
 whether one rank's cost per batched step is the engine's or the hardware's: mlx-lm's own
 BatchGenerator (`batch_generate`) decodes the same chat prompt for C streams at once in
-one process, and the decode tokens per second it reports are printed per C. `--shape` is
-as in bench_pipeline.py; `--gpus` runs it on CUDA GPU 0.
+one process, and the decode tokens per second it reports are printed per C: the second of
+two runs, as the first at a new batch size compiles its kernels (on CUDA a first run of 8
+streams took 33 s). `--shape` is as in bench_pipeline.py; `--gpus` runs it on CUDA GPU 0.
 """
 
 from __future__ import annotations
@@ -48,10 +49,10 @@ def main() -> int:
     )
     ids = tok.encode(text, add_special_tokens=False)
     tok.eos_token_ids = set()  # like ignore_eos: every stream generates --tokens
-    batch_generate(model, tok, [ids] * 2, max_tokens=8)  # (kernels compiled, memory warm)
     print(f"model {args.model}  prompt {len(ids)} tokens  tokens/stream {args.tokens}")
     print(f"{'streams':>8} {'decode tok/s':>14} {'wall s':>8}")
     for streams in (int(c) for c in args.streams.split(",")):
+        batch_generate(model, tok, [ids] * streams, max_tokens=args.tokens)  # (compiles)
         t0 = time.perf_counter()
         response = batch_generate(model, tok, [ids] * streams, max_tokens=args.tokens)
         wall = time.perf_counter() - t0
