@@ -6,14 +6,25 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from oracle import chat_request, chat_tokens, mlx_lm_tokens
 
 from mlx_relay.errors import UserError
 from mlx_relay.launch import preflight
+from mlx_relay.protocol import header as hdr
 from mlx_relay.protocol import relay_pb2 as pb
-from mlx_relay.transport.collective import on_gpus_of_their_own
-from mlx_relay.transport.ring import ADAPTIVE, AUTO, COLLECTIVE, EAGER, READY, choose_hop_mode
+from mlx_relay.transport.collective import PayloadGroups, on_gpus_of_their_own
+from mlx_relay.transport.ring import (
+    ADAPTIVE,
+    AUTO,
+    COLLECTIVE,
+    EAGER,
+    PAIRED_MODES,
+    READY,
+    Ring,
+    choose_hop_mode,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import timeline_report  # noqa: E402
@@ -81,6 +92,29 @@ def test_settled_receives_keep_tokens_exact(tiny_model, cluster_factory, hops, t
     assert "settled receives" in running.logs()
     running.stop()  # (each rank writes the rest of its timeline as it exits)
     _check_timelines(timelines, ranks=3, hops=hops)
+
+
+@pytest.mark.parametrize(
+    ("mode", "alone", "expected"),
+    [
+        (ADAPTIVE, True, hdr.FLAGS_COLLECTIVE),  # single-stream decode: both hops all-sums
+        (ADAPTIVE, False, hdr.FLAG_COLLECTIVE_OUT),  # beside others: back over the ring
+        (COLLECTIVE, False, hdr.FLAGS_COLLECTIVE),
+        (EAGER, True, 0),
+    ],
+)
+def test_rank_0_marks_which_hops_of_a_step_are_all_sums(mode, alone, expected):
+    group = mx.distributed.init()  # (this process alone: rank 0)
+    payloads = PayloadGroups(group, group, separate_streams=False) if mode in PAIRED_MODES else None
+    ring = Ring(group, doorbell=None, mode=mode, payloads=payloads)
+    header = hdr.StepHeader(cmd=hdr.CMD_FORWARD, flags=hdr.FLAG_COLLECTIVE_BACK)  # (stale)
+    ring.choose_path(header, alone=alone)
+    assert header.flags & hdr.FLAGS_COLLECTIVE == expected
+    assert ring.sends_collectively(header) == bool(expected)
+    if mode == EAGER:  # a rank whose hops are all over the ring refuses an all-sum
+        header.flags |= hdr.FLAG_COLLECTIVE_OUT
+        with pytest.raises(hdr.ProtocolError, match="hops collectively, but this rank"):
+            ring.sends_collectively(header)
 
 
 @pytest.mark.parametrize("mode", [COLLECTIVE, ADAPTIVE])

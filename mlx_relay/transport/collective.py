@@ -16,7 +16,9 @@ neither rank's stream holds a collective that waits for the other's later work (
 communicator on one stream per rank makes rank 0's next layers wait for the last step's
 return). That is meant to let two steps in flight overlap; with MLX's CUDA graphs (on
 by default) they still did not, and without them they mostly did (bench/RESULTS.md,
-session 12): collective hops win single-stream decode, not throughput under load.
+session 12): collective hops win single-stream decode, not throughput under load, so
+adaptive hops (ring.py) use them for a step alone in flight, and for the hop out of rank
+0 of the others.
 Elsewhere (the ring backend on a CPU, what the tests run) both directions share the
 ring group and the default stream, in the order they are posted.
 """
