@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_concurrency.py [--model default | --shape NAME] [--tokens 48]
         [--streams 1,2,4,8] [--ranks 1,2,3] [--idle-seconds 30] [--gpus G]
-        [--hop-modes auto] [--mlx-lm-server]
+        [--hop-modes auto] [--steps-in-flight 0] [--mlx-lm-server]
 
 Each rank is pinned to its own core (rank i -> core i mod cores) and stands for one
 machine. Throughput is measured in the steady state: from the moment every stream has
@@ -11,7 +11,8 @@ that window. Pipelining efficiency compares C streams on N ranks with N times on
 serving C/N streams, so batching alone does not count; the speed-up over one rank
 serving the same C streams is printed too. `--shape` and `--gpus` are as in
 bench_pipeline.py (a random-weight model of a real shape; rank r on GPU r mod G).
-`--hop-modes eager,ready` runs each multi-rank size once per hop mode. `--mlx-lm-server`
+`--hop-modes eager,ready` runs each multi-rank size once per hop mode, and
+`--steps-in-flight 0,3` once per value of the server's option (0: one step a rank). `--mlx-lm-server`
 adds mlx-lm's own distributed server (`mlx_lm.server --pipeline`, one process per rank on
 the same ring backend and GPUs, streams over its OpenAI HTTP API) at the largest rank
 count, for the same streams.
@@ -114,13 +115,19 @@ def idle_cpu(cluster: LocalCluster, seconds: float) -> list[float]:
 
 
 def start(
-    model: str, n: int, layers: str, gpus: int, max_active: int, hop_mode: str = "auto"
+    model: str,
+    n: int,
+    layers: str,
+    gpus: int,
+    max_active: int,
+    hop_mode: str = "auto",
+    steps_in_flight: int = 0,
 ) -> tuple[LocalCluster, Client]:
     address = f"127.0.0.1:{free_ports(1)[0]}"
     logs = Path(tempfile.mkdtemp(prefix="bench-logs-"))
     # Without the prompt cache: the streams repeat one prompt, and this measures scheduling.
     serve = ["--model", model, "--max-active", str(max_active), "--no-prompt-cache"]
-    serve += ["--hop-mode", hop_mode]
+    serve += ["--hop-mode", hop_mode, "--steps-in-flight", str(steps_in_flight)]
     serve += ["--layers", layers] if layers else []
     cluster = LocalCluster(
         n,
@@ -257,6 +264,12 @@ def main() -> int:
         help="comma-separated --hop-mode values: each multi-rank size runs once per mode",
     )
     ap.add_argument(
+        "--steps-in-flight",
+        default="0",
+        help="comma-separated --steps-in-flight values (0: one a rank): each multi-rank "
+        "size runs once per value and hop mode",
+    )
+    ap.add_argument(
         "--mlx-lm-server",
         action="store_true",
         help="also run mlx_lm.server --pipeline at the largest rank count",
@@ -267,17 +280,24 @@ def main() -> int:
     streams = [int(x) for x in args.streams.split(",")]
     ranks = [int(x) for x in args.ranks.split(",")]
     modes = args.hop_modes.split(",")
+    depths = [int(x) for x in args.steps_in_flight.split(",")]
     print(f"model {args.model}  tokens/stream {args.tokens}  cores {psutil.cpu_count()}")
 
     splits = dict(item.split("=", 1) for item in args.layers)
     table: dict[tuple[str, int], float] = {}
     rows: dict[str, int] = {}  # row label -> its rank count
-    configs = [(size, mode) for size in ranks for mode in (modes if size > 1 else ["auto"])]
-    for n, mode in configs:
+    configs = [
+        (size, mode, depth)
+        for size in ranks
+        for mode in (modes if size > 1 else ["auto"])
+        for depth in (depths if size > 1 else [0])
+    ]
+    for n, mode, depth in configs:
         row = f"{n}" + (f" {mode}" if n > 1 and len(modes) > 1 else "")
+        row += f" {depth} in flight" if n > 1 and len(depths) > 1 else ""
         rows[row] = n
         cluster, client = start(
-            args.model, n, splits.get(str(n), "balanced"), args.gpus, args.max_active, mode
+            args.model, n, splits.get(str(n), "balanced"), args.gpus, args.max_active, mode, depth
         )
         try:
             # One rank also serves C/N streams: the pipelining efficiency's reference.
@@ -285,7 +305,7 @@ def main() -> int:
             for c in sorted(set(streams) | shares) if n == 1 else streams:
                 table[(row, c)] = steady_throughput(client, c, args.tokens)
                 print(f"  {row} rank(s), {c} stream(s): {table[(row, c)]:.2f} tok/s", flush=True)
-            if n == max(ranks) and mode == modes[0]:
+            if n == max(ranks) and mode == modes[0] and depth == depths[0]:
                 idle, loaded = ttft_under_load(client, 4, args.tokens * 4)
                 print(
                     f"\nTTFT of a 1-token request on {n} ranks: idle {idle * 1000:.0f} ms, "

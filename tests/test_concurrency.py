@@ -51,16 +51,24 @@ def _collect(client, request, cancel_after: int | None, out: dict, key: int) -> 
     out[key] = (tokens, "".join(text), finish)
 
 
-@pytest.fixture(scope="module", params=["auto", "eager"], ids=lambda m: f"{m}-hops")
+@pytest.fixture(
+    scope="module",
+    params=[("auto", 0), ("eager", 0), ("eager", 4)],
+    ids=lambda p: f"{p[0]}-hops" + (f"-{p[1]}-in-flight" if p[1] else ""),
+)
 def busy_cluster(tiny_model, tmp_path_factory, request):
-    """Three ranks, many groups in flight; eager hops too (auto is ready on 2 cores)."""
+    """Three ranks, many groups in flight; eager hops too (auto is ready on 2 cores), and
+    one step more in flight than there are ranks (--steps-in-flight 4)."""
     model = tiny_model("llama", 7)
+    hops, in_flight = request.param
     running = start_cluster(
         model,
         3,
         tmp_path_factory.mktemp("logs"),
         "--hop-mode",
-        request.param,
+        hops,
+        "--steps-in-flight",
+        str(in_flight),
         "--max-active",
         "8",
         "--max-queue",

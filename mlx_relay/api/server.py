@@ -41,7 +41,11 @@ LOOPBACK = ("127.0.0.1", "localhost", "[::1]", "unix:")
 
 def run(args, ring: Ring | None, hub: ControlHub | None) -> int:
     pipeline = Pipeline(
-        ring, hub, heartbeat_timeout=args.heartbeat_timeout, step_timeout=args.step_timeout
+        ring,
+        hub,
+        heartbeat_timeout=args.heartbeat_timeout,
+        step_timeout=args.step_timeout,
+        steps_in_flight=args.steps_in_flight,
     )
     engine = Engine(
         pipeline,

@@ -173,8 +173,8 @@ class Engine:
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
         self.default_max_tokens = default_max_tokens
-        self.max_in_flight = max(1, pipeline.world_size)
-        n_groups = max(pipeline.world_size, math.ceil(max_active / hdr.MAX_SEQS))
+        self.max_in_flight = max(1, pipeline.depth)
+        n_groups = max(pipeline.depth, math.ceil(max_active / hdr.MAX_SEQS))
         self.tokenizer: Any = None
         self.markup: ChatMarkup | None = None  # its chat markup, resolved once at load
         self.context_length = 0

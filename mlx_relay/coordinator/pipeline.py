@@ -128,12 +128,16 @@ class Pipeline:
         *,
         heartbeat_timeout: float = 3.0,
         step_timeout: float = 0.0,
+        steps_in_flight: int = 0,
     ) -> None:
         self.ring = ring
         self.hub = hub
         self.heartbeat_timeout = heartbeat_timeout
         self.step_timeout = step_timeout
         self.world_size = ring.size if ring else 1
+        # Steps round the ring at once (0: one a rank). More than one a rank keeps a
+        # rank's device busy while its host waits for a return and launches what reads it.
+        self.depth = steps_in_flight if steps_in_flight and self.world_size > 1 else self.world_size
         self.shard: sharding.Shard | None = None
         self.loaded: LoadedModel | None = None
         self.caches: SlotCaches | None = None
@@ -421,11 +425,11 @@ class Pipeline:
 
     @property
     def in_flight_limit(self) -> int:
-        """How many steps may be round the ring at once: one a rank, or one for a model
+        """How many steps may be round the ring at once: `depth`, or one for a model
         whose steps go round twice (the second lap starts from the first's return)."""
         if self.shard is not None and self.shard.passes == 2:
             return 1
-        return self.world_size
+        return self.depth
 
     def complete_all(self) -> None:
         """Let every step in flight come back (before a command, or when giving up)."""

@@ -65,6 +65,18 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("--max-active", dict(type=int, default=8, help="sequences decoding at once")),
     ("--max-queue", dict(type=int, default=64, help="requests waiting beyond that")),
     (
+        "--steps-in-flight",
+        dict(
+            type=int,
+            default=0,
+            choices=range(9),
+            metavar="{0..8}",
+            help="steps round the ring at once, the decoding sequences split into as many "
+            "groups (default 0: one a rank); one more than the ranks keeps each rank's "
+            "device busy while its host waits for a return and launches the next step",
+        ),
+    ),
+    (
         "--max-context",
         dict(
             type=int,
