@@ -233,7 +233,7 @@ class Ring:
         what was posted, to be kept alive until it ran. What the header announces is
         checked first, so a mismatch never leaves half a step on the wire. `reads`: the
         receives the payload's graph reads, settled before it is launched (unless the
-        step hops collectively: its receives are waited for on the device)."""
+        hop into this rank is an all-sum: its receives are waited for on the device)."""
         collective = self.sends_collectively(header)
         shape = hdr.payload_nbytes_shape(header)
         if shape and (payload is None or tuple(payload.shape) != shape):
