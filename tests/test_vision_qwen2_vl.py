@@ -81,10 +81,11 @@ def test_workers_hold_no_vision_tower(models):
     assert shard.vision and "vision_tower" not in shard.model
 
 
-@pytest.fixture(scope="module", params=["eager", "ready"])
+@pytest.fixture(scope="module", params=["eager", "ready", "adaptive"])
 def cluster(request, models, tmp_path_factory):
     """Two ranks in each hop mode: eager posts every receive (side arrays included) when
-    the header arrives, so their shapes must be in it; ready posts them once sent."""
+    the header arrives, so their shapes must be in it; ready posts them once sent;
+    adaptive sends a step's side arrays the way its header says its payload goes."""
     hops = request.param
     running = start_cluster(
         models[CLUSTER_FAMILY],
