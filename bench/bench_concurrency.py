@@ -294,7 +294,7 @@ def main() -> int:
     ]
     for n, mode, depth in configs:
         row = f"{n}" + (f" {mode}" if n > 1 and len(modes) > 1 else "")
-        row += f" {depth} in flight" if n > 1 and len(depths) > 1 else ""
+        row += f" {depth or n} in flight" if n > 1 and len(depths) > 1 else ""
         rows[row] = n
         cluster, client = start(
             args.model, n, splits.get(str(n), "balanced"), args.gpus, args.max_active, mode, depth
