@@ -123,11 +123,16 @@ def test_conversations_sharing_a_system_prompt_keep_their_own_caches(tiny_model,
     assert list(reply.token_ids) == expected
 
 
-@pytest.mark.parametrize("hops", ["auto", "eager"])
-def test_reuse_survives_concurrent_decoding(tiny_model, cluster_factory, hops):
-    """Caches parked out of a batched decode group are the sequence's own rows."""
+@pytest.mark.parametrize(
+    "options",
+    [("auto",), ("eager",), ("eager", "--steps-in-flight", "4")],
+    ids=["auto", "eager", "eager-4-in-flight"],
+)
+def test_reuse_survives_concurrent_decoding(tiny_model, cluster_factory, options):
+    """Caches parked out of a batched decode group are the sequence's own rows (also with
+    a group and a step in flight more than there are ranks)."""
     model = tiny_model("qwen3", 4)
-    running = cluster_factory(model, 3, "--hop-mode", hops)
+    running = cluster_factory(model, 3, "--hop-mode", *options)
     prompts = [
         [{"role": "user", "content": f"Question {i}: why is the sky blue?"}] for i in range(4)
     ]
