@@ -129,7 +129,7 @@ def test_collective_hops_join_two_ranks_only(mode):
 @pytest.mark.parametrize("hops", [COLLECTIVE, ADAPTIVE])
 def test_collective_hops_keep_tokens_exact(tiny_model, cluster_factory, hops, tmp_path):
     """Each payload an all-sum of the pair (on CUDA over NCCL; here the ring backend's),
-    or with adaptive hops only a step's alone in flight, the others over the ring:
+    or with adaptive hops a lone step's both ways and the others' only out of rank 0:
     concurrent chats, a long prompt in chunks, sampled and penalised rows, tokens equal
     to mlx-lm's. Loading the model and shutting down travel the same hops."""
     model = tiny_model("llama", 6)
