@@ -494,7 +494,7 @@ def test_kill_9_of_the_middle_rank_of_three(model, clusters, hops):
     )
 
 
-@pytest.mark.parametrize("hops", ["auto", "eager", "collective", "adaptive"])
+@pytest.mark.parametrize("hops", ["auto", "eager", "collective"])
 def test_sigstop_of_a_worker_mid_stream(model, clusters, hops):
     running = clusters(model, 2, "--hop-mode", hops)
     rank0, worker = running.cluster.procs
