@@ -55,11 +55,7 @@ def rank_main(args: argparse.Namespace) -> None:
     if rank == 1:
         for _ in range(args.trips + args.warmup):
             back = ring.recv_header()
-            payload = ring.post_recv_payload(
-                hdr.payload_nbytes_shape(back),
-                back.payload_dtype,
-                collective=ring.receives_collectively(back),
-            )
+            payload = ring.post_recv_payload(back)
             sent = ring.send(back, payload + 1, reads=[payload])
         mx.eval(sent)  # the last send has left before this process does
         return
@@ -71,11 +67,7 @@ def rank_main(args: argparse.Namespace) -> None:
         ring.choose_path(header, alone=True)
         ring.send(header, x + 1)
         back = ring.recv_header()
-        x = ring.post_recv_payload(
-            hdr.payload_nbytes_shape(back),
-            back.payload_dtype,
-            collective=ring.receives_collectively(back),
-        )
+        x = ring.post_recv_payload(back)
         mx.eval(x)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)

@@ -484,11 +484,7 @@ class Pipeline:
         back = hdr.returned(step.header, self._returned_width(step.header))
         try:
             step.posted = self.ring.send(step.header, payload, step.sides)
-            step.returned = self.ring.post_recv_payload(
-                hdr.payload_nbytes_shape(back),
-                back.payload_dtype,
-                collective=self.ring.receives_collectively(back),
-            )
+            step.returned = self.ring.post_recv_payload(back)
         except RuntimeError as e:
             # The header is out: whatever failed, the ring is no longer in step.
             broken = self._ring_broken(e, self.ring.next)
@@ -560,7 +556,7 @@ class Pipeline:
         out, step.returned = step.returned, None
         if not self.ring.eager:
             try:
-                out = self.ring.post_recv_payload(shape, back.payload_dtype)
+                out = self.ring.post_recv_payload(back)
             except RuntimeError as e:
                 raise self._ring_broken(e, self.ring.prev) from e
         if back.error_mask:

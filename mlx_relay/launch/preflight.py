@@ -81,8 +81,9 @@ def check_hop_mode(mode: str, n: int) -> None:
     """Collective (and adaptive) hops are all-sums of the pair a hop joins: a cluster of 2
     ranks."""
     from mlx_relay.transport.collective import check_pair
+    from mlx_relay.transport.ring import PAIRED_MODES
 
-    if mode in ("collective", "adaptive"):
+    if mode in PAIRED_MODES:
         try:
             check_pair(n)
         except ValueError as e:

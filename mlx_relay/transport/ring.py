@@ -281,11 +281,21 @@ class Ring:
         """The next header from the left neighbour; DoorbellTimeout after `timeout` s."""
         return hdr.decode(np.frombuffer(self.doorbell.wait(timeout), dtype=np.int32))
 
-    def post_recv_payload(
-        self, shape: tuple[int, ...], dtype: str, *, collective: bool = False
-    ) -> mx.array | None:
-        """Post the receive of a payload of known shape (None for no payload);
-        `collective`: its hop is an all-sum (`receives_collectively`)."""
+    def post_recv_payload(self, header: hdr.StepHeader) -> mx.array | None:
+        """Post the receive of the payload the header announces (None for no payload),
+        over the ring or as an all-sum, as the header says."""
+        return self._post_recv(
+            hdr.payload_nbytes_shape(header),
+            header.payload_dtype,
+            self.receives_collectively(header),
+        )
+
+    def post_recv_sides(self, header: hdr.StepHeader) -> list[mx.array]:
+        """Post the receives of the side arrays the header lists, after its payload's."""
+        collective = self.receives_collectively(header)
+        return [self._post_recv(side.shape, side.dtype, collective) for side in header.sides]
+
+    def _post_recv(self, shape: tuple[int, ...], dtype: str, collective: bool) -> mx.array | None:
         if not shape:
             return None
         stream = self._stream("recv", collective)
@@ -298,14 +308,6 @@ class Ring:
             )
         mx.async_eval(payload)
         return payload
-
-    def post_recv_sides(self, header: hdr.StepHeader) -> list[mx.array]:
-        """Post the receives of the side arrays the header lists, after its payload's."""
-        collective = self.receives_collectively(header)
-        return [
-            self.post_recv_payload(side.shape, side.dtype, collective=collective)
-            for side in header.sides
-        ]
 
 
 def zip_sides(

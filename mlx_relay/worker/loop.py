@@ -76,11 +76,7 @@ class Worker:
             self.link.state = "busy"
             started = time.perf_counter()
             try:
-                payload = self.ring.post_recv_payload(
-                    hdr.payload_nbytes_shape(header),
-                    header.payload_dtype,
-                    collective=self.ring.receives_collectively(header),
-                )
+                payload = self.ring.post_recv_payload(header)
                 # (side arrays: received after the payload, passed on as far as later
                 # ranks need them; the last rank sends none back. Most models' steps
                 # have none.)
