@@ -75,23 +75,11 @@ def test_settled_receives_keep_tokens_exact(tiny_model, cluster_factory, hops, t
     """The CUDA path (each receive waited for before the kernels reading it launch), run
     on the CPU: concurrent chats, a long prompt in chunks, tokens equal to mlx-lm's. Each
     rank's timeline (MLX_RELAY_TIMELINE) records the steps in causal order."""
-    model = tiny_model("llama", 6)
-    timelines = tmp_path / "timelines"
-    running = cluster_factory(
-        model,
-        3,
-        "--hop-mode",
-        hops,
-        "--prefill-chunk",
-        "16",
-        env={"MLX_RELAY_SETTLE_RECEIVES": "1", "MLX_RELAY_TIMELINE": str(timelines)},
-    )
     # Rank 0 builds its next step before settling a return: sampled rows and logits
     # processors are built on the unsettled return too.
-    _chats_equal_mlx_lm(running, model)
-    assert "settled receives" in running.logs()
-    running.stop()  # (each rank writes the rest of its timeline as it exits)
-    _check_timelines(timelines, ranks=3, hops=hops)
+    env = {"MLX_RELAY_SETTLE_RECEIVES": "1"}
+    logs = _timed_chats(tiny_model("llama", 6), cluster_factory, 3, hops, tmp_path, env)
+    assert "settled receives" in logs
 
 
 @pytest.mark.parametrize(
@@ -132,21 +120,29 @@ def test_collective_hops_keep_tokens_exact(tiny_model, cluster_factory, hops, tm
     or with adaptive hops a lone step's both ways and the others' only out of rank 0:
     concurrent chats, a long prompt in chunks, sampled and penalised rows, tokens equal
     to mlx-lm's. Loading the model and shutting down travel the same hops."""
-    model = tiny_model("llama", 6)
+    logs = _timed_chats(tiny_model("llama", 6), cluster_factory, 2, hops, tmp_path)
+    assert f"{hops} hops" in logs and "settled receives" not in logs
+
+
+def _timed_chats(model, cluster_factory, ranks: int, hops: str, tmp_path, env=None) -> str:
+    """A cluster of `ranks` with `hops` hops and prefill chunks of 16, each rank keeping
+    a timeline: its chats equal mlx-lm's and its timelines are in causal order. Returns
+    the ranks' logs."""
     timelines = tmp_path / "timelines"
     running = cluster_factory(
         model,
-        2,
+        ranks,
         "--hop-mode",
         hops,
         "--prefill-chunk",
         "16",
-        env={"MLX_RELAY_TIMELINE": str(timelines)},
+        env={**(env or {}), "MLX_RELAY_TIMELINE": str(timelines)},
     )
     _chats_equal_mlx_lm(running, model)
-    assert f"{hops} hops" in running.logs() and "settled receives" not in running.logs()
-    running.stop()
-    _check_timelines(timelines, ranks=2, hops=hops)
+    logs = running.logs()
+    running.stop()  # (each rank writes the rest of its timeline as it exits)
+    _check_timelines(timelines, ranks=ranks, hops=hops)
+    return logs
 
 
 def _chats_equal_mlx_lm(running, model) -> None:
