@@ -103,9 +103,14 @@ class Baseline:
         self.proc.wait(30)
 
 
+# The machine's cores, read before this process pins itself to core 0 (main): read
+# after, every rank would be given core 0.
+MACHINE_CORES = sorted(os.sched_getaffinity(0))
+
+
 def core_set(rank: int, per_rank: int) -> list[int]:
     """Rank r's cores: the r-th run of `per_rank` cores, wrapping round the machine."""
-    cores = sorted(os.sched_getaffinity(0))
+    cores = MACHINE_CORES
     return [cores[(rank * per_rank + i) % len(cores)] for i in range(per_rank)]
 
 
