@@ -51,7 +51,6 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
 
     print(f"model {args.model}  ranks {args.ranks}  rounds {args.rounds}  cores {os.cpu_count()}")
     configs = {"prompt cache": [], "no prompt cache": ["--no-prompt-cache"]}
@@ -73,6 +72,9 @@ def main() -> int:
             stack.enter_context(cluster)
             cluster.wait_serving(600)
             clients[label] = stack.enter_context(Client(address, timeout=900))
+        # This process (the client) to core 0 only now: pinned sooner, the clusters it
+        # starts would inherit core 0 and pin every rank to it.
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
         for i in range(args.rounds):
             first = [
                 {"role": "system", "content": SYSTEM},
