@@ -72,8 +72,8 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
             choices=range(9),
             metavar="{0..8}",
             help="steps round the ring at once, the decoding sequences split into as many "
-            "groups (default 0: one a rank); one more than the ranks is meant to keep each "
-            "rank's GPU busy while its host waits for a return and launches the next step",
+            "groups (default 0: one a rank); more than the ranks measured slower on two "
+            "H200s and on a CPU (smaller batches), left for devices not yet measured",
         ),
     ),
     (
