@@ -114,11 +114,15 @@ def core_set(rank: int, per_rank: int) -> list[int]:
     return [cores[(rank * per_rank + i) % len(cores)] for i in range(per_rank)]
 
 
-def pin_all_threads(pid: int, cores: list[int]) -> None:
+def pin_all_threads(pid: int, cores: list[int]) -> list[int]:
     """Pin every thread of a running process (MLX's stream and ring threads included:
-    `sched_setaffinity` on the pid alone moves only the main thread)."""
+    `sched_setaffinity` on the pid alone moves only the main thread); returns the cores
+    its threads are on, read back, for the run's log."""
+    on: set[int] = set()
     for tid in os.listdir(f"/proc/{pid}/task"):
         os.sched_setaffinity(int(tid), cores)
+        on |= os.sched_getaffinity(int(tid))
+    return sorted(on)
 
 
 def gpu_env(rank: int, gpus: int) -> dict[str, str]:
@@ -205,11 +209,12 @@ def main() -> int:
                 )
             )
             cluster.wait_serving(600)
-            for rank, proc in enumerate(cluster.procs if per_rank else []):
-                pin_all_threads(proc.pid, core_set(rank, per_rank))
             client = stack.enter_context(Client(address, timeout=600))
             label = f"mlx-relay {n} rank{'s' if n > 1 else ''}"
             label += f" {mode}" if len(modes) > 1 and n > 1 else ""
+            for rank, proc in enumerate(cluster.procs if per_rank else []):
+                on = pin_all_threads(proc.pid, core_set(rank, per_rank))
+                print(f"{label}: rank {rank}'s threads on core(s) {on}", file=sys.stderr)
             runners[label] = lambda c=client: cluster_run(c, args.tokens, prompt)
         for run in runners.values():  # warm-up
             run()
