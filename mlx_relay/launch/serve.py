@@ -343,7 +343,15 @@ def _serve(args: argparse.Namespace) -> int:
         except ValueError as e:
             return _fatal(rank, UserError(str(e)))
         ring = Ring(group, doorbell, mode, payloads=payloads)
-        log.info("rank %d: %s hops%s", rank, mode, ", settled receives" if ring.settles else "")
+        log.info(
+            "rank %d: %s hops%s%s",
+            rank,
+            mode,
+            ", settled receives" if ring.settles else "",
+            f", ring arrays released every {ring.release_every} steps"
+            if ring.release_every
+            else "",
+        )
     endpoint = control_endpoint(args, hosts)
     if rank == 0:
         return _run_rank0(args, ring, endpoint, secret, layer_counts)
