@@ -340,9 +340,9 @@ def _serve(args: argparse.Namespace) -> int:
         doorbell = Doorbell(rank, size, doorbell_endpoints(size, hosts), secret)
         try:
             payloads = payload_groups(group, hosts[0], tags) if mode in PAIRED_MODES else None
+            ring = Ring(group, doorbell, mode, payloads=payloads)
         except ValueError as e:
             return _fatal(rank, UserError(str(e)))
-        ring = Ring(group, doorbell, mode, payloads=payloads)
         log.info(
             "rank %d: %s hops%s%s",
             rank,

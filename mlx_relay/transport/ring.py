@@ -116,7 +116,10 @@ def release_every() -> int:
     under load (bench/RESULTS.md, session 14). Held and dropped together every N steps,
     that wait comes once in N steps.
     """
-    return max(0, int(os.environ.get(RELEASE_EVERY_ENV, "0")))
+    raw = os.environ.get(RELEASE_EVERY_ENV, "0")
+    if not raw.isdigit():
+        raise ValueError(f"{RELEASE_EVERY_ENV}={raw!r}: expected a number of steps (0: off)")
+    return int(raw)
 
 
 def settles_here() -> bool:
