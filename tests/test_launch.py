@@ -255,6 +255,17 @@ def test_mlx_launch_itself_with_a_localhost_hostfile(tiny_model, tmp_path):
     assert_gone(ranks)
 
 
+def test_free_ports_are_distinct_and_outside_the_kernels_own_choices():
+    """Ports picked for a cluster never repeat within a process and lie below the ephemeral
+    range, from which every outgoing connection's source port comes (a CI run once lost a
+    cluster's gRPC port to one between the pick and the bind)."""
+    from mlx_relay.launch.local import ephemeral_port_start, free_ports
+
+    picked = free_ports(40) + free_ports(40)
+    assert len(set(picked)) == 80
+    assert all(1024 < p < ephemeral_port_start() for p in picked)
+
+
 def test_local_passes_every_serve_option_on_from_one_table():
     """`local` takes serve's options and gives them back to each rank (serve_argv): what a
     rank parses equals what `local` was given, except what travels another way."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -42,8 +43,53 @@ from mlx_relay.protocol import control
 from mlx_relay.protocol.rpc import AUTH_TOKEN_ENV, DEFAULT_GRPC_ADDRESS, auth_token
 from mlx_relay.transport.doorbell import DOORBELLS_ENV
 
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PORT = 20000  # above the registered services people run on a Mac (5000, 7000, 8080)
+_handed_out: set[int] = set()
+_pick = random.SystemRandom()
+
+
+def ephemeral_port_start() -> int:
+    """Where the kernel's own port choices begin (Linux reads it, macOS and IANA: 49152)."""
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
+
 
 def free_ports(n: int) -> list[int]:
+    """`n` distinct loopback ports that bind now.
+
+    They are chosen below the kernel's ephemeral range: a port the kernel picked (bind to
+    port 0) is free only until the next outgoing connection, whose source port comes from
+    that same range, and clusters open many (ring, side channel, doorbells, clients); CI
+    once lost a test to exactly that race. No port is handed out twice by one process.
+    """
+    top = ephemeral_port_start()
+    if top - _LOWEST_PORT < 1000:  # a machine with a wide ephemeral range: let the kernel pick
+        return _kernel_ports(n)
+    ports: list[int] = []
+    for _ in range(50 * n):
+        port = _pick.randrange(_LOWEST_PORT, top)
+        if port in _handed_out or not _binds(port):
+            continue
+        _handed_out.add(port)
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise OSError(f"no {n} free loopback ports between {_LOWEST_PORT} and {top}")
+
+
+def _binds(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _kernel_ports(n: int) -> list[int]:
     socks = []
     try:
         for _ in range(n):
