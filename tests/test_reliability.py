@@ -33,6 +33,7 @@ from mlx_relay.model.memory import shard_nbytes
 from mlx_relay.protocol import control
 from mlx_relay.protocol import relay_pb2 as pb
 from mlx_relay.protocol.exits import EXIT_CLUSTER_FAILED, EXIT_RANK_FAILED
+from mlx_relay.transport.doorbell import Doorbell, DoorbellError, DoorbellTimeout, NeighbourGone
 from mlx_relay.transport.hub import ControlHub
 
 pytestmark = pytest.mark.cluster
@@ -219,6 +220,60 @@ def test_side_channel_drops_and_logs_a_message_with_a_wrong_secret(caplog):
         hub.close()
 
 
+def test_doorbells_take_their_neighbour_drop_strangers_then_stop_listening(caplog):
+    """A stranger that reaches a doorbell first (junk, or a hello signed with another
+    secret) is dropped and logged; the neighbour's signed hello is taken; headers flow
+    both ways; the port then takes no connection; a neighbour that closes is reported as a
+    broken connection, not waited on."""
+    endpoints = [f"tcp://127.0.0.1:{p}" for p in free_ports(2)]
+    bells: dict[int, Doorbell] = {}
+    threads = [
+        threading.Thread(target=lambda r=r: bells.update({r: Doorbell(r, 2, endpoints, b"k")}))
+        for r in (0, 1)
+    ]
+    threads[1].start()  # rank 1 listens, and waits for rank 0 to
+    port = int(endpoints[1].rsplit(":", 1)[1])
+    strangers = []
+    deadline = time.monotonic() + 10
+    while len(strangers) < 2:
+        try:
+            strangers.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    strangers[0].sendall(b"\xff" * 64)  # (a length no message has)
+    stranger = Doorbell.__new__(Doorbell)  # (its framing, another secret)
+    stranger.secret = b"guessed"
+    strangers[1].sendall(stranger._frame(b"doorbell 0->1"))
+    with caplog.at_level("WARNING", logger="mlx_relay.doorbell"):
+        threads[0].start()
+        for t in threads:
+            t.join(30)
+        bells[0].ring(b"step 1")
+        assert bells[1].wait(5) == b"step 1"
+        bells[1].ring(b"back")
+        assert bells[0].wait(5) == b"back"
+        with pytest.raises(DoorbellTimeout):
+            bells[0].wait(0.05)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2)
+        bells[1].dropped.flush()
+    dropped = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert dropped and all("rank 1's doorbell" in m for m in dropped), dropped
+    for s in strangers:
+        s.close()
+    bells[0].close()
+    with pytest.raises(NeighbourGone, match="connection"):
+        bells[1].wait(5)
+    bells[1].close()
+
+
+def test_a_doorbell_whose_neighbour_never_comes_says_so():
+    endpoints = [f"tcp://127.0.0.1:{p}" for p in free_ports(2)]
+    with pytest.raises(DoorbellError, match="took no connection within"):
+        Doorbell(0, 2, endpoints, b"k", timeout=0.3)
+
+
 def _flood(endpoint: str, kind: int, messages: int, identity: bytes | None = None) -> None:
     """`messages` junk zmq messages of every shape to `endpoint`, from one socket."""
     sock = zmq.Context.instance().socket(kind)
@@ -250,9 +305,9 @@ def _raw_junk(endpoint: str, connections: int = 20) -> None:
 
 
 def test_junk_on_every_port_is_dropped_quietly_and_the_cluster_serves(model, clusters):
-    """2,000 malformed messages on the side channel and on each doorbell, raw junk on
-    every port (gRPC and HTTP included): a handful of log lines, no rank hurt, tokens
-    unchanged."""
+    """2,000 malformed messages on the side channel, raw junk on every port (gRPC and HTTP
+    included): a handful of log lines, no rank hurt, tokens unchanged. The doorbells take
+    no connection at all once the ring is up."""
     http = f"127.0.0.1:{free_ports(1)[0]}"
     running = clusters(model, 2, "--http-address", http)
     client = running.client
@@ -261,10 +316,12 @@ def test_junk_on_every_port_is_dropped_quietly_and_the_cluster_serves(model, clu
     stream = client.stub.GenerateStream(request, timeout=120)  # in flight during the flood
     cluster = running.cluster
     _flood(cluster.control_endpoint, zmq.DEALER, 2000, identity=b"rank1-x")
-    for endpoint in cluster.doorbell_endpoints:
-        _flood(endpoint, zmq.PUSH, 2000)
     for endpoint in [cluster.control_endpoint, *cluster.doorbell_endpoints, cluster.grpc_address]:
         _raw_junk(endpoint if "//" in endpoint else f"tcp://{endpoint}")
+    for endpoint in cluster.doorbell_endpoints:
+        host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((host, int(port)), timeout=2).close()
     _raw_junk(f"tcp://{http}", connections=200)  # uvicorn warns once per bad request
     streamed = [t for chunk in stream for t in chunk.token_ids]
     assert streamed == list(before)
@@ -272,9 +329,9 @@ def test_junk_on_every_port_is_dropped_quietly_and_the_cluster_serves(model, clu
     assert all(p.poll() is None for p in cluster.procs)
 
     # Each source's first drop is logged at once, the rest summed up when the window ends:
-    # the side channel (rank 0) and each rank's doorbell got 2,000 from 127.0.0.1.
+    # the side channel (rank 0) got 2,000 from 127.0.0.1.
     logs = {r: running.log_dir / f"rank{r}.log" for r in (0, 1)}
-    places = {0: ["side channel", "rank 0's doorbell"], 1: ["rank 1's doorbell"]}
+    places = {0: ["side channel"], 1: []}
 
     def counted(text: str, where: str) -> int:
         first = text.count(f"{where}: dropped a message from 127.0.0.1")
@@ -309,14 +366,16 @@ def _listening(pids: list[int]) -> dict[int, set[tuple[str, int]]]:
 
 
 def test_every_listening_socket_is_on_the_hostfile_address_not_0_0_0_0(model, clusters):
-    """gRPC, side channel, doorbells, the ring: on 127.0.0.1 as the local hostfile says."""
+    """gRPC, side channel, the ring: on 127.0.0.1 as the local hostfile says. The doorbells
+    listened there only until their neighbours connected."""
     running = clusters(model, 2)
     listening = _listening(running.pids)
     cluster = running.cluster
     ports = {int(e.rsplit(":", 1)[1]) for e in [cluster.control_endpoint, cluster.grpc_address]}
-    ports |= {int(e.rsplit(":", 1)[1]) for e in cluster.doorbell_endpoints}
+    doorbells = {int(e.rsplit(":", 1)[1]) for e in cluster.doorbell_endpoints}
     every = set().union(*listening.values())
     assert {port for _, port in every} >= ports, (every, ports)
+    assert not {port for _, port in every} & doorbells, (every, doorbells)
     assert {ip for ip, _ in every} == {"127.0.0.1"}, listening
 
 
@@ -647,7 +706,7 @@ def test_load_checks_name_the_rank_and_the_cluster_can_load_again(model, cluster
     )
     assert list(response.token_ids) == mlx_lm_tokens(model, prompt, 10)
 
-    # Strangers on the network: a forged side-channel message and a junk doorbell.
+    # A stranger on the network: a forged side-channel message.
     ctx = zmq.Context.instance()
     forged = ctx.socket(zmq.DEALER)
     forged.setsockopt(zmq.IDENTITY, b"rank1-x")

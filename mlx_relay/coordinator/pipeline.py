@@ -38,7 +38,7 @@ from mlx_relay.model.split import (
 from mlx_relay.model.stage import forward_stage
 from mlx_relay.model.step_inputs import PromptInputs, pass_on
 from mlx_relay.protocol import header as hdr
-from mlx_relay.transport.doorbell import DoorbellTimeout
+from mlx_relay.transport.doorbell import DoorbellTimeout, NeighbourGone
 from mlx_relay.transport.hub import ControlHub
 from mlx_relay.transport.ring import Ring, bytes_payload, dtype_name
 
@@ -577,6 +577,8 @@ class Pipeline:
                 return self.ring.recv_header(timeout=WATCH_INTERVAL_S)
             except DoorbellTimeout:
                 pass
+            except NeighbourGone as e:
+                raise self._ring_broken(e, self.ring.prev) from e
             gone = self.hub.failure(self.heartbeat_timeout) if self.hub else None
             if gone:
                 raise ClusterFailure(gone.rank, gone.host, gone.reason)

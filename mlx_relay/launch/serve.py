@@ -320,7 +320,7 @@ def _serve(args: argparse.Namespace) -> int:
             return _fatal(rank, e)
 
     from mlx_relay.transport.collective import gpu_tags, on_gpus_of_their_own, payload_groups
-    from mlx_relay.transport.doorbell import Doorbell, doorbell_endpoints
+    from mlx_relay.transport.doorbell import Doorbell, DoorbellError, doorbell_endpoints
     from mlx_relay.transport.ring import AUTO, PAIRED_MODES, Ring, choose_hop_mode
 
     secret = control.cluster_secret()
@@ -337,7 +337,10 @@ def _serve(args: argparse.Namespace) -> int:
             ranks_here=hosts.count(hosts[rank]),
             gpu_pair=on_gpus_of_their_own(tags),
         )
-        doorbell = Doorbell(rank, size, doorbell_endpoints(size, hosts), secret)
+        try:
+            doorbell = Doorbell(rank, size, doorbell_endpoints(size, hosts), secret)
+        except DoorbellError as e:
+            return _fatal(rank, UserError(str(e)))
         try:
             payloads = payload_groups(group, hosts[0], tags) if mode in PAIRED_MODES else None
             ring = Ring(group, doorbell, mode, payloads=payloads)

@@ -27,7 +27,7 @@ from mlx_relay.model.step_inputs import pass_on
 from mlx_relay.protocol import control
 from mlx_relay.protocol import header as hdr
 from mlx_relay.protocol.exits import EXIT_RING_BROKEN
-from mlx_relay.transport.doorbell import DoorbellTimeout
+from mlx_relay.transport.doorbell import DoorbellTimeout, NeighbourGone
 from mlx_relay.transport.link import ControlLink
 from mlx_relay.transport.ring import Ring, mx_dtype, payload_bytes
 
@@ -58,7 +58,8 @@ class Worker:
     def run(self) -> None:
         """The loop: sleep until a step's doorbell rings, take the step, pass it on."""
         poller = zmq.Poller()
-        poller.register(self.ring.doorbell.incoming, zmq.POLLIN)
+        bell = self.ring.doorbell.fileno()
+        poller.register(bell, zmq.POLLIN)
         poller.register(self.link.socket, zmq.POLLIN)
         while True:
             self.link.state = "waiting"
@@ -66,12 +67,18 @@ class Worker:
             if self.link.socket in events and self.link.bye_received():
                 log.info("rank %d: rank 0 said bye", self.rank)
                 return
-            if self.ring.doorbell.incoming not in events:
+            if bell not in events:
                 continue
             try:
                 header = self.ring.recv_header(timeout=0)
             except DoorbellTimeout:
-                continue  # what arrived was not a signed header: it was dropped
+                continue
+            except NeighbourGone as e:
+                # Rank 0 stopping, or the rank before this one gone: either way rank 0
+                # has the word (a bye, or the heartbeat thread finds it gone).
+                log.warning("rank %d: %s; waiting for rank 0's word", self.rank, e)
+                poller.unregister(bell)
+                continue
             timeline.mark("header", header.step_id)
             self.link.state = "busy"
             started = time.perf_counter()
