@@ -5,7 +5,8 @@
 
 Two ranks on loopback pass a decode step's payload, one hidden state (1, 1, hidden),
 round the ring with mlx-relay's own hop (ring.py: the header on the doorbell, the
-payload over `mx.distributed`, each send after its payload is computed), and rank 1
+payload over `mx.distributed`, each send after its payload is computed; with ready hops a
+payload up to MLX_RELAY_INLINE_MAX_BYTES rides in the header's message instead), and rank 1
 adds one to it on its device as a stand-in for its layers. A token on N ranks costs
 at least its compute plus one such round trip, so this is the floor the 2-rank
 decode ratio is measured against. `--gpus G` puts rank r on GPU r mod G; `--hop-mode eager`

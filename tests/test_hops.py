@@ -4,6 +4,7 @@ collective hops end to end."""
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -12,18 +13,23 @@ from oracle import chat_request, chat_tokens, mlx_lm_tokens
 
 from mlx_relay.errors import UserError
 from mlx_relay.launch import preflight
+from mlx_relay.launch.local import free_ports
 from mlx_relay.protocol import header as hdr
 from mlx_relay.protocol import relay_pb2 as pb
 from mlx_relay.transport.collective import PayloadGroups, on_gpus_of_their_own
+from mlx_relay.transport.doorbell import Doorbell
 from mlx_relay.transport.ring import (
     ADAPTIVE,
     AUTO,
     COLLECTIVE,
     EAGER,
+    INLINE_ENV,
+    INLINE_MAX_BYTES,
     PAIRED_MODES,
     READY,
     Ring,
     choose_hop_mode,
+    dtype_name,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -74,14 +80,78 @@ def test_auto_gives_a_pair_of_cuda_ranks_adaptive_hops():
 def test_settled_receives_keep_tokens_exact(tiny_model, cluster_factory, hops, tmp_path):
     """The CUDA path (each receive waited for before the kernels reading it launch), run
     on the CPU, with the ring's sends and receives held and released every 4 steps
-    (MLX_RELAY_RELEASE_EVERY, for CUDA; not yet the default): concurrent chats, a long
+    (MLX_RELAY_RELEASE_EVERY, for CUDA; not yet the default) and READY hops' payloads all
+    over the ring (MLX_RELAY_INLINE_MAX_BYTES=0): concurrent chats, a long
     prompt in chunks, tokens equal to mlx-lm's. Each rank's timeline
     (MLX_RELAY_TIMELINE) records the steps in causal order."""
     # Rank 0 builds its next step before settling a return: sampled rows and logits
     # processors are built on the unsettled return too.
     env = {"MLX_RELAY_SETTLE_RECEIVES": "1", "MLX_RELAY_RELEASE_EVERY": "4"}
+    env[INLINE_ENV] = "0"  # (READY: every payload over the ring, as a long prompt's chunks go)
     logs = _timed_chats(tiny_model("llama", 6), cluster_factory, 3, hops, tmp_path, env)
     assert "settled receives, ring arrays released every 4 steps" in logs
+    assert ("payloads up to 0 bytes inline" in logs) == (hops == READY)
+
+
+def _doorbell_pair() -> tuple[Doorbell, Doorbell]:
+    """Rank 0's and rank 1's doorbells of a 2-rank ring, connected over loopback."""
+    endpoints = [f"tcp://127.0.0.1:{p}" for p in free_ports(2)]
+    bells: dict[int, Doorbell] = {}
+    threads = [
+        threading.Thread(target=lambda r=r: bells.update({r: Doorbell(r, 2, endpoints, b"k")}))
+        for r in (0, 1)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return bells[0], bells[1]
+
+
+def test_ready_hops_carry_small_payloads_in_the_headers_message():
+    """A READY hop's computed payload up to the limit travels after its header in one
+    doorbell message, bit for bit whatever its dtype or layout; a larger one, a side
+    array's step or eager hops leave it to the ring; a forwarded header's stale flag is
+    cleared. (Every cluster test on a 2-core machine runs READY hops this way.)"""
+    group = mx.distributed.init()  # (this process alone: the ring itself is not used)
+    out, into = _doorbell_pair()
+    sender, receiver = Ring(group, out, READY), Ring(group, into, READY)
+    assert sender.inline_max == INLINE_MAX_BYTES
+    base = mx.random.normal((2, 5, 8))
+    payloads = [
+        base.astype(mx.bfloat16),
+        base.astype(mx.float16),
+        base[:, 1:4, ::2],  # (a strided view, as the last rank's return is)
+        mx.arange(40, dtype=mx.uint8),
+    ]
+    for step_id, payload in enumerate(payloads, 1):
+        kind = hdr.PAYLOAD_BYTES if payload.dtype == mx.uint8 else hdr.PAYLOAD_HIDDEN
+        header = hdr.StepHeader(
+            cmd=hdr.CMD_FORWARD,
+            step_id=step_id,
+            payload_kind=kind,
+            payload_dtype=dtype_name(payload.dtype),
+            payload_shape=tuple(payload.shape),
+        )
+        assert sender.send(header, payload) is None  # (nothing posted on the ring)
+        came = receiver.recv_header(timeout=5)
+        assert came.flags & hdr.FLAG_INLINE
+        got = receiver.post_recv_payload(came)
+        assert got.dtype == payload.dtype and mx.array_equal(got, payload).item()
+    big = mx.zeros((1, INLINE_MAX_BYTES // 4 + 1), dtype=mx.float32)
+    header = hdr.StepHeader(cmd=hdr.CMD_FORWARD, flags=hdr.FLAG_INLINE)  # (stale)
+    assert sender._inline_bytes(header, big) == b"" and not header.flags & hdr.FLAG_INLINE
+    assert Ring(group, out, EAGER)._inline_bytes(header, base) == b""
+    out.close()
+    into.close()
+
+
+def test_a_bad_inline_limit_is_refused_clearly(monkeypatch):
+    group = mx.distributed.init()
+    for bad in ("lots", str(2**21)):
+        monkeypatch.setenv(INLINE_ENV, bad)
+        with pytest.raises(ValueError, match="MLX_RELAY_INLINE_MAX_BYTES=.*expected a number"):
+            Ring(group, doorbell=None, mode=READY)
 
 
 @pytest.mark.parametrize(

@@ -95,6 +95,9 @@ FLAG_SECOND_LAP = 1 << 4
 FLAG_COLLECTIVE_OUT = 1 << 5
 FLAG_COLLECTIVE_BACK = 1 << 6
 FLAGS_COLLECTIVE = FLAG_COLLECTIVE_OUT | FLAG_COLLECTIVE_BACK
+# This hop's payload follows the header in the doorbell's message, not over the ring
+# (READY hops, small payloads: transport/ring.py). Set or cleared by each sender.
+FLAG_INLINE = 1 << 7
 
 # Payload kinds.
 PAYLOAD_NONE = 0

@@ -17,7 +17,7 @@ import numpy as np
 from mlx_relay import timeline
 from mlx_relay.protocol import header as hdr
 from mlx_relay.transport.collective import PayloadGroups, on_cuda
-from mlx_relay.transport.doorbell import Doorbell
+from mlx_relay.transport.doorbell import MAX_MESSAGE_BYTES, Doorbell
 
 _MX_DTYPES = {
     "float32": mx.float32,
@@ -30,6 +30,16 @@ _MX_DTYPES = {
 
 def mx_dtype(name: str) -> mx.Dtype:
     return _MX_DTYPES[name]
+
+
+# How an array of each dtype crosses as bytes (numpy has no bfloat16: its bits as uint16).
+_NP_DTYPES = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": np.uint16,
+    "uint8": np.uint8,
+    "int32": np.int32,
+}
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -64,6 +74,12 @@ HOP_MODES = (EAGER, READY, COLLECTIVE, ADAPTIVE)
 PAIRED_MODES = (COLLECTIVE, ADAPTIVE)  # the modes whose payloads may be all-sums of a pair
 # Cores a rank needs for eager hops to pay: its compute, plus one spinning on a receive.
 EAGER_CORES_PER_RANK = 4
+# READY hops send a payload up to this size in the header's message (FLAG_INLINE): it is
+# computed and on the host by then, and one message per hop wakes the next rank with
+# its input in hand, where a ring send waits for the sender's CPU stream to run it and
+# the receive for the receiver's. Larger ones (prefill chunks) take the ring.
+INLINE_MAX_BYTES = 1 << 18
+INLINE_ENV = "MLX_RELAY_INLINE_MAX_BYTES"
 
 
 def choose_hop_mode(
@@ -122,6 +138,16 @@ def release_every() -> int:
     return int(raw)
 
 
+def inline_max_bytes() -> int:
+    """The largest payload a READY hop sends in its header's message, from
+    MLX_RELAY_INLINE_MAX_BYTES (default INLINE_MAX_BYTES; 0: every payload takes the ring)."""
+    raw = os.environ.get(INLINE_ENV, str(INLINE_MAX_BYTES))
+    limit = MAX_MESSAGE_BYTES - hdr.HEADER_LEN * 4
+    if not raw.isdigit() or int(raw) > limit:
+        raise ValueError(f"{INLINE_ENV}={raw!r}: expected a number of bytes up to {limit:,}")
+    return int(raw)
+
+
 def settles_here() -> bool:
     """Whether this process's ring settles receives (see Ring): on CUDA, unless
     MLX_RELAY_SETTLE_RECEIVES says otherwise (1 or 0; the tests run the CUDA path on a CPU)."""
@@ -175,6 +201,8 @@ class Ring:
         self.next = (self.rank + 1) % self.size
         self.prev = (self.rank - 1) % self.size
         self._streams = threading.local()
+        self.inline_max = inline_max_bytes() if mode == READY else 0
+        self._inline: tuple[int, bytes] | None = None  # (step id, payload) of the last header
         self.release_every = release_every()
         self._held: list[mx.array] = []  # posted ring sends and receives (release_every)
         self._sends = 0
@@ -232,9 +260,10 @@ class Ring:
             setattr(self._streams, name, stream)
         return stream
 
-    def send_header(self, header: hdr.StepHeader) -> None:
-        """Announce a step to the right neighbour: one signed zmq message."""
-        self.doorbell.ring(hdr.encode(header).tobytes())
+    def send_header(self, header: hdr.StepHeader, inline: bytes = b"") -> None:
+        """Announce a step to the right neighbour: one signed message (with the payload's
+        bytes after the header where it is FLAG_INLINE)."""
+        self.doorbell.ring(hdr.encode(header).tobytes() + inline)
 
     def send_payload(self, header: hdr.StepHeader, payload: mx.array | None) -> mx.array | None:
         """Post the payload the header announced; returns the posted send (or None)."""
@@ -270,12 +299,13 @@ class Ring:
             self.settle(*reads)
             mx.eval(payload, *sides)
             timeline.mark("computed", header.step_id)
-        self.send_header(header)
+        inline = self._inline_bytes(header, payload)
+        self.send_header(header, inline)
         timeline.mark("header_sent", header.step_id)
         if self.eager and not self.receives_collectively(header):
             self.settle(*reads)
             timeline.mark("settled", header.step_id)
-        posted = self.send_payload(header, payload)
+        posted = None if header.flags & hdr.FLAG_INLINE else self.send_payload(header, payload)
         timeline.mark("posted", header.step_id)
         if pairs:
             posted = [posted, *(self._post_send(array, collective) for _, array in pairs)]
@@ -284,6 +314,22 @@ class Ring:
             self._held.clear()
             self._sends = 0
         return posted
+
+    def _inline_bytes(self, header: hdr.StepHeader, payload: mx.array | None) -> bytes:
+        """READY: a small computed payload's bytes, to travel in the header's message
+        (the header's FLAG_INLINE says so); b"" where it takes the ring."""
+        header.flags &= ~hdr.FLAG_INLINE  # (a forwarded header carries the last hop's)
+        if (
+            payload is None
+            or payload.nbytes > self.inline_max  # (0 unless READY)
+            or header.sides
+            or self.sends_collectively(header)
+        ):
+            return b""
+        header.flags |= hdr.FLAG_INLINE
+        if payload.dtype == mx.bfloat16:
+            payload = payload.view(mx.uint16)
+        return np.asarray(payload).tobytes()
 
     def _post_send(self, array: mx.array, collective: bool) -> mx.array:
         """Post `array`'s computation, then its send: apart, so that the host does not
@@ -313,16 +359,33 @@ class Ring:
 
     def recv_header(self, timeout: float | None = None) -> hdr.StepHeader:
         """The next header from the left neighbour; DoorbellTimeout after `timeout` s."""
-        return hdr.decode(np.frombuffer(self.doorbell.wait(timeout), dtype=np.int32))
+        message = self.doorbell.wait(timeout)
+        size = hdr.HEADER_LEN * 4
+        header = hdr.decode(np.frombuffer(message[:size], dtype=np.int32))
+        if header.flags & hdr.FLAG_INLINE:
+            self._inline = (header.step_id, message[size:])
+        return header
 
     def post_recv_payload(self, header: hdr.StepHeader) -> mx.array | None:
         """Post the receive of the payload the header announces (None for no payload),
-        over the ring or as an all-sum, as the header says."""
+        over the ring or as an all-sum, as the header says; an inline one is at hand."""
+        if header.flags & hdr.FLAG_INLINE:
+            return self._take_inline(header)
         return self._post_recv(
             hdr.payload_nbytes_shape(header),
             header.payload_dtype,
             self.receives_collectively(header),
         )
+
+    def _take_inline(self, header: hdr.StepHeader) -> mx.array:
+        step_id, data = self._inline or (None, b"")
+        self._inline = None
+        shape = hdr.payload_nbytes_shape(header)
+        np_dtype = _NP_DTYPES[header.payload_dtype]
+        if step_id != header.step_id or len(data) != np.dtype(np_dtype).itemsize * np.prod(shape):
+            raise hdr.ProtocolError(f"{header.describe()}: its inline payload is not {shape}")
+        array = mx.array(np.frombuffer(data, dtype=np_dtype).reshape(shape))
+        return array.view(mx.bfloat16) if header.payload_dtype == "bfloat16" else array
 
     def post_recv_sides(self, header: hdr.StepHeader) -> list[mx.array]:
         """Post the receives of the side arrays the header lists, after its payload's."""
