@@ -5,9 +5,10 @@ The ring backend's `recv` busy-polls a core for as long as it waits. Measured on
 process on the other vCPU by almost half (53 s -> 98 s for the same matmuls), and on a
 laptop-class Mac an idle-but-spinning cluster is heat and battery for nothing. So each
 step's header goes over a TCP connection of its own between ring neighbours, and only
-the payload over the ring: the receiver sleeps in `poll` (no CPU) until a header
-arrives, then posts the ring receive the header announces. Waiting there also gives
-rank 0 a timeout, which `mx.distributed` has not.
+the payload over the ring (a READY hop's small payload rides in the header's message:
+ring.py): the receiver sleeps in `poll` (no CPU) until a header arrives, then posts the
+ring receive the header announces. Waiting there also gives rank 0 a timeout, which
+`mx.distributed` has not.
 
 Plain sockets, not zmq: a zmq message crosses an I/O thread on each side, and where a
 rank's core is busy each of those threads waits its turn. Through zmq a header took
@@ -113,7 +114,7 @@ class Doorbell:
         try:
             outgoing = self._connect(endpoints[nxt], deadline, timeout)
             outgoing.sendall(self._frame(self._hello(rank, nxt)))
-            self.incoming = self._accept(listener, self._hello(prev, rank), deadline, prev)
+            self.incoming = self._accept(listener, self._hello(prev, rank), deadline)
         except BaseException:
             if outgoing is not None:
                 outgoing.close()
@@ -146,14 +147,15 @@ class Doorbell:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             return sock
 
-    def _accept(
-        self, listener: socket.socket, hello: bytes, deadline: float, prev: int
-    ) -> socket.socket:
+    def _accept(self, listener: socket.socket, hello: bytes, deadline: float) -> socket.socket:
         """The first connection that says `hello`, signed; strangers are dropped."""
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([listener], [], [], left)[0]:
-                raise DoorbellError(f"rank {prev} did not connect to this rank's doorbell")
+                host, port = listener.getsockname()[:2]
+                raise DoorbellError(
+                    f"the previous rank did not connect to this rank's doorbell at {host}:{port}"
+                )
             sock, peer = listener.accept()
             sock.settimeout(HELLO_TIMEOUT_S)
             try:

@@ -320,8 +320,9 @@ class Ring:
         (the header's FLAG_INLINE says so); b"" where it takes the ring."""
         header.flags &= ~hdr.FLAG_INLINE  # (a forwarded header carries the last hop's)
         if (
-            payload is None
-            or payload.nbytes > self.inline_max  # (0 unless READY)
+            not self.inline_max  # (0 unless READY)
+            or payload is None
+            or payload.nbytes > self.inline_max
             or header.sides
             or self.sends_collectively(header)
         ):
