@@ -46,6 +46,7 @@ SEND_TIMEOUT_S = 2
 CONNECT_TIMEOUT_S = 120.0  # for the neighbours to reach their doorbells at start
 HELLO_TIMEOUT_S = 5.0  # for a connection to say who it is
 MAX_MESSAGE_BYTES = 1 << 20
+SOCKET_BUFFER_BYTES = 1 << 20
 _LENGTH = struct.Struct("!I")
 _MAC_BYTES = 32
 
@@ -86,6 +87,14 @@ def _read_exactly(sock: socket.socket, n: int) -> bytes:
             raise NeighbourGone("[doorbell] the previous rank closed its connection")
         data += chunk
     return data
+
+
+def _roomy(sock: socket.socket, option: int) -> None:
+    """Room for the messages a busy neighbour has not read yet (the kernel may cap it)."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+    except OSError:
+        pass
 
 
 class Doorbell:
@@ -145,6 +154,7 @@ class Doorbell:
                 time.sleep(0.02)
                 continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _roomy(sock, socket.SO_SNDBUF)
             return sock
 
     def _accept(self, listener: socket.socket, hello: bytes, deadline: float) -> socket.socket:
@@ -167,6 +177,7 @@ class Doorbell:
                 sock.close()
                 continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _roomy(sock, socket.SO_RCVBUF)
             return sock
 
     def _frame(self, message: bytes) -> bytes:

@@ -77,8 +77,12 @@ EAGER_CORES_PER_RANK = 4
 # READY hops send a payload up to this size in the header's message (FLAG_INLINE): it is
 # computed and on the host by then, and one message per hop wakes the next rank with
 # its input in hand, where a ring send waits for the sender's CPU stream to run it and
-# the receive for the receiver's. Larger ones (prefill chunks) take the ring.
-INLINE_MAX_BYTES = 1 << 18
+# the receive for the receiver's. Larger ones (prefill chunks, batches of many rows)
+# take the ring. Small, so that the few messages a busy neighbour may not have read yet
+# (one per step in flight) always fit in the sockets' buffers: a doorbell's send never
+# waits on a live neighbour, and a send that waits SEND_TIMEOUT_S means a broken ring.
+# 16 KiB: one row of any model up to a hidden size of 8,192 in 16 bits.
+INLINE_MAX_BYTES = 1 << 14
 INLINE_ENV = "MLX_RELAY_INLINE_MAX_BYTES"
 
 
