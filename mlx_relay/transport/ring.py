@@ -6,6 +6,7 @@ the ring backend allows. Nothing here decides anything: the header says what fol
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -30,16 +31,6 @@ _MX_DTYPES = {
 
 def mx_dtype(name: str) -> mx.Dtype:
     return _MX_DTYPES[name]
-
-
-# How an array of each dtype crosses as bytes (numpy has no bfloat16: its bits as uint16).
-_NP_DTYPES = {
-    "float32": np.float32,
-    "float16": np.float16,
-    "bfloat16": np.uint16,
-    "uint8": np.uint8,
-    "int32": np.int32,
-}
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -84,6 +75,7 @@ EAGER_CORES_PER_RANK = 4
 # 16 KiB: one row of any model up to a hidden size of 8,192 in 16 bits.
 INLINE_MAX_BYTES = 1 << 14
 INLINE_ENV = "MLX_RELAY_INLINE_MAX_BYTES"
+_HEADER_BYTES = hdr.HEADER_LEN * 4  # (int32s: what comes before an inline payload)
 
 
 def choose_hop_mode(
@@ -146,7 +138,7 @@ def inline_max_bytes() -> int:
     """The largest payload a READY hop sends in its header's message, from
     MLX_RELAY_INLINE_MAX_BYTES (default INLINE_MAX_BYTES; 0: every payload takes the ring)."""
     raw = os.environ.get(INLINE_ENV, str(INLINE_MAX_BYTES))
-    limit = MAX_MESSAGE_BYTES - hdr.HEADER_LEN * 4
+    limit = MAX_MESSAGE_BYTES - _HEADER_BYTES
     if not raw.isdigit() or int(raw) > limit:
         raise ValueError(f"{INLINE_ENV}={raw!r}: expected a number of bytes up to {limit:,}")
     return int(raw)
@@ -365,10 +357,9 @@ class Ring:
     def recv_header(self, timeout: float | None = None) -> hdr.StepHeader:
         """The next header from the left neighbour; DoorbellTimeout after `timeout` s."""
         message = self.doorbell.wait(timeout)
-        size = hdr.HEADER_LEN * 4
-        header = hdr.decode(np.frombuffer(message[:size], dtype=np.int32))
+        header = hdr.decode(np.frombuffer(message[:_HEADER_BYTES], dtype=np.int32))
         if header.flags & hdr.FLAG_INLINE:
-            self._inline = (header.step_id, message[size:])
+            self._inline = (header.step_id, message[_HEADER_BYTES:])
         return header
 
     def post_recv_payload(self, header: hdr.StepHeader) -> mx.array | None:
@@ -386,11 +377,10 @@ class Ring:
         step_id, data = self._inline or (None, b"")
         self._inline = None
         shape = hdr.payload_nbytes_shape(header)
-        np_dtype = _NP_DTYPES[header.payload_dtype]
-        if step_id != header.step_id or len(data) != np.dtype(np_dtype).itemsize * np.prod(shape):
+        dtype = mx_dtype(header.payload_dtype)
+        if step_id != header.step_id or len(data) != dtype.size * math.prod(shape):
             raise hdr.ProtocolError(f"{header.describe()}: its inline payload is not {shape}")
-        array = mx.array(np.frombuffer(data, dtype=np_dtype).reshape(shape))
-        return array.view(mx.bfloat16) if header.payload_dtype == "bfloat16" else array
+        return bytes_payload(data).view(dtype).reshape(shape)
 
     def post_recv_sides(self, header: hdr.StepHeader) -> list[mx.array]:
         """Post the receives of the side arrays the header lists, after its payload's."""
