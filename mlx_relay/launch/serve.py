@@ -347,13 +347,10 @@ def _serve(args: argparse.Namespace) -> int:
         except ValueError as e:
             return _fatal(rank, UserError(str(e)))
         log.info(
-            "rank %d: %s hops%s%s%s",
+            "rank %d: %s hops%s%s",
             rank,
             mode,
             ", settled receives" if ring.settles else "",
-            f", ring arrays released every {ring.release_every} steps"
-            if ring.release_every
-            else "",
             f", payloads up to {ring.inline_max:,} bytes inline" if not ring.eager else "",
         )
     endpoint = control_endpoint(args, hosts)

@@ -113,27 +113,6 @@ def choose_hop_mode(
     return EAGER if cores >= EAGER_CORES_PER_RANK * max(1, ranks_here) else READY
 
 
-RELEASE_EVERY_ENV = "MLX_RELAY_RELEASE_EVERY"
-
-
-def release_every() -> int:
-    """Steps between releases of the ring's posted sends and receives, from
-    MLX_RELAY_RELEASE_EVERY (default 0: each goes when its caller drops it).
-
-    Why (read in MLX 0.32's CUDA backend, not yet measured): every array a CPU stream
-    computes, as each ring send and receive is, gets an event in managed memory
-    (`cu::AtomicEvent`), freed with `cudaFree`, which waits for the whole device. A rank
-    that drops the last step's send while its GPU runs this step's layers waits there
-    for them, launching nothing meanwhile: the ~13 ms a worker's host was held per step
-    under load (bench/RESULTS.md, session 14). Held and dropped together every N steps,
-    that wait comes once in N steps.
-    """
-    raw = os.environ.get(RELEASE_EVERY_ENV, "0")
-    if not raw.isdigit():
-        raise ValueError(f"{RELEASE_EVERY_ENV}={raw!r}: expected a number of steps (0: off)")
-    return int(raw)
-
-
 def inline_max_bytes() -> int:
     """The largest payload a READY hop sends in its header's message, from
     MLX_RELAY_INLINE_MAX_BYTES (default INLINE_MAX_BYTES; 0: every payload takes the ring)."""
@@ -199,9 +178,6 @@ class Ring:
         self._streams = threading.local()
         self.inline_max = inline_max_bytes() if mode == READY else 0
         self._inline: tuple[int, bytes] | None = None  # (step id, payload) of the last header
-        self.release_every = release_every()
-        self._held: list[mx.array] = []  # posted ring sends and receives (release_every)
-        self._sends = 0
 
     def choose_path(self, header: hdr.StepHeader, *, alone: bool) -> None:
         """Rank 0, launching a step (`alone`: no other step is in flight): mark in its
@@ -305,10 +281,6 @@ class Ring:
         timeline.mark("posted", header.step_id)
         if pairs:
             posted = [posted, *(self._post_send(array, collective) for _, array in pairs)]
-        self._sends += 1
-        if self._sends >= self.release_every:  # (0: nothing held)
-            self._held.clear()
-            self._sends = 0
         return posted
 
     def _inline_bytes(self, header: hdr.StepHeader, payload: mx.array | None) -> bytes:
@@ -340,14 +312,8 @@ class Ring:
             sent = mx.distributed.all_sum(array, group=self.payloads.send, stream=stream)
         else:
             sent = mx.distributed.send(array, self.next, group=self.group, stream=stream)
-            self._hold(sent)
         mx.async_eval(sent)
         return sent
-
-    def _hold(self, array: mx.array) -> None:
-        """Keep a ring send or receive until the next release (see release_every)."""
-        if self.release_every:
-            self._held.append(array)
 
     def settle(self, *receives: mx.array | None) -> None:
         """With `settles` (CUDA), wait until these receives are done (see the class)."""
@@ -398,7 +364,6 @@ class Ring:
             payload = mx.distributed.recv(
                 shape, mx_dtype(dtype), self.prev, group=self.group, stream=stream
             )
-            self._hold(payload)
         mx.async_eval(payload)
         return payload
 
