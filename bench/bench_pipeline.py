@@ -16,6 +16,12 @@ to core 0 too: left free, it lands on rank 1's core and takes time from it (meas
 2 ranks 0.87-0.98 of mlx-lm with the client free, 0.997 with it pinned), so the cost
 of the client falls on rank 0's core, as a client on the coordinator's machine would.
 
+Each run also counts the CPU time (user + system) of every process it involves: the
+baseline's, each rank's and this one's (the client's), per generated token, beside the
+run's wall time per token. With a core per rank, a rank whose CPU time per token nears the
+token's wall time is the bound: rank 0's includes the gRPC front door's work, and the
+client's shares rank 0's core.
+
 Clusters run without the prompt cache: every round repeats the prompt, which the cache
 would serve from memory, while the baseline prefills it each time.
 
@@ -41,6 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import psutil  # noqa: E402
 import shapes  # noqa: E402
 
 from mlx_relay.client.client import Client  # noqa: E402
@@ -125,6 +132,26 @@ def pin_all_threads(pid: int, cores: list[int]) -> list[int]:
     return sorted(on)
 
 
+def cpu_seconds(pids: list[int]) -> list[float]:
+    """Each process's CPU time so far (user + system, all its threads)."""
+    return [sum(psutil.Process(pid).cpu_times()[:2]) for pid in pids]
+
+
+def accounted(run: Callable[[], dict], pids: list[int], tokens: int) -> Callable[[], dict]:
+    """`run`, also reporting the CPU ms per token of each of `pids` and of this process
+    (the client), and the run's wall ms per token."""
+
+    def measured() -> dict:
+        before, t0 = cpu_seconds([*pids, os.getpid()]), time.perf_counter()
+        result = run()
+        wall = time.perf_counter() - t0
+        after = cpu_seconds([*pids, os.getpid()])
+        per_token = [(b - a) * 1000 / tokens for a, b in zip(before, after, strict=True)]
+        return {**result, "cpu_ms": per_token, "wall_ms": wall * 1000 / tokens}
+
+    return measured
+
+
 def gpu_env(rank: int, gpus: int) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": str(rank % gpus)} if gpus else {}
 
@@ -190,7 +217,7 @@ def main() -> int:
             or ({"BENCH_CORES": ",".join(map(str, core_set(0, per_rank)))} if per_rank else {}),
         )
         stack.callback(base.close)
-        runners["mlx_lm (1 process)"] = base.run
+        runners["mlx_lm (1 process)"] = accounted(base.run, [base.proc.pid], args.tokens)
         modes = args.hop_modes.split(",")
         configs = [(n, mode) for n in sizes for mode in (modes if n > 1 else ["auto"])]
         for n, mode in configs:  # every cluster stays up, idle on its doorbells, between turns
@@ -215,7 +242,11 @@ def main() -> int:
             for rank, proc in enumerate(cluster.procs if per_rank else []):
                 on = pin_all_threads(proc.pid, core_set(rank, per_rank))
                 print(f"{label}: rank {rank}'s threads on core(s) {on}", file=sys.stderr)
-            runners[label] = lambda c=client: cluster_run(c, args.tokens, prompt)
+            runners[label] = accounted(
+                lambda c=client: cluster_run(c, args.tokens, prompt),
+                [p.pid for p in cluster.procs],
+                args.tokens,
+            )
         for run in runners.values():  # warm-up
             run()
         results: dict[str, list[dict]] = {label: [] for label in runners}
@@ -241,7 +272,22 @@ def main() -> int:
     for label, runs in results.items():
         ratios = [r["decode_tps"] / b["decode_tps"] for r, b in zip(runs, reference, strict=True)]
         print(f"  {label:<28}" + " ".join(f"{x:.3f}" for x in ratios))
+    print_cpu(results)
     return 0
+
+
+def print_cpu(results: dict[str, list[dict]]) -> None:
+    """Medians over rounds of each process's CPU ms per generated token (prefill included)."""
+    print("CPU ms per token (user + system; the baseline's process, else ranks 0.. then the")
+    print("client), and wall ms per token of the same runs, medians over rounds:")
+    for label, runs in results.items():
+        columns = zip(*(r["cpu_ms"] for r in runs), strict=True)
+        cpu = [statistics.median(c) for c in columns]
+        if label.startswith("mlx_lm"):
+            cpu = cpu[:1]  # (this process only waits on the baseline's pipe)
+        wall = statistics.median(r["wall_ms"] for r in runs)
+        shown = " ".join(f"{c:6.2f}" for c in cpu)
+        print(f"  {label:<28}{shown}   total {sum(cpu):6.2f}   wall {wall:6.2f}")
 
 
 if __name__ == "__main__":
