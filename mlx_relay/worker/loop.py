@@ -97,6 +97,9 @@ class Worker:
                 self._posted = self.ring.send(
                     header, out, sides if header.sides else (), reads=received
                 )
+                # (The last step's send is dropped here: on CUDA its event's memory is
+                # freed, which may wait for the device; the mark shows how long.)
+                timeline.mark("released", header.step_id)
             except RuntimeError as e:  # mx.distributed: a neighbour's connection is gone
                 log.error("rank %d: the ring broke: %s; waiting for rank 0's word", self.rank, e)
                 self.link.ring_broken(str(e))
