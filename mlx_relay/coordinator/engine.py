@@ -578,7 +578,7 @@ class Engine:
             s.in_flight -= 1
         sampled: Sampled | None = None
         try:
-            logits = self.pipeline.complete(step)
+            logits = self.pipeline.complete(step, early=True)
             for seq in seqs:
                 if seq in self._active and seq.request.cancelled.is_set():
                     self._finish(seq, Chunk(), reason="cancelled")
@@ -591,10 +591,14 @@ class Engine:
                 self._launch_ready()
                 if settling:
                     self.pipeline.settle()
+                    failure = self.pipeline.failure_of(step)
+                    if failure is not None:  # (what was built on its return is ignored)
+                        raise failure
                     mx.async_eval(sampled.tokens)
         except ClusterFailure:
             raise
         except RankFailure as e:
+            sampled = None  # (nothing of this step is read: it is done with)
             self._step_failed(step, seqs, e)
             return
         finally:

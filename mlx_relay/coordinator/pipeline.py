@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_relay import timeline
 from mlx_relay.model import memory, sharding
@@ -40,7 +41,7 @@ from mlx_relay.model.step_inputs import PromptInputs, pass_on
 from mlx_relay.protocol import header as hdr
 from mlx_relay.transport.doorbell import DoorbellTimeout, NeighbourGone
 from mlx_relay.transport.hub import ControlHub
-from mlx_relay.transport.ring import Ring, bytes_payload, dtype_name
+from mlx_relay.transport.ring import Ring, bytes_payload, dtype_name, mx_dtype
 
 log = logging.getLogger("mlx_relay.pipeline")
 
@@ -153,6 +154,11 @@ class Pipeline:
         # Returns received but not yet settled (CUDA, see settle): what reads them is
         # built meanwhile and launched only after settle.
         self._unsettled: list[mx.array] = []
+        # READY hops on the CPU: returns not yet read, each with the evaluated array its
+        # bytes will be written into (complete(early=True), settle), oldest first; and
+        # the failures settle found in them, for the engine to take (failure_of).
+        self._early: list[tuple[Step, mx.array]] = []
+        self._early_failures: dict[int, RankFailure] = {}
         # slot -> its sequence's position delta (multimodal rope: set by its prompt's
         # positions, every later step's header carries it); empty for other models
         self._deltas: dict[int, int] = {}
@@ -383,9 +389,15 @@ class Pipeline:
         for step, slots, park in waiting:
             self._free(step, slots, park)
 
-    def complete(self, step: Step) -> mx.array | None:
+    def complete(self, step: Step, *, early: bool = False) -> mx.array | None:
         """Take the oldest step in flight back: its logits (batch, vocab) if it asked for
-        them, as a graph still to be computed. RankFailure if a rank failed it."""
+        them, as a graph still to be computed. RankFailure if a rank failed it.
+
+        `early` (READY hops on the CPU, a step that wants logits): return them before the
+        step has come back, built on a mailbox that `settle` fills with what returns, so
+        the caller builds the next step (sampling, embedding, rank 0's layers) while the
+        other ranks compute, and evaluates nothing that reads them before `settle`. A
+        rank's failure of the step then comes from `failure_of` after the settle."""
         if self.world_size > 1:
             if any(deferred is step for deferred, _, _ in self._deferred):
                 self._release_deferred()  # (its first lap failed: no second lap came)
@@ -394,6 +406,10 @@ class Pipeline:
             self._in_flight.popleft()
             self.announce()
             step.posted = None
+            if early and self._returns_early(step):
+                step.hidden = self._mailbox(step)
+                return sharding.head(self.shard, step.hidden)[:, -1, :]
+            self._settle_early()  # (returns come back in launch order)
             _, step.hidden = self._receive(step)
             if step.header.flags & hdr.FLAG_FIRST_LAP:
                 return self._second_lap(step)
@@ -402,6 +418,54 @@ class Pipeline:
             mx.eval(step.hidden)  # computed on every rank when this returns: it is timed
             return None
         return sharding.head(self.shard, step.hidden)[:, -1, :]
+
+    def _returns_early(self, step: Step) -> bool:
+        """Whether `step`'s return can be built on before it came (see complete): READY
+        hops, whose payload comes computed, in host memory this process can write (the
+        CPU device), for a step that wants logits and goes round once."""
+        return (
+            not self.ring.eager
+            and step.want_logits
+            and not step.header.flags & hdr.FLAG_FIRST_LAP
+            and mx.default_device() == mx.cpu
+        )
+
+    def _mailbox(self, step: Step) -> mx.array:
+        """The return of `step` as it will be, for graphs to be built on: a view of an
+        evaluated byte array that `_settle_early` fills (MLX arrays read through their
+        buffer what a NumPy view of it wrote)."""
+        back = hdr.returned(step.header, self._returned_width(step.header))
+        shape = hdr.payload_nbytes_shape(back)
+        dtype = mx_dtype(back.payload_dtype)
+        box = mx.zeros((dtype.size * int(np.prod(shape)),), mx.uint8)
+        mx.eval(box)
+        self._early.append((step, box))
+        return box.view(dtype).reshape(shape)
+
+    def _settle_early(self) -> None:
+        """Read the returns `complete(early=True)` handed out, oldest first, into their
+        mailboxes. A rank's failure of one is kept for `failure_of` (its mailbox keeps
+        zeros, and what was built on it is ignored); a broken cluster raises."""
+        while self._early:
+            step, box = self._early.pop(0)
+            try:
+                _, out = self._receive(step)
+            except RankFailure as e:
+                if isinstance(e, ClusterFailure):
+                    self._early.clear()
+                    raise
+                if step.header.step_id in self._outstanding:  # (else nobody reads it)
+                    self._early_failures[step.header.step_id] = e
+                else:
+                    log.warning("dropped %s: %s", step.header.describe(), e)
+                continue
+            data = out.view(mx.uint8).reshape(-1)
+            mx.eval(data)
+            np.array(box, copy=False)[:] = np.array(data, copy=False)
+
+    def failure_of(self, step: Step) -> RankFailure | None:
+        """A rank's failure of `step`, found when its early return was settled."""
+        return self._early_failures.pop(step.header.step_id, None)
 
     def _second_lap(self, step: Step) -> mx.array | None:
         """A two-pass model's step (Shard.passes) after its first lap came back with
@@ -451,13 +515,18 @@ class Pipeline:
     @property
     def unsettled(self) -> bool:
         """Whether a return is still to be settled before what reads it is launched."""
-        return bool(self._unsettled)
+        return bool(self._unsettled or self._early)
 
     def settle(self) -> None:
-        """Wait for the returns received since the last launch (on CUDA; see Ring): the
-        last thing before launching what reads them, so rank 0 builds its next step
-        (head, sampling, embedding, its layers) while the return is still on its way,
-        instead of after it arrived."""
+        """Wait for the returns received since the last launch (on CUDA; see Ring), and
+        read those handed out early (READY hops on the CPU; see complete): the last thing
+        before launching what reads them, so rank 0 builds its next step (head,
+        sampling, embedding, its layers) while the return is still on its way, instead
+        of after it arrived."""
+        if self._early:
+            timeline.mark("settle", self._step_id + 1)
+            self._settle_early()
+            timeline.mark("return_settled", self._step_id + 1)
         if self._unsettled:
             timeline.mark("settle", self._step_id + 1)
             self.ring.settle(*self._unsettled)
@@ -589,6 +658,7 @@ class Pipeline:
     def done(self, step: Step) -> None:
         """The caller has what it wanted of `step` (its results were read)."""
         self._outstanding.pop(step.header.step_id, None)
+        self._early_failures.pop(step.header.step_id, None)
 
     def overdue(self) -> ClusterFailure | None:
         """For a watchdog thread: the oldest forward step not done with, if overdue. Once a
