@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import socket
 import time
 from collections import deque
@@ -437,7 +438,7 @@ class Pipeline:
         back = hdr.returned(step.header, self._returned_width(step.header))
         shape = hdr.payload_nbytes_shape(back)
         dtype = mx_dtype(back.payload_dtype)
-        box = mx.zeros((dtype.size * int(np.prod(shape)),), mx.uint8)
+        box = mx.zeros((dtype.size * math.prod(shape),), mx.uint8)
         mx.eval(box)
         self._early.append((step, box))
         return box.view(dtype).reshape(shape)
@@ -523,15 +524,14 @@ class Pipeline:
         before launching what reads them, so rank 0 builds its next step (head,
         sampling, embedding, its layers) while the return is still on its way, instead
         of after it arrived."""
-        if self._early:
-            timeline.mark("settle", self._step_id + 1)
-            self._settle_early()
-            timeline.mark("return_settled", self._step_id + 1)
+        if not self.unsettled:
+            return
+        timeline.mark("settle", self._step_id + 1)
+        self._settle_early()
         if self._unsettled:
-            timeline.mark("settle", self._step_id + 1)
             self.ring.settle(*self._unsettled)
             self._unsettled.clear()
-            timeline.mark("return_settled", self._step_id + 1)
+        timeline.mark("return_settled", self._step_id + 1)
 
     def _launch(self, step: Step, payload: mx.array | None) -> None:
         """Post rank 0's part of the step and, with eager hops, send it on and post the
