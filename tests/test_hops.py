@@ -17,12 +17,14 @@ from mlx_relay.launch.local import free_ports
 from mlx_relay.protocol import header as hdr
 from mlx_relay.protocol import relay_pb2 as pb
 from mlx_relay.transport.collective import PayloadGroups, on_gpus_of_their_own
-from mlx_relay.transport.doorbell import Doorbell
+from mlx_relay.transport.doorbell import Doorbell, NeighbourGone
+from mlx_relay.transport.outbox import Outbox
 from mlx_relay.transport.ring import (
     ADAPTIVE,
     AUTO,
     COLLECTIVE,
     EAGER,
+    INLINE_BACK_MAX_BYTES,
     INLINE_ENV,
     INLINE_MAX_BYTES,
     PAIRED_MODES,
@@ -154,22 +156,25 @@ def test_a_bad_inline_limit_is_refused_clearly(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("mode", "alone", "expected"),
+    ("mode", "alone", "returned", "expected", "inline"),
     [
-        (ADAPTIVE, True, hdr.FLAGS_COLLECTIVE),  # single-stream decode: both hops all-sums
-        (ADAPTIVE, False, hdr.FLAG_COLLECTIVE_OUT),  # beside others: back over the ring
-        (COLLECTIVE, False, hdr.FLAGS_COLLECTIVE),
-        (EAGER, True, 0),
+        (ADAPTIVE, True, 64, hdr.FLAGS_COLLECTIVE, False),  # single stream: both all-sums
+        (ADAPTIVE, False, 64, hdr.FLAG_COLLECTIVE_OUT, True),  # beside others: back inline
+        (ADAPTIVE, False, INLINE_BACK_MAX_BYTES + 1, hdr.FLAG_COLLECTIVE_OUT, False),  # ring
+        (COLLECTIVE, False, 64, hdr.FLAGS_COLLECTIVE, False),
+        (EAGER, True, 64, 0, False),
     ],
 )
-def test_rank_0_marks_which_hops_of_a_step_are_all_sums(mode, alone, expected):
+def test_rank_0_marks_which_hops_of_a_step_are_all_sums(mode, alone, returned, expected, inline):
     group = mx.distributed.init()  # (this process alone: rank 0)
     payloads = PayloadGroups(group, group, separate_streams=False) if mode in PAIRED_MODES else None
     ring = Ring(group, doorbell=None, mode=mode, payloads=payloads)
-    header = hdr.StepHeader(cmd=hdr.CMD_FORWARD, flags=hdr.FLAG_COLLECTIVE_BACK)  # (stale)
-    ring.choose_path(header, alone=alone)
+    stale = hdr.FLAG_COLLECTIVE_BACK | hdr.FLAG_INLINE_BACK  # (a second lap's copied flags)
+    header = hdr.StepHeader(cmd=hdr.CMD_FORWARD, flags=stale)
+    ring.choose_path(header, alone=alone, returned_nbytes=returned)
     assert header.flags & hdr.FLAGS_COLLECTIVE == expected
     assert ring.sends_collectively(header) == bool(expected)
+    assert ring.returns_inline(header) == inline
     if mode == EAGER:  # a rank whose hops are all over the ring refuses an all-sum
         header.flags |= hdr.FLAG_COLLECTIVE_OUT
         with pytest.raises(hdr.ProtocolError, match="hops collectively, but this rank"):
@@ -259,12 +264,15 @@ def _check_timelines(folder, ranks: int, hops: str) -> None:
             assert (ranks - 1, "settled", step) in events
     # Rank 0 marks the steps whose hops are all all-sums: every step, or with adaptive
     # hops those launched alone (each chat's decode steps once the others are done) but
-    # not those launched beside others (the four chats at once: they return over the ring).
+    # not those launched beside others (the four chats at once: they return inline).
     collective = {step for step in built if (0, "collective", step) in events}
     if hops == COLLECTIVE:
         assert collective == set(built)
     elif hops == ADAPTIVE:
         assert collective and collective != set(built)
+        assert {step for step in built if (0, "inline_back", step) in events} == (
+            set(built) - collective
+        )
     else:
         assert not collective
     # Each step's tokens: a prefill chunk 16 (--prefill-chunk), a decode step one a stream.
@@ -279,3 +287,35 @@ def _chat(messages: list[dict]) -> pb.GenerateRequest:
         messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
         params=pb.SamplingParams(max_tokens=8),
     )
+
+
+def test_an_outbox_sends_in_posting_order_and_hands_on_a_failure():
+    """Messages leave in the order posted, a ready one straight away when nothing is
+    pending, one still being computed on the outbox's thread (the others queue behind
+    it); a failure there reaches the next post, once, and `drain` waits for the rest."""
+    sent: list[bytes] = []
+    computed = threading.Event()
+    box = Outbox(sent.append)
+    box.post(b"1")
+    assert sent == [b"1"]  # (nothing pending: sent here and now)
+
+    def slow() -> bytes:
+        computed.wait(5)
+        return b"2"
+
+    box.post(slow)
+    box.post(b"3")  # (behind the one computing)
+    assert sent == [b"1"]
+    computed.set()
+    assert box.drain(5)
+    assert sent == [b"1", b"2", b"3"]
+
+    def broken() -> bytes:
+        raise NeighbourGone("the next rank went away")
+
+    box.post(broken)
+    with pytest.raises(NeighbourGone, match="went away"):
+        box.drain(5)
+    box.post(b"4")  # (raised once)
+    assert sent[-1] == b"4"
+    box.close()

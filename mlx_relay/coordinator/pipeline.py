@@ -543,17 +543,22 @@ class Pipeline:
         self._step_id += 1
         step.header.step_id = self._step_id
         self._outstanding[step.header.step_id] = step
-        self.ring.choose_path(step.header, alone=not self._in_flight)
+        width = self._returned_width(step.header)
+        returned_nbytes = hdr.payload_nbytes(hdr.returned(step.header, width))
+        self.ring.choose_path(
+            step.header, alone=not self._in_flight, returned_nbytes=returned_nbytes
+        )
         self._in_flight.append(step)
         if not self.ring.eager:
             if payload is not None:
                 mx.async_eval(payload)
             self._unannounced.append((step, payload))
             return
-        back = hdr.returned(step.header, self._returned_width(step.header))
+        back = hdr.returned(step.header, width)  # (with the hops' flags just chosen)
         try:
             step.posted = self.ring.send(step.header, payload, step.sides)
-            step.returned = self.ring.post_recv_payload(back)
+            if not self.ring.returns_inline(step.header):
+                step.returned = self.ring.post_recv_payload(back)
         except RuntimeError as e:
             # The header is out: whatever failed, the ring is no longer in step.
             broken = self._ring_broken(e, self.ring.next)
@@ -623,7 +628,7 @@ class Pipeline:
                 -1, "", f"ranks out of step: sent {header.describe()}, got {back.describe()}"
             )
         out, step.returned = step.returned, None
-        if not self.ring.eager:
+        if not self.ring.eager or self.ring.returns_inline(header):
             try:
                 out = self.ring.post_recv_payload(back)
             except RuntimeError as e:

@@ -48,12 +48,13 @@ changes (kvcache.SlotCaches), so membership needs no message of its own.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 # 4: side arrays and deltas; 5: laps, widths that change on the way; 6: token types
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAGIC = 0x4D4C5200 | PROTOCOL_VERSION  # "MLR" + version
 
 MAX_SEQS = 16
@@ -98,6 +99,9 @@ FLAGS_COLLECTIVE = FLAG_COLLECTIVE_OUT | FLAG_COLLECTIVE_BACK
 # This hop's payload follows the header in the doorbell's message, not over the ring
 # (READY hops, small payloads: transport/ring.py). Set or cleared by each sender.
 FLAG_INLINE = 1 << 7
+# The hop back to rank 0 carries its payload inline, sent by the last rank once computed
+# (ADAPTIVE hops, a step launched beside others: transport/ring.py). Rank 0 decides.
+FLAG_INLINE_BACK = 1 << 8
 
 # Payload kinds.
 PAYLOAD_NONE = 0
@@ -105,6 +109,7 @@ PAYLOAD_HIDDEN = 1  # float array (batch, tokens, hidden)
 PAYLOAD_BYTES = 2  # uint8 array (nbytes,), e.g. a JSON document
 
 DTYPES = ("float32", "float16", "bfloat16", "uint8", "int32")
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "uint8": 1, "int32": 4}
 
 # Side array kinds (see above).
 SIDE_POSITIONS = 1  # int32 (3, rows, tokens): multimodal rope positions (t, h, w) per token
@@ -207,6 +212,12 @@ def payload_nbytes_shape(header: StepHeader) -> tuple[int, ...]:
     if header.payload_kind == PAYLOAD_BYTES:
         return (header.payload_shape[0],)
     return tuple(header.payload_shape)
+
+
+def payload_nbytes(header: StepHeader) -> int:
+    """The size in bytes of the payload the header announces."""
+    shape = payload_nbytes_shape(header)
+    return math.prod(shape) * DTYPE_SIZES[header.payload_dtype] if shape else 0
 
 
 def set_returned_payload(header: StepHeader, width: int | None = None) -> None:

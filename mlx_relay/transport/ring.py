@@ -6,6 +6,7 @@ the ring backend allows. Nothing here decides anything: the header says what fol
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
@@ -19,6 +20,7 @@ from mlx_relay import timeline
 from mlx_relay.protocol import header as hdr
 from mlx_relay.transport.collective import PayloadGroups, on_cuda
 from mlx_relay.transport.doorbell import MAX_MESSAGE_BYTES, Doorbell
+from mlx_relay.transport.outbox import Outbox
 
 _MX_DTYPES = {
     "float32": mx.float32,
@@ -51,11 +53,13 @@ def dtype_name(dtype: mx.Dtype) -> str:
 # rank's kernels wait for their input on the device. ADAPTIVE (two ranks): timed as
 # EAGER; a step launched while no other is in flight (single-stream decode) hops
 # collectively both ways, one launched beside others (load, a long prompt's chunks)
-# collectively out of rank 0 and back over the ring as an EAGER hop: two collective
+# collectively out of rank 0 and back inline: the last rank sends its output in the
+# header's message once computed, from its outbox's thread (outbox.py says why not over
+# the ring; a return larger than INLINE_BACK_MAX_BYTES still takes it). Two collective
 # steps in flight did not overlap on CUDA, and with collective returns under load a run
 # stalled (bench/RESULTS.md, sessions 12 and 13). The header says which hops are
-# all-sums (FLAGS_COLLECTIVE), so every rank does alike, and each transport keeps its
-# own order.
+# all-sums (FLAGS_COLLECTIVE) and which return inline (FLAG_INLINE_BACK), so every rank
+# does alike, and each transport keeps its own order.
 EAGER = "eager"
 READY = "ready"
 COLLECTIVE = "collective"
@@ -76,6 +80,9 @@ EAGER_CORES_PER_RANK = 4
 INLINE_MAX_BYTES = 1 << 14
 INLINE_ENV = "MLX_RELAY_INLINE_MAX_BYTES"
 _HEADER_BYTES = hdr.HEADER_LEN * 4  # (int32s: what comes before an inline payload)
+# ADAPTIVE returns up to this size inline (a batch of 32 rows of hidden 4,096 in 16 bits):
+# with a step or two in flight, what rank 0 has not read yet fits the socket's buffer.
+INLINE_BACK_MAX_BYTES = 1 << 18
 
 
 def choose_hop_mode(
@@ -177,19 +184,30 @@ class Ring:
         self.prev = (self.rank - 1) % self.size
         self._streams = threading.local()
         self.inline_max = inline_max_bytes() if mode == READY else 0
+        # (every header leaves through it; the doorbell is looked up when one does)
+        self.outbox = Outbox(lambda message: self.doorbell.ring(message), f"outbox-{self.rank}")
         self._inline: tuple[int, bytes] | None = None  # (step id, payload) of the last header
 
-    def choose_path(self, header: hdr.StepHeader, *, alone: bool) -> None:
-        """Rank 0, launching a step (`alone`: no other step is in flight): mark in its
-        header which of its hops are all-sums (COLLECTIVE: both; ADAPTIVE: both for a
-        lone step, else the hop out of rank 0, whose receiver then launches its part at
-        once, with no wait on its host, while rank 0 settles a return from the ring)."""
-        header.flags &= ~hdr.FLAGS_COLLECTIVE  # (a second lap's header is its first's copy)
+    def choose_path(self, header: hdr.StepHeader, *, alone: bool, returned_nbytes: int) -> None:
+        """Rank 0, launching a step (`alone`: no other step is in flight; the last rank
+        returns `returned_nbytes`): mark in its header which of its hops are all-sums
+        (COLLECTIVE: both; ADAPTIVE: both for a lone step, else the hop out of rank 0,
+        whose receiver then launches its part at once, with no wait on its host) and
+        whether the return comes inline (ADAPTIVE, a step beside others, if it fits)."""
+        # (a second lap's header is its first's copy)
+        header.flags &= ~(hdr.FLAGS_COLLECTIVE | hdr.FLAG_INLINE_BACK)
         if self.mode == COLLECTIVE or (self.mode == ADAPTIVE and alone):
             header.flags |= hdr.FLAGS_COLLECTIVE
             timeline.mark("collective", header.step_id)
         elif self.mode == ADAPTIVE:
             header.flags |= hdr.FLAG_COLLECTIVE_OUT
+            if returned_nbytes <= INLINE_BACK_MAX_BYTES and not header.sides:
+                header.flags |= hdr.FLAG_INLINE_BACK
+                timeline.mark("inline_back", header.step_id)
+
+    def returns_inline(self, header: hdr.StepHeader) -> bool:
+        """Whether the hop of the step back to rank 0 carries its payload inline."""
+        return bool(header.flags & hdr.FLAG_INLINE_BACK)
 
     def sends_collectively(self, header: hdr.StepHeader) -> bool:
         """Whether this rank's hop of the step is an all-sum (its header says so)."""
@@ -234,8 +252,8 @@ class Ring:
 
     def send_header(self, header: hdr.StepHeader, inline: bytes = b"") -> None:
         """Announce a step to the right neighbour: one signed message (with the payload's
-        bytes after the header where it is FLAG_INLINE)."""
-        self.doorbell.ring(hdr.encode(header).tobytes() + inline)
+        bytes after the header where it is FLAG_INLINE), after those posted before."""
+        self.outbox.post(hdr.encode(header).tobytes() + inline)
 
     def send_payload(self, header: hdr.StepHeader, payload: mx.array | None) -> mx.array | None:
         """Post the payload the header announced; returns the posted send (or None)."""
@@ -255,10 +273,11 @@ class Ring:
     ) -> Any:
         """Announce the step and post its payload's send, then its side arrays' (the
         header lists them): at once in EAGER mode, once computed in READY mode. Returns
-        what was posted, to be kept alive until it ran. What the header announces is
-        checked first, so a mismatch never leaves half a step on the wire. `reads`: the
-        receives the payload's graph reads, settled before it is launched (unless the
-        hop into this rank is an all-sum: its receives are waited for on the device)."""
+        what was posted, to be kept alive until it ran (MLX's CPU streams write into an
+        output's memory without holding it). What the header announces is checked
+        first, so a mismatch never leaves half a step on the wire. `reads`: the receives
+        the payload's graph reads, settled before it is launched (unless the hop into
+        this rank is an all-sum: its receives are waited for on the device)."""
         collective = self.sends_collectively(header)
         shape = hdr.payload_nbytes_shape(header)
         if shape and (payload is None or tuple(payload.shape) != shape):
@@ -267,6 +286,12 @@ class Ring:
         for side, array in pairs:
             if tuple(array.shape) != side.shape or dtype_name(array.dtype) != side.dtype:
                 raise hdr.ProtocolError(f"{header.describe()} announces a side array {side}")
+        if self.next == 0 and self.rank != 0 and self.returns_inline(header):
+            if pairs:
+                raise hdr.ProtocolError(f"{header.describe()}: an inline return has no sides")
+            self._return_inline(header, payload)
+            timeline.mark("posted", header.step_id)
+            return None
         if payload is not None and not self.eager:
             self.settle(*reads)
             mx.eval(payload, *sides)
@@ -282,6 +307,21 @@ class Ring:
         if pairs:
             posted = [posted, *(self._post_send(array, collective) for _, array in pairs)]
         return posted
+
+    def _return_inline(self, header: hdr.StepHeader, payload: mx.array | None) -> None:
+        """The last rank: post the payload's computation, and the header with the
+        payload's bytes to the outbox, whose thread sends them once computed."""
+        back = dataclasses.replace(header)  # (the caller's header is its own)
+        if payload is None:
+            back.flags &= ~hdr.FLAG_INLINE
+            self.outbox.post(hdr.encode(back).tobytes())
+            return
+        back.flags |= hdr.FLAG_INLINE
+        wire = payload.view(mx.uint16) if payload.dtype == mx.bfloat16 else payload
+        mx.async_eval(wire)
+        head = hdr.encode(back).tobytes()
+        # (NumPy waits for the array with Python's lock let go: ring.py's docstring)
+        self.outbox.post(lambda: head + np.asarray(wire).tobytes())
 
     def _inline_bytes(self, header: hdr.StepHeader, payload: mx.array | None) -> bytes:
         """READY: a small computed payload's bytes, to travel in the header's message
@@ -314,6 +354,10 @@ class Ring:
             sent = mx.distributed.send(array, self.next, group=self.group, stream=stream)
         mx.async_eval(sent)
         return sent
+
+    def flush(self) -> None:
+        """Wait until every header posted has left (before a rank exits)."""
+        self.outbox.drain()
 
     def settle(self, *receives: mx.array | None) -> None:
         """With `settles` (CUDA), wait until these receives are done (see the class)."""

@@ -48,7 +48,7 @@ class Worker:
         self.is_last = ring.rank == ring.size - 1
         self.shard: sharding.Shard | None = None
         self.caches: SlotCaches | None = None
-        self._posted: mx.array | None = None  # the last step's send, alive until it ran
+        self._posted: Any = None  # the last step's sends, alive until they ran
         # Forward steps taken, and the seconds from each one's header arriving to its output
         # computed (receiving its input included; with eager hops, to its part queued):
         # rank 0 shows them as metrics per rank.
@@ -97,9 +97,11 @@ class Worker:
                 self._posted = self.ring.send(
                     header, out, sides if header.sides else (), reads=received
                 )
-                # (The last step's send is dropped here: on CUDA its event's memory is
-                # freed, which may wait for the device; the mark shows how long.)
+                # (The last step's sends are dropped here: on CUDA a ring send's event
+                # is freed, which waits for the whole GPU; the mark shows how long.)
                 timeline.mark("released", header.step_id)
+                if header.cmd == hdr.CMD_SHUTDOWN:
+                    self.ring.flush()  # (rank 0 waits for the step to come back)
             except RuntimeError as e:  # mx.distributed: a neighbour's connection is gone
                 log.error("rank %d: the ring broke: %s; waiting for rank 0's word", self.rank, e)
                 self.link.ring_broken(str(e))
