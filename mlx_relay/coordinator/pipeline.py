@@ -299,6 +299,7 @@ class Pipeline:
         step = Step(header, want_logits, sides=sides)
         if self.world_size == 1:
             step.hidden = h[:, -1:, :] if want_logits else h
+            mx.async_eval(tokens)  # (first, apart: see _launch)
             mx.async_eval(step.hidden)
             self._step_id += 1  # (numbered as on a ring, for timeline and logs)
             header.step_id = self._step_id
@@ -307,7 +308,7 @@ class Pipeline:
         header.payload_kind = hdr.PAYLOAD_HIDDEN
         header.payload_dtype = dtype_name(h.dtype)
         header.payload_shape = tuple(h.shape)
-        self._launch(step, h)
+        self._launch(step, h, tokens)
         return step
 
     def _embed_with_ids(
@@ -533,10 +534,18 @@ class Pipeline:
             self._unsettled.clear()
         timeline.mark("return_settled", self._step_id + 1)
 
-    def _launch(self, step: Step, payload: mx.array | None) -> None:
+    def _launch(self, step: Step, payload: mx.array | None, tokens: mx.array | None = None) -> None:
         """Post rank 0's part of the step and, with eager hops, send it on and post the
-        receive of what comes back; otherwise `announce` sends it once it is computed."""
+        receive of what comes back; otherwise `announce` sends it once it is computed.
+
+        The step's input `tokens` (sampled from the last return, not read yet) are
+        posted first, on their own: MLX gives every array of one evaluation one event,
+        signalled once all of it has run, so posted with rank 0's layers they could be
+        read only after those, and the engine thread, reading them, took the next
+        return that much later (7 ms of a 21 ms period under load on two H100s)."""
         self.settle()
+        if tokens is not None:
+            mx.async_eval(tokens)
         if self._deferred and not step.header.flags & hdr.FLAG_SECOND_LAP:
             if not self._first_lap_in_flight():  # (frees that waited for a first lap
                 self._release_deferred()  # that failed go before anything later)

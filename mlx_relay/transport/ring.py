@@ -320,8 +320,13 @@ class Ring:
         wire = payload.view(mx.uint16) if payload.dtype == mx.bfloat16 else payload
         mx.async_eval(wire)
         head = hdr.encode(back).tobytes()
-        # (NumPy waits for the array with Python's lock let go: ring.py's docstring)
-        self.outbox.post(lambda: head + np.asarray(wire).tobytes())
+
+        def message() -> bytes:
+            data = np.asarray(wire).tobytes()  # (waits with Python's lock let go)
+            timeline.mark("computed", back.step_id)
+            return head + data
+
+        self.outbox.post(message)
 
     def _inline_bytes(self, header: hdr.StepHeader, payload: mx.array | None) -> bytes:
         """READY: a small computed payload's bytes, to travel in the header's message
