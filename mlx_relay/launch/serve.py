@@ -128,9 +128,9 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
             "collective (2 ranks): timed as eager, each payload an all-sum of the pair, over "
             "NCCL on the GPU's streams on CUDA; adaptive (2 ranks): collective for a step "
             "alone in flight (single-stream decode), for steps in flight together "
-            "collective out of rank 0 and eager back; auto: adaptive for 2 ranks on CUDA "
-            "GPUs of their own, else eager with the ring or jaccl backend on a rank with 4+ "
-            "cores of its own (CPU or GPU), else ready",
+            "collective out of rank 0 and back in the header's message; auto: adaptive for "
+            "2 ranks on CUDA GPUs of their own, else eager with the ring or jaccl backend on "
+            "a rank with 4+ cores of its own (CPU or GPU), else ready",
         ),
     ),
     (

@@ -5,8 +5,9 @@ Why a thread: the last rank of an ADAPTIVE pair under load returns each step's o
 in its header's message (FLAG_INLINE_BACK, ring.py) instead of over MLX's ring. A ring
 send on CUDA runs on a CPU stream, and every CPU stream's evaluation signals an event
 that MLX keeps in managed memory and frees with a `cudaFree`, which waits for the whole
-GPU and holds up the freeing thread's, and others', CUDA calls meanwhile: the worker's
-host waited for its own layers after every step (bench/RESULTS.md, session 17). Read
+GPU: the worker's host waited for its own layers after every step, and where MLX's
+stream thread freed it instead, the main thread's CUDA calls waited as long
+(bench/RESULTS.md, session 17). Read
 here instead, the output is waited for with an ordinary CUDA event on this thread (MLX
 lets go of Python's lock while it waits), copied to the host and sent, while the
 rank's main thread already builds and launches the next step.

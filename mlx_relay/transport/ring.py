@@ -93,9 +93,9 @@ def choose_hop_mode(
 
     AUTO gives such a pair ADAPTIVE hops: a lone step hops collectively, and a token
     costs what one process's does (two H100s, Llama-3-8B's shape, single stream: 0.98 of
-    mlx-lm against EAGER's 0.67), while steps in flight together return over the ring
-    (16 streams on two H200s: 399-408 tok/s against EAGER's 374-383; COLLECTIVE on two
-    H100s 264-280 against EAGER's 405-413; bench/RESULTS.md).
+    mlx-lm against EAGER's 0.67), while steps in flight together return apart from
+    it (16 streams on two H200s: 399-408 tok/s against EAGER's 374-383; COLLECTIVE on
+    two H100s 264-280 against EAGER's 405-413; bench/RESULTS.md).
     Elsewhere AUTO picks EAGER where what it costs is free and it was seen to pay. Its
     receives run on CPU streams of their own, which MPI does not allow (MLX's plain
     MPI_Init is not thread-safe). A posted receive spins one core, so a rank needs
@@ -273,11 +273,11 @@ class Ring:
     ) -> Any:
         """Announce the step and post its payload's send, then its side arrays' (the
         header lists them): at once in EAGER mode, once computed in READY mode. Returns
-        what was posted, to be kept alive until it ran (MLX's CPU streams write into an
-        output's memory without holding it). What the header announces is checked
-        first, so a mismatch never leaves half a step on the wire. `reads`: the receives
-        the payload's graph reads, settled before it is launched (unless the hop into
-        this rank is an all-sum: its receives are waited for on the device)."""
+        what was posted, to be kept alive until it ran, or None where nothing was (the
+        last rank's inline return goes through the outbox). What the header announces is
+        checked first, so a mismatch never leaves half a step on the wire. `reads`: the
+        receives the payload's graph reads, settled before it is launched (unless the
+        hop into this rank is an all-sum: its receives are waited for on the device)."""
         collective = self.sends_collectively(header)
         shape = hdr.payload_nbytes_shape(header)
         if shape and (payload is None or tuple(payload.shape) != shape):
