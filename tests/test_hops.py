@@ -292,7 +292,7 @@ def _chat(messages: list[dict]) -> pb.GenerateRequest:
 def test_an_outbox_sends_in_posting_order_and_hands_on_a_failure():
     """Messages leave in the order posted, a ready one straight away when nothing is
     pending, one still being computed on the outbox's thread (the others queue behind
-    it); a failure there reaches the next post, once, and `drain` waits for the rest."""
+    it); a failure there reaches the next drain or post, once; `drain` waits for the rest."""
     sent: list[bytes] = []
     computed = threading.Event()
     box = Outbox(sent.append)
