@@ -160,18 +160,25 @@ def test_a_bad_inline_limit_is_refused_clearly(monkeypatch):
     [
         (ADAPTIVE, True, 64, hdr.FLAGS_COLLECTIVE, False),  # single stream: both all-sums
         (ADAPTIVE, False, 64, hdr.FLAG_COLLECTIVE_OUT, True),  # beside others: back inline
-        (ADAPTIVE, False, INLINE_BACK_MAX_BYTES + 1, hdr.FLAG_COLLECTIVE_OUT, False),  # ring
+        (ADAPTIVE, False, INLINE_BACK_MAX_BYTES + 2, hdr.FLAG_COLLECTIVE_OUT, False),  # ring
         (COLLECTIVE, False, 64, hdr.FLAGS_COLLECTIVE, False),
         (EAGER, True, 64, 0, False),
     ],
 )
 def test_rank_0_marks_which_hops_of_a_step_are_all_sums(mode, alone, returned, expected, inline):
+    """`returned`: the bytes the last rank sends back (one row of that many bfloat16 bytes)."""
     group = mx.distributed.init()  # (this process alone: rank 0)
     payloads = PayloadGroups(group, group, separate_streams=False) if mode in PAIRED_MODES else None
     ring = Ring(group, doorbell=None, mode=mode, payloads=payloads)
     stale = hdr.FLAG_COLLECTIVE_BACK | hdr.FLAG_INLINE_BACK  # (a second lap's copied flags)
-    header = hdr.StepHeader(cmd=hdr.CMD_FORWARD, flags=stale)
-    ring.choose_path(header, alone=alone, returned_nbytes=returned)
+    header = hdr.StepHeader(
+        cmd=hdr.CMD_FORWARD,
+        flags=stale | hdr.FLAG_WANT_OUTPUT,
+        payload_kind=hdr.PAYLOAD_HIDDEN,
+        payload_dtype="bfloat16",
+        payload_shape=(1, 5, returned // 2),
+    )
+    ring.choose_path(header, alone=alone)
     assert header.flags & hdr.FLAGS_COLLECTIVE == expected
     assert ring.sends_collectively(header) == bool(expected)
     assert ring.returns_inline(header) == inline

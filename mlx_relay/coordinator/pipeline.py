@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import socket
 import time
 from collections import deque
@@ -42,7 +41,7 @@ from mlx_relay.model.step_inputs import PromptInputs, pass_on
 from mlx_relay.protocol import header as hdr
 from mlx_relay.transport.doorbell import DoorbellTimeout, NeighbourGone
 from mlx_relay.transport.hub import ControlHub
-from mlx_relay.transport.ring import Ring, bytes_payload, dtype_name, mx_dtype
+from mlx_relay.transport.ring import Ring, bytes_payload, dtype_name, mx_dtype, payload_nbytes
 
 log = logging.getLogger("mlx_relay.pipeline")
 
@@ -437,12 +436,10 @@ class Pipeline:
         evaluated byte array that `_settle_early` fills (MLX arrays read through their
         buffer what a NumPy view of it wrote)."""
         back = hdr.returned(step.header, self._returned_width(step.header))
-        shape = hdr.payload_nbytes_shape(back)
-        dtype = mx_dtype(back.payload_dtype)
-        box = mx.zeros((dtype.size * math.prod(shape),), mx.uint8)
+        box = mx.zeros((payload_nbytes(back),), mx.uint8)
         mx.eval(box)
         self._early.append((step, box))
-        return box.view(dtype).reshape(shape)
+        return box.view(mx_dtype(back.payload_dtype)).reshape(hdr.payload_nbytes_shape(back))
 
     def _settle_early(self) -> None:
         """Read the returns `complete(early=True)` handed out, oldest first, into their
@@ -553,17 +550,14 @@ class Pipeline:
         step.header.step_id = self._step_id
         self._outstanding[step.header.step_id] = step
         width = self._returned_width(step.header)
-        returned_nbytes = hdr.payload_nbytes(hdr.returned(step.header, width))
-        self.ring.choose_path(
-            step.header, alone=not self._in_flight, returned_nbytes=returned_nbytes
-        )
+        self.ring.choose_path(step.header, alone=not self._in_flight, returned_width=width)
         self._in_flight.append(step)
         if not self.ring.eager:
             if payload is not None:
                 mx.async_eval(payload)
             self._unannounced.append((step, payload))
             return
-        back = hdr.returned(step.header, width)  # (with the hops' flags just chosen)
+        back = hdr.returned(step.header, width)
         try:
             step.posted = self.ring.send(step.header, payload, step.sides)
             if not self.ring.returns_inline(step.header):

@@ -48,7 +48,6 @@ changes (kvcache.SlotCaches), so membership needs no message of its own.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -109,7 +108,6 @@ PAYLOAD_HIDDEN = 1  # float array (batch, tokens, hidden)
 PAYLOAD_BYTES = 2  # uint8 array (nbytes,), e.g. a JSON document
 
 DTYPES = ("float32", "float16", "bfloat16", "uint8", "int32")
-DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "uint8": 1, "int32": 4}
 
 # Side array kinds (see above).
 SIDE_POSITIONS = 1  # int32 (3, rows, tokens): multimodal rope positions (t, h, w) per token
@@ -212,12 +210,6 @@ def payload_nbytes_shape(header: StepHeader) -> tuple[int, ...]:
     if header.payload_kind == PAYLOAD_BYTES:
         return (header.payload_shape[0],)
     return tuple(header.payload_shape)
-
-
-def payload_nbytes(header: StepHeader) -> int:
-    """The size in bytes of the payload the header announces."""
-    shape = payload_nbytes_shape(header)
-    return math.prod(shape) * DTYPE_SIZES[header.payload_dtype] if shape else 0
 
 
 def set_returned_payload(header: StepHeader, width: int | None = None) -> None:

@@ -120,6 +120,16 @@ def choose_hop_mode(
     return EAGER if cores >= EAGER_CORES_PER_RANK * max(1, ranks_here) else READY
 
 
+def payload_nbytes(header: hdr.StepHeader) -> int:
+    """The size in bytes of the payload the header announces."""
+    return mx_dtype(header.payload_dtype).size * math.prod(hdr.payload_nbytes_shape(header))
+
+
+def host_view(payload: mx.array) -> mx.array:
+    """`payload` as NumPy can read it: bfloat16 as its 16 bits (NumPy has no bfloat16)."""
+    return payload.view(mx.uint16) if payload.dtype == mx.bfloat16 else payload
+
+
 def inline_max_bytes() -> int:
     """The largest payload a READY hop sends in its header's message, from
     MLX_RELAY_INLINE_MAX_BYTES (default INLINE_MAX_BYTES; 0: every payload takes the ring)."""
@@ -188,12 +198,15 @@ class Ring:
         self.outbox = Outbox(lambda message: self.doorbell.ring(message), f"outbox-{self.rank}")
         self._inline: tuple[int, bytes] | None = None  # (step id, payload) of the last header
 
-    def choose_path(self, header: hdr.StepHeader, *, alone: bool, returned_nbytes: int) -> None:
-        """Rank 0, launching a step (`alone`: no other step is in flight; the last rank
-        returns `returned_nbytes`): mark in its header which of its hops are all-sums
-        (COLLECTIVE: both; ADAPTIVE: both for a lone step, else the hop out of rank 0,
-        whose receiver then launches its part at once, with no wait on its host) and
-        whether the return comes inline (ADAPTIVE, a step beside others, if it fits)."""
+    def choose_path(
+        self, header: hdr.StepHeader, *, alone: bool, returned_width: int | None = None
+    ) -> None:
+        """Rank 0, launching a step (`alone`: no other step is in flight;
+        `returned_width`: hdr.returned's): mark in its header which of its hops are
+        all-sums (COLLECTIVE: both; ADAPTIVE: both for a lone step, else the hop out of
+        rank 0, whose receiver then launches its part at once, with no wait on its
+        host) and whether the return comes inline (ADAPTIVE, a step beside others, if
+        it fits)."""
         # (a second lap's header is its first's copy)
         header.flags &= ~(hdr.FLAGS_COLLECTIVE | hdr.FLAG_INLINE_BACK)
         if self.mode == COLLECTIVE or (self.mode == ADAPTIVE and alone):
@@ -201,7 +214,8 @@ class Ring:
             timeline.mark("collective", header.step_id)
         elif self.mode == ADAPTIVE:
             header.flags |= hdr.FLAG_COLLECTIVE_OUT
-            if returned_nbytes <= INLINE_BACK_MAX_BYTES and not header.sides:
+            back = hdr.returned(header, returned_width)
+            if payload_nbytes(back) <= INLINE_BACK_MAX_BYTES and not header.sides:
                 header.flags |= hdr.FLAG_INLINE_BACK
                 timeline.mark("inline_back", header.step_id)
 
@@ -317,7 +331,7 @@ class Ring:
             self.outbox.post(hdr.encode(back).tobytes())
             return
         back.flags |= hdr.FLAG_INLINE
-        wire = payload.view(mx.uint16) if payload.dtype == mx.bfloat16 else payload
+        wire = host_view(payload)
         mx.async_eval(wire)
         head = hdr.encode(back).tobytes()
 
@@ -341,9 +355,7 @@ class Ring:
         ):
             return b""
         header.flags |= hdr.FLAG_INLINE
-        if payload.dtype == mx.bfloat16:
-            payload = payload.view(mx.uint16)
-        return np.asarray(payload).tobytes()
+        return np.asarray(host_view(payload)).tobytes()
 
     def _post_send(self, array: mx.array, collective: bool) -> mx.array:
         """Post `array`'s computation, then its send: apart, so that the host does not
@@ -393,7 +405,7 @@ class Ring:
         self._inline = None
         shape = hdr.payload_nbytes_shape(header)
         dtype = mx_dtype(header.payload_dtype)
-        if step_id != header.step_id or len(data) != dtype.size * math.prod(shape):
+        if step_id != header.step_id or len(data) != payload_nbytes(header):
             raise hdr.ProtocolError(f"{header.describe()}: its inline payload is not {shape}")
         return bytes_payload(data).view(dtype).reshape(shape)
 
