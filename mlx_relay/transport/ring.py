@@ -6,7 +6,6 @@ the ring backend allows. Nothing here decides anything: the header says what fol
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import threading
@@ -325,19 +324,18 @@ class Ring:
     def _return_inline(self, header: hdr.StepHeader, payload: mx.array | None) -> None:
         """The last rank: post the payload's computation, and the header with the
         payload's bytes to the outbox, whose thread sends them once computed."""
-        back = dataclasses.replace(header)  # (the caller's header is its own)
+        header.flags &= ~hdr.FLAG_INLINE  # (a forwarded header carries the last hop's)
         if payload is None:
-            back.flags &= ~hdr.FLAG_INLINE
-            self.outbox.post(hdr.encode(back).tobytes())
+            self.send_header(header)
             return
-        back.flags |= hdr.FLAG_INLINE
+        header.flags |= hdr.FLAG_INLINE
         wire = host_view(payload)
         mx.async_eval(wire)
-        head = hdr.encode(back).tobytes()
+        head, step_id = hdr.encode(header).tobytes(), header.step_id
 
         def message() -> bytes:
             data = np.asarray(wire).tobytes()  # (waits with Python's lock let go)
-            timeline.mark("computed", back.step_id)
+            timeline.mark("computed", step_id)
             return head + data
 
         self.outbox.post(message)
