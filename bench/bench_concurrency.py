@@ -253,7 +253,8 @@ def main() -> int:
         action="append",
         default=[],
         help="N=SPLIT: the --layers of N ranks, e.g. 2=11,19 or 3=auto (default: balanced, "
-        "which gives rank 0 fewer layers for the LM head it also runs)",
+        "which gives rank 0 fewer layers for the LM head it also runs); given more than "
+        "once for one N, each split runs as a row of its own",
     )
     ap.add_argument("--shape", choices=shapes.NAMES, help="a random-weight model of this shape")
     ap.add_argument("--gpus", type=int, default=0, help="CUDA: rank r runs on GPU r mod G")
@@ -283,29 +284,33 @@ def main() -> int:
     depths = [int(x) for x in args.steps_in_flight.split(",")]
     print(f"model {args.model}  tokens/stream {args.tokens}  cores {psutil.cpu_count()}")
 
-    splits = dict(item.split("=", 1) for item in args.layers)
+    splits: dict[int, list[str]] = {}
+    for item in args.layers:
+        n, split = item.split("=", 1)
+        splits.setdefault(int(n), []).append(split)
     table: dict[tuple[str, int], float] = {}
     rows: dict[str, int] = {}  # row label -> its rank count
     configs = [
-        (size, mode, depth)
+        (size, mode, depth, split)
         for size in ranks
         for mode in (modes if size > 1 else ["auto"])
         for depth in (depths if size > 1 else [0])
+        for split in splits.get(size, ["balanced"])
     ]
-    for n, mode, depth in configs:
+    for n, mode, depth, split in configs:
         row = f"{n}" + (f" {mode}" if n > 1 and len(modes) > 1 else "")
         row += f" {depth or n} in flight" if n > 1 and len(depths) > 1 else ""
+        row += f" {split}" if len(splits.get(n, [])) > 1 else ""
         rows[row] = n
-        cluster, client = start(
-            args.model, n, splits.get(str(n), "balanced"), args.gpus, args.max_active, mode, depth
-        )
+        first = (mode, depth, split) == (modes[0], depths[0], splits.get(n, ["balanced"])[0])
+        cluster, client = start(args.model, n, split, args.gpus, args.max_active, mode, depth)
         try:
             # One rank also serves C/N streams: the pipelining efficiency's reference.
             shares = {max(1, c // m) for c in streams for m in ranks}
             for c in sorted(set(streams) | shares) if n == 1 else streams:
                 table[(row, c)] = steady_throughput(client, c, args.tokens)
                 print(f"  {row} rank(s), {c} stream(s): {table[(row, c)]:.2f} tok/s", flush=True)
-            if n == max(ranks) and mode == modes[0] and depth == depths[0]:
+            if n == max(ranks) and first:
                 idle, loaded = ttft_under_load(client, 4, args.tokens * 4)
                 print(
                     f"\nTTFT of a 1-token request on {n} ranks: idle {idle * 1000:.0f} ms, "

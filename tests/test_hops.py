@@ -269,6 +269,16 @@ def _check_timelines(folder, ranks: int, hops: str) -> None:
         assert events[(ranks - 1, "posted", step)] <= events[(ranks - 1, "released", step)]
         if hops == EAGER:
             assert (ranks - 1, "settled", step) in events
+    # What the device computed, as watcher threads saw it: a worker's input after its
+    # header came; with eager hops rank 0's payload (sent on) after it began the step.
+    for rank in range(1, ranks):
+        got = [s for s in built if (rank, "received", s) in events]
+        assert got and all(
+            events[(rank, "received", s)] >= events[(rank, "header", s)] for s in got
+        )
+    sent = [s for s in built if (0, "sent", s) in events]
+    assert bool(sent) == (hops != READY)
+    assert all(events[(0, "sent", s)] >= events[(0, "build", s)] for s in sent)
     # Rank 0 marks the steps whose hops are all all-sums: every step, or with adaptive
     # hops those launched alone (each chat's decode steps once the others are done) but
     # not those launched beside others (the four chats at once: they return inline).

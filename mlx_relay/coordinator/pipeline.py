@@ -548,6 +548,8 @@ class Pipeline:
                 self._release_deferred()  # that failed go before anything later)
         self._step_id += 1
         step.header.step_id = self._step_id
+        if tokens is not None:
+            timeline.mark_when_computed("sampled", step.header.step_id, tokens)
         self._outstanding[step.header.step_id] = step
         width = self._returned_width(step.header)
         self.ring.choose_path(step.header, alone=not self._in_flight, returned_width=width)
@@ -560,6 +562,8 @@ class Pipeline:
         back = hdr.returned(step.header, width)
         try:
             step.posted = self.ring.send(step.header, payload, step.sides)
+            if payload is not None:  # (after the hop out on the device: see the timeline)
+                timeline.mark_when_computed("sent", step.header.step_id, payload)
             if not self.ring.returns_inline(step.header):
                 step.returned = self.ring.post_recv_payload(back)
         except RuntimeError as e:
@@ -638,7 +642,12 @@ class Pipeline:
                 raise self._ring_broken(e, self.ring.prev) from e
         if back.error_mask:
             raise self._failure(back)
-        if out is not None and self.ring.settles and not self.ring.receives_collectively(header):
+        if (
+            out is not None
+            and self.ring.settles
+            and not self.ring.receives_collectively(header)
+            and not back.flags & hdr.FLAG_INLINE  # (its bytes came with the header)
+        ):
             self._unsettled.append(out)  # (CUDA: settled right before what reads it launches)
         return back, out
 

@@ -84,6 +84,8 @@ class Worker:
             started = time.perf_counter()
             try:
                 payload = self.ring.post_recv_payload(header)
+                if payload is not None:
+                    timeline.mark_when_computed("received", header.step_id, payload)
                 # (side arrays: received after the payload, passed on as far as later
                 # ranks need them; the last rank sends none back. Most models' steps
                 # have none.)
