@@ -153,7 +153,13 @@ def accounted(run: Callable[[], dict], pids: list[int], tokens: int) -> Callable
 
 
 def gpu_env(rank: int, gpus: int) -> dict[str, str]:
-    return {"CUDA_VISIBLE_DEVICES": str(rank % gpus)} if gpus else {}
+    """Rank r's GPU: r mod `gpus`, or the (r mod `gpus`)th of MLX_RELAY_BENCH_GPU_ORDER
+    (e.g. "1,0"), which tells a GPU's own speed from the work of the rank it runs."""
+    if not gpus:
+        return {}
+    order = os.environ.get("MLX_RELAY_BENCH_GPU_ORDER")
+    ids = [int(x) for x in order.split(",")] if order else list(range(gpus))
+    return {"CUDA_VISIBLE_DEVICES": str(ids[rank % gpus])}
 
 
 def cluster_run(client: Client, tokens: int, prompt: str) -> dict:

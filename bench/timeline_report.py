@@ -14,7 +14,8 @@ median step period. Events (see the `timeline.mark` calls): rank 0 `build`s a st
 output (`computed`, ready hops), has `posted` its part and has `released` the last
 step's send (the loop's next wait for a header begins there); rank 0 has the header back
 (`returned`) and the step's sampled `tokens` read. Seen from watcher threads, the device
-has computed: rank 0's payload of the step, sent on (`sent`, eager hops) and the tokens
+has computed: rank 0's payload of the step (`computed`), and sent on (`sent`, eager
+hops: an all-sum ends only once its peer has joined it), and the tokens
 the step reads (`sampled`), a worker's input (`received`): the gaps between them are the
 device's work and the hops. `--tokens N` keeps the steps that
 carry N tokens (rank 0's `build` records it): a batch of N streams' decode steps.

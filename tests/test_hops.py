@@ -270,12 +270,14 @@ def _check_timelines(folder, ranks: int, hops: str) -> None:
         if hops == EAGER:
             assert (ranks - 1, "settled", step) in events
     # What the device computed, as watcher threads saw it: a worker's input after its
-    # header came; with eager hops rank 0's payload (sent on) after it began the step.
+    # header came; rank 0's part, and with eager hops that part sent on after it began
+    # the step.
     for rank in range(1, ranks):
         got = [s for s in built if (rank, "received", s) in events]
         assert got and all(
             events[(rank, "received", s)] >= events[(rank, "header", s)] for s in got
         )
+    assert any((0, "computed", s) in events for s in built)  # (rank 0's part)
     sent = [s for s in built if (0, "sent", s) in events]
     assert bool(sent) == (hops != READY)
     assert all(events[(0, "sent", s)] >= events[(0, "build", s)] for s in sent)

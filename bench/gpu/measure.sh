@@ -7,7 +7,8 @@
 # and its report, `single` single-stream decode on 1 and 2 ranks against mlx-lm. Logs go
 # to $OUT (what a device call brings back), with each GPU's utilisation (nvidia-smi's
 # share of time a kernel ran, every 200 ms) during each part. Only ratios within one call
-# compare. LOAD_ARGS adds to `load`'s options (e.g. LOAD_ARGS="--steps-in-flight 0,3").
+# compare. LOAD_ARGS adds to `load`'s options (e.g. LOAD_ARGS="--steps-in-flight 0,3");
+# MLX_RELAY_BENCH_GPU_ORDER=1,0 puts rank 0 on GPU 1 and rank 1 on GPU 0.
 set -uo pipefail
 what=" ${*:-load timeline single} "
 wants() { [[ $what == *" $1 "* ]]; }

@@ -560,9 +560,11 @@ class Pipeline:
             self._unannounced.append((step, payload))
             return
         back = hdr.returned(step.header, width)
+        if payload is not None:  # (the device has rank 0's part; `sent`: and its hop out)
+            timeline.mark_when_computed("computed", step.header.step_id, payload)
         try:
             step.posted = self.ring.send(step.header, payload, step.sides)
-            if payload is not None:  # (after the hop out on the device: see the timeline)
+            if payload is not None:
                 timeline.mark_when_computed("sent", step.header.step_id, payload)
             if not self.ring.returns_inline(step.header):
                 step.returned = self.ring.post_recv_payload(back)
