@@ -11,7 +11,8 @@ median step period. Events (see the `timeline.mark` calls): rank 0 `build`s a st
 `settle`s the return it reads (CUDA), has it (`return_settled`), sends the header
 (`header_sent`) and has launched its part (`posted`); a worker has the `header`, has
 `built` its part, sent the header on, has its input (`settled`, eager hops) or its
-output (`computed`, ready hops), has `posted` its part and has `released` the last
+output (`computed`, ready hops, and the last rank's inline return; `copied`: that
+return copied to the host), has `posted` its part and has `released` the last
 step's send (the loop's next wait for a header begins there); rank 0 has the header back
 (`returned`) and the step's sampled `tokens` read. Seen from watcher threads, the device
 has computed: rank 0's payload of the step (`computed`), and sent on (`sent`, eager

@@ -334,8 +334,12 @@ class Ring:
         head, step_id = hdr.encode(header).tobytes(), header.step_id
 
         def message() -> bytes:
-            data = np.asarray(wire).tobytes()  # (waits with Python's lock let go)
+            mx.eval(wire)  # (only waits, with Python's lock let go)
             timeline.mark("computed", step_id)
+            # (MLX moves a buffer the host reads to managed memory, allocating there:
+            # `copied` tells that apart from the wait)
+            data = np.asarray(wire).tobytes()
+            timeline.mark("copied", step_id)
             return head + data
 
         self.outbox.post(message)
