@@ -48,18 +48,26 @@ def read(folder: Path) -> tuple[Events, dict[int, int]]:
 
 
 def report(
-    events: Events, skip: int, carries: dict[int, int] | None = None, tokens: int = 0
+    events: Events,
+    skip: int,
+    carries: dict[int, int] | None = None,
+    tokens: int = 0,
+    over_ms: float = 0.0,
 ) -> list[str]:
     """The median offsets of each (rank, event) from its step's rank-0 build, in ms;
-    with `tokens`, over the steps carrying that many tokens only (`carries`: read's)."""
+    with `tokens`, over the steps carrying that many tokens only (`carries`: read's);
+    with `over_ms`, over the steps whose period (to the next step's build) is longer."""
     builds = sorted(step for rank, event, step in events if rank == 0 and event == "build")
     built = set(builds)
     steady = [s for s in builds[skip:] if s + 1 in built]
     if tokens and carries is not None:
         steady = [s for s in steady if carries.get(s) == tokens]
+    if over_ms:
+        steady = [s for s in steady if _period_ms(events, s) > over_ms]
     if not steady:
         carrying = f" carrying {tokens} tokens" if tokens else ""
-        return [f"no steady steps{carrying} (rank 0's `build` events of consecutive steps)"]
+        longer = f" of periods over {over_ms:g} ms" if over_ms else ""
+        return [f"no steady steps{carrying}{longer} (rank 0's `build` events of consecutive steps)"]
     by_step: dict[int, list[tuple[int, str, int]]] = defaultdict(list)
     for (rank, event, step), ns in events.items():
         by_step[step].append((rank, event, ns))
@@ -67,7 +75,7 @@ def report(
     periods = []
     for s in steady:
         anchor = events[(0, "build", s)]
-        periods.append((events[(0, "build", s + 1)] - anchor) / 1e6)
+        periods.append(_period_ms(events, s))
         for rank, event, ns in by_step[s]:
             offsets[("step", rank, event)].append((ns - anchor) / 1e6)
         for rank, event, ns in by_step[s + 1]:
@@ -92,6 +100,10 @@ def report(
     return lines
 
 
+def _period_ms(events: Events, step: int) -> float:
+    return (events[(0, "build", step + 1)] - events[(0, "build", step)]) / 1e6
+
+
 def _quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -107,6 +119,13 @@ def main() -> int:
         default=0,
         help="only steps carrying this many tokens (a decode step: one a stream)",
     )
+    parser.add_argument(
+        "--over",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="only steps whose period is longer than MS (what the slow steps wait for)",
+    )
     args = parser.parse_args()
     events, carries = read(args.folder)
     if not events:
@@ -114,7 +133,7 @@ def main() -> int:
         return 1
     counts = Counter(carries.values())
     print("steps by tokens carried:", ", ".join(f"{n}: {c}" for n, c in sorted(counts.items())))
-    print("\n".join(report(events, args.skip, carries, args.tokens)))
+    print("\n".join(report(events, args.skip, carries, args.tokens, args.over)))
     return 0
 
 

@@ -298,6 +298,9 @@ def _check_timelines(folder, ranks: int, hops: str) -> None:
     assert set(carries) == set(built) and 16 in carries.values() and min(carries.values()) >= 1
     lines = timeline_report.report(events, skip=4)
     assert "median period" in lines[0]
+    # --over: the slow steps alone (all of them over 0.001 ms, none over an hour)
+    assert timeline_report.report(events, skip=4, over_ms=0.001)[0] == lines[0]
+    assert "no steady steps" in timeline_report.report(events, skip=4, over_ms=3.6e6)[0]
     assert any(f"rank {ranks - 1} posted" in line for line in lines)
 
 

@@ -35,6 +35,10 @@ if wants timeline; then
     --ranks 2 --tokens 512 2>&1 | grep 'tok/s' | head -1
   unwatch timeline
   python3 bench/timeline_report.py /tmp/tl --tokens 8 --skip 200 2>&1 | tee "$OUT/timeline.txt" | tail -30
+  echo "the slow steps (a period over 25 ms):" | tee -a "$OUT/timeline.txt"
+  python3 bench/timeline_report.py /tmp/tl --tokens 8 --skip 200 --over 25 2>&1 | tail -n +2 \
+    | tee -a "$OUT/timeline.txt" | tail -30
+  tar czf "$OUT/timeline.tgz" -C /tmp tl  # (every mark, for what the medians hide)
 fi
 if wants single; then
   t single; timeout 200 python3 bench/bench_pipeline.py --shape llama3-8b --gpus 2 --ranks 1,2 \
