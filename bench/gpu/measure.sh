@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # On a CUDA device machine with two GPUs, as call 2 of bench/gpu/prepare.sh's recipe:
-#     bash bench/gpu/measure.sh [load] [timeline] [single]   (none: all three)
+#     bash bench/gpu/measure.sh [load] [timeline] [single] [diagnose]   (none: the first three)
 # Installs the carried wheels, builds the random 4-bit Llama-3-8B shape, and runs issue
 # 10's measurements (bench/RESULTS.md quotes each command): `load` 16 streams on 1 and 2
 # ranks (the 1.6x target), `timeline` 16 streams on 2 ranks with every rank's timeline
-# and its report, `single` single-stream decode on 1 and 2 ranks against mlx-lm. Logs go
+# and its report, `single` single-stream decode on 1 and 2 ranks against mlx-lm,
+# `diagnose` three timelines (plain, the GPUs swapped, NCCL on one channel; alone it fits
+# the 8 files a call brings back). Logs go
 # to $OUT (what a device call brings back), with each GPU's utilisation (nvidia-smi's
 # share of time a kernel ran, every 200 ms) during each part. Only ratios within one call
 # compare. LOAD_ARGS adds to `load`'s options (e.g. LOAD_ARGS="--steps-in-flight 0,3");
@@ -29,16 +31,31 @@ if wants load; then
     ${LOAD_ARGS:-} 2>&1 | tee "$OUT/load.log" | grep -v '^$' | tail -16
   unwatch load
 fi
+# One 16-stream run on 2 ranks with every rank's timeline: the report of all steady steps
+# and of the slow ones, each GPU's utilisation, and every mark (tgz) in $OUT, named
+# after $1; the rest of the arguments are environment settings for the run.
+timeline() {
+  local name=$1; shift
+  t "timeline $name"; rm -rf /tmp/tl; watch "$name"
+  env "$@" MLX_RELAY_TIMELINE=/tmp/tl timeout 240 python3 bench/bench_concurrency.py \
+    "${load[@]}" --ranks 2 --tokens 512 2>&1 | grep 'tok/s' | head -1
+  unwatch "$name" > "$OUT/$name.txt"; rm -f "$OUT/util_$name.csv"
+  { python3 bench/timeline_report.py /tmp/tl --tokens 8 --skip 200
+    echo "the slow steps (a period over 25 ms):"
+    python3 bench/timeline_report.py /tmp/tl --tokens 8 --skip 200 --over 25 | tail -n +2
+  } >> "$OUT/$name.txt" 2>&1
+  grep -A40 'steady steps' "$OUT/$name.txt" | head -60
+  tar czf "$OUT/$name.tgz" -C /tmp tl  # (every mark, for what the medians hide)
+}
 if wants timeline; then
-  t timeline; rm -rf /tmp/tl; watch timeline
-  MLX_RELAY_TIMELINE=/tmp/tl timeout 200 python3 bench/bench_concurrency.py "${load[@]}" \
-    --ranks 2 --tokens 512 2>&1 | grep 'tok/s' | head -1
-  unwatch timeline
-  python3 bench/timeline_report.py /tmp/tl --tokens 8 --skip 200 2>&1 | tee "$OUT/timeline.txt" | tail -30
-  echo "the slow steps (a period over 25 ms):" | tee -a "$OUT/timeline.txt"
-  python3 bench/timeline_report.py /tmp/tl --tokens 8 --skip 200 --over 25 2>&1 | tail -n +2 \
-    | tee -a "$OUT/timeline.txt" | tail -30
-  tar czf "$OUT/timeline.tgz" -C /tmp tl  # (every mark, for what the medians hide)
+  timeline timeline
+fi
+# The checks RESULTS (session 18) lists for rank 0's slow layers and the slow periods,
+# after the plain timeline: the ranks on each other's GPUs, NCCL on one channel.
+if wants diagnose; then
+  timeline plain
+  timeline swapped MLX_RELAY_BENCH_GPU_ORDER=1,0
+  timeline one_channel NCCL_MAX_NCHANNELS=1
 fi
 if wants single; then
   t single; timeout 200 python3 bench/bench_pipeline.py --shape llama3-8b --gpus 2 --ranks 1,2 \
