@@ -14,12 +14,12 @@ median step period. Events (see the `timeline.mark` calls): rank 0 `build`s a st
 output (`computed`, ready hops, and the last rank's inline return; `copied`: that
 return copied to the host), has `posted` its part and has `released` the last
 step's send (the loop's next wait for a header begins there); rank 0 has the header back
-(`returned`) and the step's sampled `tokens` read. Seen from watcher threads, the device
-has computed: rank 0's payload of the step (`computed`), and sent on (`sent`, eager
-hops: an all-sum ends only once its peer has joined it), and the tokens
-the step reads (`sampled`), a worker's input (`received`): the gaps between them are the
-device's work and the hops. `--tokens N` keeps the steps that
-carry N tokens (rank 0's `build` records it): a batch of N streams' decode steps.
+(`returned`) and the step's sampled `tokens` read. Watcher threads mark when the device
+has finished: on rank 0 the tokens the step reads (`sampled`), its part (`computed`) and
+its part's hop out (`sent`, eager hops; an all-sum ends once its peer has joined it), on
+a worker its input (`received`); the gaps between them are the device's work and the
+hops. `--tokens N` keeps the steps that carry N tokens (rank 0's `build` records it): a
+batch of N streams' decode steps. `--over MS` keeps the steps whose period is longer.
 """
 
 from __future__ import annotations
