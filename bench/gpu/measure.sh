@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # On a CUDA device machine with two GPUs, as call 2 of bench/gpu/prepare.sh's recipe:
-#     bash bench/gpu/measure.sh [load] [timeline] [single] [diagnose]   (none: the first three)
+#     bash bench/gpu/measure.sh [load] [timeline] [single] [diagnose] [exact]
+#     (none: the first three)
 # Installs the carried wheels, builds the random 4-bit Llama-3-8B shape, and runs issue
 # 10's measurements (bench/RESULTS.md quotes each command): `load` 16 streams on 1 and 2
 # ranks (the 1.6x target), `timeline` 16 streams on 2 ranks with every rank's timeline
 # and its report, `single` single-stream decode on 1 and 2 ranks against mlx-lm,
 # `diagnose` three timelines (plain, the GPUs swapped, NCCL on one channel; alone it fits
-# the 8 files a call brings back). Logs go
+# the 8 files a call brings back), `exact` 16 greedy streams on 1 and 2 ranks checked
+# token by token against mlx-lm (bench/greedy_under_load.py). Logs go
 # to $OUT (what a device call brings back), with each GPU's utilisation (nvidia-smi's
 # share of time a kernel ran, every 200 ms) during each part. Only ratios within one call
 # compare. LOAD_ARGS adds to `load`'s options (e.g. LOAD_ARGS="--steps-in-flight 0,3");
@@ -60,5 +62,9 @@ fi
 if wants single; then
   t single; timeout 200 python3 bench/bench_pipeline.py --shape llama3-8b --gpus 2 --ranks 1,2 \
     --hop-modes auto --tokens 128 --rounds 2 2>&1 | tee "$OUT/single.log" | tail -12
+fi
+if wants exact; then
+  t exact; timeout 400 python3 bench/greedy_under_load.py --shape llama3-8b --gpus 2 --ranks 1,2 \
+    --streams 16 --tokens 256 2>&1 | tee "$OUT/exact.log" | tail -4
 fi
 t done
