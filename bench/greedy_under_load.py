@@ -17,6 +17,7 @@ Streams whose whole output equals that of the first rank count are counted too.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import threading
 from pathlib import Path
@@ -56,15 +57,18 @@ def generate_all(client, streams: int, tokens: int) -> list[list[int]]:
     return out
 
 
-def misses(model, prompt: list[int], output: list[int]) -> list[tuple[int, float]]:
-    """(position, gap) of each emitted token that is not the teacher-forced argmax."""
+def misses(model, prompt: list[int], output: list[int]) -> tuple[list[tuple[int, float]], float]:
+    """(position, gap) of each emitted token that is not the teacher-forced argmax, and
+    the median margin of the argmax over the runner-up (the scale a gap is read on)."""
     logits = model(mx.array([prompt + output[:-1]]))[0, len(prompt) - 1 :].astype(mx.float32)
     best = mx.argmax(logits, axis=-1)
     emitted = mx.array(output)
+    top2 = mx.sort(logits, axis=-1)[:, -2:]
+    margin = float(mx.median(top2[:, 1] - top2[:, 0]).item())
     gap = mx.max(logits, axis=-1) - mx.take_along_axis(logits, emitted[:, None], -1)[:, 0]
     wrong = (best != emitted).tolist()
     gaps = gap.tolist()
-    return [(p, gaps[p]) for p, w in enumerate(wrong) if w]
+    return [(p, gaps[p]) for p, w in enumerate(wrong) if w], margin
 
 
 def main() -> int:
@@ -95,13 +99,16 @@ def main() -> int:
     first = next(iter(outputs))
     print(f"model {args.model}  {args.streams} greedy streams x {args.tokens} tokens")
     for n, streams in outputs.items():
-        found = [misses(model, p, s) for p, s in zip(prompts, streams, strict=True)]
+        checked = [misses(model, p, s) for p, s in zip(prompts, streams, strict=True)]
+        found = [f for f, _ in checked]
+        margin = statistics.median(m for _, m in checked)
         gaps = [g for f in found for _, g in f]
         same = sum(s == o for s, o in zip(streams, outputs[first], strict=True))
         earliest = min((f[0][0] for f in found if f), default=None)
         print(
             f"{n} rank(s): {len(gaps)} of {sum(map(len, streams))} tokens not the argmax "
-            f"in {sum(map(bool, found))} stream(s); largest gap {max(gaps, default=0):.4f}; "
+            f"in {sum(map(bool, found))} stream(s); largest gap {max(gaps, default=0):.4f} "
+            f"(median margin of the argmax {margin:.4f}); "
             f"first miss at token {earliest}; streams equal to {first} rank(s)'s: "
             f"{same}/{args.streams}"
         )

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # On a CUDA device machine with two GPUs, as call 2 of bench/gpu/prepare.sh's recipe:
-#     bash bench/gpu/measure.sh [load] [timeline] [single] [diagnose] [exact]
-#     (none: the first three)
+#     bash bench/gpu/measure.sh [warm] [load] [timeline] [single] [diagnose] [exact] [channels]
+#     (none: load timeline single)
+# (`warm` first: a fresh machine's first cluster spends ~2 minutes compiling kernels.)
 # Installs the carried wheels, builds the random 4-bit Llama-3-8B shape, and runs issue
 # 10's measurements (bench/RESULTS.md quotes each command): `load` 16 streams on 1 and 2
 # ranks (the 1.6x target), `timeline` 16 streams on 2 ranks with every rank's timeline
 # and its report, `single` single-stream decode on 1 and 2 ranks against mlx-lm,
 # `diagnose` three timelines (plain, the GPUs swapped, NCCL on one channel; alone it fits
 # the 8 files a call brings back), `exact` 16 greedy streams on 1 and 2 ranks checked
-# token by token against mlx-lm (bench/greedy_under_load.py). Logs go
+# token by token against mlx-lm (bench/greedy_under_load.py), `channels` 16 streams on 2
+# ranks with NCCL's own channel count and with one channel, interleaved. Logs go
 # to $OUT (what a device call brings back), with each GPU's utilisation (nvidia-smi's
 # share of time a kernel ran, every 200 ms) during each part. Only ratios within one call
 # compare. LOAD_ARGS adds to `load`'s options (e.g. LOAD_ARGS="--steps-in-flight 0,3");
@@ -27,6 +29,10 @@ watch() { nvidia-smi --query-gpu=timestamp,index,utilization.gpu --format=csv,no
 unwatch() { kill "$WATCH"; python3 bench/gpu/util_report.py "$OUT/util_$1.csv"; }
 python3 bench/shapes.py llama3-8b /root/bench/llama3-8b > /dev/null; t shape built
 load=(--shape llama3-8b --gpus 2 --streams 16 --idle-seconds 1 --hop-modes adaptive)
+if wants warm; then  # (a fresh machine's first cluster compiles its kernels: not measured)
+  t warm; timeout 300 python3 bench/bench_concurrency.py "${load[@]}" --ranks 2 --tokens 16 \
+    > /dev/null 2>&1
+fi
 if wants load; then
   t load; watch load
   timeout 420 python3 bench/bench_concurrency.py "${load[@]}" --ranks 1,2 --tokens 256 \
@@ -62,6 +68,18 @@ fi
 if wants single; then
   t single; timeout 200 python3 bench/bench_pipeline.py --shape llama3-8b --gpus 2 --ranks 1,2 \
     --hop-modes auto --tokens 128 --rounds 2 2>&1 | tee "$OUT/single.log" | tail -12
+fi
+# 16 streams on 2 ranks, NCCL with the channels it picks and with one channel
+# (NCCL_MAX_NCHANNELS=1: fewer SMs spinning while a receive waits), interleaved, ROUNDS times.
+if wants channels; then
+  t channels
+  for round in $(seq "${ROUNDS:-2}"); do
+    for nccl in own 1; do
+      [[ $nccl == own ]] && set -- || set -- NCCL_MAX_NCHANNELS=$nccl
+      echo "round $round, NCCL channels $nccl: $(env "$@" timeout 200 python3 \
+        bench/bench_concurrency.py "${load[@]}" --ranks 2 --tokens 256 2>&1 | grep -m1 'tok/s')"
+    done
+  done | tee "$OUT/channels.log"
 fi
 if wants exact; then
   t exact; timeout 400 python3 bench/greedy_under_load.py --shape llama3-8b --gpus 2 --ranks 1,2 \
