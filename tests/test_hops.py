@@ -35,6 +35,7 @@ from mlx_relay.transport.ring import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import greedy_under_load  # noqa: E402
 import timeline_report  # noqa: E402
 
 
@@ -341,3 +342,19 @@ def test_an_outbox_sends_in_posting_order_and_hands_on_a_failure():
     box.post(b"4")  # (raised once)
     assert sent[-1] == b"4"
     box.close()
+
+
+def test_the_check_under_load_catches_a_token_the_model_would_not_choose(tiny_model):
+    """bench/greedy_under_load.py's teacher forcing, the oracle of the CUDA check: mlx-lm's
+    own greedy output passes, and one token swapped for another is caught where it is."""
+    path = tiny_model("llama", 5)
+    from mlx_lm import load
+
+    model, tokenizer = load(str(path))
+    prompt = greedy_under_load.encode_text(tokenizer, "The harbour at dawn, and")
+    output = mlx_lm_tokens(path, prompt, 24)
+    assert greedy_under_load.misses(model, prompt, output)[0] == []
+    swapped = list(output)
+    swapped[10] ^= 1
+    found, margin = greedy_under_load.misses(model, prompt, swapped)
+    assert found and found[0][0] == 10 and found[0][1] > 0 and margin > 0
