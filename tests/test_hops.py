@@ -9,6 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from mlx_lm import load
 from oracle import chat_request, chat_tokens, mlx_lm_tokens
 
 from mlx_relay.errors import UserError
@@ -348,8 +349,6 @@ def test_the_check_under_load_catches_a_token_the_model_would_not_choose(tiny_mo
     """bench/greedy_under_load.py's teacher forcing, the oracle of the CUDA check: mlx-lm's
     own greedy output passes, and one token swapped for another is caught where it is."""
     path = tiny_model("llama", 5)
-    from mlx_lm import load
-
     model, tokenizer = load(str(path))
     prompt = greedy_under_load.encode_text(tokenizer, "The harbour at dawn, and")
     output = mlx_lm_tokens(path, prompt, 24)
