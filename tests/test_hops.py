@@ -9,9 +9,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx_lm import load
-from oracle import chat_request, chat_tokens, mlx_lm_tokens
+from oracle import _load, chat_request, chat_tokens, mlx_lm_tokens
 
+from mlx_relay.coordinator.requests import encode_text
 from mlx_relay.errors import UserError
 from mlx_relay.launch import preflight
 from mlx_relay.launch.local import free_ports
@@ -349,8 +349,8 @@ def test_the_check_under_load_catches_a_token_the_model_would_not_choose(tiny_mo
     """bench/greedy_under_load.py's teacher forcing, the oracle of the CUDA check: mlx-lm's
     own greedy output passes, and one token swapped for another is caught where it is."""
     path = tiny_model("llama", 5)
-    model, tokenizer = load(str(path))
-    prompt = greedy_under_load.encode_text(tokenizer, "The harbour at dawn, and")
+    model, tokenizer = _load(str(path))  # (the model mlx_lm_tokens runs, loaded once)
+    prompt = encode_text(tokenizer, "The harbour at dawn, and")
     output = mlx_lm_tokens(path, prompt, 24)
     assert greedy_under_load.misses(model, prompt, output)[0] == []
     swapped = list(output)
