@@ -57,11 +57,7 @@ def report(
     """The median offsets of each (rank, event) from its step's rank-0 build, in ms;
     with `tokens`, over the steps carrying that many tokens only (`carries`: read's);
     with `over_ms`, over the steps whose period (to the next step's build) is longer."""
-    builds = sorted(step for rank, event, step in events if rank == 0 and event == "build")
-    built = set(builds)
-    steady = [s for s in builds[skip:] if s + 1 in built]
-    if tokens and carries is not None:
-        steady = [s for s in steady if carries.get(s) == tokens]
+    steady = steady_steps(events, carries, skip, tokens)
     if over_ms:
         steady = [s for s in steady if _period_ms(events, s) > over_ms]
     if not steady:
@@ -98,6 +94,19 @@ def report(
         lines.append(f"  {median:8.3f}  (+{median - previous:7.3f})  {label}  [{count}]")
         previous = median
     return lines
+
+
+def steady_steps(
+    events: Events, carries: dict[int, int] | None, skip: int, tokens: int = 0
+) -> list[int]:
+    """Rank 0's steps after the first `skip` whose next step was built too (so each has
+    a period); with `tokens`, those carrying that many tokens only."""
+    builds = sorted(step for rank, event, step in events if rank == 0 and event == "build")
+    built = set(builds)
+    steady = [s for s in builds[skip:] if s + 1 in built]
+    if tokens and carries is not None:
+        steady = [s for s in steady if carries.get(s) == tokens]
+    return steady
 
 
 def _period_ms(events: Events, step: int) -> float:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a CUDA device machine with two GPUs, as call 2 of bench/gpu/prepare.sh's recipe:
-#     bash bench/gpu/measure.sh [warm] [load] [timeline] [single] [diagnose] [exact] [channels]
+#     bash bench/gpu/measure.sh [warm] [load] [timeline] [single] [diagnose] [exact] [channels] [trace]
 #     (none: load timeline single)
 # (`warm` first: a fresh machine's first cluster spends ~2 minutes compiling kernels.)
 # Installs the carried wheels, builds the random 4-bit Llama-3-8B shape, and runs issue
@@ -80,6 +80,25 @@ if wants channels; then
         bench/bench_concurrency.py "${load[@]}" --ranks 2 --tokens 256 2>&1 | grep -m1 'tok/s')"
     done
   done | tee "$OUT/channels.log"
+fi
+# Every kernel, copy, host wait and slow CUDA call of each rank (bench/gpu/cupti_trace.c,
+# built here into .gpu/b) during a 16-stream run on 2 ranks with its timeline, and of one
+# rank alone with 8 streams (the same 8-row steps, nothing beside them), read with
+# bench/trace_report.py: what each GPU does in a period, normal and slow.
+if wants trace; then
+  t trace; rm -rf /tmp/alone /tmp/tr /tmp/tl; mkdir -p /tmp/alone /tmp/tr
+  trace() { local dir=$1; shift; env CUDA_INJECTION64_PATH=$PWD/.gpu/b/cupti_trace.so \
+    CUPTI_TRACE_DIR="$dir" "$@" 2>&1 | grep -m1 'tok/s'; }
+  trace /tmp/alone MLX_RELAY_TIMELINE=/tmp/alone/tl timeout 200 python3 \
+    bench/bench_concurrency.py --shape llama3-8b --gpus 2 --streams 8 --idle-seconds 1 \
+    --hop-modes adaptive --ranks 1 --tokens 384
+  trace /tmp/tr MLX_RELAY_TIMELINE=/tmp/tl timeout 240 python3 bench/bench_concurrency.py \
+    "${load[@]}" --ranks 2 --tokens 512
+  ls -la /tmp/tr /tmp/alone
+  python3 bench/trace_report.py /tmp/tr /tmp/tl --alone /tmp/alone --dump "$OUT/trace_dump.txt" \
+    > "$OUT/trace.txt" 2>&1
+  python3 bench/timeline_report.py /tmp/tl --tokens 8 --skip 200 >> "$OUT/trace.txt" 2>&1
+  gzip -f "$OUT/trace_dump.txt"; cat "$OUT/trace.txt"
 fi
 if wants exact; then
   t exact; timeout 400 python3 bench/greedy_under_load.py --shape llama3-8b --gpus 2 --ranks 1,2 \
