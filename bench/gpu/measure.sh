@@ -88,7 +88,7 @@ fi
 if wants trace; then
   t trace; rm -rf /tmp/alone /tmp/tr /tmp/tl; mkdir -p /tmp/alone /tmp/tr
   trace() { local dir=$1; shift; env CUDA_INJECTION64_PATH=$PWD/.gpu/b/cupti_trace.so \
-    CUPTI_TRACE_DIR="$dir" "$@" 2>&1 | grep -m1 'tok/s'; }
+    CUPTI_TRACE_DIR="$dir" "$@" > "$dir.log" 2>&1; grep -m1 'tok/s' "$dir.log"; }
   trace /tmp/alone MLX_RELAY_TIMELINE=/tmp/alone/tl timeout 200 python3 \
     bench/bench_concurrency.py --shape llama3-8b --gpus 2 --streams 8 --idle-seconds 1 \
     --hop-modes adaptive --ranks 1 --tokens 384
