@@ -8,9 +8,11 @@ import threading
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from oracle import _load, chat_request, chat_tokens, mlx_lm_tokens
 
+from mlx_relay.coordinator.mailboxes import Mailboxes
 from mlx_relay.coordinator.requests import encode_text
 from mlx_relay.errors import UserError
 from mlx_relay.launch import preflight
@@ -207,6 +209,32 @@ def test_collective_hops_keep_tokens_exact(tiny_model, cluster_factory, hops, tm
     to mlx-lm's. Loading the model and shutting down travel the same hops."""
     logs = _timed_chats(tiny_model("llama", 6), cluster_factory, 2, hops, tmp_path)
     assert f"{hops} hops" in logs and "settled receives" not in logs
+
+
+@pytest.mark.cluster
+def test_adaptive_hops_on_the_cuda_path_keep_tokens_exact(tiny_model, cluster_factory, tmp_path):
+    """Adaptive hops as they run on CUDA (receives settled; the last rank pads each
+    inline return, ring.RETURN_PAD_BYTES, and sends only its bytes), run on the CPU, with
+    rank 0 building on each inline return before it came (Pipeline.complete's mailboxes):
+    concurrent chats, sampled and penalised rows, tokens equal to mlx-lm's."""
+    env = {"MLX_RELAY_SETTLE_RECEIVES": "1"}
+    logs = _timed_chats(tiny_model("llama", 6), cluster_factory, 2, ADAPTIVE, tmp_path, env)
+    assert "adaptive hops" in logs and "settled receives" in logs
+    events, _ = timeline_report.read(tmp_path / "timelines")  # (rank 0 filled a mailbox)
+    assert any(rank == 0 and event == "settle" for rank, event, _ in events)
+
+
+def test_mailboxes_take_turns_and_stay_writable():
+    """Boxes of one size are handed out in turn, `keep` of them, each written through a
+    NumPy view and read through an MLX view of it; sizes do not share boxes."""
+    boxes = Mailboxes(keep=2)
+    first, second = boxes.take(8), boxes.take(8)
+    assert first is not second and boxes.take(8) is first and boxes.take(8) is second
+    assert boxes.take(4).size == 4
+    np.array(first, copy=False)[:] = np.arange(8, dtype=np.uint8)
+    assert first.view(mx.int32).tolist() == np.arange(8, dtype=np.uint8).view(np.int32).tolist()
+    with pytest.raises(ValueError, match="fewer than 2"):
+        Mailboxes(keep=1)
 
 
 def _timed_chats(model, cluster_factory, ranks: int, hops: str, tmp_path, env=None) -> str:

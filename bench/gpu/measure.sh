@@ -100,6 +100,18 @@ if wants trace; then
   python3 bench/timeline_report.py /tmp/tl --tokens 8 --skip 200 >> "$OUT/trace.txt" 2>&1
   gzip -f "$OUT/trace_dump.txt"; cat "$OUT/trace.txt"
 fi
+# (temporary, session 20) 16 streams on 2 ranks with the early builds on inline returns
+# and the padded returns each switched off, interleaved.
+if wants variants; then
+  t variants
+  for round in $(seq "${ROUNDS:-1}"); do
+    for v in ${VARIANTS:-"MLX_RELAY_EXP_NO_EARLY=1,MLX_RELAY_EXP_NO_PAD=1" MLX_RELAY_EXP_NO_PAD=1 \
+             MLX_RELAY_EXP_NO_EARLY=1 MLX_RELAY_EXP_NONE=1}; do v=${v//,/ }
+      echo "round $round, $v: $(env $v timeout 200 python3 bench/bench_concurrency.py \
+        "${load[@]}" --ranks 2 --tokens 256 2>&1 | grep -m1 'tok/s')"
+    done
+  done | tee "$OUT/variants.log"
+fi
 if wants exact; then
   t exact; timeout 400 python3 bench/greedy_under_load.py --shape llama3-8b --gpus 2 --ranks 1,2 \
     --streams 16 --tokens 256 2>&1 | tee "$OUT/exact.log" | tail -4

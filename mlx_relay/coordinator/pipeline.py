@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import socket
 import time
 from collections import deque
@@ -23,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_relay import timeline
+from mlx_relay.coordinator.mailboxes import Mailboxes
 from mlx_relay.model import memory, sharding
 from mlx_relay.model.default_model import resolve_model
 from mlx_relay.model.kvcache import CacheError, SlotCaches
@@ -158,6 +160,7 @@ class Pipeline:
         # bytes will be written into (complete(early=True), settle), oldest first; and
         # the failures settle found in them, for the engine to take (failure_of).
         self._early: list[tuple[Step, mx.array]] = []
+        self._boxes = Mailboxes(keep=self.depth + 1)  # (what _early's are taken from)
         self._early_failures: dict[int, RankFailure] = {}
         # slot -> its sequence's position delta (multimodal rope: set by its prompt's
         # positions, every later step's header carries it); empty for other models
@@ -218,6 +221,7 @@ class Pipeline:
         self.caches = None
         self._deltas.clear()
         self._per_layer = False
+        self._boxes.clear()
         mx.clear_cache()
 
     def shutdown(self) -> None:
@@ -421,14 +425,20 @@ class Pipeline:
         return sharding.head(self.shard, step.hidden)[:, -1, :]
 
     def _returns_early(self, step: Step) -> bool:
-        """Whether `step`'s return can be built on before it came (see complete): READY
-        hops, whose payload comes computed, in host memory this process can write (the
-        CPU device), for a step that wants logits and goes round once."""
+        """Whether `step`'s return can be built on before it came (see complete), for a
+        step that wants logits and goes round once: one that returns inline (ADAPTIVE
+        hops under load: its bytes come in the header's message), or any with READY hops
+        on the CPU device (its payload comes computed, into memory the host can write)."""
         return (
-            not self.ring.eager
-            and step.want_logits
+            step.want_logits
             and not step.header.flags & hdr.FLAG_FIRST_LAP
-            and mx.default_device() == mx.cpu
+            and (
+                (
+                    self.ring.returns_inline(step.header)
+                    and not os.environ.get("MLX_RELAY_EXP_NO_EARLY")
+                )
+                or (not self.ring.eager and mx.default_device() == mx.cpu)
+            )
         )
 
     def _mailbox(self, step: Step) -> mx.array:
@@ -436,8 +446,7 @@ class Pipeline:
         evaluated byte array that `_settle_early` fills (MLX arrays read through their
         buffer what a NumPy view of it wrote)."""
         back = hdr.returned(step.header, self._returned_width(step.header))
-        box = mx.zeros((payload_nbytes(back),), mx.uint8)
-        mx.eval(box)
+        box = self._boxes.take(payload_nbytes(back))
         self._early.append((step, box))
         return box.view(mx_dtype(back.payload_dtype)).reshape(hdr.payload_nbytes_shape(back))
 
@@ -448,7 +457,7 @@ class Pipeline:
         while self._early:
             step, box = self._early.pop(0)
             try:
-                _, out = self._receive(step)
+                _, out = self._receive(step, host_bytes=True)
             except RankFailure as e:
                 if isinstance(e, ClusterFailure):
                     self._early.clear()
@@ -457,6 +466,9 @@ class Pipeline:
                     self._early_failures[step.header.step_id] = e
                 else:
                     log.warning("dropped %s: %s", step.header.describe(), e)
+                continue
+            if isinstance(out, np.ndarray):  # (an inline return's bytes)
+                np.array(box, copy=False)[:] = out
                 continue
             data = out.view(mx.uint8).reshape(-1)
             mx.eval(data)
@@ -620,8 +632,9 @@ class Pipeline:
             return None
         return sharding.output_width(self.shard, header.payload_shape[2], self.shard.num_layers)
 
-    def _receive(self, step: Step) -> tuple[hdr.StepHeader, mx.array | None]:
-        """The header that came back, and the receive of its payload, posted. A failed
+    def _receive(self, step: Step, host_bytes: bool = False) -> tuple[hdr.StepHeader, Any]:
+        """The header that came back, and the receive of its payload, posted (with
+        `host_bytes`, an inline payload as its bytes, a NumPy uint8 array). A failed
         step's payload (zeros) is received all the same, so the ring stays in step."""
         header = step.header
         back = self._wait_for_return(header)
@@ -637,7 +650,9 @@ class Pipeline:
                 -1, "", f"ranks out of step: sent {header.describe()}, got {back.describe()}"
             )
         out, step.returned = step.returned, None
-        if not self.ring.eager or self.ring.returns_inline(header):
+        if host_bytes and back.flags & hdr.FLAG_INLINE:
+            out = self.ring.take_inline_bytes(back)
+        elif not self.ring.eager or self.ring.returns_inline(header):
             try:
                 out = self.ring.post_recv_payload(back)
             except RuntimeError as e:
@@ -645,7 +660,7 @@ class Pipeline:
         if back.error_mask:
             raise self._failure(back)
         if (
-            out is not None
+            isinstance(out, mx.array)
             and self.ring.settles
             and not self.ring.receives_collectively(header)
             and not back.flags & hdr.FLAG_INLINE  # (its bytes came with the header)

@@ -82,6 +82,14 @@ _HEADER_BYTES = hdr.HEADER_LEN * 4  # (int32s: what comes before an inline paylo
 # ADAPTIVE returns up to this size inline (a batch of 32 rows of hidden 4,096 in 16 bits):
 # with a step or two in flight, what rank 0 has not read yet fits the socket's buffer.
 INLINE_BACK_MAX_BYTES = 1 << 18
+# The last rank reads each inline return on the host. On CUDA, MLX first moves a device
+# buffer the host reads into managed memory, with a copy that waits for the work queued
+# on the GPU: under load the next step's half, ~10 ms, in about one step of seven (two
+# H200s, bench/RESULTS.md, session 20). A moved buffer stays managed, and MLX's buffer
+# cache hands a freed buffer to the next array of about its size (up to two pages
+# more), so on CUDA each return is padded by this much, to a size no array of the
+# layers has: the cache gives it a buffer an earlier return had, already managed.
+RETURN_PAD_BYTES = 8 << 20
 
 
 def choose_hop_mode(
@@ -329,7 +337,13 @@ class Ring:
             self.send_header(header)
             return
         header.flags |= hdr.FLAG_INLINE
-        wire = host_view(payload)
+        wire = host_view(payload).reshape(-1)
+        nbytes = wire.nbytes
+        if self.settles and not os.environ.get(
+            "MLX_RELAY_EXP_NO_PAD"
+        ):  # (CUDA: see RETURN_PAD_BYTES)
+            pad = mx.zeros((RETURN_PAD_BYTES // wire.itemsize,), wire.dtype)
+            wire = mx.concatenate([wire, pad])
         mx.async_eval(wire)
         head, step_id = hdr.encode(header).tobytes(), header.step_id
 
@@ -338,7 +352,7 @@ class Ring:
             timeline.mark("computed", step_id)
             # (MLX moves a buffer the host reads to managed memory, allocating there:
             # `copied` tells that apart from the wait)
-            data = np.asarray(wire).tobytes()
+            data = np.asarray(wire).view(np.uint8)[:nbytes].tobytes()
             timeline.mark("copied", step_id)
             return head + data
 
@@ -403,13 +417,19 @@ class Ring:
         )
 
     def _take_inline(self, header: hdr.StepHeader) -> mx.array:
+        data = mx.array(self.take_inline_bytes(header))
+        shape = hdr.payload_nbytes_shape(header)
+        return data.view(mx_dtype(header.payload_dtype)).reshape(shape)
+
+    def take_inline_bytes(self, header: hdr.StepHeader) -> np.ndarray:
+        """The bytes of the inline payload that came with `header` (FLAG_INLINE), as a
+        uint8 array: for a caller that writes them where it wants them."""
         step_id, data = self._inline or (None, b"")
         self._inline = None
-        shape = hdr.payload_nbytes_shape(header)
-        dtype = mx_dtype(header.payload_dtype)
         if step_id != header.step_id or len(data) != payload_nbytes(header):
+            shape = hdr.payload_nbytes_shape(header)
             raise hdr.ProtocolError(f"{header.describe()}: its inline payload is not {shape}")
-        return bytes_payload(data).view(dtype).reshape(shape)
+        return np.frombuffer(data, dtype=np.uint8)
 
     def post_recv_sides(self, header: hdr.StepHeader) -> list[mx.array]:
         """Post the receives of the side arrays the header lists, after its payload's."""
