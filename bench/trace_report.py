@@ -125,7 +125,8 @@ def rank_summary(label: str, t: Trace, a: int, b: int, top: int) -> list[str]:
     streams: dict[int, list] = defaultdict(list)
     for s, e, st, _ in ks:
         streams[st].append((s, e))
-    for st, iv in sorted(streams.items(), key=lambda x: -len(x[1])):
+    out.append(f"  {len(streams)} streams (CUDA graphs' kernels count on streams of their own):")
+    for st, iv in sorted(streams.items(), key=lambda x: -len(x[1]))[:4]:
         out.append(f"  stream {st}: {len(iv)} kernels, busy {busy_ns(iv, a, b) / 1e6 / span:.0%}")
     g = gaps([(s, e) for s, e, _, _ in ks], a, b)
     for lo in (0.02, 0.2, 1.0, 5.0):

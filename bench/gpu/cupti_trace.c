@@ -10,7 +10,7 @@
  *     C start end stream bytes copykind    a copy (M: a set)
  *     S start end stream type              the host waited (type: CUPTI's sync type)
  *     A start end tid name                 a runtime (R) or driver (D) call >= 50 us
- * Build (here; carried to the device in .gpu/b):
+ * Build (bench/gpu/prepare.sh does, here; carried to the device in .gpu/b):
  *     gcc -O2 -shared -fPIC -I/usr/local/cuda-13.0/include bench/gpu/cupti_trace.c \
  *       -L/usr/local/cuda-13.0/lib64 -lcupti -lpthread \
  *       -Wl,-rpath,/usr/local/cuda-13.0/targets/x86_64-linux/lib -o .gpu/b/cupti_trace.so

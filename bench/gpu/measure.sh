@@ -10,7 +10,10 @@
 # `diagnose` three timelines (plain, the GPUs swapped, NCCL on one channel; alone it fits
 # the 8 files a call brings back), `exact` 16 greedy streams on 1 and 2 ranks checked
 # token by token against mlx-lm (bench/greedy_under_load.py), `channels` 16 streams on 2
-# ranks with NCCL's own channel count and with one channel, interleaved. Logs go
+# ranks with NCCL's own channel count and with one channel, interleaved, `trace` a GPU
+# timeline of each rank (every kernel, copy, host wait and slow CUDA call, from
+# bench/gpu/cupti_trace.c, which prepare.sh builds, read with bench/trace_report.py).
+# Logs go
 # to $OUT (what a device call brings back), with each GPU's utilisation (nvidia-smi's
 # share of time a kernel ran, every 200 ms) during each part. Only ratios within one call
 # compare. LOAD_ARGS adds to `load`'s options (e.g. LOAD_ARGS="--steps-in-flight 0,3");
@@ -99,18 +102,6 @@ if wants trace; then
     > "$OUT/trace.txt" 2>&1
   python3 bench/timeline_report.py /tmp/tl --tokens 8 --skip 200 >> "$OUT/trace.txt" 2>&1
   gzip -f "$OUT/trace_dump.txt"; cat "$OUT/trace.txt"
-fi
-# (temporary, session 20) 16 streams on 2 ranks with the early builds on inline returns
-# and the padded returns each switched off, interleaved.
-if wants variants; then
-  t variants
-  for round in $(seq "${ROUNDS:-1}"); do
-    for v in ${VARIANTS:-"MLX_RELAY_EXP_NO_EARLY=1,MLX_RELAY_EXP_NO_PAD=1" MLX_RELAY_EXP_NO_PAD=1 \
-             MLX_RELAY_EXP_NO_EARLY=1 MLX_RELAY_EXP_NONE=1}; do v=${v//,/ }
-      echo "round $round, $v: $(env $v timeout 200 python3 bench/bench_concurrency.py \
-        "${load[@]}" --ranks 2 --tokens 256 2>&1 | grep -m1 'tok/s')"
-    done
-  done | tee "$OUT/variants.log"
 fi
 if wants exact; then
   t exact; timeout 400 python3 bench/greedy_under_load.py --shape llama3-8b --gpus 2 --ranks 1,2 \

@@ -26,4 +26,12 @@ dl --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform m
 mkdir -p .gpu/b/tok
 model=$(.venv/bin/python -c "from mlx_relay.model.default_model import resolve_model; print(resolve_model('default', progress=False))")
 cp "$model"/{tokenizer.json,tokenizer_config.json,special_tokens_map.json} .gpu/b/tok/
+# The GPU timeline's library (measure.sh trace), where CUDA 13's CUPTI headers are here
+cuda=/usr/local/cuda-13.0
+if [[ -f $cuda/include/cupti.h && -e $cuda/lib64/libcupti.so ]] && command -v gcc > /dev/null; then
+  gcc -O2 -shared -fPIC -I"$cuda/include" bench/gpu/cupti_trace.c -L"$cuda/lib64" -lcupti -lpthread \
+    -Wl,-rpath,$cuda/targets/x86_64-linux/lib -o .gpu/b/cupti_trace.so
+else
+  echo "no CUDA 13 CUPTI or gcc here: measure.sh trace will not run" >&2
+fi
 du -sh .gpu/a .gpu/b

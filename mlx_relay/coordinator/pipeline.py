@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import socket
 import time
 from collections import deque
@@ -433,10 +432,7 @@ class Pipeline:
             step.want_logits
             and not step.header.flags & hdr.FLAG_FIRST_LAP
             and (
-                (
-                    self.ring.returns_inline(step.header)
-                    and not os.environ.get("MLX_RELAY_EXP_NO_EARLY")
-                )
+                self.ring.returns_inline(step.header)
                 or (not self.ring.eager and mx.default_device() == mx.cpu)
             )
         )

@@ -339,9 +339,7 @@ class Ring:
         header.flags |= hdr.FLAG_INLINE
         wire = host_view(payload).reshape(-1)
         nbytes = wire.nbytes
-        if self.settles and not os.environ.get(
-            "MLX_RELAY_EXP_NO_PAD"
-        ):  # (CUDA: see RETURN_PAD_BYTES)
+        if self.settles:  # (CUDA: see RETURN_PAD_BYTES)
             pad = mx.zeros((RETURN_PAD_BYTES // wire.itemsize,), wire.dtype)
             wire = mx.concatenate([wire, pad])
         mx.async_eval(wire)
