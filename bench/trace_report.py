@@ -242,7 +242,9 @@ def main() -> int:
     p.add_argument("--over", type=float, default=25.0, help="a slow period, ms")
     p.add_argument("--top", type=int, default=25)
     p.add_argument(
-        "--alone", type=Path, help="traces of a 1-rank run to set beside (its timeline: ALONE/tl)"
+        "--alone",
+        type=Path,
+        help="traces of a 1-rank run to set beside (its timeline: ALONE/tl; the rank: the largest trace)",
     )
     p.add_argument("--dump", type=Path)
     args = p.parse_args()
@@ -266,7 +268,7 @@ def main() -> int:
     if args.alone:
         ev1, ca1 = timeline_report.read(args.alone / "tl")
         st1 = timeline_report.steady_steps(ev1, ca1, args.skip, args.tokens)
-        files = sorted(args.alone.glob("rank0-*.tsv"), key=lambda f: f.stat().st_size)
+        files = sorted(args.alone.glob("rank*-*.tsv"), key=lambda f: f.stat().st_size)
         alone = read_trace(files[-1]) if files else None
         if st1 and alone:
             labelled["alone"] = alone
