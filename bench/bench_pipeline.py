@@ -15,6 +15,9 @@ the engine), so one core per rank starves it where a real machine would not. The
 to core 0 too: left free, it lands on rank 1's core and takes time from it (measured:
 2 ranks 0.87-0.98 of mlx-lm with the client free, 0.997 with it pinned), so the cost
 of the client falls on rank 0's core, as a client on the coordinator's machine would.
+`--client-core free` puts it instead on a core that no rank of the configuration uses,
+where one is left (1 rank on a 2-core machine): a client of its own, as the baseline,
+which has none, never shares its core with one.
 
 Each run also counts the CPU time (user + system) of every process it involves: the
 baseline's, each rank's and this one's (the client's), per generated token, beside the
@@ -137,6 +140,27 @@ def cpu_seconds(pids: list[int]) -> list[float]:
     return [sum(psutil.Process(pid).cpu_times()[:2]) for pid in pids]
 
 
+def client_cores(ranks: int, per_rank: int, where: str) -> list[int]:
+    """The cores this process (the client) runs on for a cluster of `ranks`: rank 0's
+    first, or with `where` "free" the cores none of its ranks has, if there are any."""
+    if where == "free":
+        used = {c for r in range(ranks) for c in core_set(r, per_rank)}
+        free = [c for c in MACHINE_CORES if c not in used]
+        if free:
+            return free
+    return [core_set(0, per_rank)[0]]
+
+
+def on_cores(cores: list[int], run: Callable[[], dict]) -> Callable[[], dict]:
+    """`run` with every thread of this process (the client's gRPC threads too) on `cores`."""
+
+    def pinned() -> dict:
+        pin_all_threads(os.getpid(), cores)
+        return run()
+
+    return pinned
+
+
 def accounted(run: Callable[[], dict], pids: list[int], tokens: int) -> Callable[[], dict]:
     """`run`, also reporting the CPU ms per token of each of `pids` and of this process
     (the client), and the run's wall ms per token."""
@@ -194,6 +218,15 @@ def main() -> int:
     )
     ap.add_argument("--prompt-tokens", type=int, default=0, help="lengthen the prompt to about N")
     ap.add_argument(
+        "--client-core",
+        choices=("rank0", "free"),
+        default="rank0",
+        help="CPU: where this benchmark's gRPC client runs: on rank 0's core (a client on "
+        "the coordinator's machine, sharing its core), or on a core no rank of the "
+        "configuration uses where there is one (a client of its own, as mlx-lm's baseline "
+        "has none), else rank 0's",
+    )
+    ap.add_argument(
         "--cores-per-rank",
         type=int,
         default=1,
@@ -248,11 +281,16 @@ def main() -> int:
             for rank, proc in enumerate(cluster.procs if per_rank else []):
                 on = pin_all_threads(proc.pid, core_set(rank, per_rank))
                 print(f"{label}: rank {rank}'s threads on core(s) {on}", file=sys.stderr)
-            runners[label] = accounted(
+            run = accounted(
                 lambda c=client: cluster_run(c, args.tokens, prompt),
                 [p.pid for p in cluster.procs],
                 args.tokens,
             )
+            if per_rank:
+                cores = client_cores(n, per_rank, args.client_core)
+                print(f"{label}: the client on core(s) {cores}", file=sys.stderr)
+                run = on_cores(cores, run)
+            runners[label] = run
         for run in runners.values():  # warm-up
             run()
         results: dict[str, list[dict]] = {label: [] for label in runners}
