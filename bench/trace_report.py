@@ -11,7 +11,8 @@ streams, the kernels that took its time, the gaps when nothing ran, its host's w
 and slow calls; then the kernels both ranks run, side by side (are rank 0's slower?);
 then each step period of rank 0 split into compute, NCCL (an all-sum waits inside its
 kernel for its peer) and idle time on each GPU, for normal and slow periods apart.
-`--dump FILE` writes every record and mark around the first slow period, to read by eye.
+`--dump FILE` writes every record and mark from 200 ms before the middle slow period to
+400 ms after it, to read by eye.
 """
 
 from __future__ import annotations
