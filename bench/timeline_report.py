@@ -59,7 +59,7 @@ def report(
     with `over_ms`, over the steps whose period (to the next step's build) is longer."""
     steady = steady_steps(events, carries, skip, tokens)
     if over_ms:
-        steady = [s for s in steady if _period_ms(events, s) > over_ms]
+        steady = [s for s in steady if period_ms(events, s) > over_ms]
     if not steady:
         carrying = f" carrying {tokens} tokens" if tokens else ""
         longer = f" of periods over {over_ms:g} ms" if over_ms else ""
@@ -71,7 +71,7 @@ def report(
     periods = []
     for s in steady:
         anchor = events[(0, "build", s)]
-        periods.append(_period_ms(events, s))
+        periods.append(period_ms(events, s))
         for rank, event, ns in by_step[s]:
             offsets[("step", rank, event)].append((ns - anchor) / 1e6)
         for rank, event, ns in by_step[s + 1]:
@@ -109,7 +109,7 @@ def steady_steps(
     return steady
 
 
-def _period_ms(events: Events, step: int) -> float:
+def period_ms(events: Events, step: int) -> float:
     return (events[(0, "build", step + 1)] - events[(0, "build", step)]) / 1e6
 
 

@@ -183,7 +183,7 @@ def periods(
     rows: dict[tuple[bool, int], list[tuple[float, float, float]]] = defaultdict(list)
     for s in steady:
         a, b = events[(0, "build", s)], events[(0, "build", s + 1)]
-        slow = (b - a) / 1e6 > over_ms
+        slow = timeline_report.period_ms(events, s) > over_ms
         for rank, t in traces.items():
             ks = inside(t.kernels, a, b)
             compute = busy_ns([(x, y) for x, y, _, n in ks if not is_nccl(n)], a, b)
@@ -213,9 +213,7 @@ def dump(
 ) -> None:
     """Every record and mark from 200 ms before the middle slow period to 400 ms after it
     (several normal periods and slow ones)."""
-    slow = [
-        s for s in steady if (events[(0, "build", s + 1)] - events[(0, "build", s)]) / 1e6 > over_ms
-    ]
+    slow = [s for s in steady if timeline_report.period_ms(events, s) > over_ms]
     if not slow:
         return
     s = slow[len(slow) // 2]
