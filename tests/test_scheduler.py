@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from mlx_relay.coordinator.pace import step_cost
 from mlx_relay.coordinator.scheduler import (
+    CHUNK_TARGET_S,
     MIN_CHUNK,
     PROBE_CHUNK,
     STALL_STEPS,
@@ -15,27 +17,40 @@ from mlx_relay.coordinator.scheduler import (
     pick_group,
 )
 
+# A hidden size so large that context costs nothing: a token is one unit.
+WIDE = 10**9
 
-def test_a_prompt_alone_uses_the_whole_prefill_chunk():
-    pacer = PrefillPacer(512)
-    assert pacer.chunk_size(decoding=False) == 512
-    pacer.decode_step_took(0.01)
-    pacer.prefill_chunk_took(1.0, 100)
-    assert pacer.chunk_size(decoding=False) == 512  # nothing decodes: no one to delay
+
+def test_a_prompt_alone_is_probed_then_sized_to_cost_chunk_target_s():
+    pacer = PrefillPacer(512, WIDE)
+    assert pacer.chunk_size(decoding=False) == PROBE_CHUNK  # nothing timed yet: a probe
+    pacer.prefill_chunk_took(0.032, 32, 32.0)  # 1 ms a token: a GPU
+    assert pacer.chunk_size(decoding=False) == 512  # never above --prefill-chunk
+    slow = PrefillPacer(512, WIDE)
+    slow.prefill_chunk_took(3.2, 32, 32.0)  # 100 ms a token: a small CPU
+    assert slow.chunk_size(decoding=False) == int(CHUNK_TARGET_S / 0.1)
+
+
+def test_deep_in_a_long_prompt_a_chunk_is_smaller_for_its_context():
+    pacer = PrefillPacer(4096, hidden=64)
+    pacer.prefill_chunk_took(1.0, 100, step_cost([100], [0], 64))
+    first, deep = pacer.chunk_size(False, position=0), pacer.chunk_size(False, position=3000)
+    assert deep < first
+    budget = CHUNK_TARGET_S / pacer.prefill_unit_s
+    assert step_cost([deep], [3000], 64) <= budget < step_cost([deep + 1], [3000], 64)
 
 
 def test_beside_streams_a_chunk_costs_about_stall_steps_decode_steps():
-    pacer = PrefillPacer(512)
-    assert pacer.chunk_size(decoding=True) == 512  # no decode step timed yet
+    pacer = PrefillPacer(512, WIDE)
     pacer.decode_step_took(0.02)
     assert pacer.chunk_size(decoding=True) == PROBE_CHUNK  # no prefill timed yet: probe
-    pacer.prefill_chunk_took(0.032, 32)  # 1 ms a token
+    pacer.prefill_chunk_took(0.032, 32, 32.0)  # 1 ms a token
     assert pacer.chunk_size(decoding=True) == STALL_STEPS * 20  # 4 x 20 ms of 1 ms tokens
-    pacer.prefill_chunk_took(10.0, 10)  # very slow tokens: never below MIN_CHUNK
+    pacer.prefill_chunk_took(10.0, 10, 10.0)  # very slow tokens: never below MIN_CHUNK
     assert pacer.chunk_size(decoding=True) == MIN_CHUNK
-    fast = PrefillPacer(64)
+    fast = PrefillPacer(64, WIDE)
     fast.decode_step_took(1.0)
-    fast.prefill_chunk_took(0.001, 100)
+    fast.prefill_chunk_took(0.001, 100, 100.0)
     assert fast.chunk_size(decoding=True) == 64  # never above --prefill-chunk
 
 
@@ -44,8 +59,8 @@ def test_measurements_are_moving_averages_and_tiny_chunks_are_ignored():
     pacer.decode_step_took(0.010)
     pacer.decode_step_took(0.020)
     assert abs(pacer.decode_step_s - 0.013) < 1e-9  # 0.7 x 10 ms + 0.3 x 20 ms
-    pacer.prefill_chunk_took(1.0, MIN_CHUNK - 1)
-    assert pacer.prefill_token_s == 0.0
+    pacer.prefill_chunk_took(1.0, MIN_CHUNK - 1, MIN_CHUNK - 1.0)
+    assert pacer.prefill_unit_s == 0.0
 
 
 def test_streams_join_the_smallest_group_with_room():
@@ -69,6 +84,10 @@ def test_nothing_runnable_schedules_nothing():
 
 def test_a_prompt_goes_in_chunks_and_its_last_token_alone_for_the_logits():
     scheduler = Scheduler(64)
+    scheduler.reset(WIDE)
+    scheduler.update_from_output(
+        StepOutput("prefill", 0.01, tokens=32, want_logits=False, units=32.0)
+    )
     pending, steps = 150, []
     while pending:
         plan = scheduler.schedule([Unit("prefill", "seq", pending)], decoding=False)
@@ -83,15 +102,17 @@ def test_decode_groups_and_prompts_take_turns():
     plans = [scheduler.schedule(units, decoding=True) for _ in range(4)]
     assert [p.unit for p in plans] == [units[0], units[1], units[2], units[0]]
     assert plans[0] == Scheduled(units[0], 1, True)  # a decode step: one token a row
-    assert plans[2].tokens == 512 and not plans[2].want_logits  # no step timed yet
+    assert plans[2].tokens == PROBE_CHUNK and not plans[2].want_logits  # none timed yet
 
 
 def test_what_came_back_paces_the_next_chunk_beside_streams():
     scheduler = Scheduler(512)
+    scheduler.reset(WIDE)
     prompt = [Unit("prefill", "seq", 1000)]
     scheduler.update_from_output(StepOutput("group", 0.02))
     assert scheduler.schedule(prompt, decoding=True).tokens == PROBE_CHUNK
-    scheduler.update_from_output(StepOutput("prefill", 0.032, tokens=32, want_logits=False))
+    done = StepOutput("prefill", 0.032, tokens=32, want_logits=False, units=32.0)
+    scheduler.update_from_output(done)
     assert scheduler.schedule(prompt, decoding=True).tokens == STALL_STEPS * 20
     assert scheduler.schedule(prompt, decoding=False).tokens == 512  # alone: the whole chunk
 
@@ -100,4 +121,4 @@ def test_steps_that_say_nothing_about_the_pace_are_ignored():
     scheduler = Scheduler(512)
     scheduler.update_from_output(StepOutput("group", 5.0, beside_prefill=True))
     scheduler.update_from_output(StepOutput("prefill", 5.0, tokens=1, want_logits=True))
-    assert (scheduler.pacer.decode_step_s, scheduler.pacer.prefill_token_s) == (0.0, 0.0)
+    assert (scheduler.pacer.decode_step_s, scheduler.pacer.prefill_unit_s) == (0.0, 0.0)

@@ -4,12 +4,13 @@ gRPC handler threads never touch MLX. They submit a request and read its chunks 
 a queue; commands (load, free, shutdown) run on the engine thread once no step is in
 flight, so every rank always sees one well-ordered sequence of steps.
 
-Scheduling. A new sequence is prefilled alone, one chunk per step, the way mlx-lm
-prefills: all prompt tokens but the last in chunks, then the last one in the step that
-yields the first token. A chunk is `--prefill-chunk` tokens while nothing else decodes;
-while streams run, it is sized by measured time to cost about STALL_STEPS decode steps,
-so a long prompt delays each running stream by no more than that per token
-(scheduler.py holds these rules). It then joins one of several decode groups, each
+Scheduling. A new sequence is prefilled one chunk per step, the way mlx-lm prefills:
+all prompt tokens but the last in chunks, then the last one in the step that yields the
+first token. Its chunks are known in advance, so several are in flight at once, each on
+the next rank while the one before it runs on this one. A chunk is sized by measured
+time: alone about CHUNK_TARGET_S (at most `--prefill-chunk` tokens), beside running
+streams about STALL_STEPS decode steps, so a long prompt delays each running stream by
+no more than that per token (scheduler.py holds these rules). It then joins one of several decode groups, each
 decoded as one batch per step. Units of work (a group's next token, a sequence's
 next prefill chunk) take turns, so a long prompt never stalls running streams, and up
 to one step per rank is in flight at once: while rank 1 runs one group's layers,
@@ -457,7 +458,13 @@ class Engine:
         shard = self.pipeline.shard  # (whole: its image prompts go in one step)
         whole = shard is not None and vision.prefills_whole(shard.config)
         units += [
-            Unit("prefill", s, len(s.pending), whole and s.request.pixel_values is not None)
+            Unit(
+                "prefill",
+                s,
+                len(s.pending),
+                whole and s.request.pixel_values is not None,
+                position=s.position,
+            )
             for s in self._active
             if s.group is None and s.prefilling and not s.request.cancelled.is_set()
         ]
@@ -528,14 +535,18 @@ class Engine:
             return
         decode = header.group != hdr.NO_GROUP
         seconds = time.monotonic() - step.launched_at
+        # (a prompt chunk is paced by what it took from when it could start: chunks in
+        # flight together wait for each other, which is not what they cost)
+        took = seconds if decode or not step.took else step.took
         kind = "decode" if decode else "prefill"
         self.step_counts[kind] = self.step_counts.get(kind, 0) + 1
         self.step_seconds[kind] = self.step_seconds.get(kind, 0.0) + seconds
         self._scheduler.update_from_output(
             StepOutput(
                 kind="group" if decode else "prefill",
-                seconds=seconds,
+                seconds=took,
                 tokens=0 if decode else header.lengths[0],
+                units=step.units,
                 want_logits=step.want_logits,
                 beside_prefill=decode and any(s.prefilling for s in self._active),
             )
@@ -794,6 +805,7 @@ class Engine:
             self._output = OutputProcessor(self.tokenizer, self.context_length)
             self._unpark_all()
             self._reuse = self.prompt_cache and self.pipeline.shard.reusable_caches
+            self._scheduler.reset(self.pipeline.hidden_size)
             self._slots.usable = self.pipeline.shard.usable_prefix
         except Exception:
             self._set_state("unloaded")

@@ -24,6 +24,7 @@ import numpy as np
 
 from mlx_relay import timeline
 from mlx_relay.coordinator.mailboxes import Mailboxes
+from mlx_relay.coordinator.pace import SLACK, StepPace, step_cost
 from mlx_relay.model import memory, sharding
 from mlx_relay.model.default_model import resolve_model
 from mlx_relay.model.kvcache import CacheError, SlotCaches
@@ -94,6 +95,8 @@ class Step:
     returned: mx.array | None = None  # eager hops: the return's receive, posted at launch
     launched_at: float = field(default_factory=time.monotonic)
     tag: Any = None  # the engine's own bookkeeping
+    units: float = 0.0  # a forward step's work (pace.step_cost)
+    took: float = 0.0  # seconds from when it could start to done with (see pace.py)
     sides: list[mx.array] = field(default_factory=list)  # sent after the payload
 
 
@@ -135,7 +138,12 @@ class Pipeline:
         self.ring = ring
         self.hub = hub
         self.heartbeat_timeout = heartbeat_timeout
+        # A forward step may take this long, plus SLACK times what it should take at the
+        # pace measured (pace.py), from when it could start; 0: forever.
         self.step_timeout = step_timeout
+        self.pace = StepPace()
+        self._hidden = 0  # the loaded model's hidden size (what context costs)
+        self._ring_free_at = time.monotonic()  # the last step was done with then
         self.world_size = ring.size if ring else 1
         # Steps round the ring at once (0: one a rank). More than one a rank keeps a
         # rank's device busy while its host waits for a return and launches what reads it.
@@ -167,6 +175,11 @@ class Pipeline:
         self._per_layer = False  # the model's layers take per-layer inputs (gemma4 2B/4B)
 
     # --- commands ------------------------------------------------------------------
+    @property
+    def hidden_size(self) -> int:
+        """The loaded model's hidden size (0: none loaded), for costing steps (pace.py)."""
+        return self._hidden
+
     def load(self, spec: str, layers: list[int] | str | None = None) -> LoadedModel:
         """Load `spec` on every rank, each its own layer range; all ranks or none."""
         self.unload()
@@ -209,6 +222,8 @@ class Pipeline:
             if self.world_size > 1:  # the ranks that did load let go again
                 self._command(hdr.CMD_UNLOAD)
             raise
+        self._hidden = sharding.hidden_size(self.shard.config)
+        self.pace = StepPace()  # (a new model: its pace is still to be measured)
         self.loaded = LoadedModel(spec, str(path), fp, num_layers, [tuple(r) for r in ranges])
         return self.loaded
 
@@ -299,6 +314,7 @@ class Pipeline:
         if sides:  # (what the next ranks need of them)
             sides = pass_on(header, sides, len(self.shard.layers))
         step = Step(header, want_logits, sides=sides)
+        step.units = step_cost(lengths, offsets, self._hidden)
         if self.world_size == 1:
             step.hidden = h[:, -1:, :] if want_logits else h
             mx.async_eval(tokens)  # (first, apart: see _launch)
@@ -633,7 +649,7 @@ class Pipeline:
         `host_bytes`, an inline payload as its bytes, a NumPy uint8 array). A failed
         step's payload (zeros) is received all the same, so the ring stays in step."""
         header = step.header
-        back = self._wait_for_return(header)
+        back = self._wait_for_return(step)
         timeline.mark("returned", back.step_id)
         shape = hdr.payload_nbytes_shape(back)
         if (
@@ -664,13 +680,12 @@ class Pipeline:
             self._unsettled.append(out)  # (CUDA: settled right before what reads it launches)
         return back, out
 
-    def _wait_for_return(self, header: hdr.StepHeader) -> hdr.StepHeader:
+    def _wait_for_return(self, step: Step) -> hdr.StepHeader:
         """Sleep until the step's header comes back, watching every worker's heartbeat.
 
         A worker that died, stopped or lost its link goes silent on the side channel; the
         step is then abandoned with an error naming it instead of waiting forever.
         """
-        started = time.monotonic()
         while True:
             try:
                 return self.ring.recv_header(timeout=WATCH_INTERVAL_S)
@@ -681,14 +696,26 @@ class Pipeline:
             gone = self.hub.failure(self.heartbeat_timeout) if self.hub else None
             if gone:
                 raise ClusterFailure(gone.rank, gone.host, gone.reason)
-            overdue = self._overdue(header, time.monotonic() - started)
+            overdue = self._overdue(step)
             if overdue:
                 raise overdue
 
     def done(self, step: Step) -> None:
-        """The caller has what it wanted of `step` (its results were read)."""
-        self._outstanding.pop(step.header.step_id, None)
-        self._early_failures.pop(step.header.step_id, None)
+        """The caller has what it wanted of `step` (its results were read): the ring's
+        pace learns what a forward step that came back whole took."""
+        outstanding = self._outstanding.pop(step.header.step_id, None)
+        failed = self._early_failures.pop(step.header.step_id, None)
+        if outstanding is None:
+            return
+        now = time.monotonic()
+        step.took = now - self._started(step)
+        self._ring_free_at = now
+        if step.header.cmd == hdr.CMD_FORWARD and not failed and not step.header.error_mask:
+            self.pace.observe(step.units, step.took)
+
+    def _started(self, step: Step) -> float:
+        """When `step` could start: launched, and the step before it done with."""
+        return max(step.launched_at, self._ring_free_at)
 
     def overdue(self) -> ClusterFailure | None:
         """For a watchdog thread: the oldest forward step not done with, if overdue. Once a
@@ -701,18 +728,31 @@ class Pipeline:
             return None
         if step is None:
             return None
-        return self._overdue(step.header, time.monotonic() - step.launched_at)
+        return self._overdue(step)
 
-    def _overdue(self, header: hdr.StepHeader, elapsed: float) -> ClusterFailure | None:
+    def _overdue(self, step: Step) -> ClusterFailure | None:
+        """`step`'s failure if it took longer than its allowance (pace.py) from when it
+        could start, naming the first rank that has not passed it on."""
+        header = step.header
         if not (self.step_timeout and header.cmd == hdr.CMD_FORWARD):
             return None
-        if elapsed <= self.step_timeout:
+        elapsed = time.monotonic() - self._started(step)
+        allowed = self.pace.allowance(step.units, self.step_timeout, self.world_size)
+        if elapsed <= allowed:
             return None
+        expected = self.pace.expected(step.units)
         suspect = self.hub.suspect(header.step_id) if self.hub else None
         return ClusterFailure(
             suspect.rank if suspect else -1,
             suspect.host if suspect else "",
-            f"{header.describe()} overdue after {elapsed:.1f} s (--step-timeout)"
+            f"{header.describe()} overdue: {elapsed:.1f} s since it could start, allowed "
+            f"{allowed:.1f} s (--step-timeout {self.step_timeout:g} s"
+            + (
+                f" + {SLACK:g} x {self.world_size} ranks x the {expected:.2f} s it should "
+                "take at this cluster's measured pace)"
+                if expected
+                else ")"
+            )
             + (f"; {suspect.reason}" if suspect else "")
             + (
                 "; with eager hops, --hop-mode ready may avoid this (it posts no receive early)"

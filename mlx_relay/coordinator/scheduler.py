@@ -12,10 +12,15 @@ read and unit-tested on their own (tests/test_scheduler.py). In the spirit of vL
 
 It is built from these rules:
 
-- `PrefillPacer`: how many prompt tokens the next prefill chunk carries. Alone, a chunk
-  is `--prefill-chunk` tokens (as mlx-lm prefills). Beside running streams it is sized
-  from measured step times to cost about STALL_STEPS decode steps, so a long prompt
-  delays every running stream by at most that much per token instead of one long stall.
+- `PrefillPacer`: how many prompt tokens the next prefill chunk carries, sized by time
+  on every path: alone, what costs about CHUNK_TARGET_S at the measured pace (at most
+  `--prefill-chunk` tokens, as mlx-lm prefills, which a GPU reaches at once), so that no
+  step on a slow machine runs for minutes and a short request gets in between the
+  chunks of a long one; beside running streams, what costs about STALL_STEPS decode
+  steps, so a long prompt delays every running stream by at most that much per token
+  instead of one long stall. Cost counts the context (pace.step_cost): a chunk deep in
+  a long prompt is smaller than the first. The first chunk after a load is a probe of
+  PROBE_CHUNK tokens, which measures the pace.
 - `pick_group`: which decode group a sequence joins after its first token.
 - `next_unit`: which runnable unit (a decode group, a prefill) goes round the ring next;
   units take turns so that no prompt starves the streams, nor the streams a prompt.
@@ -28,7 +33,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from mlx_relay.coordinator.pace import tokens_within
+
 STALL_STEPS = 4  # a prefill chunk beside running streams costs about this many decode steps
+CHUNK_TARGET_S = 2.0  # a prefill chunk alone costs about this long (from when it can start)
 MIN_CHUNK = 8  # tokens: below this a chunk's fixed costs dominate
 PROBE_CHUNK = 32  # a chunk's size before any prefill was timed
 EMA = 0.3  # weight of the newest measurement in the step-time averages
@@ -37,30 +45,35 @@ T = TypeVar("T")
 
 
 class PrefillPacer:
-    """Chunk sizes from the measured pace of decode steps and of prefilled tokens."""
+    """Chunk sizes from the measured pace of decode steps and of prefilled work."""
 
-    def __init__(self, prefill_chunk: int) -> None:
+    def __init__(self, prefill_chunk: int, hidden: int = 0) -> None:
         self.prefill_chunk = prefill_chunk
+        self.hidden = hidden  # the model's hidden size: how much context costs (pace.py)
         self.decode_step_s = 0.0  # moving average of a decode group's step, launch to read
-        self.prefill_token_s = 0.0  # moving average of a prompt token's share of a chunk
+        self.prefill_unit_s = 0.0  # moving average of a unit of prompt work (pace.step_cost)
 
-    def chunk_size(self, decoding: bool) -> int:
-        """`--prefill-chunk`, or while streams decode, what costs STALL_STEPS of their steps."""
-        if not decoding or not self.decode_step_s:
-            return self.prefill_chunk
-        if not self.prefill_token_s:
+    def chunk_size(self, decoding: bool, position: int = 0) -> int:
+        """The next chunk of a prompt whose first `position` tokens are sent: what costs
+        CHUNK_TARGET_S, or while streams decode STALL_STEPS of their steps, at most
+        `--prefill-chunk`; PROBE_CHUNK until a chunk was timed."""
+        if not self.prefill_unit_s:
             return min(self.prefill_chunk, PROBE_CHUNK)
-        fits = int(STALL_STEPS * self.decode_step_s / self.prefill_token_s)
+        budget = CHUNK_TARGET_S
+        if decoding and self.decode_step_s:
+            budget = STALL_STEPS * self.decode_step_s
+        fits = tokens_within(budget / self.prefill_unit_s, position, self.hidden)
         return max(MIN_CHUNK, min(self.prefill_chunk, fits))
 
     def decode_step_took(self, seconds: float) -> None:
         """A decode step with no prefill beside it: the pace a stream keeps undisturbed."""
         self.decode_step_s = _average(self.decode_step_s, seconds)
 
-    def prefill_chunk_took(self, seconds: float, tokens: int) -> None:
-        """A prefill chunk (not the last prompt token's step); tiny chunks say little."""
-        if tokens >= MIN_CHUNK:
-            self.prefill_token_s = _average(self.prefill_token_s, seconds / tokens)
+    def prefill_chunk_took(self, seconds: float, tokens: int, units: float) -> None:
+        """A prefill chunk (not the last prompt token's step) of `units` took `seconds`
+        from when it could start; tiny chunks say little."""
+        if tokens >= MIN_CHUNK and units > 0:
+            self.prefill_unit_s = _average(self.prefill_unit_s, seconds / units)
 
 
 def pick_group(sizes: Sequence[int], capacity: int) -> int:
@@ -85,6 +98,7 @@ class Unit:
     # the prompt goes in one step, its last token in it (gemma4's image prompts: its
     # image tokens attend to each other only in an unchunked prefill, as in mlx-vlm)
     whole: bool = False
+    position: int = 0  # prompt tokens already sent (a prefill): their context costs
 
 
 @dataclass(frozen=True)
@@ -102,8 +116,9 @@ class StepOutput:
     """What came back from a forward step, as far as scheduling cares."""
 
     kind: str  # "group" or "prefill"
-    seconds: float  # launch to completion
+    seconds: float  # a decode step: launch to completion; a prefill: from when it could start
     tokens: int = 0  # prompt tokens a prefill step carried
+    units: float = 0.0  # its work (pace.step_cost)
     want_logits: bool = True
     beside_prefill: bool = False  # a prompt was being prefilled while it ran
 
@@ -114,6 +129,10 @@ class Scheduler:
     def __init__(self, prefill_chunk: int) -> None:
         self.pacer = PrefillPacer(prefill_chunk)
         self._turn = 0
+
+    def reset(self, hidden: int) -> None:
+        """A model was loaded (hidden size `hidden`): its pace is still to be measured."""
+        self.pacer = PrefillPacer(self.pacer.prefill_chunk, hidden)
 
     def schedule(self, units: Sequence[Unit], decoding: bool) -> Scheduled | None:
         """The unit to launch next (units take turns) and its step, or None if none can run.
@@ -130,7 +149,8 @@ class Scheduler:
             return Scheduled(unit, 1, True)
         if unit.pending <= 1 or unit.whole:
             return Scheduled(unit, max(1, unit.pending), True)
-        return Scheduled(unit, min(self.pacer.chunk_size(decoding), unit.pending - 1), False)
+        chunk = self.pacer.chunk_size(decoding, unit.position)
+        return Scheduled(unit, min(chunk, unit.pending - 1), False)
 
     def update_from_output(self, out: StepOutput) -> None:
         """Fold a finished step's duration into the averages the chunk size comes from."""
@@ -139,7 +159,7 @@ class Scheduler:
             if not out.beside_prefill:
                 self.pacer.decode_step_took(out.seconds)
         elif not out.want_logits:
-            self.pacer.prefill_chunk_took(out.seconds, out.tokens)
+            self.pacer.prefill_chunk_took(out.seconds, out.tokens, out.units)
 
 
 def _average(old: float, new: float) -> float:

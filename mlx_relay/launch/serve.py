@@ -166,8 +166,11 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
         "--step-timeout",
         dict(
             type=float,
-            default=120.0,
-            help="a forward step not back on rank 0 after this long fails the cluster (0: never)",
+            default=30.0,
+            help="a forward step may take this many seconds beyond 4 times what it should take "
+            "at the cluster's measured pace (its tokens and context), counted from when it "
+            "could start; past that the rank holding it is named and the cluster fails "
+            "(0: never)",
         ),
     ),
     (

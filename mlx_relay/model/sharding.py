@@ -620,6 +620,17 @@ def count_layers(config: dict[str, Any]) -> int:
     raise ValueError("config.json does not say how many layers the model has")
 
 
+def hidden_size(config: dict[str, Any]) -> int:
+    """The decoder's hidden size (0 if the config does not say): how much a token's
+    attention over its context costs beside its weights (coordinator/pace.py)."""
+    c = config.get("text_config") or config
+    for key in ("hidden_size", "d_model", "n_embd", "dim"):
+        value = c.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
 def head_cost_in_layers(config: dict[str, Any]) -> float:
     """What the LM head costs per decoded token, in decoder layers (0.0 if unknown).
 
