@@ -35,7 +35,9 @@ WORDS = "the quick brown fox jumps over a lazy dog while seven wise owls keep wa
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     """Wide enough that a prompt chunk takes a CPU rank a noticeable time."""
-    return make_tiny_model(tmp_path_factory.mktemp("llama-128"), "llama", num_layers=4, hidden_size=128)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("llama-128"), "llama", num_layers=4, hidden_size=128
+    )
 
 
 def _haystack(words: int, seed: int = 0) -> list[dict]:
