@@ -19,7 +19,12 @@ from mlx_relay.launch import preflight
 from mlx_relay.launch.local import free_ports
 from mlx_relay.protocol import header as hdr
 from mlx_relay.protocol import relay_pb2 as pb
-from mlx_relay.transport.collective import PayloadGroups, on_gpus_of_their_own
+from mlx_relay.transport.collective import (
+    PayloadGroups,
+    check_pair,
+    on_gpus_of_their_own,
+    pair_colorings,
+)
 from mlx_relay.transport.doorbell import Doorbell, NeighbourGone
 from mlx_relay.transport.outbox import Outbox
 from mlx_relay.transport.ring import (
@@ -385,3 +390,25 @@ def test_the_check_under_load_catches_a_token_the_model_would_not_choose(tiny_mo
     swapped[10] ^= 1
     found, margin = greedy_under_load.misses(model, prompt, swapped)
     assert found and found[0][0] == 10 and found[0][1] > 0 and margin > 0
+
+
+@pytest.mark.parametrize("size", [3, 4, 5, 8])
+def test_every_neighbouring_pair_gets_a_communicator_of_its_own(size):
+    """N ranks on CUDA GPUs of their own: splits of the NCCL world give each hop of the
+    ring (r -> r+1, the last back to rank 0) a group of exactly its two ranks."""
+    pairs: list[frozenset[int]] = []
+    colorings = pair_colorings(size)
+    assert len(colorings) == (2 if size % 2 == 0 else 3)
+    for colors in colorings:
+        groups: dict[int, set[int]] = {}
+        for rank, color in enumerate(colors):
+            groups.setdefault(color, set()).add(rank)
+        assert all(len(g) <= 2 for g in groups.values())  # (ranks alone: unused)
+        pairs += [frozenset(g) for g in groups.values() if len(g) == 2]
+    assert sorted(map(sorted, pairs)) == sorted(sorted({r, (r + 1) % size}) for r in range(size))
+
+
+def test_collective_hops_off_cuda_join_two_ranks_only():
+    with pytest.raises(ValueError, match="exactly 2 ranks"):
+        check_pair(3)
+    check_pair(2)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a CUDA device machine with two GPUs, as call 2 of bench/gpu/prepare.sh's recipe:
 #     bash bench/gpu/measure.sh [warm] [load] [timeline] [single] [diagnose] [exact] [channels] [trace]
-#     (none: load timeline single)
+#                               [nranks] [nprefill] [nexact] [nload]
+#     (none: load timeline single; the n* parts need GPUS=4 GPUs or more)
 # (`warm` first: a fresh machine's first cluster spends ~2 minutes compiling kernels.)
 # Installs the carried wheels, builds the random 4-bit Llama-3-8B shape, and runs issue
 # 10's measurements (bench/RESULTS.md quotes each command): `load` 16 streams on 1 and 2
@@ -102,6 +103,31 @@ if wants trace; then
     > "$OUT/trace.txt" 2>&1
   python3 bench/timeline_report.py /tmp/tl --tokens 8 --skip 200 >> "$OUT/trace.txt" 2>&1
   gzip -f "$OUT/trace_dump.txt"; cat "$OUT/trace.txt"
+fi
+# N ranks (GPUS=4): single-stream decode and a ~4,000-token prompt's first token at 1 to
+# GPUS ranks against mlx-lm on one GPU, with auto hops (every neighbouring pair over
+# NCCL) and with eager ones (the ring backend through host memory) side by side; greedy
+# exactness under load on GPUS ranks; 16 streams at 2 and GPUS ranks.
+G=${GPUS:-2}
+ranks=$(seq -s, 1 "$G")
+if wants nranks; then
+  t nranks; timeout 500 python3 bench/bench_pipeline.py --shape llama3-8b --gpus "$G" \
+    --ranks "$ranks" --hop-modes auto,eager --tokens 128 --rounds 3 2>&1 \
+    | tee "$OUT/nranks.log" | tail -14
+fi
+if wants nprefill; then
+  t nprefill; timeout 500 python3 bench/bench_pipeline.py --shape llama3-8b --gpus "$G" \
+    --ranks "$ranks" --hop-modes auto --tokens 16 --rounds 3 --prompt-tokens 4000 2>&1 \
+    | tee "$OUT/nprefill.log" | tail -10
+fi
+if wants nexact; then
+  t nexact; timeout 400 python3 bench/greedy_under_load.py --shape llama3-8b --gpus "$G" \
+    --ranks "1,$G" --streams 16 --tokens 128 2>&1 | tee "$OUT/nexact.log" | tail -4
+fi
+if wants nload; then
+  t nload; timeout 420 python3 bench/bench_concurrency.py --shape llama3-8b --gpus "$G" \
+    --streams 16 --idle-seconds 1 --hop-modes auto --ranks "2,$G" --tokens 256 2>&1 \
+    | tee "$OUT/nload.log" | grep -v '^$' | tail -12
 fi
 if wants exact; then
   t exact; timeout 400 python3 bench/greedy_under_load.py --shape llama3-8b --gpus 2 --ranks 1,2 \

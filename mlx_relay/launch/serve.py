@@ -330,9 +330,10 @@ def _serve(args: argparse.Namespace) -> int:
     hosts = rank_hosts(size)
     ring = None
     if size > 1:
-        # (every rank of a pair asks once, over the ring, whose GPU the other one has)
-        pair = size == 2 and args.hop_mode in (AUTO, *PAIRED_MODES)
-        tags = gpu_tags(group) if pair else []
+        # (every rank asks once, over the ring, whose GPU each other one has: on CUDA
+        # GPUs of their own, each neighbouring pair hops over NCCL)
+        paired = args.hop_mode in (AUTO, *PAIRED_MODES)
+        tags = gpu_tags(group) if paired else []
         mode = choose_hop_mode(
             args.hop_mode,
             _backend_in_use(args.backend),

@@ -7,8 +7,18 @@ and it runs on the GPU's own stream:
 the kernels that read a receive wait for it on the device, launched ahead, with no CPU
 stream, managed memory or host wait on the hop, each of which MLX 0.32.4's CUDA backend
 puts on a ring hop (bench/RESULTS.md, sessions 10 and 11). An all-sum of a pair is a
-point-to-point hop only where the pair is the whole group, so collective hops join
-exactly two ranks.
+point-to-point hop only where the pair is the whole group, so each hop has a
+communicator of its own that joins exactly the two ranks it links.
+
+With N ranks on CUDA GPUs of their own, every neighbouring pair of the ring (r, r+1),
+the last rank's hop back to rank 0 included, gets an NCCL communicator split from the
+world group (`pair_colorings`: two splits make every pair of an even ring, three of an
+odd one; a rank left out of a split's pairs is alone in its group, which it never
+uses). A rank sends on its pair with the next rank and receives on its pair with the
+one before it, each communicator always on the same GPU stream of the rank, in step
+order, so no collective waits on another's later work. Off CUDA (the ring backend on a
+CPU, what the tests run) there is no split, so collective hops there join exactly two
+ranks (the ring group itself).
 
 Each direction has a communicator of its own (NCCL: the world group and a duplicate
 split from it), and each rank posts its receives on a GPU stream of their own, so that
@@ -48,11 +58,47 @@ def on_cuda() -> bool:
 
 
 def check_pair(ranks: int) -> None:
+    """Off CUDA collective hops run on the ring group itself: only a pair makes it one hop."""
     if ranks != 2:
         raise ValueError(
-            f"collective hops join exactly 2 ranks (a hop is an all-sum of the pair); "
-            f"this cluster has {ranks}: use --hop-mode eager or ready"
+            f"collective hops off CUDA join exactly 2 ranks (a hop is an all-sum of the "
+            f"ring group); this cluster has {ranks}: use --hop-mode eager or ready"
         )
+
+
+def pair_colorings(size: int) -> list[list[int]]:
+    """Splits of a ring of `size` ranks (size > 2) that give every neighbouring pair
+    (r, r+1 mod size) a group of its own: for each split, each rank's color (ranks of a
+    color form a group). Pairs in one split share no rank; a rank in none of a split's
+    pairs gets a color of its own. Even rings need two splits, odd ones three."""
+    edges = list(range(size))  # edge e joins ranks e and e+1 (mod size)
+    classes: list[list[int]] = [[], []] if size % 2 == 0 else [[], [], []]
+    for e in edges:
+        index = e % 2 if size % 2 == 0 or e < size - 1 else 2
+        classes[index].append(e)
+    colorings = []
+    for chosen in classes:
+        colors = [size + r for r in range(size)]  # alone unless in a pair below
+        for e in chosen:
+            colors[e] = colors[(e + 1) % size] = e
+        colorings.append(colors)
+    return colorings
+
+
+def _pair_groups(world: mx.distributed.Group) -> tuple[mx.distributed.Group, mx.distributed.Group]:
+    """This rank's (send, receive) communicators of an NCCL world of more than two
+    ranks: its pair with the next rank and its pair with the one before it."""
+    rank, size = world.rank(), world.size()
+    send = recv = None
+    for colors in pair_colorings(size):  # (every rank splits alike, in the same order)
+        group = world.split(colors[rank], rank)
+        if colors[rank] == rank % size and colors[(rank + 1) % size] == colors[rank]:
+            send = group  # the pair (rank, rank + 1)
+        before = (rank - 1) % size
+        if colors[before] == before and colors[rank] == before:
+            recv = group  # the pair (rank - 1, rank)
+    assert send is not None and recv is not None, "every rank has both its pairs"
+    return send, recv
 
 
 def gpu_tag() -> int:
@@ -79,10 +125,10 @@ def on_gpus_of_their_own(tags: list[int]) -> bool:
 
 def payload_groups(group: mx.distributed.Group, rank0_host: str, tags: list[int]) -> PayloadGroups:
     """The groups a rank's collective hops use, given every rank's `gpu_tags`: on CUDA
-    GPUs of their own an NCCL pair (bootstrapped at rank 0's host, NCCL_PORT or
-    DEFAULT_NCCL_PORT); on no CUDA rank `group` itself."""
-    check_pair(group.size())
+    GPUs of their own NCCL pairs (bootstrapped at rank 0's host, NCCL_PORT or
+    DEFAULT_NCCL_PORT); on no CUDA rank `group` itself (two ranks only)."""
     if not any(tags):
+        check_pair(group.size())
         return PayloadGroups(group, group, separate_streams=False)
     if not on_gpus_of_their_own(tags):
         raise ValueError(
@@ -94,6 +140,9 @@ def payload_groups(group: mx.distributed.Group, rank0_host: str, tags: list[int]
     os.environ["MLX_RANK"] = str(group.rank())
     os.environ["MLX_WORLD_SIZE"] = str(group.size())
     forward = mx.distributed.init(strict=True, backend="nccl")  # rank 0 -> rank 1
+    if group.size() > 2:
+        send, recv = _pair_groups(forward)
+        return PayloadGroups(send=send, recv=recv, separate_streams=True)
     back = forward.split(0)  # rank 1 -> rank 0: a communicator of its own
     if group.rank() == 0:
         return PayloadGroups(send=forward, recv=back, separate_streams=True)

@@ -96,7 +96,8 @@ def choose_hop_mode(
     requested: str, backend: str, *, cores: int, ranks_here: int, gpu_pair: bool = False
 ) -> str:
     """The hop mode for `--hop-mode requested` (AUTO or one of HOP_MODES); `gpu_pair`:
-    the cluster is two ranks, each on a CUDA GPU of its own (collective.gpu_tags).
+    every rank of the cluster is on a CUDA GPU of its own (collective.gpu_tags), so each
+    neighbouring pair can hop over an NCCL communicator of its own (two ranks or more).
 
     AUTO gives such a pair ADAPTIVE hops: a lone step hops collectively, and a token
     costs what one process's does (two H100s, Llama-3-8B's shape, single stream: 0.98 of
@@ -239,7 +240,9 @@ class Ring:
         return self._collective(header, self.prev)
 
     def _collective(self, header: hdr.StepHeader, sender: int) -> bool:
-        flag = hdr.FLAG_COLLECTIVE_OUT if sender == 0 else hdr.FLAG_COLLECTIVE_BACK
+        # (OUT: every hop on the way round; BACK: the last rank's hop back to rank 0)
+        back = (sender + 1) % self.size == 0
+        flag = hdr.FLAG_COLLECTIVE_BACK if back else hdr.FLAG_COLLECTIVE_OUT
         if not header.flags & flag:
             return False
         if self.payloads is None:
