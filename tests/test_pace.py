@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from mlx_relay.coordinator.pace import (
     DECAY,
+    FIRST_SHAPE_S,
     LARGE_STEP_UNITS,
     SLACK,
     StepPace,
     step_cost,
+    step_shape,
     tokens_within,
 )
 
@@ -55,3 +57,12 @@ def test_a_large_step_before_any_large_one_was_timed_is_costed_patiently():
     pace.observe(1.0, 0.1)  # only decode steps so far
     # each unit at the small step's rate per LARGE_STEP_UNITS / 2 units
     assert pace.expected(LARGE_STEP_UNITS * 10) >= 0.1 * 10
+
+
+def test_a_step_of_a_new_shape_may_compile_its_kernels_first():
+    pace = StepPace()
+    assert pace.allowance(32.0, 0.5, 2, new_shape=True) == FIRST_SHAPE_S
+    assert pace.allowance(32.0, 0.5, 2) == 0.5
+    assert step_shape([1, 1, 1]) == (3, 1)  # a decode group of three
+    assert step_shape([300]) == step_shape([512]) == (1, 512)  # chunks of one size class
+    assert step_shape([32]) != step_shape([33])

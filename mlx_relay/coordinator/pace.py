@@ -18,6 +18,11 @@ timeout cannot serve both, so the step watchdog (Pipeline.overdue) and the prefi
 - `tokens_within`: the longest prompt chunk that fits a time budget at the measured
   pace (the prefill pacer's chunk size).
 
+A step of a shape the cluster has not run since its load may first compile kernels
+(CUDA's JIT compiles a quantized matmul at its first use at a new size, Metal builds its
+pipelines): on a fresh H100 machine a 2-rank cluster's second step took over 30 s. Such
+a step is allowed at least FIRST_SHAPE_S (`step_shape` says which steps share a shape).
+
 A step is timed from when it could start: once the step before it was done with (steps
 go round the ring in order, so a chunk queued behind three others is not late for
 having waited), or when it was launched, whichever is later.
@@ -32,6 +37,14 @@ CONTEXT_SCALE = 6.0  # a token at context c costs 1 + c / (CONTEXT_SCALE * hidde
 SLACK = 4.0  # a step may take this many times its expected time, beyond --step-timeout
 DECAY = 0.9  # a faster step lowers the estimate only this far towards it (a slower: at once)
 LARGE_STEP_UNITS = 16.0  # steps at least this big measure the per-unit rate
+FIRST_SHAPE_S = 120.0  # the least a step of a shape not run since the load is allowed
+
+
+def step_shape(lengths: Sequence[int]) -> tuple[int, int]:
+    """What a step's kernels are compiled for, roughly: its rows, and its widest row's
+    tokens rounded up to a power of two."""
+    widest = max(lengths, default=1)
+    return len(lengths), 1 << max(0, widest - 1).bit_length()
 
 
 def step_cost(lengths: Sequence[int], offsets: Sequence[int], hidden: int) -> float:
@@ -84,11 +97,15 @@ class StepPace:
         rate = self.unit_s or self.step_s / max(1.0, LARGE_STEP_UNITS / 2.0)
         return self.step_s + units * rate
 
-    def allowance(self, units: float, floor: float, ranks: int = 1) -> float:
+    def allowance(
+        self, units: float, floor: float, ranks: int = 1, new_shape: bool = False
+    ) -> float:
         """How long a step of `units` may take, from when it could start, before the
         rank holding it counts as stuck: `floor` (--step-timeout) plus SLACK times its
-        expected time on each of the `ranks` (all of whose shares may be ahead of it)."""
-        return floor + SLACK * max(1, ranks) * self.expected(units)
+        expected time on each of the `ranks` (all of whose shares may be ahead of it);
+        at least FIRST_SHAPE_S for a `new_shape` (its kernels may compile first)."""
+        allowed = floor + SLACK * max(1, ranks) * self.expected(units)
+        return max(allowed, FIRST_SHAPE_S) if new_shape else allowed
 
 
 def tokens_within(units: float, offset: int, hidden: int) -> int:

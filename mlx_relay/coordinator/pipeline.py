@@ -24,7 +24,7 @@ import numpy as np
 
 from mlx_relay import timeline
 from mlx_relay.coordinator.mailboxes import Mailboxes
-from mlx_relay.coordinator.pace import SLACK, StepPace, step_cost
+from mlx_relay.coordinator.pace import FIRST_SHAPE_S, SLACK, StepPace, step_cost, step_shape
 from mlx_relay.model import memory, sharding
 from mlx_relay.model.default_model import resolve_model
 from mlx_relay.model.kvcache import CacheError, SlotCaches
@@ -142,6 +142,7 @@ class Pipeline:
         # pace measured (pace.py), from when it could start; 0: forever.
         self.step_timeout = step_timeout
         self.pace = StepPace()
+        self._shapes: set[tuple[int, int]] = set()  # step shapes done since the load
         self._hidden = 0  # the loaded model's hidden size (what context costs)
         self._ring_free_at = time.monotonic()  # the last step was done with then
         self.world_size = ring.size if ring else 1
@@ -224,6 +225,7 @@ class Pipeline:
             raise
         self._hidden = sharding.hidden_size(self.shard.config)
         self.pace = StepPace()  # (a new model: its pace is still to be measured)
+        self._shapes.clear()
         self.loaded = LoadedModel(spec, str(path), fp, num_layers, [tuple(r) for r in ranges])
         return self.loaded
 
@@ -712,6 +714,7 @@ class Pipeline:
         self._ring_free_at = now
         if step.header.cmd == hdr.CMD_FORWARD and not failed and not step.header.error_mask:
             self.pace.observe(step.units, step.took)
+            self._shapes.add(step_shape(step.header.lengths))
 
     def _started(self, step: Step) -> float:
         """When `step` could start: launched, and the step before it done with."""
@@ -737,7 +740,8 @@ class Pipeline:
         if not (self.step_timeout and header.cmd == hdr.CMD_FORWARD):
             return None
         elapsed = time.monotonic() - self._started(step)
-        allowed = self.pace.allowance(step.units, self.step_timeout, self.world_size)
+        new_shape = step_shape(header.lengths) not in self._shapes
+        allowed = self.pace.allowance(step.units, self.step_timeout, self.world_size, new_shape)
         if elapsed <= allowed:
             return None
         expected = self.pace.expected(step.units)
@@ -752,6 +756,12 @@ class Pipeline:
                 "take at this cluster's measured pace)"
                 if expected
                 else ")"
+            )
+            + (
+                f"; the first step of its shape since the load (at least {FIRST_SHAPE_S:g} s: "
+                "its kernels may compile first)"
+                if new_shape
+                else ""
             )
             + (f"; {suspect.reason}" if suspect else "")
             + (
