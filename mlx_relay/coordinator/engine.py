@@ -155,9 +155,6 @@ def _constrained(seq: Sequence) -> bool:
     return constraint is not None and constraint.active
 
 
-CHUNK_DEPTH = 2  # prompt chunks may be in flight this many times the steps' limit
-
-
 class Engine:
     def __init__(
         self,
@@ -476,13 +473,8 @@ class Engine:
     def _launchable(self) -> bool:
         return bool(self._units())
 
-    def _launch_next(self, chunks_only: bool = False) -> bool:
-        """Launch the unit the scheduler picks (`chunks_only`: of the prompt chunks that
-        are not a prompt's last token); False if none can run."""
-        units = self._units()
-        if chunks_only:
-            units = [u for u in units if u.kind == "prefill" and u.pending > 1 and not u.whole]
-        plan = self._scheduler.schedule(units, decoding=any(self._groups))
+    def _launch_next(self) -> bool:
+        plan = self._scheduler.schedule(self._units(), decoding=any(self._groups))
         if plan is None:
             return False
         unit = plan.unit
@@ -652,12 +644,6 @@ class Engine:
         limit = min(self.max_in_flight, self.pipeline.in_flight_limit)
         while len(self._launched) < limit and self._launch_next():
             pass
-        # Prompt chunks (whose returns nobody waits on to build the next step) may queue
-        # up to CHUNK_DEPTH times deeper, so that no rank idles between a long prompt's
-        # chunks while rank 0 waits for the oldest one to come back.
-        if self.pipeline.in_flight_limit > 1:
-            while len(self._launched) < CHUNK_DEPTH * limit and self._launch_next(True):
-                pass
 
     def _join_group(self, seq: Sequence) -> None:
         group = pick_group([len(m) for m in self._groups], hdr.MAX_SEQS)
