@@ -41,9 +41,18 @@ class Cluster:
     """
 
     def __init__(
-        self, engine: Engine, *, backend: str = "", model: str = "", layers: str = ""
+        self,
+        engine: Engine,
+        *,
+        backend: str = "",
+        model: str = "",
+        layers: str = "",
+        tool_fallback: bool = True,
     ) -> None:
         self.engine = engine
+        # Tools for a model whose template ignores them go into the system prompt
+        # (coordinator/tool_prompt.py); False (--no-tool-fallback) refuses such requests.
+        self.tool_fallback = tool_fallback
         self.backend = backend
         self.last_model = model
         self.last_layers = layers
@@ -107,15 +116,27 @@ class Cluster:
             parse_tools=prompt.tool_choice != "none",
             starts_in_reasoning=starts_in_reasoning,
             opens_tool_call=prompt.opens_tool_call,
-            constraint=self._constraint(tokenizer, request, starts_in_reasoning),
+            constraint=self._constraint(tokenizer, request, prompt, starts_in_reasoning),
             pixel_values=prompt.pixel_values,  # rank 0 encodes them as the prefill starts
         )
 
     def _constraint(
-        self, tokenizer: Any, request: pb.GenerateRequest, in_reasoning: bool
+        self,
+        tokenizer: Any,
+        request: pb.GenerateRequest,
+        prompt: requests.Prompt,
+        in_reasoning: bool,
     ) -> constraints.Constraint | None:
-        """The grammar of `response_format` or `grammar`, compiled, or None (free text)."""
+        """The grammar of a forced tool call, `response_format` or `grammar`, compiled,
+        or None (free text). A forced call (tool_choice required or a named tool) in
+        Hermes JSON is held to a call of an allowed tool with valid arguments; the prompt
+        already closed any think block, so it applies from the first token."""
         wanted = constraints.request_grammar(request.response_format_json, request.grammar)
+        if prompt.opens_tool_call and (prompt.tool_fallback or self.markup().json_tool_calls):
+            wanted, in_reasoning = (
+                (constraints.tool_call_grammar(prompt.tools or []), "tools"),
+                False,
+            )
         if wanted is None:
             return None
         grammar, field = wanted
@@ -139,6 +160,7 @@ class Cluster:
             chat_template_kwargs_json=request.chat_template_kwargs_json,
             tool_choice=request.tool_choice,
             markup=self.markup(),
+            tool_fallback=self.tool_fallback,
         )
         if rendered.images:  # image tokens expanded, pixels ready (or InvalidRequest)
             pipeline = self.engine.pipeline
