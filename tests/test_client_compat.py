@@ -15,7 +15,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from anthropic.types import Message
 from conftest import assert_gone, start_cluster
+from openai.types.chat import ChatCompletion
 
 from mlx_relay.launch.local import free_ports
 
@@ -88,7 +90,7 @@ def _valid_call(name: str, arguments: str | dict) -> dict:
 
 def test_tools_go_into_the_system_prompt_where_the_template_ignores_them(served):
     reply = served.openai.chat.completions.create(
-        model="default", messages=ASK, tools=TOOLS, max_tokens=60, temperature=0
+        model="default", messages=ASK, tools=TOOLS, max_tokens=16, temperature=0
     )
     choice = reply.choices[0]
     assert choice.finish_reason in ("stop", "length", "tool_calls")
@@ -139,8 +141,7 @@ def test_a_tool_round_trip_renders(served):
 # --- 3: forced calls are constrained ----------------------------------------------------
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_openai_required_and_named_calls_are_well_formed(served, temperature):
+def test_openai_required_and_named_calls_are_well_formed(served):
     for choice, allowed in [
         ("required", {"get_weather", "get_time"}),
         ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
@@ -150,8 +151,8 @@ def test_openai_required_and_named_calls_are_well_formed(served, temperature):
             messages=ASK,
             tools=TOOLS,
             tool_choice=choice,
-            max_tokens=120,
-            temperature=temperature,
+            max_tokens=80,
+            temperature=1.0,
             seed=3,
         )
         out = reply.choices[0]
@@ -215,3 +216,104 @@ def test_ollama_tools_answer(served):
     assert reply.status_code == 200, reply.text
     for call in reply.json()["message"].get("tool_calls") or []:
         _valid_call(call["function"]["name"], call["function"]["arguments"])
+
+
+# --- 5: the smaller items ----------------------------------------------------------------
+
+
+def test_json_without_content_type_and_unknown_urls(served):
+    body = json.dumps({"model": "default", "messages": ASK, "stream": False,
+                       "options": {"num_predict": 2}})  # fmt: skip
+    for headers in ({}, {"Content-Type": "application/x-www-form-urlencoded"}):
+        reply = httpx.post(served.base + "/api/chat", content=body, headers=headers, timeout=60)
+        assert reply.status_code == 200, reply.text
+    missing = served.http.post("/v1/nothing-here", json={})
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] != "model_not_found"
+    assert "Invalid URL" in missing.json()["error"]["message"]
+
+
+def test_completions_take_a_list_of_prompts(served):
+    reply = served.openai.completions.create(
+        model="default", prompt=["Once upon a time", "The sky is"], max_tokens=3
+    )
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert all(c.text for c in reply.choices)
+    one = served.openai.completions.create(model="default", prompt="The sky is", max_tokens=3)
+    assert reply.choices[1].text == one.choices[0].text
+    assert reply.usage.prompt_tokens > one.usage.prompt_tokens
+
+
+def test_ollama_load_ping_ps_and_tags(served):
+    ping = served.http.post("/api/chat", json={"model": "default", "messages": []})
+    assert ping.status_code == 200 and ping.json()["done_reason"] == "load"
+    [tag] = served.http.get("/api/tags").json()["models"]
+    assert tag["size"] > 50_000_000 and len(tag["digest"]) == 64
+    assert tag["details"]["parameter_size"].endswith("M")  # SmolLM2-135M
+    [running] = served.http.get("/api/ps").json()["models"]
+    assert running["size"] == tag["size"] and running["digest"] == tag["digest"]
+
+
+def test_status_byte_counts_are_numbers(served):
+    status = served.http.get("/v1/status").json()
+    assert all(isinstance(r["rss_bytes"], int) and r["rss_bytes"] > 0 for r in status["ranks"])
+
+
+# --- 4: shapes, against the SDKs' own types -------------------------------------------------
+
+
+def _has(raw: dict, *keys: str) -> None:
+    missing = [k for k in keys if k not in raw]
+    assert not missing, f"missing {missing} in {raw}"
+
+
+def test_chat_completion_shape(served):
+    raw = served.http.post(
+        "/v1/chat/completions",
+        json={"model": "default", "messages": ASK, "max_tokens": 4},
+    ).json()
+    ChatCompletion.model_validate(raw)
+    _has(raw, "id", "object", "created", "model", "choices", "usage")
+    _has(raw["choices"][0], "index", "message", "finish_reason", "logprobs")
+    _has(raw["choices"][0]["message"], "role", "content", "refusal", "annotations")
+    assert raw["choices"][0]["message"]["refusal"] is None
+    assert raw["choices"][0]["message"]["annotations"] == []
+
+
+def test_anthropic_message_shape_and_cache_counts(served):
+    request = {"model": "default", "max_tokens": 4, "messages": ASK}
+    served.http.post("/v1/messages", json=request)  # the prompt is kept for the next
+    raw = served.http.post("/v1/messages", json=request).json()
+    Message.model_validate(raw)
+    _has(raw, "id", "type", "role", "model", "content", "stop_reason", "stop_sequence", "usage")
+    _has(raw["content"][0], "type", "text", "citations")
+    usage = raw["usage"]
+    _has(usage, "input_tokens", "output_tokens", "cache_creation_input_tokens",
+         "cache_read_input_tokens", "cache_creation", "server_tool_use", "service_tier")  # fmt: skip
+    prompt = served.anthropic.messages.count_tokens(model="default", messages=ASK).input_tokens
+    assert usage["cache_read_input_tokens"] > 0  # the second time, the prompt is cached
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == prompt
+    with served.anthropic.messages.stream(**request) as stream:
+        events = list(stream)
+    start = next(e for e in events if e.type == "message_start").message.usage
+    assert start.cache_read_input_tokens == usage["cache_read_input_tokens"]
+    assert start.input_tokens == usage["input_tokens"]
+
+
+def test_anthropic_output_config_format_is_enforced(served):
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string", "maxLength": 16}},
+        "required": ["capital"],
+        "additionalProperties": False,
+    }
+    raw = served.http.post(
+        "/v1/messages",
+        json={
+            "model": "default",
+            "max_tokens": 40,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "output_config": {"format": {"type": "json_schema", "schema": schema}},
+        },
+    ).json()
+    jsonschema.validate(json.loads(raw["content"][0]["text"]), schema)

@@ -53,7 +53,7 @@ def _numbers(message: Message, out: dict[str, Any]) -> dict[str, Any]:
         value = out.get(field.name)
         if value is None:
             continue
-        repeated = field.label == FieldDescriptor.LABEL_REPEATED
+        repeated = field.is_repeated
         if (
             field.type == FieldDescriptor.TYPE_MESSAGE
             and not field.message_type.GetOptions().map_entry
