@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import httpx
 import jsonschema
-import openai
 import pytest
 from anthropic.types import Message
 from conftest import assert_gone, start_cluster
 from openai.types.chat import ChatCompletion
+from test_http_api import Served
 
 from mlx_relay.launch.local import free_ports
 
@@ -57,22 +56,13 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
-class Served:
-    def __init__(self, running, port: int) -> None:
-        self.running = running
-        self.base = f"http://127.0.0.1:{port}"
-        self.openai = openai.OpenAI(base_url=self.base + "/v1", api_key="none", max_retries=0)
-        self.anthropic = anthropic.Anthropic(base_url=self.base, api_key="none", max_retries=0)
-        self.http = httpx.Client(base_url=self.base, timeout=120)
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     port = free_ports(1)[0]
     running = start_cluster(
         "default", 2, tmp_path_factory.mktemp("logs"), "--http-address", f"127.0.0.1:{port}"
     )
-    served = Served(running, port)
+    served = Served(running, "default", [], port)  # (test_http_api's, on the default model)
     yield served
     served.http.close()
     running.stop()
