@@ -307,3 +307,28 @@ def test_anthropic_output_config_format_is_enforced(served):
         },
     ).json()
     jsonschema.validate(json.loads(raw["content"][0]["text"]), schema)
+
+
+def test_responses_object_carries_its_required_fields(served):
+    from openai.types.responses import Response
+
+    required = ("id", "object", "created_at", "model", "output", "status", "completed_at",
+                "instructions", "previous_response_id", "truncation", "text", "tools",
+                "tool_choice", "parallel_tool_calls", "usage", "error", "incomplete_details")  # fmt: skip
+    raw = served.http.post(
+        "/v1/responses",
+        json={
+            "model": "default",
+            "input": "Hi",
+            "instructions": "Be brief.",
+            "max_output_tokens": 4,
+        },  # fmt: skip
+    ).json()
+    Response.model_validate(raw)
+    _has(raw, *required)
+    assert raw["instructions"] == "Be brief."
+    with served.openai.responses.stream(model="default", input="Hi", max_output_tokens=4) as s:
+        events = list(s)
+    assert events[0].type == "response.created"
+    for event in (events[0], events[-1]):  # created, and completed or incomplete
+        _has(event.response.model_dump(), *required)
