@@ -313,20 +313,15 @@ def test_stop_strings_across_token_boundaries(smollm, stops, text, also_unary):
 
 
 @pytest.mark.default_model
-def test_tools_refused_when_the_template_ignores_them(smollm):
+def test_tools_go_into_the_system_prompt_when_the_template_ignores_them(smollm):
+    """Issue 38: SmolLM2's template ignores tools; the fallback (tool_prompt) shows them
+    in the system prompt instead of refusing the request."""
     request = _question()
     request.tools_json = json.dumps(TOOLS)
-    with pytest.raises(grpc.RpcError) as info:
-        smollm.client.generate(request)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "ignores tool definitions" in info.value.details()
     tokenize = pb.TokenizeRequest(messages=request.messages, tools_json=request.tools_json)
-    with pytest.raises(grpc.RpcError) as info:
-        smollm.client.stub.Tokenize(tokenize, timeout=30)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "ignores tool definitions" in info.value.details()
-    short = pb.GenerateRequest(prompt="Hi", params=pb.SamplingParams(max_tokens=1))
-    assert smollm.client.generate(short).finish_reason
+    shown = smollm.client.stub.Tokenize(tokenize, timeout=30)
+    assert "<tools>" in shown.prompt and '"name": "get_weather"' in shown.prompt
+    assert smollm.client.generate(request).finish_reason
 
 
 # --- a scripted model: tool calls end to end ----------------------------------------------
@@ -510,20 +505,30 @@ def forced(tmp_path_factory):
 @pytest.mark.parametrize("choice", ["required", "get_weather"])
 def test_tool_choice_forces_a_call_in_the_models_own_markup(forced, choice):
     running, path, script_ids = forced
-    tools = json.dumps(TWO_TOOLS)
+    # Bounded arguments, so that a random model's call also ends within max_tokens.
+    bounded = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 6}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    weather = {**TOOLS[0], "function": {**TOOLS[0]["function"], "parameters": bounded}}
+    tools = json.dumps([weather, TWO_TOOLS[1]])
     shown = running.client.stub.Tokenize(
         pb.TokenizeRequest(messages=_messages(), tools_json=tools, tool_choice=choice), timeout=30
     )
     assert shown.prompt.endswith("<|im_start|>assistant\n<tool_call>\n")
     assert "get_weather" in shown.prompt
     assert ("get_time" in shown.prompt) == (choice == "required")  # a named tool is shown alone
-    request = _chat(pb.SamplingParams(max_tokens=20), tools_json=tools, tool_choice=choice)
-    response = running.client.generate(request)
-    assert list(response.token_ids) == script_ids
+    # The call is held to a grammar (issue 38): the scripted model's own first tokens
+    # (`{"name": "get_weather"`) are allowed, its `}` without arguments is not.
     assert script_ids == mlx_lm_tokens(path, list(shown.token_ids), 20)
-    assert response.finish_reason == "tool_calls"
+    request = _chat(pb.SamplingParams(max_tokens=60), tools_json=tools, tool_choice=choice)
+    response = running.client.generate(request)
+    assert response.finish_reason == "tool_calls", response
     calls = [(c.function.name, json.loads(c.function.arguments)) for c in response.tool_calls]
-    assert calls == [("get_weather", {})]
+    assert [name for name, _ in calls] == ["get_weather"]
+    assert list(calls[0][1]) == ["city"] and len(calls[0][1]["city"]) <= 6
     assert response.text == "" and not response.malformed_tool_call
     streamed = list(running.client.stream(request))
     assert [c.function.name for s in streamed for c in s.tool_calls] == ["get_weather"]

@@ -444,7 +444,10 @@ def test_anthropic_messages_with_tools_thinking_and_stream(served):
         model=served.model, messages=history, tools=tools, system="Be brief."
     )
     again = served.anthropic.messages.create(**{**kwargs, "messages": history})
-    assert again.usage.input_tokens == count.input_tokens > message.usage.input_tokens
+    # Anthropic's input_tokens exclude cache reads: the three parts add up to the prompt.
+    prompt = again.usage.input_tokens + again.usage.cache_read_input_tokens
+    assert prompt == count.input_tokens > message.usage.input_tokens
+    assert again.usage.cache_creation_input_tokens == 0
 
 
 def test_anthropic_stop_sequence_names_the_string_that_ended_it(served):

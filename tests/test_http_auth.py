@@ -62,8 +62,11 @@ def test_token_required_over_tls(secured):
             assert r.json()["error"]["type"] == "authentication_error"
         r = http.post("/v1/messages", json={}, headers={"x-api-key": "wrong"})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-        assert http.get("/metrics").status_code == 401
-        assert http.get("/health", headers={"authorization": f"Bearer {TOKEN}"}).status_code == 200
+        # Open to probes and scrapers, which carry no token (issue 38); nothing else is.
+        assert http.get("/metrics").status_code == 200
+        assert http.get("/health").status_code == 200
+        assert http.get("/v1/status").status_code == 401
+        assert http.get("/v1/models").status_code == 401
     with pytest.raises(httpx.TransportError):  # plain HTTP to a TLS port
         httpx.get(base.replace("https", "http") + "/health", timeout=10)
 

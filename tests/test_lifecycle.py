@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -68,19 +69,48 @@ def test_free_then_load_again_then_shutdown(tiny_model, cluster_factory):
     _wait_gone(running.pids)
 
 
-def test_load_of_a_missing_model_fails_clearly_and_keeps_serving(
+def test_a_bad_load_is_refused_while_the_old_model_keeps_serving(
     tiny_model, cluster_factory, tmp_path
 ):
+    """Issue 38: /nonexistent, a config without a layer count and a directory without
+    weights are refused before anything is released: a request running meanwhile runs
+    to its end and the next one is served, with no load in between."""
     model = tiny_model("llama", 5)
     running = cluster_factory(model, 2)
-    with pytest.raises(grpc.RpcError) as info:
-        running.client.stub.LoadModel(pb.LoadModelRequest(model=str(tmp_path / "nope")), timeout=60)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "nope" in info.value.details()
-    running.client.stub.LoadModel(pb.LoadModelRequest(model=str(model)), timeout=60)
-    assert running.client.generate(
+    client = running.client
+    no_layers = tmp_path / "no-layers"
+    no_layers.mkdir()
+    (no_layers / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text(
+        json.dumps({"model_type": "llama", "num_hidden_layers": 4})
+    )
+    stream = client.stub.GenerateStream(
+        pb.GenerateRequest(
+            prompt="Once upon a time",
+            params=pb.SamplingParams(max_tokens=150, ignore_eos=True),
+        ),
+        timeout=120,
+    )
+    first = next(stream)  # the request is running
+    for bad, said in [
+        (tmp_path / "nonexistent", "does not exist"),
+        (no_layers, "how many layers"),
+        (no_weights, "safetensors"),
+    ]:
+        with pytest.raises(grpc.RpcError) as info:
+            client.stub.LoadModel(pb.LoadModelRequest(model=str(bad)), timeout=60)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert said in info.value.details()
+        assert client.status().state == "serving"
+    chunks = [first, *stream]
+    assert chunks[-1].finish_reason == "length"
+    assert sum(len(c.token_ids) for c in chunks) == 150
+    assert client.generate(
         pb.GenerateRequest(prompt="hi", params=pb.SamplingParams(max_tokens=2))
     ).finish_reason
+    assert client.status().model_path == str(model)
 
 
 def test_local_launcher_stops_cleanly_on_sigterm(tiny_model, tmp_path):

@@ -9,6 +9,7 @@ maps those to its own status codes.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -18,14 +19,17 @@ from collections.abc import Iterator
 from typing import Any
 
 from mlx_relay.api.metrics import Metrics
-from mlx_relay.coordinator import constraints, requests
+from mlx_relay.coordinator import constraints, load_checks, requests
 from mlx_relay.coordinator.engine import Engine, EngineError, Request
 from mlx_relay.coordinator.markup import ChatMarkup
 from mlx_relay.coordinator.output import Chunk
 from mlx_relay.coordinator.pipeline import ClusterFailure, RankFailure
 from mlx_relay.model import memory
+from mlx_relay.model.default_model import ModelError
 from mlx_relay.model.split import model_layers
 from mlx_relay.protocol import relay_pb2 as pb
+
+log = logging.getLogger("mlx_relay.cluster")
 
 
 class Cluster:
@@ -37,9 +41,18 @@ class Cluster:
     """
 
     def __init__(
-        self, engine: Engine, *, backend: str = "", model: str = "", layers: str = ""
+        self,
+        engine: Engine,
+        *,
+        backend: str = "",
+        model: str = "",
+        layers: str = "",
+        tool_fallback: bool = True,
     ) -> None:
         self.engine = engine
+        # Tools for a model whose template ignores them go into the system prompt
+        # (coordinator/tool_prompt.py); False (--no-tool-fallback) refuses such requests.
+        self.tool_fallback = tool_fallback
         self.backend = backend
         self.last_model = model
         self.last_layers = layers
@@ -103,15 +116,27 @@ class Cluster:
             parse_tools=prompt.tool_choice != "none",
             starts_in_reasoning=starts_in_reasoning,
             opens_tool_call=prompt.opens_tool_call,
-            constraint=self._constraint(tokenizer, request, starts_in_reasoning),
+            constraint=self._constraint(tokenizer, request, prompt, starts_in_reasoning),
             pixel_values=prompt.pixel_values,  # rank 0 encodes them as the prefill starts
         )
 
     def _constraint(
-        self, tokenizer: Any, request: pb.GenerateRequest, in_reasoning: bool
+        self,
+        tokenizer: Any,
+        request: pb.GenerateRequest,
+        prompt: requests.Prompt,
+        in_reasoning: bool,
     ) -> constraints.Constraint | None:
-        """The grammar of `response_format` or `grammar`, compiled, or None (free text)."""
+        """The grammar of a forced tool call, `response_format` or `grammar`, compiled,
+        or None (free text). A forced call (tool_choice required or a named tool) in
+        Hermes JSON is held to a call of an allowed tool with valid arguments; the prompt
+        already closed any think block, so it applies from the first token."""
         wanted = constraints.request_grammar(request.response_format_json, request.grammar)
+        if prompt.opens_tool_call and (prompt.tool_fallback or self.markup().json_tool_calls):
+            wanted, in_reasoning = (
+                (constraints.tool_call_grammar(prompt.tools or []), "tools"),
+                False,
+            )
         if wanted is None:
             return None
         grammar, field = wanted
@@ -135,6 +160,7 @@ class Cluster:
             chat_template_kwargs_json=request.chat_template_kwargs_json,
             tool_choice=request.tool_choice,
             markup=self.markup(),
+            tool_fallback=self.tool_fallback,
         )
         if rendered.images:  # image tokens expanded, pixels ready (or InvalidRequest)
             pipeline = self.engine.pipeline
@@ -168,17 +194,73 @@ class Cluster:
             observer.close()
 
     def load(self, model: str = "", layers: str = "") -> None:
-        """Load `model` (or the last one again) over every rank; raise why not."""
+        """Load `model` (or the last one again) over every rank; raise why not.
+
+        Everything rank 0 can check is checked before the serving model is let go
+        (`load_checks`): a bad path, a directory that is not a model or a share too
+        big for rank 0 is refused with the old model still serving and its requests
+        running. A load that fails later (a worker refuses its shard) has already
+        released the old model, so that one is loaded again and the error says so.
+        """
         spec = model or self.last_model
         layers_spec = layers if model or layers else self.last_layers
         if not spec:
             raise requests.InvalidRequest("model is required ('default' or a path)")
         if self.engine.state in ("draining", "stopping", "failed"):
             raise EngineError("unavailable", f"the cluster is {self.engine.state}")
+        pipeline = self.engine.pipeline
         try:
-            counts = model_layers(layers_spec, spec, self.engine.pipeline.world_size)
+            counts = model_layers(layers_spec, spec, pipeline.world_size)
+        except ModelError as e:
+            raise requests.InvalidRequest(str(e)) from e
         except ValueError as e:
             raise requests.InvalidRequest(f"layers: {e}") from e
+        previous = pipeline.loaded
+        serving = (previous.path, *previous.ranges[0]) if previous else None
+        try:
+            load_checks.check_loadable(spec, counts, pipeline.world_size, serving)
+        except load_checks.DoesNotFit as e:
+            log.warning("load of %r refused, %s still serves: %s", spec, _named(previous), e)
+            raise EngineError("precondition", str(e)) from e
+        except requests.InvalidRequest as e:
+            log.warning("load of %r refused, %s still serves: %s", spec, _named(previous), e)
+            raise
+        log.info("loading %r in place of %s", spec, _named(previous))
+        try:
+            self._load(spec, counts)
+        except ClusterFailure:
+            raise  # the ring is broken: nothing can be loaded again
+        except (EngineError, requests.InvalidRequest) as e:
+            note = self._restore(previous)
+            if not note:
+                raise
+            if isinstance(e, EngineError):
+                raise EngineError(e.kind, f"{e}; {note}") from e
+            raise requests.InvalidRequest(f"{e}; {note}") from e
+        self.last_model, self.last_layers = spec, layers_spec
+
+    def _restore(self, previous: Any) -> str:
+        """After a load failed past the checks: load the model it replaced again.
+        What to add to the load's error ('' when nothing was released)."""
+        if previous is None or self.engine.state != "unloaded":
+            return ""
+        counts = [end - start for start, end in previous.ranges]
+        log.warning("the load failed after %s was released; loading it again", previous.spec)
+        try:
+            self._load(previous.spec, counts)
+        except Exception as e:  # noqa: BLE001 - reported with the load's own error
+            log.error("%s could not be loaded again: %s", previous.spec, e)
+            return (
+                f"the previous model {previous.spec!r} had been released for this load and "
+                f"could not be loaded again ({e}): `mlx-relay load --model "
+                f"{previous.spec}` loads it"
+            )
+        return (
+            f"the previous model {previous.spec!r} had been released for this load and serves again"
+        )
+
+    def _load(self, spec: str, counts: Any) -> None:
+        """The engine's load, its failures as the doors report them."""
         try:
             self.engine.load(spec, counts).result()
         except ClusterFailure:
@@ -189,7 +271,6 @@ class Cluster:
             raise
         except Exception as e:  # noqa: BLE001 - the load failed; say why, keep serving
             raise EngineError("invalid" if isinstance(e, ValueError) else "internal", str(e)) from e
-        self.last_model, self.last_layers = spec, layers_spec
 
     def free(self, shutdown: bool = False) -> str:
         """Free the model on every rank (CMD_SHUTDOWN stops them too); a message saying so."""
@@ -236,6 +317,10 @@ class Cluster:
                 )
             )
         return out
+
+
+def _named(loaded: Any) -> str:
+    return repr(loaded.spec) if loaded else "no model"
 
 
 def error_kind(e: BaseException) -> str:

@@ -173,7 +173,13 @@ def _grpc_server(args, engine: Engine, health_servicer) -> list[grpc.Server] | N
         # for a thread (streams hold one each) where health checks would starve.
         maximum_concurrent_rpcs=threads,
     )
-    cluster = Cluster(engine, backend=args.backend, model=args.model, layers=args.layers)
+    cluster = Cluster(
+        engine,
+        backend=args.backend,
+        model=args.model,
+        layers=args.layers,
+        tool_fallback=not getattr(args, "no_tool_fallback", False),
+    )
     servicer = RelayServicer(cluster)
     add_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -92,7 +92,9 @@ def response_format_grammar(raw: str) -> str | None:
     return json_schema_grammar(schema)
 
 
-def check_schema(schema: dict[str, Any] | bool) -> None:
+def check_schema(
+    schema: dict[str, Any] | bool, field: str = "response_format.json_schema.schema"
+) -> None:
     """Refuse a schema that is not valid JSON Schema (by its own $schema, else 2020-12)."""
     cls = validators.validator_for(schema, default=validators.Draft202012Validator)
     try:
@@ -100,9 +102,42 @@ def check_schema(schema: dict[str, Any] | bool) -> None:
     except schema_errors.SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path)
         at = f" at schema/{where}" if where else ""
-        raise InvalidRequest(
-            f"response_format.json_schema.schema is not a valid JSON Schema{at}: {e.message}"
-        ) from e
+        raise InvalidRequest(f"{field} is not a valid JSON Schema{at}: {e.message}") from e
+
+
+def tool_call_grammar(tools: list[dict]) -> str:
+    """The grammar of one forced call in Hermes JSON, the text after `<tool_call>`:
+    `{"name": N, "arguments": A}` where N is one of `tools` and A is valid against that
+    tool's `parameters` schema.
+
+    A `strict` tool's schema must be one llguidance enforces in full (else the request
+    is refused); other tools' schemas are enforced leniently (keywords llguidance does
+    not support are ignored), so a tool that was accepted before is not refused now.
+    Once the object closes the grammar is complete and the request ends: the output
+    parser reads an unclosed block at the end as the call.
+    """
+    rules, names = [], []
+    for i, tool in enumerate(tools):
+        function = tool["function"] if isinstance(tool.get("function"), dict) else tool
+        strict = function.get("strict") is True or tool.get("strict") is True
+        schema = function.get("parameters", function.get("input_schema"))
+        if schema is None:
+            schema = {"type": "object"}
+        if not isinstance(schema, dict):
+            raise InvalidRequest(f"tools[{i}] parameters must be a JSON Schema object")
+        check_schema(schema, f"tools[{i}] parameters")
+        guidance = {"whitespace_pattern": JSON_WHITESPACE, "lenient": not strict}
+        schema = {**schema, "x-guidance": {**guidance, **(schema.get("x-guidance") or {})}}
+        head = '{"name": ' + json.dumps(function["name"], ensure_ascii=False) + ', "arguments": '
+        names.append(f"call_{i}")
+        rules.append(f"call_{i}: {_lark_string(head)} args_{i} {_lark_string('}')}")
+        rules.append(f"args_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
+    return llguidance.grammar_from("lark", "\n".join([f"start: {' | '.join(names)}", *rules]))
+
+
+def _lark_string(text: str) -> str:
+    """`text` as a Lark string literal (JSON's escapes are Lark's)."""
+    return json.dumps(text, ensure_ascii=False)
 
 
 def gbnf_grammar(text: str) -> str:

@@ -84,6 +84,16 @@ class ChatMarkup:
         return prompt_text.rstrip().endswith(self.think_start)
 
     @property
+    def json_tool_calls(self) -> bool:
+        """A call is `<tool_call>` + Hermes JSON (`{"name", "arguments"}`): what a forced
+        call's grammar (constraints.tool_call_grammar) writes. Qwen3-Coder's and GLM's
+        `<tool_call>` hold XML-like bodies instead."""
+        return self.tool_call_start == hermes.tool_call_start and self.tool_parser in (
+            "fallback",
+            "mlx_lm.tool_parsers.json_tools",
+        )
+
+    @property
     def tool_call_opening(self) -> str:
         """What a prompt ends with to make the model write a call (tool_choice forced).
 

@@ -13,8 +13,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlx_relay.coordinator import tool_prompt
 from mlx_relay.coordinator.markup import ChatMarkup
 from mlx_relay.coordinator.sampling import SamplingParams
+from mlx_relay.coordinator.tool_parsers import hermes
 from mlx_relay.model import vision
 from mlx_relay.protocol import relay_pb2 as pb
 
@@ -34,6 +36,9 @@ class Prompt:
     tools: list[dict] | None = None
     tool_choice: str = "auto"
     opens_tool_call: str = ""  # the tool-call marker the prompt ends with, if forced
+    # The tools went into the system prompt (tool_prompt), the template having no place
+    # for them: calls are Hermes `<tool_call>` JSON whatever the model's own markup.
+    tool_fallback: bool = False
     images: list[bytes] = field(default_factory=list)  # image files, in the order shown
     pixel_values: Any = None  # the images preprocessed (encode_images), for rank 0
 
@@ -107,6 +112,7 @@ def render_prompt(
     chat_template_kwargs_json: str = "",
     tool_choice: str = "",
     markup: ChatMarkup | None = None,
+    tool_fallback: bool = True,
 ) -> Prompt:
     """The prompt text and tokens of a request.
 
@@ -114,6 +120,8 @@ def render_prompt(
     writes one: the prompt ends with the model's tool-call marker (after closing a think
     block the template opened), and for a named tool only that tool is shown.
     ``markup``: the model's, resolved when it was loaded (None: resolved here).
+    ``tool_fallback``: where the chat template ignores tools, write them into the system
+    prompt (`tool_prompt`) instead of refusing the request.
     """
     if isinstance(prompt, bytes):
         try:
@@ -132,18 +140,24 @@ def render_prompt(
     forced = choice not in ("auto", "none")
     named = forced and choice != "required"
     opens_tool_call = ""
+    fallback = False
     if messages:
         dicts = chat_messages(messages)
         shown = [t for t in tools if _tool_name(t) == choice] if named else tools
         text = _render(tokenizer, dicts, shown, kwargs)
         if tools and text == _render(tokenizer, dicts, None, kwargs):
-            raise InvalidRequest(
-                "tools were given but this model's chat template ignores tool definitions; "
-                "the model would never see them"
-            )
+            if not tool_fallback:
+                raise InvalidRequest(
+                    "tools were given but this model's chat template ignores tool "
+                    "definitions; the model would never see them (this server runs with "
+                    "--no-tool-fallback, which refuses them instead of writing them into "
+                    "the system prompt)"
+                )
+            text = _render(tokenizer, tool_prompt.with_tools(dicts, shown), None, kwargs)
+            fallback = True
         if forced:
             markup = markup or ChatMarkup.of(tokenizer)
-            text, opens_tool_call = _open_tool_call(markup, text, choice)
+            text, opens_tool_call = _open_tool_call(markup, text, choice, fallback)
     elif prompt:
         if forced:
             raise InvalidRequest(f"tool_choice {choice!r} needs chat messages, not a raw prompt")
@@ -156,18 +170,26 @@ def render_prompt(
     # A named tool is the only one shown, and the only one the parser accepts.
     accepted = [t for t in tools if _tool_name(t) == choice] if named else tools
     images = [image for m in messages for image in m.images]
-    return Prompt(text, token_ids, accepted, choice, opens_tool_call, images)
+    return Prompt(text, token_ids, accepted, choice, opens_tool_call, fallback, images)
 
 
-def _open_tool_call(markup: ChatMarkup, text: str, choice: str) -> tuple[str, str]:
-    if markup.tool_call_start is None:
+def _open_tool_call(
+    markup: ChatMarkup, text: str, choice: str, fallback: bool = False
+) -> tuple[str, str]:
+    """The prompt ending in the marker that opens a call, and that marker. `fallback`:
+    the prompt taught the model Hermes calls (tool_prompt), whatever its own markup."""
+    if fallback:
+        start, opening = hermes.tool_call_start, hermes.tool_call_start + "\n"
+    elif markup.tool_call_start is None:
         raise InvalidRequest(
             f"tool_choice {choice!r} cannot be enforced: this model's chat template has no "
             "tool-call markup to start a call with; use 'auto'"
         )
+    else:
+        start, opening = markup.tool_call_start, markup.tool_call_opening
     if markup.opens_think(text):
         text = text + markup.think_end + "\n\n"
-    return text + markup.tool_call_opening, markup.tool_call_start
+    return text + opening, start
 
 
 def _tool_name(tool: dict) -> str:

@@ -146,6 +146,15 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
         ),
     ),
     (
+        "--no-tool-fallback",
+        dict(
+            action="store_true",
+            help="refuse requests with tools for a model whose chat template ignores them "
+            "(by default the tools are written into the system prompt, Hermes style, and "
+            "<tool_call> answers parsed back: see coordinator/tool_prompt.py)",
+        ),
+    ),
+    (
         "--prompt-cache-tokens",
         dict(
             type=int,

@@ -85,6 +85,10 @@ class CountRequest(Lenient):
 
 class MessagesRequest(CountRequest):
     max_tokens: int
+    # Structured outputs: {"format": {"type": "json_schema", "schema": {...}}}, enforced
+    # as OpenAI's response_format is (output_format: the beta's spelling of the same).
+    output_config: dict[str, Any] | None = None
+    output_format: dict[str, Any] | None = None
     stop_sequences: list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -98,6 +102,7 @@ class MessagesRequest(CountRequest):
             tools_json=prompt.tools_json,
             tool_choice=prompt.tool_choice,
             chat_template_kwargs_json=template_kwargs(self.thinking),
+            response_format_json=self.response_format(),
             params=sampling(
                 max_tokens=self.max_tokens,
                 temperature=self.temperature,
@@ -106,6 +111,19 @@ class MessagesRequest(CountRequest):
                 stop=self.stop_sequences,
             ),
         )
+
+    def response_format(self) -> str:
+        """`output_config.format` as OpenAI's response_format ('' for free text)."""
+        fmt = (self.output_config or {}).get("format") or self.output_format
+        where = "output_config.format" if self.output_config else "output_format"
+        if not fmt:
+            return ""
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+            raise HttpError("invalid", f"{where}.type must be 'json_schema'", where)
+        schema = fmt.get("schema")
+        if not isinstance(schema, dict):
+            raise HttpError("invalid", f"{where}.schema must be a JSON Schema object", where)
+        return dumps({"type": "json_schema", "json_schema": {"name": "output", "schema": schema}})
 
 
 def _text(blocks: str | list[Block] | None, where: str) -> str:
@@ -236,6 +254,7 @@ class MessageStream:
         self.id = f"msg_{output.request_id or uuid.uuid4().hex}"
         self.model = model
         self.input_tokens = len(output.request.prompt_tokens)
+        self.cached = 0  # prompt tokens read from a kept cache, once known
         self.blocks: list[dict[str, Any]] = []
         self.open = ""  # the type of the block being streamed
         self.stop_reason: str | None = None
@@ -252,14 +271,30 @@ class MessageStream:
             "stop_reason": self.stop_reason,
             "stop_sequence": self.stop_sequence or None,
             "usage": {
-                "input_tokens": self.usage.get("prompt_tokens", self.input_tokens),
+                **self.input_usage(),
                 "output_tokens": self.usage.get("completion_tokens", 0),
-                "cache_read_input_tokens": self.usage.get("cached_tokens", 0),
-                "cache_creation_input_tokens": 0,
+                "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
+                "server_tool_use": None,
+                "service_tier": "standard",
             },
         }
 
-    def start(self) -> list[tuple[str, dict[str, Any]]]:
+    def input_usage(self) -> dict[str, int]:
+        """The prompt's tokens as Anthropic counts them: `input_tokens` are those not
+        read from a cache (reads are `cache_read_input_tokens`; the three add up to the
+        prompt). Nothing is written to a cache on request, so creation is 0."""
+        prompt = self.usage.get("prompt_tokens", self.input_tokens)
+        cached = self.usage.get("cached_tokens", self.cached)
+        return {
+            "input_tokens": prompt - cached,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached,
+        }
+
+    def start(self, cached: int = 0) -> list[tuple[str, dict[str, Any]]]:
+        """`message_start`, sent once the first chunk came (`cached`: the prompt
+        tokens the engine found in a kept cache), so its usage is the final one's."""
+        self.cached = cached
         return [("message_start", {"type": "message_start", "message": self.message()})]
 
     def feed(self, chunk: Chunk) -> list[tuple[str, dict[str, Any]]]:
@@ -308,7 +343,11 @@ class MessageStream:
                             "stop_reason": self.stop_reason,
                             "stop_sequence": self.stop_sequence or None,
                         },
-                        "usage": {"output_tokens": self.usage.get("completion_tokens", 0)},
+                        "usage": {
+                            **self.input_usage(),
+                            "output_tokens": self.usage.get("completion_tokens", 0),
+                            "server_tool_use": None,
+                        },
                     },
                 )
             )
@@ -321,7 +360,7 @@ class MessageStream:
             events += self._close()
             self.open = kind
             block = (
-                {"type": "text", "text": ""}
+                {"type": "text", "text": "", "citations": None}
                 if kind == "text"
                 else {
                     "type": "thinking",
@@ -366,14 +405,20 @@ class MessageStream:
         ]
 
 
-async def _events(stream: MessageStream, output: Output) -> AsyncIterator[str]:
-    for name, data in stream.start():
-        yield sse(data, name)
+async def _events(stream: MessageStream, output: Output, door: Door) -> AsyncIterator[str]:
+    started = False
     try:
         async for chunk in output:
+            if not started:  # the request is running: its cache hit is known now
+                started = True
+                for name, data in stream.start(door.cached_tokens(output.request_id)):
+                    yield sse(data, name)
             for name, data in stream.feed(chunk):
                 yield sse(data, name)
     except HttpError as e:
+        if not started:
+            for name, data in stream.start():
+                yield sse(data, name)
         yield sse(error_body(e), "error")
 
 
@@ -386,7 +431,7 @@ def router(door: Door) -> APIRouter:
         output = await door.generate(body.generate_request(), API)
         stream = MessageStream(output, body.model or model)
         if body.stream:
-            return output.response(_events(stream, output))
+            return output.response(_events(stream, output, door))
         async for chunk in output.watched(request):
             stream.feed(chunk)
         return stream.message()

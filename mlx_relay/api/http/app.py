@@ -77,8 +77,11 @@ def create_app(cluster: Cluster, *, token: str = "", max_body_bytes: int = 4 << 
 
     @app.exception_handler(StarletteHTTPException)
     async def starlette_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = {404: "not_found", 413: "too_large"}.get(e.status_code, "invalid")
-        error = HttpError(kind, str(e.detail))
+        kind = {404: "no_route", 405: "no_route", 413: "too_large"}.get(e.status_code, "invalid")
+        detail = str(e.detail)
+        if kind == "no_route":  # OpenAI's words for it; no model is missing
+            detail = f"Invalid URL ({request.method} {request.url.path}): {detail}"
+        error = HttpError(kind, detail)
         response = error_response(request.url.path, error)
         response.status_code = e.status_code
         return response
@@ -96,8 +99,17 @@ def create_app(cluster: Cluster, *, token: str = "", max_body_bytes: int = 4 << 
     return Guard(app, token, max_body_bytes)
 
 
+# Open without the token: liveness probes and Prometheus scrapers usually carry none, and
+# neither path shows a prompt or takes a request (RELIABILITY.md, README).
+OPEN_PATHS = ("/health", "/metrics")
+# A body sent as one of these is read as JSON all the same: `curl -d` (Ollama's own
+# examples) sends form-urlencoded, some clients no Content-Type at all.
+JSON_BY_DEFAULT = (b"", b"application/x-www-form-urlencoded", b"text/plain")
+
+
 class Guard:
-    """Bearer token and body size, checked before a request reaches any route."""
+    """Bearer token and body size, checked before a request reaches any route; a body
+    without a JSON Content-Type is taken as JSON (every route reads JSON)."""
 
     def __init__(self, app: ASGIApp, token: str, max_body_bytes: int) -> None:
         self.app = app
@@ -110,7 +122,7 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
         path = scope.get("path", "")
-        if self.token and not self._authorized(headers):
+        if self.token and path not in OPEN_PATHS and not self._authorized(headers):
             self.refused += 1
             if self.refused == 1 or self.refused % 100 == 0:
                 log.warning("refused %s: no or wrong bearer token (%d so far)", path, self.refused)
@@ -127,6 +139,10 @@ class Guard:
                 f"{self.max_body_bytes} (--max-request-bytes)",
             )
             return await error_response(path, error)(scope, receive, send)
+        kind = headers.get("content-type", b"").split(b";")[0].strip().lower()
+        if scope.get("method") == "POST" and kind in JSON_BY_DEFAULT:
+            raw = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+            scope = {**scope, "headers": [*raw, (b"content-type", b"application/json")]}
         await self.app(scope, self._limited(receive), send)
 
     def _authorized(self, headers: dict[str, bytes]) -> bool:

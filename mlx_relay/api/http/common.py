@@ -36,6 +36,7 @@ STATUS = {
     "precondition": 400,
     "unauthenticated": 401,
     "not_found": 404,
+    "no_route": 404,  # a path no door serves (a 405 too: answered as an unknown URL)
     "too_large": 413,
     "exhausted": 429,
     "cancelled": 499,
@@ -105,6 +106,12 @@ class Door:
             "not_found", f"model {name!r} is not served here; this cluster serves {served!r}"
         )
 
+    def cached_tokens(self, request_id: str) -> int:
+        """The prompt tokens a running request found in a kept cache (0 once it is gone):
+        what a stream's first event reports before the final usage comes."""
+        rows = self.cluster.engine.snapshot()
+        return next((r.get("cached_tokens", 0) for r in rows if r["request_id"] == request_id), 0)
+
     async def render(self, request: pb.GenerateRequest | pb.TokenizeRequest) -> requests.Prompt:
         try:
             return await run_in_threadpool(self.cluster.render, request)
@@ -119,23 +126,35 @@ class Door:
             raise as_http_error(e) from e
         return Output(req, self.metrics.observe(req, api))
 
-    async def generate_n(self, request: pb.GenerateRequest, api: str, n: int) -> Choices:
-        """OpenAI's `n`: n requests, a seeded one seeded seed, seed+1, ... so they differ."""
+    async def generate_n(
+        self, request: pb.GenerateRequest | list[pb.GenerateRequest], api: str, n: int
+    ) -> Choices:
+        """OpenAI's `n`: n requests, a seeded one seeded seed, seed+1, ... so they differ.
+        Several requests (a list of prompts, /v1/completions): n choices each, in order,
+        the choice of request i and copy j at index i * n + j, as OpenAI numbers them."""
         if not 1 <= n <= MAX_CHOICES:
             raise HttpError("invalid", f"n must be in [1, {MAX_CHOICES}], got {n}", "n")
+        requests_ = request if isinstance(request, list) else [request]
+        if not 1 <= len(requests_) * n <= MAX_CHOICES:
+            raise HttpError(
+                "invalid",
+                f"{len(requests_)} prompts x n={n} choices is more than {MAX_CHOICES}",
+                "prompt",
+            )
         outputs: list[Output] = []
         try:
-            for i in range(n):
-                one = pb.GenerateRequest()
-                one.CopyFrom(request)
-                if i and request.params.HasField("seed"):
-                    one.params.seed = request.params.seed + i
-                outputs.append(await self.generate(one, api))
+            for each in requests_:
+                for i in range(n):
+                    one = pb.GenerateRequest()
+                    one.CopyFrom(each)
+                    if i and each.params.HasField("seed"):
+                        one.params.seed = each.params.seed + i
+                    outputs.append(await self.generate(one, api))
         except BaseException:
             for output in outputs:
                 output.request.cancel()
             raise
-        return Choices(outputs)
+        return Choices(outputs, per_prompt=n)
 
 
 class Output:
@@ -220,9 +239,16 @@ def streamed(
 class Choices:
     """Several outputs answering one call (OpenAI's `n`), as one stream or one answer."""
 
-    def __init__(self, outputs: list[Output]) -> None:
+    def __init__(self, outputs: list[Output], per_prompt: int = 0) -> None:
         self.outputs = outputs
         self.request_id = outputs[0].request_id
+        self.per_prompt = per_prompt or len(outputs)  # choices that share one prompt
+
+    def usage(self, usages: list[dict[str, int]]) -> dict[str, int]:
+        """The call's usage: each prompt counted once, every completion."""
+        groups = [usages[i : i + self.per_prompt] for i in range(0, len(usages), self.per_prompt)]
+        totals = [total_usage(g) for g in groups]
+        return {k: sum(t.get(k, 0) for t in totals) for k in (totals[0] if totals else {})}
 
     def response(self, body: AsyncIterator[str]) -> StreamingResponse:
         return streamed(body, [o.request for o in self.outputs])

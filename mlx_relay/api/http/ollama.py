@@ -1,5 +1,7 @@
 """Ollama's API: `/api/chat` and `/api/generate` (NDJSON streams, streaming by default),
-`/api/tags`, `/api/show`, `/api/version`, for chat UIs that speak only Ollama.
+`/api/tags`, `/api/ps`, `/api/show`, `/api/version`, for chat UIs that speak only Ollama.
+A chat without messages (or a generate without a prompt) is Ollama's load ping: it
+answers at once, done_reason "load".
 
 `options` map onto `pb.SamplingParams` (`num_predict` is max_tokens, `repeat_penalty`
 repetition_penalty); the non-streaming answer is the stream's chunks folded.
@@ -7,6 +9,7 @@ repetition_penalty); the non-streaming answer is the stream's chunks folded.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -17,6 +20,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
+from starlette.concurrency import run_in_threadpool
 
 from mlx_relay.api.http.common import (
     Collected,
@@ -29,7 +33,7 @@ from mlx_relay.api.http.common import (
 )
 from mlx_relay.api.http.schemas import Lenient, dumps
 from mlx_relay.coordinator.output import Chunk
-from mlx_relay.model import vision
+from mlx_relay.model import checkpoint, vision
 from mlx_relay.protocol import relay_pb2 as pb
 
 API = "ollama"
@@ -111,7 +115,7 @@ class Common(Lenient):
 
 
 class ChatRequest(Common):
-    messages: list[Message]
+    messages: list[Message] = []
     tools: list[dict[str, Any]] | None = None
 
 
@@ -242,22 +246,73 @@ async def _answer(
     return out
 
 
-def _details(door: Door) -> dict[str, Any]:
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1}
+
+
+def _config(door: Door) -> dict[str, Any]:
     loaded = door.cluster.engine.pipeline.loaded
-    config = {}
-    if loaded is not None:
-        try:
-            config = json.loads((Path(loaded.path) / "config.json").read_text())
-        except (OSError, ValueError):
-            config = {}
+    if loaded is None:
+        return {}
+    try:
+        return json.loads((Path(loaded.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _details(door: Door) -> dict[str, Any]:
+    config = _config(door)
     family = str(config.get("model_type", ""))
+    loaded = door.cluster.engine.pipeline.loaded
+    parameters = _parameter_count(Path(loaded.path), config) if loaded else 0
     return {
         "format": "mlx",
         "family": family,
         "families": [family] if family else [],
-        "parameter_size": "",
+        "parameter_size": _short_count(parameters),
         "quantization_level": str((config.get("quantization") or {}).get("bits", "")),
         "context_length": int(config.get("max_position_embeddings") or 0),
+    }
+
+
+def _parameter_count(path: Path, config: dict[str, Any]) -> int:
+    """The model's parameters, from its safetensors headers: a quantized weight (packed
+    in U32) holds 32 / bits of them a word; its scales and biases are not parameters."""
+    bits = int((config.get("quantization") or {}).get("bits") or 0)
+    total = 0
+    for name, tensor in checkpoint.tensors(path).items():
+        if bits and name.endswith((".scales", ".biases")):
+            continue
+        if bits and tensor.dtype == "U32":
+            total += tensor.nbytes * 8 // bits
+        else:
+            total += tensor.nbytes // _DTYPE_BYTES.get(tensor.dtype, 2)
+    return total
+
+
+def _short_count(n: int) -> str:
+    """Ollama's way to say a parameter count: '135M', '7.6B'."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}".removesuffix(".0") + unit
+    return str(n)
+
+
+def _entry(door: Door) -> dict[str, Any]:
+    """The served model as /api/tags and /api/ps list it: its bytes on disk and a
+    digest of its fingerprint (config and weight index: the same model, the same one)."""
+    loaded = door.cluster.engine.pipeline.loaded
+    served = door.model_id()
+    details = _details(door)
+    details.pop("context_length")
+    size = sum(checkpoint.tensor_bytes(Path(loaded.path)).values()) if loaded else 0
+    digest = hashlib.sha256((loaded.fingerprint if loaded else "").encode()).hexdigest()
+    return {
+        "name": served,
+        "model": served,
+        "modified_at": _now(),
+        "size": size,
+        "digest": digest,
+        "details": details,
     }
 
 
@@ -268,6 +323,14 @@ def router(door: Door) -> APIRouter:
     async def chat(body: ChatRequest, request: Request) -> Any:
         started = time.perf_counter()
         model = door.check_model(body.model)
+        if not body.messages:  # Ollama's way to load a model: it is loaded
+            return {
+                "model": body.model,
+                "created_at": _now(),
+                "message": {"role": "assistant", "content": ""},
+                "done": True,
+                "done_reason": "load",
+            }
         req = pb.GenerateRequest(
             messages=chat_messages(body.messages),
             params=body.options.params() if body.options else pb.SamplingParams(),
@@ -312,19 +375,20 @@ def router(door: Door) -> APIRouter:
 
     @r.get("/api/tags")
     async def tags() -> dict[str, Any]:
-        served = door.model_id()
-        if not served:
+        if not door.model_id():
             return {"models": []}
-        details = _details(door)
-        details.pop("context_length")
-        entry = {
-            "name": served,
-            "model": served,
-            "modified_at": _now(),
-            "size": 0,
-            "digest": "",
-            "details": details,
-        }
+        return {"models": [await run_in_threadpool(_entry, door)]}
+
+    @r.get("/api/ps")
+    async def ps() -> dict[str, Any]:
+        """The running model: the one served, in memory across the ranks until freed."""
+        if not door.model_id():
+            return {"models": []}
+        entry = await run_in_threadpool(_entry, door)
+        entry.pop("modified_at")
+        entry["expires_at"] = "9999-12-31T23:59:59Z"  # never unloaded for idleness
+        entry["size_vram"] = entry["size"]
+        entry["context_length"] = door.cluster.engine.context_length
         return {"models": [entry]}
 
     @r.post("/api/show")
@@ -342,7 +406,9 @@ def router(door: Door) -> APIRouter:
                 "general.architecture": details["family"],
                 f"{details['family']}.context_length": context,
             },
-            "capabilities": ["completion", "tools"] if "tool" in str(template) else ["completion"],
+            "capabilities": ["completion", "tools"]
+            if door.cluster.tool_fallback or "tool" in str(template)
+            else ["completion"],
         }
 
     @r.get("/")

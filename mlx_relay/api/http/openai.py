@@ -22,7 +22,6 @@ from mlx_relay.api.http.common import (
     response_format_json,
     sampling,
     tool_call,
-    total_usage,
 )
 from mlx_relay.api.http.schemas import Lenient, dumps, sse
 from mlx_relay.coordinator.output import Chunk, TokenLogprob
@@ -48,7 +47,7 @@ def error_body(e: HttpError) -> dict[str, Any]:
             "message": str(e),
             "type": ERROR_TYPES.get(e.status, "server_error"),
             "param": e.param,
-            "code": ERROR_CODES.get(e.status, e.kind),
+            "code": None if e.kind == "no_route" else ERROR_CODES.get(e.status, e.kind),
         }
     }
 
@@ -276,7 +275,14 @@ def tool_call_deltas(chunk: Chunk) -> list[dict[str, Any]]:
 
 
 def chat_message(whole: Collected) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": whole.text or None}
+    # `refusal` and `annotations` are required (nullable) in OpenAI's schema: a model
+    # here never refuses by API, and nothing annotates its text.
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": whole.text or None,
+        "refusal": None,
+        "annotations": [],
+    }
     if whole.reasoning:
         message["reasoning_content"] = whole.reasoning
     if whole.tool_calls:
@@ -354,26 +360,27 @@ def router(door: Door) -> APIRouter:
                 }
                 for i, whole in enumerate(wholes)
             ],
-            "usage": usage(total_usage([w.usage for w in wholes])),
+            "usage": usage(choices.usage([w.usage for w in wholes])),
         }
 
     @r.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         name = door.check_model(body.model)
-        prompt = body.prompt
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise HttpError("invalid", "prompt: give one prompt (a string)", "prompt")
-            prompt = prompt[0]
+        prompts = body.prompt if isinstance(body.prompt, list) else [body.prompt]
+        if not prompts:
+            raise HttpError("invalid", "prompt: give a string or a list of them", "prompt")
         if body.echo:
             raise HttpError("invalid", "echo is not supported", "echo")
         top = body.logprobs
-        req = pb.GenerateRequest(
-            prompt=prompt,
-            params=body.params(body.max_tokens, top is not None, top),
-            response_format_json=body.response_format_json(),
-        )
-        choices = await door.generate_n(req, API, body.n or 1)
+        reqs = [
+            pb.GenerateRequest(
+                prompt=prompt,
+                params=body.params(body.max_tokens, top is not None, top),
+                response_format_json=body.response_format_json(),
+            )
+            for prompt in prompts
+        ]
+        choices = await door.generate_n(reqs, API, body.n or 1)
         head = Head(f"cmpl-{choices.request_id}", "text_completion", name)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -392,7 +399,7 @@ def router(door: Door) -> APIRouter:
                 }
                 for i, whole in enumerate(wholes)
             ],
-            "usage": usage(total_usage([w.usage for w in wholes])),
+            "usage": usage(choices.usage([w.usage for w in wholes])),
         }
 
     @r.post("/tokenize")
@@ -470,7 +477,7 @@ async def _chat_events(choices: Choices, head: Head, include_usage: bool) -> Asy
         if chunk.finish_reason is not None:
             usages[index] = chunk.usage or {}
     if include_usage:
-        yield head.event([], usage=usage(total_usage(usages)))
+        yield head.event([], usage=usage(choices.usage(usages)))
 
 
 async def _completion_events(
@@ -492,4 +499,4 @@ async def _completion_events(
         if chunk.finish_reason is not None:
             usages[index] = chunk.usage or {}
     if include_usage:
-        yield head.event([], usage=usage(total_usage(usages)))
+        yield head.event([], usage=usage(choices.usage(usages)))

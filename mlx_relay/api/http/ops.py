@@ -11,7 +11,9 @@ from typing import Any
 
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
@@ -32,6 +34,38 @@ def unhealthy(door: Door) -> str:
         if failure is not None:
             return f"a rank is down: {failure}"
     return ""
+
+
+_WIDE = {
+    FieldDescriptor.TYPE_INT64,
+    FieldDescriptor.TYPE_UINT64,
+    FieldDescriptor.TYPE_SINT64,
+    FieldDescriptor.TYPE_FIXED64,
+    FieldDescriptor.TYPE_SFIXED64,
+}
+
+
+def _numbers(message: Message, out: dict[str, Any]) -> dict[str, Any]:
+    """`out` (MessageToDict of `message`) with its 64-bit integers as JSON numbers:
+    proto3's JSON mapping writes them as strings, which nobody reading byte counts
+    expects (every value here is far below 2**53)."""
+    for field in message.DESCRIPTOR.fields:
+        value = out.get(field.name)
+        if value is None:
+            continue
+        repeated = field.is_repeated
+        if (
+            field.type == FieldDescriptor.TYPE_MESSAGE
+            and not field.message_type.GetOptions().map_entry
+        ):
+            items = getattr(message, field.name)
+            if repeated:
+                out[field.name] = [_numbers(m, o) for m, o in zip(items, value, strict=True)]
+            else:
+                out[field.name] = _numbers(items, value)
+        elif field.type in _WIDE:
+            out[field.name] = [int(v) for v in value] if repeated else int(value)
+    return out
 
 
 def router(door: Door) -> APIRouter:
@@ -56,9 +90,10 @@ def router(door: Door) -> APIRouter:
         """What `mlx-relay status` shows (the gRPC Status RPC), as JSON: every rank's layer
         range, host, pid and memory, running and queued requests, cached prompts."""
         reply = await run_in_threadpool(door.cluster.status)
-        return MessageToDict(
+        out = MessageToDict(
             reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
         )
+        return _numbers(reply, out)
 
     @r.get("/metrics")
     async def metrics() -> Response:

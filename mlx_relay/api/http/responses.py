@@ -155,17 +155,43 @@ def _content(item: Item, i: int) -> dict[str, Any]:
 def _function_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
     if tool.get("type") != "function":
         raise HttpError("invalid", f"tools[{i}]: only function tools are supported", "tools")
-    fields = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+    fields = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
     return {"type": "function", "function": fields}
+
+
+def _echo(body: ResponsesRequest | None) -> dict[str, Any]:
+    """What the Responses object repeats of its request (every field OpenAI's schema
+    requires, the defaults where the request left one out); nothing is stored."""
+    body = body or ResponsesRequest(input="")
+    return {
+        "instructions": body.instructions,
+        "previous_response_id": None,
+        "metadata": {},
+        "max_output_tokens": body.max_output_tokens,
+        "temperature": body.temperature if body.temperature is not None else 1.0,
+        "top_p": body.top_p if body.top_p is not None else 1.0,
+        "truncation": "disabled",
+        "text": body.text or {"format": {"type": "text"}},
+        "tools": body.tools or [],
+        "tool_choice": body.tool_choice or "auto",
+        "parallel_tool_calls": True,
+        "reasoning": {"effort": None, "summary": None},
+        "store": False,
+        "background": False,
+        "service_tier": "default",
+        "user": None,
+    }
 
 
 class ResponseStream:
     """Output items built from chunks, and the Responses API's events for them."""
 
-    def __init__(self, output: Output, model: str) -> None:
+    def __init__(self, output: Output, model: str, body: ResponsesRequest | None = None) -> None:
         self.id = f"resp_{output.request_id or uuid.uuid4().hex}"
         self.model = model
         self.created = int(time.time())
+        self.completed_at: int | None = None
+        self.echo = _echo(body)
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None
         self.status = "in_progress"
@@ -184,12 +210,14 @@ class ResponseStream:
             "output": self.items,
             "incomplete_details": self.incomplete,
             "error": None,
-            "parallel_tool_calls": True,
-            "tool_choice": "auto",
-            "tools": [],
+            "completed_at": self.completed_at,
+            **self.echo,
             "usage": {
                 "input_tokens": u.get("prompt_tokens", 0),
-                "input_tokens_details": {"cached_tokens": u.get("cached_tokens", 0)},
+                "input_tokens_details": {
+                    "cached_tokens": u.get("cached_tokens", 0),
+                    "cache_write_tokens": 0,
+                },
                 "output_tokens": u.get("completion_tokens", 0),
                 "output_tokens_details": {"reasoning_tokens": u.get("reasoning_tokens", 0)},
                 "total_tokens": u.get("total_tokens", 0),
@@ -259,6 +287,7 @@ class ResponseStream:
                 events.append(self._event("response.incomplete", response=self.response()))
             else:
                 self.status = "completed"
+                self.completed_at = int(time.time())
                 events.append(self._event("response.completed", response=self.response()))
         return events
 
@@ -367,7 +396,7 @@ def router(door: Door) -> APIRouter:
     async def create(body: ResponsesRequest, request: Request) -> Any:
         model = door.check_model(body.model)
         output = await door.generate(body.generate_request(), API)
-        stream = ResponseStream(output, model)
+        stream = ResponseStream(output, model, body)
         if body.stream:
             return output.response(_events(stream, output))
         async for chunk in output.watched(request):

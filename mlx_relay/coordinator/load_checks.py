@@ -1,0 +1,124 @@
+"""What rank 0 can check about a model before the serving one is let go.
+
+Loading a model replaces the one being served: the engine ends its requests and every
+rank releases its shard before loading the new one (two models rarely fit at once).
+So everything that can be found wrong from rank 0 alone is checked here first, while
+the old model still serves: the path resolves to a model directory, its config is
+readable and names a layer count and a supported architecture, its weights and
+tokenizer are there, the layer split covers it, and rank 0's share of the weights fits
+in what this machine has (counting the memory the old shard gives back). A load
+refused here leaves the cluster exactly as it was. What only a worker can find (its
+own memory, its copy of the files) still fails after the old model was released;
+`api.cluster.Cluster.load` then loads the old one again.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from mlx_relay.coordinator.requests import InvalidRequest
+from mlx_relay.model import checkpoint, memory, sharding, vision
+from mlx_relay.model.default_model import ModelError, resolve_model
+from mlx_relay.model.split import AUTO, Layers, default_split
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+class DoesNotFit(RuntimeError):
+    """Rank 0's share of the new model's weights is more than this machine can hold."""
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What the checks found: the model's directory and its layer count."""
+
+    path: Path
+    num_layers: int
+
+
+def check_loadable(
+    spec: str, layers: Layers, world_size: int, serving: tuple[str, int, int] | None = None
+) -> LoadPlan:
+    """Raise InvalidRequest (the model is not one we can load) or DoesNotFit (rank 0's
+    share is too big) for `spec` split as `layers` over `world_size` ranks; return what
+    was found. `serving`: the loaded model's (path, start, end) on rank 0, whose memory
+    the load frees before it loads anything."""
+    try:
+        path = resolve_model(spec, progress=False)
+    except ModelError as e:
+        raise InvalidRequest(str(e)) from e
+    try:
+        config = sharding.read_config(path)
+    except (OSError, ValueError) as e:
+        raise InvalidRequest(f"model {spec!r}: {path}/config.json is not readable JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise InvalidRequest(f"model {spec!r}: {path}/config.json is not a JSON object")
+    try:
+        num_layers = sharding.count_layers(config)
+    except (TypeError, ValueError) as e:
+        raise InvalidRequest(f"model {spec!r}: {e}") from e
+    if num_layers < world_size:
+        raise InvalidRequest(
+            f"model {spec!r} has {num_layers} layers, fewer than the {world_size} ranks "
+            "that must each hold at least one"
+        )
+    _check_architecture(spec, config)
+    if not any(path.glob("*.safetensors")):
+        raise InvalidRequest(f"model {spec!r}: {path} holds no *.safetensors weights")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise InvalidRequest(
+            f"model {spec!r}: {path} holds no tokenizer ({', '.join(TOKENIZER_FILES)})"
+        )
+    try:
+        sharding.fingerprint(path)
+        checkpoint.tensor_bytes(path)
+    except (OSError, ValueError) as e:
+        raise InvalidRequest(f"model {spec!r}: its weights are not readable: {e}") from e
+    counts = layers if isinstance(layers, list) else None
+    if counts is not None and (sum(counts) != num_layers or len(counts) != world_size):
+        raise InvalidRequest(
+            f"layers: the split {counts} does not cover the {num_layers} layers of "
+            f"{spec!r} over {world_size} ranks"
+        )
+    if layers != AUTO:  # (an auto split is made from what every rank reports)
+        first = (counts or default_split(path, num_layers, world_size))[0]
+        _check_rank0_fits(path, first, serving)
+    return LoadPlan(path, num_layers)
+
+
+def _check_architecture(spec: str, config: dict[str, Any]) -> None:
+    """mlx-lm (or mlx-vlm, for a vision-language model) must know the model type."""
+    if vision.is_vlm(config):
+        return
+    from mlx_lm.utils import _get_classes  # (mlx-lm's own lookup, remappings included)
+
+    if "model_type" not in config:
+        raise InvalidRequest(f"model {spec!r}: config.json has no model_type")
+    try:
+        _get_classes(config)
+    except (ValueError, ImportError) as e:
+        raise InvalidRequest(f"model {spec!r}: {e}") from e
+
+
+def _check_rank0_fits(path: Path, end: int, serving: tuple[str, int, int] | None) -> None:
+    """Rank 0's weights (layers [0, end), the embedding and the head) against what it
+    may use once the serving shard is gone; the caches are checked once loaded."""
+    need = memory.shard_nbytes(path, 0, end, ends=True)
+    freed = (
+        memory.shard_nbytes(Path(serving[0]), serving[1], serving[2], ends=True) if serving else 0
+    )
+    allowed = psutil.virtual_memory().available + freed
+    limit = memory.memory_limit()
+    if limit is not None:
+        allowed = min(allowed, limit)
+    if need > allowed:
+        raise DoesNotFit(
+            f"rank 0 ({os.uname().nodename}) would need {need / 2**30:.2f} GiB for layers "
+            f"[0, {end}) with embedding and head, but may use {allowed / 2**30:.2f} GiB; "
+            "use more ranks, another split or a smaller model"
+        )

@@ -1,0 +1,334 @@
+"""Issue 38: what a new user's clients meet on the default model, through the real SDKs.
+
+One 2-rank cluster of the embedded default model (SmolLM2, whose chat template ignores
+tools) with its HTTP doors: tools work through the fallback prompt, forced calls are
+held to a grammar (a well-formed call of an allowed tool, arguments valid against its
+schema), and the response objects validate against the SDKs' own types.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+from anthropic.types import Message
+from conftest import assert_gone, start_cluster
+from openai.types.chat import ChatCompletion
+from test_http_api import Served
+
+from mlx_relay.launch.local import free_ports
+
+pytestmark = [pytest.mark.cluster, pytest.mark.default_model]
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "maxLength": 12}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": WEATHER,
+            "strict": True,
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "description": "Current time", "parameters": TIME},
+    },
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    port = free_ports(1)[0]
+    running = start_cluster(
+        "default", 2, tmp_path_factory.mktemp("logs"), "--http-address", f"127.0.0.1:{port}"
+    )
+    served = Served(running, "default", [], port)  # (test_http_api's, on the default model)
+    yield served
+    served.http.close()
+    running.stop()
+    assert_gone(running.pids)
+
+
+def _valid_call(name: str, arguments: str | dict) -> dict:
+    args = json.loads(arguments) if isinstance(arguments, str) else arguments
+    jsonschema.validate(args, SCHEMAS[name])
+    return args
+
+
+# --- 2: tools on a model whose template ignores them -------------------------------------
+
+
+def test_tools_go_into_the_system_prompt_where_the_template_ignores_them(served):
+    reply = served.openai.chat.completions.create(
+        model="default", messages=ASK, tools=TOOLS, max_tokens=16, temperature=0
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    for call in choice.message.tool_calls or []:
+        _valid_call(call.function.name, call.function.arguments)
+    shown = served.http.post(
+        "/v1/messages/count_tokens",
+        json={
+            "model": "default",
+            "messages": ASK,
+            "tools": [
+                {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+                for t in TOOLS
+            ],
+        },
+    )
+    assert shown.status_code == 200, shown.text
+    bare = served.anthropic.messages.count_tokens(model="default", messages=ASK)
+    assert shown.json()["input_tokens"] > bare.input_tokens + 50  # the tools are in it
+
+
+def test_a_tool_round_trip_renders(served):
+    """The call and its result come back as history the fallback rewrites as text."""
+    messages = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Paris", "unit": "celsius"}',
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    ]
+    reply = served.openai.chat.completions.create(
+        model="default", messages=messages, tools=TOOLS, max_tokens=30, temperature=0
+    )
+    assert reply.choices[0].message.content or reply.choices[0].message.tool_calls
+
+
+# --- 3: forced calls are constrained ----------------------------------------------------
+
+
+def test_openai_required_and_named_calls_are_well_formed(served):
+    for choice, allowed in [
+        ("required", {"get_weather", "get_time"}),
+        ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+    ]:
+        reply = served.openai.chat.completions.create(
+            model="default",
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice=choice,
+            max_tokens=80,
+            temperature=1.0,
+            seed=3,
+        )
+        out = reply.choices[0]
+        assert out.finish_reason == "tool_calls", out
+        assert not out.message.content
+        [call] = out.message.tool_calls
+        assert call.function.name in allowed
+        _valid_call(call.function.name, call.function.arguments)
+
+
+def test_openai_forced_call_streams(served):
+    stream = served.openai.chat.completions.create(
+        model="default",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=120,
+        stream=True,
+    )
+    calls, finish = {}, None
+    for chunk in stream:
+        for delta in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+            entry["name"] += delta.function.name or ""
+            entry["arguments"] += delta.function.arguments or ""
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    assert finish == "tool_calls"
+    assert [c["name"] for c in calls.values()] == ["get_weather"]
+    _valid_call("get_weather", calls[0]["arguments"])
+
+
+def test_anthropic_any_and_named_tool_are_well_formed(served):
+    tools = [
+        {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS
+    ]
+    for choice, allowed in [
+        ({"type": "any"}, {"get_weather", "get_time"}),
+        ({"type": "tool", "name": "get_weather"}, {"get_weather"}),
+    ]:
+        message = served.anthropic.messages.create(
+            model="default", max_tokens=120, messages=ASK, tools=tools, tool_choice=choice
+        )
+        assert message.stop_reason == "tool_use"
+        [use] = [b for b in message.content if b.type == "tool_use"]
+        assert use.name in allowed
+        _valid_call(use.name, use.input)
+
+
+def test_ollama_tools_answer(served):
+    reply = served.http.post(
+        "/api/chat",
+        json={
+            "model": "default",
+            "messages": ASK,
+            "tools": TOOLS,
+            "stream": False,
+            "options": {"num_predict": 40, "temperature": 0},
+        },
+    )
+    assert reply.status_code == 200, reply.text
+    for call in reply.json()["message"].get("tool_calls") or []:
+        _valid_call(call["function"]["name"], call["function"]["arguments"])
+
+
+# --- 5: the smaller items ----------------------------------------------------------------
+
+
+def test_json_without_content_type_and_unknown_urls(served):
+    body = json.dumps({"model": "default", "messages": ASK, "stream": False,
+                       "options": {"num_predict": 2}})  # fmt: skip
+    for headers in ({}, {"Content-Type": "application/x-www-form-urlencoded"}):
+        reply = httpx.post(served.base + "/api/chat", content=body, headers=headers, timeout=60)
+        assert reply.status_code == 200, reply.text
+    missing = served.http.post("/v1/nothing-here", json={})
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] != "model_not_found"
+    assert "Invalid URL" in missing.json()["error"]["message"]
+
+
+def test_completions_take_a_list_of_prompts(served):
+    reply = served.openai.completions.create(
+        model="default", prompt=["Once upon a time", "The sky is"], max_tokens=3
+    )
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert all(c.text for c in reply.choices)
+    one = served.openai.completions.create(model="default", prompt="The sky is", max_tokens=3)
+    assert reply.choices[1].text == one.choices[0].text
+    assert reply.usage.prompt_tokens > one.usage.prompt_tokens
+
+
+def test_ollama_load_ping_ps_and_tags(served):
+    ping = served.http.post("/api/chat", json={"model": "default", "messages": []})
+    assert ping.status_code == 200 and ping.json()["done_reason"] == "load"
+    [tag] = served.http.get("/api/tags").json()["models"]
+    assert tag["size"] > 50_000_000 and len(tag["digest"]) == 64
+    assert tag["details"]["parameter_size"].endswith("M")  # SmolLM2-135M
+    [running] = served.http.get("/api/ps").json()["models"]
+    assert running["size"] == tag["size"] and running["digest"] == tag["digest"]
+
+
+def test_status_byte_counts_are_numbers(served):
+    status = served.http.get("/v1/status").json()
+    assert all(isinstance(r["rss_bytes"], int) and r["rss_bytes"] > 0 for r in status["ranks"])
+
+
+# --- 4: shapes, against the SDKs' own types -------------------------------------------------
+
+
+def _has(raw: dict, *keys: str) -> None:
+    missing = [k for k in keys if k not in raw]
+    assert not missing, f"missing {missing} in {raw}"
+
+
+def test_chat_completion_shape(served):
+    raw = served.http.post(
+        "/v1/chat/completions",
+        json={"model": "default", "messages": ASK, "max_tokens": 4},
+    ).json()
+    ChatCompletion.model_validate(raw)
+    _has(raw, "id", "object", "created", "model", "choices", "usage")
+    _has(raw["choices"][0], "index", "message", "finish_reason", "logprobs")
+    _has(raw["choices"][0]["message"], "role", "content", "refusal", "annotations")
+    assert raw["choices"][0]["message"]["refusal"] is None
+    assert raw["choices"][0]["message"]["annotations"] == []
+
+
+def test_anthropic_message_shape_and_cache_counts(served):
+    request = {"model": "default", "max_tokens": 4, "messages": ASK}
+    served.http.post("/v1/messages", json=request)  # the prompt is kept for the next
+    raw = served.http.post("/v1/messages", json=request).json()
+    Message.model_validate(raw)
+    _has(raw, "id", "type", "role", "model", "content", "stop_reason", "stop_sequence", "usage")
+    _has(raw["content"][0], "type", "text", "citations")
+    usage = raw["usage"]
+    _has(usage, "input_tokens", "output_tokens", "cache_creation_input_tokens",
+         "cache_read_input_tokens", "cache_creation", "server_tool_use", "service_tier")  # fmt: skip
+    prompt = served.anthropic.messages.count_tokens(model="default", messages=ASK).input_tokens
+    assert usage["cache_read_input_tokens"] > 0  # the second time, the prompt is cached
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == prompt
+    with served.anthropic.messages.stream(**request) as stream:
+        events = list(stream)
+    start = next(e for e in events if e.type == "message_start").message.usage
+    assert start.cache_read_input_tokens == usage["cache_read_input_tokens"]
+    assert start.input_tokens == usage["input_tokens"]
+
+
+def test_anthropic_output_config_format_is_enforced(served):
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string", "maxLength": 16}},
+        "required": ["capital"],
+        "additionalProperties": False,
+    }
+    raw = served.http.post(
+        "/v1/messages",
+        json={
+            "model": "default",
+            "max_tokens": 40,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "output_config": {"format": {"type": "json_schema", "schema": schema}},
+        },
+    ).json()
+    jsonschema.validate(json.loads(raw["content"][0]["text"]), schema)
+
+
+def test_responses_object_carries_its_required_fields(served):
+    from openai.types.responses import Response
+
+    required = ("id", "object", "created_at", "model", "output", "status", "completed_at",
+                "instructions", "previous_response_id", "truncation", "text", "tools",
+                "tool_choice", "parallel_tool_calls", "usage", "error", "incomplete_details")  # fmt: skip
+    raw = served.http.post(
+        "/v1/responses",
+        json={
+            "model": "default",
+            "input": "Hi",
+            "instructions": "Be brief.",
+            "max_output_tokens": 4,
+        },  # fmt: skip
+    ).json()
+    Response.model_validate(raw)
+    _has(raw, *required)
+    assert raw["instructions"] == "Be brief."
+    with served.openai.responses.stream(model="default", input="Hi", max_output_tokens=4) as s:
+        events = list(s)
+    assert events[0].type == "response.created"
+    for event in (events[0], events[-1]):  # created, and completed or incomplete
+        _has(event.response.model_dump(), *required)
