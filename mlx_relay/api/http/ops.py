@@ -17,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from mlx_relay.api.cluster import not_serving
 from mlx_relay.api.http.common import Door
+from mlx_relay.api.http.live import extend_status
 
 
 def unhealthy(door: Door) -> str:
@@ -56,9 +57,11 @@ def router(door: Door) -> APIRouter:
         """What `mlx-relay status` shows (the gRPC Status RPC), as JSON: every rank's layer
         range, host, pid and memory, running and queued requests, cached prompts."""
         reply = await run_in_threadpool(door.cluster.status)
-        return MessageToDict(
+        body = MessageToDict(
             reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
         )
+        extend_status(body, door)  # (the live page's fields, JSON only)
+        return body
 
     @r.get("/metrics")
     async def metrics() -> Response:
