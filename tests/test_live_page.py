@@ -2,9 +2,10 @@
 through the distribution's chromedriver (`make test` installs both: scripts/install-browser.sh).
 
 One 3-rank cluster of a scripted tiny llama with a bearer token: the page asks for the
-token, draws every rank with its layer range, shows a request in flight, streams a chat
-answer, and shows a killed worker as gone, with the reason the cluster gave, within seconds,
-and then, once rank 0 has exited, its last known state marked as such. Screenshots go to
+token, draws every rank with its layer range, streams a chat answer, shows a request in
+flight, a stopped worker as slow (and normal again once it goes on) and a killed worker as
+gone, with the reason the cluster gave, within seconds, and then, once rank 0 has exited,
+its last known state marked as such. Screenshots go to
 the test's folder (and to $MLX_RELAY_LIVE_SHOTS when set).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -113,7 +115,7 @@ def test_live_page_in_a_browser(scripted, tmp_path):
         "--http-address",
         f"127.0.0.1:{port}",
         "--heartbeat-timeout",
-        "2",
+        "4",  # (rank 2 is stopped for a second or two below, and must not count as gone)
         auth_token=TOKEN,
     )
     auth = {"Authorization": f"Bearer {TOKEN}"}
@@ -197,6 +199,33 @@ def test_live_page_in_a_browser(scripted, tmp_path):
         )
         time.sleep(1.5)  # a little more of the chart
         _shot(browser, tmp_path, "live-serving")
+
+        # Stop rank 2 (SIGSTOP) mid-stream: slow, with the step it holds, until it goes on.
+        stopped = running.cluster.procs[2]
+        os.kill(stopped.pid, signal.SIGSTOP)
+        try:
+            slow = _wait(
+                "rank 2 shown as slow",
+                lambda: (
+                    (box := browser.find_element("id", "rank-2")).get_attribute("data-status")
+                    == "slow"
+                    and box
+                ),
+                3,
+                browser,
+            )
+            assert "slow: step" in slow.text and "has not passed the step on" in slow.text, (
+                slow.text
+            )
+            _shot(browser, tmp_path, "live-slow")
+        finally:
+            os.kill(stopped.pid, signal.SIGCONT)
+        _wait(
+            "rank 2 back to normal",
+            lambda: browser.find_element("id", "rank-2").get_attribute("data-status") == "ok",
+            5,
+            browser,
+        )
 
         # Kill rank 1: shown as gone, with the cluster's reason, within a few seconds.
         killed = time.monotonic()

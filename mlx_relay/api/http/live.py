@@ -70,7 +70,9 @@ def extend_status(body: dict[str, Any], door: Door) -> None:
       `ring_steps`: forward steps and their seconds by kind (rates come from deltas);
     - per rank: `memory_limit_bytes` (MLX_RELAY_MEMORY_LIMIT, 0: none), `cache_memory_bytes`,
       `steps` and `step_seconds` (a worker's own, as its heartbeats say; rank 0's are the
-      ring's round trips), `gone`, `ring_broken` and `alert`: why the rank stands out.
+      ring's round trips), `gone`, `ring_broken` and `alert`: why the rank stands out
+      ('gone: ...', 'silent: ...', 'slow: ...' for a late heartbeat or a step it holds
+      for 4 times what it should take, or the failure that names it).
     """
     from mlx_relay.api.http.ops import unhealthy
 
@@ -91,6 +93,7 @@ def extend_status(body: dict[str, Any], door: Door) -> None:
         k: {"steps": n, "seconds": seconds.get(k, 0.0)} for k, n in counts.items()
     }
     workers = pipeline.worker_stats()
+    lagging = pipeline.lagging() if engine.state == "serving" else None
     interval = pipeline.hub.heartbeat_interval if pipeline.hub is not None else 0.5
     for row in body.get("ranks", []):
         rank = int(row.get("rank", 0))
@@ -111,12 +114,14 @@ def extend_status(body: dict[str, Any], door: Door) -> None:
         row["step_seconds"] = float(stats.get("step_seconds", 0.0))
         row["gone"] = info.gone if info is not None else ""
         row["ring_broken"] = info.ring_broken if info is not None else ""
-        row["alert"] = _alert(row, pipeline.heartbeat_timeout, interval)
+        slow = lagging.reason if lagging is not None and lagging.rank == rank else ""
+        row["alert"] = _alert(row, pipeline.heartbeat_timeout, interval, slow)
     _blame(body)
 
 
-def _alert(row: dict[str, Any], heartbeat_timeout: float, interval: float) -> str:
-    """Why a worker stands out, in the cluster's words ('' when it does not)."""
+def _alert(row: dict[str, Any], heartbeat_timeout: float, interval: float, slow: str) -> str:
+    """Why a worker stands out, in the cluster's words ('' when it does not); `slow`: the
+    step it holds for too long (`Pipeline.lagging`), if it does."""
     if row["gone"]:
         return f"gone: {row['gone']}"
     silent = float(row.get("last_seen_s", 0.0))
@@ -124,8 +129,10 @@ def _alert(row: dict[str, Any], heartbeat_timeout: float, interval: float) -> st
         return f"silent: no heartbeat for {silent:.1f} s (stopped, hung or cut off)"
     if row["ring_broken"]:
         return f"its ring connection broke: {row['ring_broken']}"
+    if slow:
+        return f"slow: {slow}"
     if silent > 3 * interval:
-        return f"late: last heartbeat {silent:.1f} s ago"
+        return f"slow: last heartbeat {silent:.1f} s ago"
     return ""
 
 
@@ -197,7 +204,8 @@ async def _events(door: Door) -> AsyncIterator[str]:
     last_key: tuple[str, str, str] | None = None
     while True:
         ended = engine.state in ENDED or not engine.running
-        key = (engine.state, engine.error, unhealthy(door))
+        lagging = engine.pipeline.lagging() if engine.state == "serving" else None
+        key = (engine.state, engine.error, unhealthy(door), lagging.rank if lagging else 0)
         now = time.monotonic()
         if ended or key != last_key or now - last_sent >= EVENT_INTERVAL_S:
             body = await run_in_threadpool(event, door)
