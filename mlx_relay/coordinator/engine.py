@@ -197,6 +197,9 @@ class Engine:
         # rank 0 (read by the metrics; written by the engine thread only).
         self.step_counts: dict[str, int] = {}
         self.step_seconds: dict[str, float] = {}
+        # Tokens those steps carried by kind (prompt tokens prefilled, tokens decoded), for
+        # throughput on the live page (read by other threads; written by the engine's).
+        self.step_tokens: dict[str, int] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     # --- API for other threads -----------------------------------------------------
@@ -541,6 +544,8 @@ class Engine:
         kind = "decode" if decode else "prefill"
         self.step_counts[kind] = self.step_counts.get(kind, 0) + 1
         self.step_seconds[kind] = self.step_seconds.get(kind, 0.0) + seconds
+        carried = header.n_seqs if decode else header.lengths[0]
+        self.step_tokens[kind] = self.step_tokens.get(kind, 0) + carried
         self._scheduler.update_from_output(
             StepOutput(
                 kind="group" if decode else "prefill",

@@ -42,7 +42,7 @@ from mlx_relay.model.stage import forward_stage
 from mlx_relay.model.step_inputs import PromptInputs, pass_on
 from mlx_relay.protocol import header as hdr
 from mlx_relay.transport.doorbell import DoorbellTimeout, NeighbourGone
-from mlx_relay.transport.hub import ControlHub
+from mlx_relay.transport.hub import ControlHub, LinkFailure
 from mlx_relay.transport.ring import Ring, bytes_payload, dtype_name, mx_dtype, payload_nbytes
 
 log = logging.getLogger("mlx_relay.pipeline")
@@ -732,6 +732,32 @@ class Pipeline:
         if step is None:
             return None
         return self._overdue(step)
+
+    def lagging(self, factor: float = 4.0, floor: float = 1.0) -> LinkFailure | None:
+        """For a status page: the rank holding the oldest forward step if that step is out
+        longer than `factor` times what it should take at the measured pace (and `floor`
+        seconds), long before the watchdog's allowance: a slow rank, named as `overdue`
+        would name it. None while every step keeps pace."""
+        try:
+            forward = (s for s in self._outstanding.values() if s.header.cmd == hdr.CMD_FORWARD)
+            step = next(forward, None)
+        except RuntimeError:  # changed under us by the engine thread: look next time
+            return None
+        if step is None or self.hub is None:
+            return None
+        elapsed = time.monotonic() - self._started(step)
+        expected = self.pace.expected(step.units)
+        if elapsed <= max(floor, factor * expected):
+            return None
+        suspect = self.hub.suspect(step.header.step_id)
+        if suspect is None:
+            return None
+        return LinkFailure(
+            suspect.rank,
+            suspect.host,
+            f"{step.header.describe()} out for {elapsed:.1f} s (it should take "
+            f"{expected:.2f} s at this cluster's pace); {suspect.reason}",
+        )
 
     def _overdue(self, step: Step) -> ClusterFailure | None:
         """`step`'s failure if it took longer than its allowance (pace.py) from when it

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlx_relay.api.cluster import Cluster
-from mlx_relay.api.http import anthropic, ollama, openai, ops, responses
+from mlx_relay.api.http import anthropic, live, ollama, openai, ops, responses
 from mlx_relay.api.http.common import Door, HttpError, as_http_error
 from mlx_relay.coordinator.engine import EngineError
 from mlx_relay.coordinator.pipeline import RankFailure
@@ -63,7 +63,8 @@ def create_app(cluster: Cluster, *, token: str = "", max_body_bytes: int = 4 << 
     door = Door(cluster)
     app = FastAPI(title="mlx-relay", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.door = door
-    for module in (openai, responses, anthropic, ollama, ops):
+    # (live first: its `GET /` serves browsers the page, and others what Ollama's did)
+    for module in (live, openai, responses, anthropic, ollama, ops):
         app.include_router(module.router(door))
 
     @app.exception_handler(HttpError)
@@ -122,7 +123,18 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
         path = scope.get("path", "")
-        if self.token and path not in OPEN_PATHS and not self._authorized(headers):
+        # (the live page itself is open, so that it can ask for the token it then sends)
+        open_page = (
+            path == live.PAGE_PATH
+            and scope.get("method") in ("GET", "HEAD")
+            and live.wants_page(headers.get("accept", b"").decode("latin-1"))
+        )
+        if (
+            self.token
+            and path not in OPEN_PATHS
+            and not open_page
+            and not self._authorized(headers)
+        ):
             self.refused += 1
             if self.refused == 1 or self.refused % 100 == 0:
                 log.warning("refused %s: no or wrong bearer token (%d so far)", path, self.refused)

@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 
 from mlx_relay.api.cluster import not_serving
 from mlx_relay.api.http.common import Door
+from mlx_relay.api.http.live import extend_status
 
 
 def unhealthy(door: Door) -> str:
@@ -93,7 +94,9 @@ def router(door: Door) -> APIRouter:
         out = MessageToDict(
             reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
         )
-        return _numbers(reply, out)
+        out = _numbers(reply, out)
+        extend_status(out, door)  # (the live page's fields, JSON only)
+        return out
 
     @r.get("/metrics")
     async def metrics() -> Response:
