@@ -51,10 +51,13 @@ MAX_CHOICES = 16  # OpenAI's `n`: each choice is a request of its own
 class HttpError(Exception):
     """A request refused, in words; each API's handler renders it in its own error shape."""
 
-    def __init__(self, kind: str, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, kind: str, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.kind = kind
         self.param = param
+        self.code = code  # the API's own code where the kind's default would mislead
 
     @property
     def status(self) -> int:

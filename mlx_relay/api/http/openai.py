@@ -47,7 +47,7 @@ def error_body(e: HttpError) -> dict[str, Any]:
             "message": str(e),
             "type": ERROR_TYPES.get(e.status, "server_error"),
             "param": e.param,
-            "code": None if e.kind == "no_route" else ERROR_CODES.get(e.status, e.kind),
+            "code": e.code or (None if e.kind == "no_route" else ERROR_CODES.get(e.status, e.kind)),
         }
     }
 

@@ -1,17 +1,21 @@
 """OpenAI's Responses API (`POST /v1/responses`): text, images, reasoning, function calls.
 
 `ResponseStream` turns the engine's chunks into the API's output items and the events
-that build them; a non-streaming answer is the response that stream completes. Nothing
-is stored: `previous_response_id` is refused, the whole conversation comes as `input`.
-`input_image` parts (base64 data: URLs) stay where they are among a message's text, as
-on the chat door, whose decoder they share.
+that build them; a non-streaming answer is the response that stream completes. Finished
+responses (unless `store: false`) stay in memory, the last `STORED` of them, so a request
+naming one as `previous_response_id` continues its conversation, and
+`GET`/`DELETE /v1/responses/{id}` find it; nothing is written to disk, so a restart
+forgets them. `input_image` parts (base64 data: URLs) stay where they are among a
+message's text, as on the chat door, whose decoder they share.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -31,6 +35,7 @@ from mlx_relay.model import vision
 from mlx_relay.protocol import relay_pb2 as pb
 
 API = "responses"
+STORED = 256  # finished responses kept for previous_response_id, the least recent dropped
 
 
 class Part(Lenient):
@@ -62,15 +67,12 @@ class ResponsesRequest(Lenient):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     previous_response_id: str | None = None
+    store: bool = True
     text: dict[str, Any] | None = None
 
-    def generate_request(self) -> pb.GenerateRequest:
-        if self.previous_response_id:
-            raise HttpError(
-                "invalid",
-                "previous_response_id: responses are not stored; send the conversation as input",
-                "previous_response_id",
-            )
+    def generate_request(self, before: list[pb.ChatMessage] = ()) -> pb.GenerateRequest:
+        """The engine's request; `before` is the stored conversation that
+        `previous_response_id` names (its instructions not among it: this request's apply)."""
         tools = [_function_tool(i, t) for i, t in enumerate(self.tools or [])]
         choice = self.tool_choice
         if isinstance(choice, dict):
@@ -80,7 +82,7 @@ class ResponsesRequest(Lenient):
             schema = {k: v for k, v in fmt.items() if k != "type"}
             fmt = {"type": "json_schema", "json_schema": schema}
         return pb.GenerateRequest(
-            messages=self.messages(),
+            messages=self.messages(before),
             params=sampling(
                 max_tokens=self.max_output_tokens,
                 temperature=self.temperature,
@@ -92,33 +94,44 @@ class ResponsesRequest(Lenient):
             response_format_json=response_format_json(fmt),
         )
 
-    def messages(self) -> list[pb.ChatMessage]:
-        out = []
-        if self.instructions:
-            out.append(pb.ChatMessage(role="system", content=self.instructions))
-        items = (
+    def messages(self, before: list[pb.ChatMessage] = ()) -> list[pb.ChatMessage]:
+        out = (
+            [pb.ChatMessage(role="system", content=self.instructions)] if self.instructions else []
+        )
+        return out + conversation(self.items(), list(before))
+
+    def items(self) -> list[Item]:
+        return (
             [Item(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         )
-        for i, item in enumerate(items):
-            if item.type == "message":
-                out.append(pb.ChatMessage(role=item.role or "user", **_content(item, i)))
-            elif item.type == "function_call":
-                call = tool_call(item.name or "", item.arguments or "{}", item.call_id or "")
-                if out and out[-1].role == "assistant" and not out[-1].content:
-                    out[-1].tool_calls.append(call)
-                else:
-                    out.append(pb.ChatMessage(role="assistant", tool_calls=[call]))
-            elif item.type == "function_call_output":
-                out.append(
-                    pb.ChatMessage(
-                        role="tool", tool_call_id=item.call_id or "", content=item.output or ""
-                    )
+
+
+def conversation(items: list[Item], out: list[pb.ChatMessage]) -> list[pb.ChatMessage]:
+    """`items` as chat messages, appended to `out` (a conversation so far); reasoning items
+    are dropped, as chat templates drop an earlier turn's reasoning."""
+    for i, item in enumerate(items):
+        if item.type == "message":
+            out.append(pb.ChatMessage(role=item.role or "user", **_content(item, i)))
+        elif item.type == "function_call":
+            call = tool_call(item.name or "", item.arguments or "{}", item.call_id or "")
+            if out and out[-1].role == "assistant" and not out[-1].content:
+                last = pb.ChatMessage()
+                last.CopyFrom(out[-1])  # (out[-1] may be a stored conversation's: keep it)
+                last.tool_calls.append(call)
+                out[-1] = last
+            else:
+                out.append(pb.ChatMessage(role="assistant", tool_calls=[call]))
+        elif item.type == "function_call_output":
+            out.append(
+                pb.ChatMessage(
+                    role="tool", tool_call_id=item.call_id or "", content=item.output or ""
                 )
-            elif item.type != "reasoning":
-                raise HttpError(
-                    "invalid", f"input[{i}] is a {item.type!r} item, not supported", "input"
-                )
-        return out
+            )
+        elif item.type != "reasoning":
+            raise HttpError(
+                "invalid", f"input[{i}] is a {item.type!r} item, not supported", "input"
+            )
+    return out
 
 
 def _content(item: Item, i: int) -> dict[str, Any]:
@@ -152,6 +165,47 @@ def _content(item: Item, i: int) -> dict[str, Any]:
     return parts.fields()
 
 
+@dataclass
+class Stored:
+    messages: list[pb.ChatMessage]  # the conversation, its output included; no instructions
+    response: dict[str, Any]
+
+
+class Store:
+    """The last `size` finished responses, for `previous_response_id` (in memory only)."""
+
+    def __init__(self, size: int = STORED) -> None:
+        self.size = size
+        self.kept: OrderedDict[str, Stored] = OrderedDict()
+
+    def get(self, id: str, param: str = "previous_response_id") -> Stored:
+        found = self.kept.get(id)
+        if found is None:
+            raise HttpError(
+                "not_found",
+                f"Previous response with id {id!r} not found: this server keeps the last "
+                f"{self.size} responses in memory (not those sent with store: false), "
+                "and forgets them when it restarts",
+                param,
+                code="previous_response_not_found"
+                if param == "previous_response_id"
+                else "response_not_found",
+            )
+        self.kept.move_to_end(id)
+        return found
+
+    def put(self, id: str, stored: Stored) -> None:
+        self.kept[id] = stored
+        self.kept.move_to_end(id)
+        while len(self.kept) > self.size:
+            self.kept.popitem(last=False)
+
+    def pop(self, id: str) -> Stored:
+        found = self.get(id, "response_id")
+        del self.kept[id]
+        return found
+
+
 def _function_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
     if tool.get("type") != "function":
         raise HttpError("invalid", f"tools[{i}]: only function tools are supported", "tools")
@@ -161,11 +215,11 @@ def _function_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
 
 def _echo(body: ResponsesRequest | None) -> dict[str, Any]:
     """What the Responses object repeats of its request (every field OpenAI's schema
-    requires, the defaults where the request left one out); nothing is stored."""
+    requires, the defaults where the request left one out)."""
     body = body or ResponsesRequest(input="")
     return {
         "instructions": body.instructions,
-        "previous_response_id": None,
+        "previous_response_id": body.previous_response_id,
         "metadata": {},
         "max_output_tokens": body.max_output_tokens,
         "temperature": body.temperature if body.temperature is not None else 1.0,
@@ -176,7 +230,7 @@ def _echo(body: ResponsesRequest | None) -> dict[str, Any]:
         "tool_choice": body.tool_choice or "auto",
         "parallel_tool_calls": True,
         "reasoning": {"effort": None, "summary": None},
-        "store": False,
+        "store": body.store,
         "background": False,
         "service_tier": "default",
         "user": None,
@@ -186,7 +240,14 @@ def _echo(body: ResponsesRequest | None) -> dict[str, Any]:
 class ResponseStream:
     """Output items built from chunks, and the Responses API's events for them."""
 
-    def __init__(self, output: Output, model: str, body: ResponsesRequest | None = None) -> None:
+    def __init__(
+        self,
+        output: Output,
+        model: str,
+        body: ResponsesRequest | None = None,
+        finished: Callable[[ResponseStream], None] | None = None,
+    ) -> None:
+        self.finished = finished  # called with the finished stream before its last event
         self.id = f"resp_{output.request_id or uuid.uuid4().hex}"
         self.model = model
         self.created = int(time.time())
@@ -284,11 +345,12 @@ class ResponseStream:
             if chunk.finish_reason == "length":
                 self.status = "incomplete"
                 self.incomplete = {"reason": "max_output_tokens"}
-                events.append(self._event("response.incomplete", response=self.response()))
             else:
                 self.status = "completed"
                 self.completed_at = int(time.time())
-                events.append(self._event("response.completed", response=self.response()))
+            if self.finished is not None:  # (stored before the client hears it is done)
+                self.finished(self)
+            events.append(self._event(f"response.{self.status}", response=self.response()))
         return events
 
     def _text(self, kind: str, text: str) -> list[tuple[str, dict[str, Any]]]:
@@ -363,6 +425,7 @@ class ResponseStream:
                 output_index=index,
                 content_index=0,
                 text=part["text"],
+                **({"logprobs": []} if item["type"] == "message" else {}),
             ),
             self._event(
                 "response.content_part.done",
@@ -391,16 +454,36 @@ async def _events(stream: ResponseStream, output: Output) -> AsyncIterator[str]:
 
 def router(door: Door) -> APIRouter:
     r = APIRouter()
+    store = Store()
 
     @r.post("/v1/responses")
     async def create(body: ResponsesRequest, request: Request) -> Any:
         model = door.check_model(body.model)
-        output = await door.generate(body.generate_request(), API)
-        stream = ResponseStream(output, model, body)
+        before = store.get(body.previous_response_id).messages if body.previous_response_id else []
+        generate = body.generate_request(before)
+        output = await door.generate(generate, API)
+
+        def finished(stream: ResponseStream) -> None:
+            if body.store:
+                asked = generate.messages[1:] if body.instructions else generate.messages
+                answer = [Item.model_validate(item) for item in stream.items]
+                messages = conversation(answer, list(pb.GenerateRequest(messages=asked).messages))
+                store.put(stream.id, Stored(messages, stream.response()))
+
+        stream = ResponseStream(output, model, body, finished)
         if body.stream:
             return output.response(_events(stream, output))
         async for chunk in output.watched(request):
             stream.feed(chunk)
         return stream.response()
+
+    @r.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str) -> Any:
+        return store.get(response_id, "response_id").response
+
+    @r.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str) -> Any:
+        store.pop(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     return r
