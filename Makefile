@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser demo test lint proto bench clean
+.PHONY: install browser demo test test-fast lint proto bench clean
 
 install: $(STAMP)
 
@@ -28,6 +28,13 @@ demo: install
 
 test: install browser
 	$(PY) -m pytest -q -ra tests
+
+# The in-process tests, no rank processes (each layer's rules: pacing, scheduling,
+# sampling, markup, parsers, the step header): under a minute.
+FAST_TESTS := $(addprefix tests/test_,markup output pace postprocess protocol sampling \
+	scheduler side_inputs slots split textstream tool_parsers trace_report)
+test-fast: install
+	$(PY) -m pytest -q -ra $(addsuffix .py,$(FAST_TESTS))
 
 lint: install
 	$(VENV)/bin/ruff check mlx_relay tests bench
