@@ -195,7 +195,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--layers",
         default="",
         help="layers per rank, e.g. 10,12,8, or auto or balanced (default: as last loaded "
-        "when --model is not given, else even)",
+        "when --model is not given, else balanced)",
     )
     load.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
     load.set_defaults(func=run_load)

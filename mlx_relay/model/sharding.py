@@ -498,7 +498,7 @@ class Shard:
     # them, where that is exact: all of what they hold always (a new prompt that
     # continues it), a part of it only if every layer's cache can be cut back to it.
     # Plain KV caches always can; a sliding window's only while nothing has left the
-    # window (fewer positions than `cut_back_below`); an SSM state never (see README).
+    # window (fewer positions than `cut_back_below`); an SSM state never (docs/how-it-works.md).
     reusable_caches: bool = False
     cut_back_below: float = 0.0
     # The model's own forward asks for array masks (create_attention_mask(...,
