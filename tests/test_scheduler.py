@@ -122,3 +122,12 @@ def test_steps_that_say_nothing_about_the_pace_are_ignored():
     scheduler.update_from_output(StepOutput("group", 5.0, beside_prefill=True))
     scheduler.update_from_output(StepOutput("prefill", 5.0, tokens=1, want_logits=True))
     assert (scheduler.pacer.decode_step_s, scheduler.pacer.prefill_unit_s) == (0.0, 0.0)
+
+
+def test_with_quantized_kv_caches_a_prompt_alone_goes_in_whole_prefill_chunks():
+    """Chunk boundaries change what a quantized cache holds: alone, chunks are mlx-lm's
+    prefill step (--prefill-chunk), never a probe; beside streams they are still paced."""
+    pacer = PrefillPacer(512, WIDE, fixed_alone=True)
+    assert pacer.chunk_size(decoding=False) == 512
+    pacer.decode_step_took(0.02)
+    assert pacer.chunk_size(decoding=True) == PROBE_CHUNK

@@ -810,7 +810,8 @@ class Engine:
             self._output = OutputProcessor(self.tokenizer, self.context_length)
             self._unpark_all()
             self._reuse = self.prompt_cache and self.pipeline.shard.reusable_caches
-            self._scheduler.reset(self.pipeline.hidden_size)
+            shard = self.pipeline.shard
+            self._scheduler.reset(self.pipeline.hidden_size, fixed_alone=shard.kv is not None)
             self._slots.usable = self.pipeline.shard.usable_prefix
         except Exception:
             self._set_state("unloaded")

@@ -112,13 +112,14 @@ def _check_rank0_fits(path: Path, end: int, serving: tuple[str, int, int] | None
     freed = (
         memory.shard_nbytes(Path(serving[0]), serving[1], serving[2], ends=True) if serving else 0
     )
-    allowed = psutil.virtual_memory().available + freed
+    allowed, why = psutil.virtual_memory().available + freed, "memory available"
     limit = memory.memory_limit()
-    if limit is not None:
-        allowed = min(allowed, limit)
+    if limit is not None and limit < allowed:
+        allowed, why = limit, f"{memory.MEMORY_LIMIT_ENV}={os.environ[memory.MEMORY_LIMIT_ENV]}"
     if need > allowed:
         raise DoesNotFit(
-            f"rank 0 ({os.uname().nodename}) would need {need / 2**30:.2f} GiB for layers "
-            f"[0, {end}) with embedding and head, but may use {allowed / 2**30:.2f} GiB; "
-            "use more ranks, another split or a smaller model"
+            f"rank 0 ({os.uname().nodename}): layers [0, {end}) with embedding and head need "
+            f"{need / 2**20:,.1f} MiB of weights, but this rank may use "
+            f"{allowed / 2**20:,.1f} MiB ({why}, the serving model's shard counted as "
+            "freed); use more ranks, another split or a smaller model"
         )

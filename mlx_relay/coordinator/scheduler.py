@@ -47,9 +47,12 @@ T = TypeVar("T")
 class PrefillPacer:
     """Chunk sizes from the measured pace of decode steps and of prefilled work."""
 
-    def __init__(self, prefill_chunk: int, hidden: int = 0) -> None:
+    def __init__(self, prefill_chunk: int, hidden: int = 0, fixed_alone: bool = False) -> None:
         self.prefill_chunk = prefill_chunk
         self.hidden = hidden  # the model's hidden size: how much context costs (pace.py)
+        # Alone, a chunk is `--prefill-chunk` tokens, as mlx-lm's prefill_step_size: with
+        # quantized KV caches, where chunk boundaries change what the caches hold.
+        self.fixed_alone = fixed_alone
         self.decode_step_s = 0.0  # moving average of a decode group's step, launch to read
         self.prefill_unit_s = 0.0  # moving average of a unit of prompt work (pace.step_cost)
 
@@ -57,11 +60,12 @@ class PrefillPacer:
         """The next chunk of a prompt whose first `position` tokens are sent: what costs
         CHUNK_TARGET_S, or while streams decode STALL_STEPS of their steps, at most
         `--prefill-chunk`; PROBE_CHUNK until a chunk was timed."""
+        beside = decoding and bool(self.decode_step_s)
+        if self.fixed_alone and not beside:
+            return self.prefill_chunk
         if not self.prefill_unit_s:
             return min(self.prefill_chunk, PROBE_CHUNK)
-        budget = CHUNK_TARGET_S
-        if decoding and self.decode_step_s:
-            budget = STALL_STEPS * self.decode_step_s
+        budget = STALL_STEPS * self.decode_step_s if beside else CHUNK_TARGET_S
         fits = tokens_within(budget / self.prefill_unit_s, position, self.hidden)
         return max(MIN_CHUNK, min(self.prefill_chunk, fits))
 
@@ -130,9 +134,11 @@ class Scheduler:
         self.pacer = PrefillPacer(prefill_chunk)
         self._turn = 0
 
-    def reset(self, hidden: int) -> None:
-        """A model was loaded (hidden size `hidden`): its pace is still to be measured."""
-        self.pacer = PrefillPacer(self.pacer.prefill_chunk, hidden)
+    def reset(self, hidden: int, fixed_alone: bool = False) -> None:
+        """A model was loaded (hidden size `hidden`): its pace is still to be measured.
+        `fixed_alone`: a prompt alone goes in `--prefill-chunk` chunks (quantized KV
+        caches: see PrefillPacer)."""
+        self.pacer = PrefillPacer(self.pacer.prefill_chunk, hidden, fixed_alone)
 
     def schedule(self, units: Sequence[Unit], decoding: bool) -> Scheduled | None:
         """The unit to launch next (units take turns) and its step, or None if none can run.

@@ -78,12 +78,13 @@ def check_split(facts: ModelFacts, n: int, layers: str) -> list[int] | str | Non
 
 
 def check_hop_mode(mode: str, n: int) -> None:
-    """Collective (and adaptive) hops are all-sums of the pair a hop joins: a cluster of 2
-    ranks."""
-    from mlx_relay.transport.collective import check_pair
+    """Collective (and adaptive) hops are all-sums of the pair a hop joins: off CUDA, where
+    the ring group is the only group, a cluster of 2 ranks. (On CUDA every neighbouring
+    pair gets an NCCL communicator of its own, so any size; the ranks check it at start.)"""
+    from mlx_relay.transport.collective import check_pair, on_cuda
     from mlx_relay.transport.ring import PAIRED_MODES
 
-    if mode in PAIRED_MODES:
+    if mode in PAIRED_MODES and not on_cuda():
         try:
             check_pair(n)
         except ValueError as e:

@@ -241,7 +241,7 @@ class Ring:
 
     def _collective(self, header: hdr.StepHeader, sender: int) -> bool:
         # (OUT: every hop on the way round; BACK: the last rank's hop back to rank 0)
-        back = (sender + 1) % self.size == 0
+        back = sender != 0 and (sender + 1) % self.size == 0
         flag = hdr.FLAG_COLLECTIVE_BACK if back else hdr.FLAG_COLLECTIVE_OUT
         if not header.flags & flag:
             return False
