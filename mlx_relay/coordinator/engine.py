@@ -10,8 +10,8 @@ first token. Its chunks are known in advance, so several are in flight at once, 
 the next rank while the one before it runs on this one. A chunk is sized by measured
 time: alone about CHUNK_TARGET_S (at most `--prefill-chunk` tokens), beside running
 streams about STALL_STEPS decode steps, so a long prompt delays each running stream by
-no more than that per token (scheduler.py holds these rules). It then joins one of several decode groups, each
-decoded as one batch per step. Units of work (a group's next token, a sequence's
+no more than that per token (scheduler.py holds these rules). It then joins one of
+several decode groups, each decoded as one batch per step. Units of work (a group's next token, a sequence's
 next prefill chunk) take turns, so a long prompt never stalls running streams, and up
 to one step per rank is in flight at once: while rank 1 runs one group's layers,
 rank 0 runs the next group's. Everything that decides — sampling, stop strings, EOS,

@@ -724,25 +724,24 @@ class Pipeline:
         """For a watchdog thread: the oldest forward step not done with, if overdue. Once a
         step's header is back the host waits inside MLX (reading its results, or posting
         work queued behind it), where no timeout of ours can reach."""
+        step = self._oldest_forward()
+        return None if step is None else self._overdue(step)
+
+    def _oldest_forward(self) -> Step | None:
+        """The oldest forward step not done with, read from another thread (None where
+        there is none, or the engine thread changed the steps under us: look next time)."""
         try:
             forward = (s for s in self._outstanding.values() if s.header.cmd == hdr.CMD_FORWARD)
-            step = next(forward, None)
-        except RuntimeError:  # changed under us by the engine thread: look next time
+            return next(forward, None)
+        except RuntimeError:
             return None
-        if step is None:
-            return None
-        return self._overdue(step)
 
     def lagging(self, factor: float = 4.0, floor: float = 1.0) -> LinkFailure | None:
         """For a status page: the rank holding the oldest forward step if that step is out
         longer than `factor` times what it should take at the measured pace (and `floor`
         seconds), long before the watchdog's allowance: a slow rank, named as `overdue`
         would name it. None while every step keeps pace."""
-        try:
-            forward = (s for s in self._outstanding.values() if s.header.cmd == hdr.CMD_FORWARD)
-            step = next(forward, None)
-        except RuntimeError:  # changed under us by the engine thread: look next time
-            return None
+        step = self._oldest_forward()
         if step is None or self.hub is None:
             return None
         elapsed = time.monotonic() - self._started(step)
