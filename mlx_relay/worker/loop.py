@@ -19,7 +19,7 @@ import mlx.core as mx
 import zmq
 
 from mlx_relay import timeline
-from mlx_relay.model import memory, sharding
+from mlx_relay.model import memory, sharding, speed
 from mlx_relay.model.default_model import resolve_model
 from mlx_relay.model.kvcache import CacheError, SlotCaches
 from mlx_relay.model.stage import forward_stage
@@ -188,6 +188,9 @@ class Worker:
             self._unload()
             return payload
         if cmd == hdr.CMD_PING:
+            return payload
+        if cmd == hdr.CMD_PROBE:  # (the default split weighs the ranks by these)
+            header.lengths[self.rank] = round(speed.probe())
             return payload
         raise StepError(hdr.ERR_BAD_HEADER, f"unknown command {cmd}")
 
