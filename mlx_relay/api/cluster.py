@@ -429,6 +429,11 @@ def _named(loaded: Any) -> str:
     return repr(loaded.spec) if loaded else "no model"
 
 
+# What the cluster refuses or fails a request with; each door maps them to its statuses
+# (error_kind), anything else being an internal error.
+REFUSALS = (requests.InvalidRequest, EngineError, RankFailure)
+
+
 def error_kind(e: BaseException) -> str:
     """The `EngineError` kind a door reports `e` as (invalid, unavailable, ...)."""
     if isinstance(e, requests.InvalidRequest):

@@ -29,12 +29,11 @@ import grpc
 
 from mlx_relay.api.auth import TokenAuth
 from mlx_relay.api.budget import Limit
-from mlx_relay.api.cluster import Cluster, not_serving
+from mlx_relay.api.cluster import REFUSALS, Cluster, not_serving
 from mlx_relay.api.service import grpc_status
 from mlx_relay.coordinator import requests
 from mlx_relay.coordinator.engine import EngineError
 from mlx_relay.coordinator.output import Chunk, TokenLogprob
-from mlx_relay.coordinator.pipeline import RankFailure
 from mlx_relay.model import vision
 from mlx_relay.protocol import relay_pb2 as pb
 from mlx_relay.protocol.localai import backend_pb2 as lpb
@@ -59,7 +58,7 @@ def _map_errors(fn: Callable) -> Callable:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         context.abort(grpc_status(e), str(e))
 
-    errors = (requests.InvalidRequest, NotFound, EngineError, RankFailure)
+    errors = (*REFUSALS, NotFound)
 
     @functools.wraps(fn)
     def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
