@@ -3,8 +3,13 @@
 gRPC, HTTP and LocalAI's backend service all translate their wire messages into a
 `pb.GenerateRequest` and hand it to `Cluster.submit`: one way from a request to the
 engine, so the doors differ only in how they spell things. Errors come out as
-`requests.InvalidRequest`, `EngineError` (with a `kind`) or `RankFailure`; each door
-maps those to its own status codes.
+`requests.InvalidRequest`, `EngineError` (with a `kind`) or `RankFailure` (`REFUSALS`);
+each door maps those to its own status codes.
+
+It is also all a door reads of the cluster: its state, the model served, the workers,
+the ring's steps, why it cannot serve (`unhealthy`). The engine and its pipeline stay
+behind it (`_engine`), so they change without a door changing, and one `max_tokens`
+policy (`budget.py`) applies to every door as the request is built.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ class Cluster:
         layers: str = "",
         tool_fallback: bool = True,
     ) -> None:
-        self.engine = engine
+        self._engine = engine
         # Tools for a model whose template ignores them go into the system prompt
         # (coordinator/tool_prompt.py); False (--no-tool-fallback) refuses such requests.
         self.tool_fallback = tool_fallback
@@ -66,16 +71,16 @@ class Cluster:
 
     def tokenizer(self) -> Any:
         """The loaded model's tokenizer, or EngineError('unavailable') saying why not."""
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None or self.engine.state != "serving":
-            raise EngineError("unavailable", not_serving(self.engine.state, self.engine.error))
+        tokenizer = self._engine.tokenizer
+        if tokenizer is None or self._engine.state != "serving":
+            raise EngineError("unavailable", not_serving(self._engine.state, self._engine.error))
         return tokenizer
 
     def markup(self) -> ChatMarkup:
         """The loaded model's chat markup (resolved once, at load), or EngineError."""
-        markup = self.engine.markup
-        if markup is None or self.engine.state != "serving":
-            raise EngineError("unavailable", not_serving(self.engine.state, self.engine.error))
+        markup = self._engine.markup
+        if markup is None or self._engine.state != "serving":
+            raise EngineError("unavailable", not_serving(self._engine.state, self._engine.error))
         return markup
 
     # --- what the doors read of the cluster (none looks past this class) ----------
@@ -83,22 +88,22 @@ class Cluster:
     def state(self) -> str:
         """The engine's state: starting, loading, serving, unloaded, draining, stopping
         or failed."""
-        return self.engine.state
+        return self._engine.state
 
     @property
     def error(self) -> str:
         """Why the cluster failed ('' unless it did)."""
-        return self.engine.error
+        return self._engine.error
 
     @property
     def running(self) -> bool:
         """The engine's loop thread is alive: a server over a dead loop serves nothing."""
-        return self.engine.running
+        return self._engine.running
 
     @property
     def loaded(self) -> LoadedModel | None:
         """The model served (its spec, path, fingerprint, layer ranges), None if none."""
-        return self.engine.pipeline.loaded
+        return self._engine.pipeline.loaded
 
     def model_id(self) -> str:
         """The served model's name as every API lists it ('' when none is loaded)."""
@@ -108,29 +113,29 @@ class Cluster:
     @property
     def context_length(self) -> int:
         """The loaded model's context (0: none loaded, or none known)."""
-        return self.engine.context_length
+        return self._engine.context_length
 
     @property
     def world_size(self) -> int:
-        return self.engine.pipeline.world_size
+        return self._engine.pipeline.world_size
 
     def counts(self) -> tuple[int, int]:
         """Requests running and queued."""
-        return self.engine.counts()
+        return self._engine.counts()
 
     def cached_prompts(self) -> tuple[int, int]:
         """Parked prompt caches and the tokens they hold."""
-        return self.engine.cached_prompts()
+        return self._engine.cached_prompts()
 
     def cached_tokens(self, request_id: str) -> int:
         """The prompt tokens a running request found in a kept cache (0 once it is gone):
         what a stream's first event reports before the final usage comes."""
-        rows = self.engine.snapshot()
+        rows = self._engine.snapshot()
         return next((r.get("cached_tokens", 0) for r in rows if r["request_id"] == request_id), 0)
 
     def steps(self) -> dict[str, Steps]:
         """Forward steps round the ring so far, by kind (prefill, decode ...)."""
-        engine = self.engine
+        engine = self._engine
         counts, seconds = dict(engine.step_counts), dict(engine.step_seconds)
         tokens = dict(engine.step_tokens)
         return {
@@ -140,15 +145,15 @@ class Cluster:
 
     def workers(self) -> dict[int, RankInfo]:
         """Every worker as its heartbeats last told rank 0 (none with one rank)."""
-        return self.engine.pipeline.worker_stats()
+        return self._engine.pipeline.worker_stats()
 
     def lagging(self) -> LinkFailure | None:
         """The worker holding the oldest step far longer than it should, while serving."""
-        return self.engine.pipeline.lagging() if self.state == "serving" else None
+        return self._engine.pipeline.lagging() if self.state == "serving" else None
 
     def ring(self) -> Ring:
         """How the ring is run: what the live page shows beside the ranks."""
-        engine, pipeline = self.engine, self.engine.pipeline
+        engine, pipeline = self._engine, self._engine.pipeline
         hub, ring = pipeline.hub, pipeline.ring
         return Ring(
             hop_mode=ring.mode if ring is not None else "none (one rank)",
@@ -161,7 +166,7 @@ class Cluster:
     def unhealthy(self) -> str:
         """Why the cluster cannot serve now ('' if it can): its loop stopped, it serves no
         model, or a worker is gone or silent (before the watchdog fails the cluster)."""
-        engine, pipeline = self.engine, self.engine.pipeline
+        engine, pipeline = self._engine, self._engine.pipeline
         if not engine.running:
             return "the engine's loop has stopped" + (f": {engine.error}" if engine.error else "")
         if engine.state != "serving":
@@ -180,12 +185,12 @@ class Cluster:
         params = requests.sampling_params(
             request.params,
             vocab_size=len(tokenizer),
-            default_max_tokens=self.engine.default_max_tokens,
+            default_max_tokens=self._engine.default_max_tokens,
         )
         # One max_tokens policy for every door (api/budget.py): a ceiling, cut to what
         # the prompt leaves of the model's context, --max-context (what each rank checked
         # its memory for) and the door's limit; a prompt that leaves nothing is refused.
-        context = self.engine.context_length
+        context = self._engine.context_length
         bound = memory.sequence_bound(context) if memory.plan().max_context else 0
         limits = [
             Limit(context, "the model's context"),
@@ -249,7 +254,7 @@ class Cluster:
             tool_fallback=self.tool_fallback,
         )
         if rendered.images:  # image tokens expanded, pixels ready (or InvalidRequest)
-            pipeline = self.engine.pipeline
+            pipeline = self._engine.pipeline
             loaded, shard = pipeline.loaded, pipeline.shard
             requests.encode_images(
                 rendered, loaded.path if loaded else None, shard.config if shard else {}
@@ -262,7 +267,7 @@ class Cluster:
         """Start generating; iterate `.chunks()` (or `observed`), and `.cancel()` when the
         caller goes. A refusal is counted in the metrics under `api`, then raised."""
         try:
-            return self.engine.submit(self.build(request, limit))
+            return self._engine.submit(self.build(request, limit))
         except Exception as e:
             self.metrics.refused(api, error_kind(e))
             raise
@@ -294,9 +299,9 @@ class Cluster:
         layers_spec = layers if model or layers else self.last_layers
         if not spec:
             raise requests.InvalidRequest("model is required ('default' or a path)")
-        if self.engine.state in ("draining", "stopping", "failed"):
-            raise EngineError("unavailable", f"the cluster is {self.engine.state}")
-        pipeline = self.engine.pipeline
+        if self._engine.state in ("draining", "stopping", "failed"):
+            raise EngineError("unavailable", f"the cluster is {self._engine.state}")
+        pipeline = self._engine.pipeline
         try:
             counts = model_layers(layers_spec, spec, pipeline.world_size)
         except ModelError as e:
@@ -330,7 +335,7 @@ class Cluster:
     def _restore(self, previous: Any) -> str:
         """After a load failed past the checks: load the model it replaced again.
         What to add to the load's error ('' when nothing was released)."""
-        if previous is None or self.engine.state != "unloaded":
+        if previous is None or self._engine.state != "unloaded":
             return ""
         counts = [end - start for start, end in previous.ranges]
         log.warning("the load failed after %s was released; loading it again", previous.spec)
@@ -350,7 +355,7 @@ class Cluster:
     def _load(self, spec: str, counts: Any) -> None:
         """The engine's load, its failures as the doors report them."""
         try:
-            self.engine.load(spec, counts).result()
+            self._engine.load(spec, counts).result()
         except ClusterFailure:
             raise
         except RankFailure as e:  # a worker refused its shard; the cluster still serves
@@ -362,7 +367,7 @@ class Cluster:
 
     def free(self, shutdown: bool = False) -> str:
         """Free the model on every rank (CMD_SHUTDOWN stops them too); a message saying so."""
-        return self.engine.free(shutdown=shutdown).result()
+        return self._engine.free(shutdown=shutdown).result()
 
     def status(self) -> pb.StatusResponse:
         """The cluster as the Status RPC (and `/v1/status`) shows it."""
@@ -383,7 +388,7 @@ class Cluster:
             out.model = loaded.spec
             out.model_path = loaded.path
             out.num_layers = loaded.num_layers
-        out.requests.extend(pb.RequestStatus(**row) for row in self.engine.snapshot())
+        out.requests.extend(pb.RequestStatus(**row) for row in self._engine.snapshot())
         out.ranks.append(_rank0_status(loaded))
         now = time.monotonic()
         for rank, info in sorted(self.workers().items()):
