@@ -81,10 +81,10 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
         dict(
             type=int,
             default=0,
-            help="most tokens (prompt + max_tokens) in one sequence, beyond it a request is "
-            "refused; each rank checks at load that its weights and the caches of --max-active "
-            "such sequences fit its memory (default 0: the model's context, where a sequence "
-            "ends)",
+            help="most tokens (prompt + output) in one sequence: a sequence ends there, a "
+            "prompt that leaves no room is refused; each rank checks at load that its weights "
+            "and the caches of --max-active such sequences fit its memory (default 0: the "
+            "model's context)",
         ),
     ),
     (
