@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,58 +37,20 @@ import mlx.core as mx
 from mlx_lm.utils import load_tokenizer
 
 from mlx_relay import timeline
-from mlx_relay.coordinator.constraints import Constraint, apply_mask
+from mlx_relay.coordinator.constraints import apply_mask
 from mlx_relay.coordinator.markup import ChatMarkup
-from mlx_relay.coordinator.output import Chunk, OutputProcessor
+from mlx_relay.coordinator.output import OutputProcessor
 from mlx_relay.coordinator.pipeline import ClusterFailure, Pipeline, RankFailure, Step
 from mlx_relay.coordinator.postprocess import OutputParser
-from mlx_relay.coordinator.sampling import Sampler, SamplingParams
+from mlx_relay.coordinator.sampling import Sampler
 from mlx_relay.coordinator.scheduler import Scheduler, StepOutput, Unit, pick_group
+from mlx_relay.coordinator.sequence import Chunk, EngineError, Request, Sequence
 from mlx_relay.coordinator.slots import SlotTable, Taken
 from mlx_relay.model import memory, vision
 from mlx_relay.model.step_inputs import PromptInputs
 from mlx_relay.protocol import header as hdr
 
 log = logging.getLogger("mlx_relay.engine")
-
-
-class EngineError(Exception):
-    """A request cannot be served; `kind` maps to a gRPC status in the servicer."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind  # "invalid", "unavailable", "exhausted", "internal", "cancelled"
-
-
-@dataclass
-class Request:
-    prompt_tokens: list[int]
-    params: SamplingParams
-    request_id: str = ""
-    tools: list[dict] | None = None
-    parse_tools: bool = True
-    starts_in_reasoning: bool = False
-    opens_tool_call: str = ""  # tool_choice forced a call: the prompt ends in its marker
-    constraint: Constraint | None = None  # a grammar the output must follow
-    # A vision-language request's preprocessed images (prompt_tokens then hold one image
-    # token per image feature): rank 0 merges them into the prompt's embeddings.
-    pixel_values: Any = None
-    created: float = field(default_factory=time.perf_counter)
-    out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def chunks(self) -> Iterator[Chunk]:
-        """Blocking iterator over the stream; raises EngineError if the request failed."""
-        while True:
-            item = self.out.get()
-            if isinstance(item, Exception):
-                raise item
-            yield item
-            if item.finish_reason is not None:
-                return
 
 
 @dataclass
@@ -100,40 +61,6 @@ class Sampled:
     seqs: list[Sequence]
     tokens: mx.array  # (len(seqs),)
     logprobs: list[mx.array | None]  # a row's log-probabilities where its request wants them
-
-
-@dataclass
-class Sequence:
-    """Engine-thread state of one active request."""
-
-    request: Request
-    slot: int
-    sampler: Sampler
-    detokenizer: Any
-    parser: OutputParser  # also cuts the stop strings
-    pending: list[int]  # prompt tokens still to prefill
-    position: int = 0  # tokens fed to the KV caches (sent round the ring)
-    context: list[int] = field(default_factory=list)  # prompt + sampled tokens read so far
-    generated: list[int] = field(default_factory=list)
-    # The token sampled last, still on the device: the next decode step's input.
-    next_input: mx.array | None = None
-    cached_tokens: int = 0  # prompt tokens found in a parked cache; the first step reuses it
-    taken: Taken | None = None  # how the slot was taken, until the first step launches
-    reasoning_tokens: int = 0
-    group: int | None = None
-    in_flight: int = 0  # steps of this sequence now round the ring
-    first_token_at: float | None = None
-    # An image request's merged prompt embeddings, from its first prefill chunk on.
-    embeddings: PromptInputs | None = None
-
-    @property
-    def prefilling(self) -> bool:
-        """Prompt tokens left to send: known in advance, so several chunks may be in flight."""
-        return self.first_token_at is None and bool(self.pending)
-
-
-def _has_images(seq: Sequence) -> bool:
-    return seq.request.pixel_values is not None
 
 
 def _cached_before_images(request: Request, cached: int, config: dict[str, Any]) -> int:
@@ -750,7 +677,7 @@ class Engine:
         elif seq.taken is not None:  # its first step failed on rank 0: reset the slot
             self._launched_first(seq)
             self._free_slot(seq.slot)
-        elif self._reuse and isinstance(last, Chunk) and seq.position and not _has_images(seq):
+        elif self._reuse and isinstance(last, Chunk) and seq.position and not seq.has_images:
             # (an image request's caches are not parked: its image tokens' ids say
             # nothing of the image, so a later prompt could match them wrongly)
             # It ended normally: its caches stay for a later prompt sharing a prefix
