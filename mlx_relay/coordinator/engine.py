@@ -37,12 +37,11 @@ import mlx.core as mx
 from mlx_lm.utils import load_tokenizer
 
 from mlx_relay import timeline
-from mlx_relay.coordinator.constraints import apply_mask
 from mlx_relay.coordinator.markup import ChatMarkup
 from mlx_relay.coordinator.output import OutputProcessor
 from mlx_relay.coordinator.pipeline import ClusterFailure, Pipeline, RankFailure, Step
 from mlx_relay.coordinator.postprocess import OutputParser
-from mlx_relay.coordinator.sampling import Sampler
+from mlx_relay.coordinator.sampling import Sampler, sample_batch
 from mlx_relay.coordinator.scheduler import Scheduler, StepOutput, Unit, pick_group
 from mlx_relay.coordinator.sequence import Chunk, EngineError, Request, Sequence
 from mlx_relay.coordinator.slots import SlotTable, Taken
@@ -74,12 +73,6 @@ def _cached_before_images(request: Request, cached: int, config: dict[str, Any])
     prompt, image_token = request.prompt_tokens, vision.image_token_id(config)
     first = prompt.index(image_token) if image_token in prompt else len(prompt)
     return cached if cached <= first else 0
-
-
-def _constrained(seq: Sequence) -> bool:
-    """A grammar decides this sequence's next token (not while it waits for a think end)."""
-    constraint = seq.request.constraint
-    return constraint is not None and constraint.active
 
 
 class Engine:
@@ -589,42 +582,15 @@ class Engine:
         one graph and started (unless not `start`: the caller starts it once the return
         it reads is settled), not waited for; each sequence's next input is its row.
 
-        Rows that take the plain greedy token share one argmax; only requests that need
-        their own work (a seed, penalties, a grammar) get a row of their own. A grammar's
-        mask is applied after the logits processors, as the last of them; it is for the
-        token after the one read back last, which `_emit` has moved the matcher over (a
-        sequence has at most one step that wants logits in flight).
+        The batch is sampling.sample_batch's; a grammar's mask is for the token after
+        the one read back last, which `_emit` has moved the matcher over (a sequence has
+        at most one step that wants logits in flight).
         """
         if len(rows) < logits.shape[0]:
             logits = logits[mx.array([i for i, _ in rows])]
         seqs = [s for _, s in rows]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        own_rows = [
-            s.sampler.processes or s.sampler.params.temperature != 0 or _constrained(s)
-            for s in seqs
-        ]
-        wanted: list[mx.array | None] = [None] * len(seqs)
-        if not any(own_rows):
-            tokens = mx.argmax(logprobs, axis=-1)
-        else:
-            picked = []
-            for j, seq in enumerate(seqs):
-                row = logprobs[j : j + 1]
-                constraint = seq.request.constraint
-                allowed = constraint.mask(logits.shape[-1]) if constraint is not None else None
-                if seq.sampler.processes or allowed is not None:
-                    row = logits[j : j + 1]
-                    if seq.sampler.processes:
-                        row = seq.sampler.process(seq.context, seq.generated, row)
-                    if allowed is not None:
-                        row = apply_mask(row, allowed)
-                    row = row - mx.logsumexp(row, keepdims=True)
-                picked.append(seq.sampler.sample(row))
-                wanted[j] = row[0]
-            tokens = mx.concatenate(picked)
+        tokens, wanted = sample_batch(logits, seqs)
         for j, seq in enumerate(seqs):
-            if seq.request.params.logprobs and wanted[j] is None:
-                wanted[j] = logprobs[j]
             seq.next_input = tokens[j : j + 1]
             if seq.group is None:
                 self._join_group(seq)
