@@ -109,7 +109,6 @@ class Sequence:
     taken: Taken | None = None  # how the slot was taken, until the first step launches
     reasoning_tokens: int = 0
     group: int | None = None
-    in_flight: int = 0  # steps of this sequence now round the ring
     first_token_at: float | None = None
     # An image request's merged prompt embeddings, from its first prefill chunk on.
     embeddings: PromptInputs | None = None
