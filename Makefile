@@ -33,7 +33,7 @@ test: install browser
 # sampling, markup, parsers, the step header; the engine against an in-process pipeline):
 # under a minute.
 FAST_TESTS := $(addprefix tests/test_,engine markup output pace postprocess protocol sampling \
-	scheduler side_inputs slots split textstream tool_parsers trace_report)
+	scheduler scheduler_state side_inputs slots split textstream tool_parsers trace_report)
 test-fast: install
 	$(PY) -m pytest -q -ra $(addsuffix .py,$(FAST_TESTS))
 
