@@ -25,18 +25,18 @@ import numpy as np
 from mlx_relay import timeline
 from mlx_relay.coordinator.mailboxes import Mailboxes
 from mlx_relay.coordinator.pace import FIRST_SHAPE_S, SLACK, StepPace, step_cost, step_shape
-from mlx_relay.model import memory, sharding
+from mlx_relay.model import memory, sharding, speed
 from mlx_relay.model.default_model import resolve_model
 from mlx_relay.model.kvcache import CacheError, SlotCaches
+from mlx_relay.model.speed import speed_weights
 from mlx_relay.model.split import (
     AUTO,
-    LayerCosts,
-    cost_split,
     default_split,
-    kv_shared_refusal,
+    fits_memory,
+    keep_kv_shared_together,
     layer_costs,
     layer_ranges,
-    split_layers,
+    memory_split,
 )
 from mlx_relay.model.stage import forward_stage
 from mlx_relay.model.step_inputs import PromptInputs, pass_on
@@ -186,19 +186,13 @@ class Pipeline:
         self.unload()
         path = resolve_model(spec)
         num_layers = sharding.count_layers(sharding.read_config(path))
-        by_memory = layers == AUTO  # (named splits arrive as counts that keep the tail)
-        if layers == AUTO:
-            costs = layer_costs(path, num_layers, sharding.read_config(path))
-            layers = memory_split(num_layers, self.world_size, self.hub, costs)
-        # The default: equal work per rank, rank 0's LM head counted (the fastest split
-        # under load in bench_concurrency; single-stream speed does not depend on it).
-        counts = layers or default_split(path, num_layers, self.world_size)
+        counts, computed = self._plan_split(path, num_layers, layers)
         if len(counts) != self.world_size or sum(counts) != num_layers or min(counts) < 1:
             raise ValueError(
                 f"layer split {counts} does not cover {num_layers} layers over "
                 f"{self.world_size} ranks with at least one layer each"
             )
-        counts = _keep_kv_shared_together(path, list(counts), by_memory)
+        counts = keep_kv_shared_together(path, list(counts), computed)
         ranges = layer_ranges(counts)
         try:  # before any worker loads: rank 0 holds the embedding and LM head too
             memory.check_fits(path, *ranges[0], ends=True)
@@ -228,6 +222,53 @@ class Pipeline:
         self._shapes.clear()
         self.loaded = LoadedModel(spec, str(path), fp, num_layers, [tuple(r) for r in ranges])
         return self.loaded
+
+    def _plan_split(
+        self, path: Any, num_layers: int, layers: list[int] | str | None
+    ) -> tuple[list[int], bool]:
+        """The layer counts to load, and whether they were computed here (by memory or
+        by speed; named splits arrive as counts that keep a KV-shared tail already).
+
+        The default: equal work per rank, rank 0's LM head counted (the fastest split
+        under load in bench_concurrency; single-stream speed does not depend on it),
+        where the ranks are equally fast; else work in proportion to each rank's
+        measured speed (`probe_speeds`), unless that would not fit a rank's memory, when
+        the split by memory (`auto`) is taken instead."""
+        if layers and layers != AUTO:
+            return list(layers), False
+        config = sharding.read_config(path)
+        costs = layer_costs(path, num_layers, config)
+        stats = self._rank_stats()
+        if layers == AUTO:
+            return memory_split(num_layers, stats, costs), True
+        weights = speed_weights(self.probe_speeds())
+        counts = default_split(path, num_layers, self.world_size, weights)
+        if weights is None:
+            return counts, False
+        room = [None if figures is None else memory.headroom(figures) for figures in stats]
+        short = fits_memory(counts, costs, room)
+        if short is not None:
+            log.info("layers by speed %s do not fit rank %d's memory: by memory", counts, short)
+            return memory_split(num_layers, stats, costs), True
+        log.info("layers by speed: %s MB/s per rank -> layers %s", weights, counts)
+        return counts, True
+
+    def _rank_stats(self) -> list[dict[str, Any] | None]:
+        """Every rank's memory figures: rank 0's own, each worker's latest report."""
+        snapshot = self.hub.snapshot() if self.hub is not None else {}
+        workers = [snapshot[r].stats if r in snapshot else None for r in range(1, self.world_size)]
+        return [memory.stats(), *workers]
+
+    def probe_speeds(self) -> list[float] | None:
+        """Each rank's weight-reading speed in MB/s (model/speed.py), measured one rank
+        after another: rank 0 here, then each worker as CMD_PROBE passes it, writing its
+        figure into the header's `lengths` at its rank. None with one rank (or more
+        ranks than a header has rows)."""
+        if self.world_size < 2 or self.world_size > hdr.MAX_SEQS:
+            return None
+        own = speed.probe()
+        back = self._command(hdr.CMD_PROBE, slots=list(range(self.world_size)))
+        return [own, *(float(v) for v in back.lengths[1:])]
 
     def unload(self) -> None:
         if self.loaded is not None and self.world_size > 1:
@@ -836,31 +877,6 @@ class Pipeline:
         return self.hub.snapshot() if self.hub else {}
 
 
-def _keep_kv_shared_together(path: Any, counts: list[int], by_memory: bool) -> list[int]:
-    """A split whose last rank holds the model's KV-shared layers with the layers they
-    reuse (gemma4: sharding.kv_shared_tail). The named splits keep them there already
-    (split.parse_layers); a split by memory gets layers moved to the last rank from the
-    ranks before it (each keeps one), and counts a user gave that part them are refused,
-    with the numbers, before any rank loads."""
-    tail = sharding.kv_shared_tail(sharding.read_config(path))
-    if len(counts) == 1 or counts[-1] >= tail:
-        return counts
-    if not by_memory:
-        raise ValueError(kv_shared_refusal(counts, tail))
-    moved = list(counts)
-    for rank in range(len(moved) - 2, -1, -1):
-        give = min(moved[rank] - 1, tail - moved[-1])
-        moved[rank] -= give
-        moved[-1] += give
-    if moved[-1] < tail:
-        raise ValueError(
-            f"this model's last {tail} layers must stay on one rank, which leaves fewer "
-            f"than one layer for each of the other {len(counts) - 1} ranks"
-        )
-    log.info("layers %s -> %s: the last rank holds the KV-shared layers", counts, moved)
-    return moved
-
-
 def hub_ready(hub: ControlHub, world_size: int, timeout: float) -> None:
     missing = hub.wait_for_hello(timeout)
     if missing:
@@ -868,40 +884,3 @@ def hub_ready(hub: ControlHub, world_size: int, timeout: float) -> None:
             f"ranks {missing} never reached rank 0's side channel within {timeout:.0f} s"
         )
     log.info("all %d workers said hello", world_size - 1)
-
-
-def memory_split(
-    num_layers: int, world_size: int, hub: ControlHub | None, costs: LayerCosts | None = None
-) -> list[int]:
-    """Layer counts in proportion to the memory each rank has for the model.
-
-    A rank's weight is its free memory plus the memory MLX already holds there (the
-    shard and caches being replaced), from rank 0's own figures and each worker's latest
-    side-channel report; a rank that has not reported counts as the average. Weights
-    within 5% of each other give the even split. Every rank gets at least one layer.
-    """
-
-    def weight(stats: dict) -> float | None:
-        free = stats.get("free_memory")
-        return None if free is None else float(free) + float(stats.get("active_memory", 0))
-
-    snapshot = hub.snapshot() if hub is not None else {}
-    weights = [weight(memory.stats())]
-    weights += [weight(snapshot[r].stats) if r in snapshot else None for r in range(1, world_size)]
-    known = [w for w in weights if w is not None and w > 0]
-    fill = sum(known) / len(known) if known else 1.0
-    filled = [w if w is not None and w > 0 else fill for w in weights]
-    # Within 5% of each other (ranks sharing a machine, say) is equal: the even split.
-    even = max(filled) <= 1.05 * min(filled)
-    if costs is not None and len(costs.held) == num_layers:  # each layer's bytes, rank 0's ends
-        counts = cost_split(
-            [float(b) for b in costs.held], world_size, costs.ends, None if even else filled
-        )
-    else:
-        counts = split_layers(num_layers, world_size, None if even else filled)
-    log.info(
-        "layers auto: memory per rank %s GB -> layers %s",
-        [round(w / 2**30, 2) for w in filled],
-        counts,
-    )
-    return counts
