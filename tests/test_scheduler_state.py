@@ -59,6 +59,16 @@ def run_prompt(s: Scheduler):
             return action.seq
 
 
+def park_one(s: Scheduler, n: int):
+    """A prompt of `n` tokens that ends at its first token, parked; its sequence."""
+    s.add(request(n, max_tokens=1))
+    s.admit()
+    seq = run_prompt(s)
+    s.sampled([seq], mx.array([7]))
+    assert s.update_from_output([seq], [7], [None]).slots == [Park(seq.slot)]
+    return seq
+
+
 def test_a_prompt_goes_in_chunks_then_decodes_in_a_group_and_parks(loaded):
     s = scheduler(loaded)
     req = request(40)
@@ -91,11 +101,7 @@ def test_a_prompt_goes_in_chunks_then_decodes_in_a_group_and_parks(loaded):
 
 def test_the_next_turn_starts_from_the_parked_cache(loaded):
     s = scheduler(loaded)
-    s.add(request(40, max_tokens=1))
-    s.admit()
-    seq = run_prompt(s)
-    s.sampled([seq], mx.array([7]))
-    s.update_from_output([seq], [7], [None])
+    seq = park_one(s, 40)
     s.add(request(60))
     s.admit()
     nxt = s.schedule()
@@ -120,11 +126,7 @@ def test_a_full_queue_cancelled_and_failed_requests(loaded):
 
 def test_a_failed_step_forgets_the_parked_caches_on_its_slots(loaded):
     s = scheduler(loaded)
-    s.add(request(40, max_tokens=1))
-    s.admit()
-    seq = run_prompt(s)
-    s.sampled([seq], mx.array([7]))
-    s.update_from_output([seq], [7], [None])
+    seq = park_one(s, 40)
     assert s.slots.stats()[0] == 1
     update = s.step_failed([seq.slot], [], "rank 1: gone wrong")
     assert update.slots == [Free(seq.slot)] and s.slots.stats() == (0, 0)
