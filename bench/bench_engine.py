@@ -44,7 +44,8 @@ def main() -> int:
     import mlx.core as mx
     from mlx_lm import load, stream_generate
 
-    from mlx_relay.coordinator.engine import Engine, Request
+    from mlx_relay.coordinator.engine import Engine
+    from mlx_relay.coordinator.sequence import Request
     from mlx_relay.coordinator.pipeline import Pipeline
     from mlx_relay.coordinator.sampling import SamplingParams
 

@@ -28,10 +28,11 @@ from mlx_relay.api import budget
 from mlx_relay.api.budget import Limit
 from mlx_relay.api.metrics import Metrics
 from mlx_relay.coordinator import constraints, load_checks, requests
-from mlx_relay.coordinator.engine import Engine, EngineError, Request
+from mlx_relay.coordinator.engine import Engine
 from mlx_relay.coordinator.markup import ChatMarkup
 from mlx_relay.coordinator.output import Chunk
 from mlx_relay.coordinator.pipeline import ClusterFailure, LoadedModel, RankFailure
+from mlx_relay.coordinator.sequence import EngineError, Request
 from mlx_relay.model import memory
 from mlx_relay.model.default_model import ModelError
 from mlx_relay.model.split import model_layers

@@ -32,8 +32,8 @@ from mlx_relay.api.budget import Limit
 from mlx_relay.api.cluster import REFUSALS, Cluster, not_serving
 from mlx_relay.api.service import grpc_status
 from mlx_relay.coordinator import requests
-from mlx_relay.coordinator.engine import EngineError
 from mlx_relay.coordinator.output import Chunk, TokenLogprob
+from mlx_relay.coordinator.sequence import EngineError
 from mlx_relay.model import vision
 from mlx_relay.protocol import relay_pb2 as pb
 from mlx_relay.protocol.localai import backend_pb2 as lpb

@@ -19,8 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from mlx_relay.coordinator.engine import Request
 from mlx_relay.coordinator.output import Chunk
+from mlx_relay.coordinator.sequence import Request
 
 if TYPE_CHECKING:  # (the cluster builds its Metrics: no import at run time)
     from mlx_relay.api.cluster import Cluster

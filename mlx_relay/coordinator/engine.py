@@ -50,7 +50,7 @@ from mlx_relay.model import memory, vision
 from mlx_relay.model.step_inputs import PromptInputs
 from mlx_relay.protocol import header as hdr
 
-__all__ = ["Engine", "EngineError", "Request"]  # (the request model is sequence.py's)
+__all__ = ["Engine"]  # (the request model is sequence.py's)
 
 log = logging.getLogger("mlx_relay.engine")
 

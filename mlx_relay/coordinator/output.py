@@ -17,21 +17,6 @@ import mlx.core as mx
 
 from mlx_relay.coordinator.sequence import Chunk, Sequence, TokenLogprob
 
-    def add(self, later: Chunk) -> None:
-        """Fold the stream's next chunk into this one: a stream folded from an empty
-        Chunk is the whole answer (every door's non-streaming response)."""
-        self.text += later.text
-        self.reasoning += later.reasoning
-        self.token_ids += later.token_ids
-        self.tool_calls += later.tool_calls
-        self.logprobs += later.logprobs
-        if later.finish_reason is not None:
-            self.finish_reason = later.finish_reason
-            self.usage, self.timings = later.usage, later.timings
-            self.malformed_tool_call = later.malformed_tool_call
-            self.unknown_tools = list(later.unknown_tools)
-            self.stop_sequence = later.stop_sequence
-
 
 class OutputProcessor:
     """The output rules for one loaded model (its tokenizer and context length)."""

@@ -57,6 +57,21 @@ class Chunk:
     unknown_tools: list[str] = field(default_factory=list)
     stop_sequence: str = ""  # the stop string that ended it (finish_reason "stop")
 
+    def add(self, later: Chunk) -> None:
+        """Fold the stream's next chunk into this one: a stream folded from an empty
+        Chunk is the whole answer (every door's non-streaming response)."""
+        self.text += later.text
+        self.reasoning += later.reasoning
+        self.token_ids += later.token_ids
+        self.tool_calls += later.tool_calls
+        self.logprobs += later.logprobs
+        if later.finish_reason is not None:
+            self.finish_reason = later.finish_reason
+            self.usage, self.timings = later.usage, later.timings
+            self.malformed_tool_call = later.malformed_tool_call
+            self.unknown_tools = list(later.unknown_tools)
+            self.stop_sequence = later.stop_sequence
+
 
 @dataclass
 class Request:

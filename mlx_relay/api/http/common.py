@@ -25,8 +25,8 @@ from mlx_relay.api.cluster import Cluster, error_kind
 from mlx_relay.api.http.schemas import dumps, sse
 from mlx_relay.api.metrics import Metrics, Observer
 from mlx_relay.coordinator import requests
-from mlx_relay.coordinator.engine import Request
 from mlx_relay.coordinator.output import Chunk
+from mlx_relay.coordinator.sequence import Request
 from mlx_relay.protocol import relay_pb2 as pb
 
 # The HTTP status matching the gRPC status each error kind gets from the gRPC door
