@@ -54,7 +54,7 @@ VLM_FAMILIES = {
 # Families that are VLMs only where the checkpoint has a vision tower: its config says
 # so (vision_config) and its weights hold one (a Gemma 4 converted to text by mlx-lm
 # keeps the vision_config, not the tower). Otherwise they are text models, which mlx-lm
-# loads (sharding._TEXT_FAMILIES).
+# loads (its adapter's `wrappers`: families/gemma4.py).
 _TOWER_OPTIONAL = ("gemma4",)
 # Families whose language model multiplies its input embeddings, image features merged
 # in, by sqrt(hidden_size) rounded to bfloat16 inside its forward (mlx-vlm's gemma3 does;
