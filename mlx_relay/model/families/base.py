@@ -109,6 +109,10 @@ class FamilyAdapter:
     # no batch form
     row_by_row: bool = False
     maskless: bool = False  # its layers take no mask (caches of its own kind)
+    # as a vision-language model whose image tokens attend to each other (its config's
+    # use_bidirectional_attention is "vision"), which mlx-vlm's mask does only in an
+    # unchunked prefill from position 0: an image prompt goes round whole (vision.py)
+    prefills_images_whole: bool = False
 
     # --- memory (memory.py) -----------------------------------------------------------
     # how its caches' size follows from its config alone: "attention" (keys and values

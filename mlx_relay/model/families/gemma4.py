@@ -61,5 +61,6 @@ ADAPTERS = (
         inputs_when=_takes_inputs,
         per_layer=True,
         kv_sharing="previous_kvs",
+        prefills_images_whole=True,
     ),
 )
