@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Iterable
 from typing import Any
 
 from mlx_relay.model.families.base import FamilyAdapter, Parts
@@ -21,22 +22,34 @@ PLAIN = FamilyAdapter()
 _SUPPORT = ("base", "ops")  # modules of the package that hold no family
 
 
-def _collect() -> tuple[dict[str, FamilyAdapter], dict[str, str]]:
-    """Every module's adapters by model type, and the text family each wrapper wraps;
-    ValueError if two adapters claim one model type."""
+def index(
+    adapters: Iterable[FamilyAdapter],
+) -> tuple[dict[str, FamilyAdapter], dict[str, str]]:
+    """The adapters by model type, and the text family each wrapper wraps; ValueError if
+    two adapters claim one model type."""
     by_type: dict[str, FamilyAdapter] = {}
     wrapped: dict[str, str] = {}
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if info.name in _SUPPORT:
-            continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        for adapter in getattr(module, "ADAPTERS", ()):
-            for name in (*adapter.names, *adapter.wrappers):
-                if name in by_type or name in wrapped:
-                    raise ValueError(f"model type {name!r} has two family adapters")
-            by_type.update(dict.fromkeys(adapter.names, adapter))
-            wrapped.update(dict.fromkeys(adapter.wrappers, adapter.name))
+    for adapter in adapters:
+        for name in (*adapter.names, *adapter.wrappers):
+            if name in by_type or name in wrapped:
+                raise ValueError(f"model type {name!r} has two family adapters")
+        by_type.update(dict.fromkeys(adapter.names, adapter))
+        wrapped.update(dict.fromkeys(adapter.wrappers, adapter.name))
     return by_type, wrapped
+
+
+def _modules() -> list[str]:
+    """The package's modules that hold families, by name."""
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _SUPPORT)
+
+
+def _collect() -> tuple[dict[str, FamilyAdapter], dict[str, str]]:
+    """Every family module's adapters, indexed."""
+    return index(
+        adapter
+        for name in _modules()
+        for adapter in importlib.import_module(f"{__name__}.{name}").ADAPTERS
+    )
 
 
 _BY_TYPE, _WRAPPED = _collect()
