@@ -196,3 +196,11 @@ def test_ops_compute_what_the_family_forwards_compute():
     scaled = families.adapter_for("gemma3").embed_op(SimpleNamespace(hidden_size=3), h16)
     assert scaled.item() == mx.array(3**0.5, mx.bfloat16).astype(mx.float16).item()
     assert families.adapter_for("plamo3").sliding_mask_window(SimpleNamespace(window_size=8)) == 9
+
+
+def test_a_family_that_shares_keys_and_values_or_streams_runs_its_own_loop():
+    own_loop = _with(lambda a: type(a).run_layers is not FamilyAdapter.run_layers)
+    assert own_loop == _with(lambda a: a.kv_sharing or a.reuse_list or a.altup)
+    assert own_loop == {"gemma4_text", "gemma3n", "afm7"}
+    with pytest.raises(NotImplementedError):
+        families.PLAIN.run_layers(None, [], {}, mx.zeros((1, 1, 1)), [], [], lambda c: None)

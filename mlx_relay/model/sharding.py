@@ -772,20 +772,20 @@ def run_layers(
     if carrier := adapter.carrier:
         return carrier.run_layers(shard.inner, shard.start, shard.layers, h, caches, mask_for)
     call = adapter.layer_call or _plain_call
+    kws = None
     if shard.takes_inputs:
         if inputs is None:  # (a probe, or a test's own run: positions from the caches)
             inputs = LayerInputs(offsets=[_offset(caches)] * h.shape[0], deltas=[0] * h.shape[0])
         assert adapter.layer_inputs is not None  # (takes_inputs says it has them)
         kws = adapter.layer_inputs(shard.layers, h, inputs)
-        if adapter.altup:
-            return _run_altup(shard, h, caches, kws, mask_for)
-        if shard.kv_sources:
-            return _run_kv_shared(shard, h, caches, kws, mask_for)
+    if adapter.altup or shard.kv_sources:  # (its forward's own loop: its adapter's)
+        kws = kws if kws is not None else [{}] * len(shard.layers)
+        sources = shard.kv_sources or {}
+        return adapter.run_layers(shard.inner, shard.layers, sources, h, caches, kws, mask_for)
+    if kws is not None:
         for layer, cache, kw in zip(shard.layers, caches, kws, strict=True):
             h = call(layer, h, mask_for, cache, **kw)
         return h
-    if shard.kv_sources:
-        return _run_kv_shared(shard, h, caches, [{}] * len(shard.layers), mask_for)
     if shard.keeps_cache is not None:
         own = iter(caches)
         for layer, keeps in zip(shard.layers, shard.keeps_cache, strict=True):
@@ -812,59 +812,6 @@ def _stack_rows(rows: list[mx.array]) -> mx.array:
         for r in rows
     ]
     return mx.concatenate(padded, axis=0)
-
-
-def _run_kv_shared(
-    shard: Shard,
-    h: mx.array,
-    caches: list[Any],
-    kws: list[dict[str, Any]],
-    mask_for: Callable[[Any], Any],
-) -> mx.array:
-    """gemma4's layers as its forward runs them: a layer with its own cache returns its
-    keys, values and offset, and a KV-shared layer (no cache) takes those of the layer it
-    reuses, from this very step, with that layer's mask (kv_sources: both are here).
-    afm7's reusing layers take all that layer's cache holds after this step's update."""
-    if shard.adapter.reuse_list:  # (afm7: the reused cache's contents)
-        for i, layer in enumerate(shard.layers):
-            source = shard.kv_sources.get(i)
-            if source is None:
-                h = layer(h, mask_for(caches[i]), caches[i])
-            else:
-                keys, values = caches[source].keys_and_values()
-                h = layer(h, keys, values, mask_for(caches[source]))
-        return h
-    returned: dict[int, tuple[Any, Any]] = {}
-    for i, (layer, kw) in enumerate(zip(shard.layers, kws, strict=True)):
-        source = shard.kv_sources.get(i) if shard.kv_sources else None
-        if source is None:
-            h, kvs, offset = layer(h, mask_for(caches[i]), caches[i], **kw)
-            returned[i] = (kvs, offset)
-        else:
-            kvs, offset = returned[source]
-            mask = mask_for(caches[source])
-            h = layer(h, mask, None, shared_kv=kvs, offset=offset, **kw)[0]
-    return h
-
-
-def _run_altup(
-    shard: Shard,
-    h: mx.array,
-    caches: list[Any],
-    kws: list[dict[str, Any]],
-    mask_for: Callable[[Any], Any],
-) -> mx.array:
-    """gemma3n's layers as its forward runs them, on its AltUp streams (folded in h:
-    altup.py): every layer takes one position offset, the first cache's before the
-    step, and a KV-shared layer the cache of the layer it reuses (updated earlier in
-    this step), with that layer's mask (kv_sources: both are here)."""
-    x = altup.unfold(h, altup.streams(shard.inner))
-    offset = caches[0].offset if caches else 0
-    sources = shard.kv_sources or {}
-    for i, (layer, kw) in enumerate(zip(shard.layers, kws, strict=True)):
-        cache = caches[sources.get(i, i)]
-        x = layer(x, mask_for(cache), cache, offset=offset, **kw)
-    return altup.fold(x)
 
 
 def _kv_sources_of(inner: nn.Module, config: dict[str, Any]) -> list[int]:

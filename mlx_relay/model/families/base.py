@@ -16,7 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_relay.model.carried import Carrier
+from mlx_relay.model.carried import Carrier, MaskFor
 from mlx_relay.model.step_inputs import LayerInputs
 
 # An operation the family's forward does around the layers, given the model's own
@@ -150,3 +150,19 @@ class FamilyAdapter:
         """The per-layer inputs of every layer (batch, tokens, layers, dim), on rank 0
         from the token ids and the first hidden state, for a family with `per_layer`."""
         raise NotImplementedError(f"{self.name or 'this family'} takes no per-layer inputs")
+
+    def run_layers(
+        self,
+        inner: Any,
+        layers: list[Any],
+        kv_sources: dict[int, int],
+        h: mx.array,
+        caches: list[Any],
+        kws: list[dict[str, Any]],
+        mask_for: MaskFor,
+    ) -> mx.array:
+        """This rank's layers as the family's own forward loops over them, for a family
+        whose layers share keys and values (`kv_sources`: a KV-shared layer's local index
+        -> the local index of the layer it reuses, both here) or take AltUp streams: each
+        gets its keyword arguments `kws` and the mask `mask_for` gives for a cache."""
+        raise NotImplementedError(f"{self.name or 'this family'} runs its layers one by one")

@@ -7,6 +7,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_relay.model import altup, step_inputs
+from mlx_relay.model.carried import MaskFor
 from mlx_relay.model.families.base import FamilyAdapter, Parts
 from mlx_relay.model.families.gemma4 import PER_LAYER_PARTS
 from mlx_relay.model.families.ops import own_softcap, scale_by_root
@@ -19,6 +20,27 @@ class Gemma3n(FamilyAdapter):
         """From stream 0, its embedding, as its forward computes them."""
         h0 = altup.first_stream(h, altup.streams(inner))
         return inner.project_per_layer_inputs(h0, inner.get_per_layer_inputs(tokens))
+
+    def run_layers(
+        self,
+        inner: Any,
+        layers: list[Any],
+        kv_sources: dict[int, int],
+        h: mx.array,
+        caches: list[Any],
+        kws: list[dict[str, Any]],
+        mask_for: MaskFor,
+    ) -> mx.array:
+        """As its forward runs them, on its AltUp streams (folded in h: altup.py): every
+        layer takes one position offset, the first cache's before the step, and a
+        KV-shared layer the cache of the layer it reuses (updated earlier in this step),
+        with that layer's mask."""
+        x = altup.unfold(h, altup.streams(inner))
+        offset = caches[0].offset if caches else 0
+        for i, (layer, kw) in enumerate(zip(layers, kws, strict=True)):
+            cache = caches[kv_sources.get(i, i)]
+            x = layer(x, mask_for(cache), cache, offset=offset, **kw)
+        return altup.fold(x)
 
 
 ADAPTERS = (
