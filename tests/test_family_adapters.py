@@ -17,7 +17,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_relay.model import families, sharding, step_inputs
-from mlx_relay.model.families import FamilyAdapter, Parts
+from mlx_relay.model.families import FamilyAdapter, LayerRun, Parts
 
 
 def _with(rule) -> set[str]:
@@ -203,4 +203,6 @@ def test_a_family_that_shares_keys_and_values_or_streams_runs_its_own_loop():
     assert own_loop == _with(lambda a: a.kv_sharing or a.reuse_list or a.altup)
     assert own_loop == {"gemma4_text", "gemma3n", "afm7"}
     with pytest.raises(NotImplementedError):
-        families.PLAIN.run_layers(None, [], {}, mx.zeros((1, 1, 1)), [], [], lambda c: None)
+        families.PLAIN.run_layers(
+            LayerRun(None, [], {}, [], [], lambda c: None), mx.zeros((1, 1, 1))
+        )

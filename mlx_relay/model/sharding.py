@@ -57,6 +57,7 @@ from mlx_lm.utils import load_model
 from mlx_relay.model import altup, two_pass, vision
 from mlx_relay.model.families import (
     FamilyAdapter,
+    LayerRun,
     Parts,
     adapter_for,
     adapter_of,
@@ -781,7 +782,8 @@ def run_layers(
     if adapter.altup or shard.kv_sources:  # (its forward's own loop: its adapter's)
         kws = kws if kws is not None else [{}] * len(shard.layers)
         sources = shard.kv_sources or {}
-        return adapter.run_layers(shard.inner, shard.layers, sources, h, caches, kws, mask_for)
+        run = LayerRun(shard.inner, shard.layers, sources, caches, kws, mask_for)
+        return adapter.run_layers(run, h)
     if kws is not None:
         for layer, cache, kw in zip(shard.layers, caches, kws, strict=True):
             h = call(layer, h, mask_for, cache, **kw)

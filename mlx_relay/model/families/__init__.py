@@ -14,9 +14,20 @@ import pkgutil
 from collections.abc import Iterable
 from typing import Any
 
-from mlx_relay.model.families.base import FamilyAdapter, Parts
+from mlx_relay.model.families.base import FamilyAdapter, LayerRun, Parts
 
-__all__ = ["FamilyAdapter", "Parts", "adapter_of", "adapter_for", "adapters", "family_of"]
+__all__ = [
+    "PLAIN",
+    "FamilyAdapter",
+    "LayerRun",
+    "Parts",
+    "adapter_for",
+    "adapter_of",
+    "adapters",
+    "family_of",
+    "index",
+    "wraps_text",
+]
 
 PLAIN = FamilyAdapter()
 _SUPPORT = ("base", "ops")  # modules of the package that hold no family

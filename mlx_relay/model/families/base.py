@@ -52,6 +52,19 @@ class Parts:
 
 
 @dataclass(frozen=True)
+class LayerRun:
+    """What a family's own loop over this rank's layers is given (FamilyAdapter.run_layers)."""
+
+    inner: Any  # the decoder
+    layers: list[Any]
+    # a KV-shared layer's local index -> the local index of the layer it reuses (both here)
+    kv_sources: dict[int, int]
+    caches: list[Any]  # the layers' own, in order (a KV-shared layer has none)
+    kws: list[dict[str, Any]]  # each layer's keyword arguments (its step inputs)
+    mask_for: MaskFor  # the model's mask for a layer with this cache
+
+
+@dataclass(frozen=True)
 class FamilyAdapter:
     """One family's rules (or several model types' that share them). The defaults are a
     plain decoder's: `embed_tokens`, `layer(h, mask, cache)` over `model.layers`, `norm`,
@@ -151,18 +164,7 @@ class FamilyAdapter:
         from the token ids and the first hidden state, for a family with `per_layer`."""
         raise NotImplementedError(f"{self.name or 'this family'} takes no per-layer inputs")
 
-    def run_layers(
-        self,
-        inner: Any,
-        layers: list[Any],
-        kv_sources: dict[int, int],
-        h: mx.array,
-        caches: list[Any],
-        kws: list[dict[str, Any]],
-        mask_for: MaskFor,
-    ) -> mx.array:
+    def run_layers(self, run: LayerRun, h: mx.array) -> mx.array:
         """This rank's layers as the family's own forward loops over them, for a family
-        whose layers share keys and values (`kv_sources`: a KV-shared layer's local index
-        -> the local index of the layer it reuses, both here) or take AltUp streams: each
-        gets its keyword arguments `kws` and the mask `mask_for` gives for a cache."""
+        whose layers share keys and values or take AltUp streams."""
         raise NotImplementedError(f"{self.name or 'this family'} runs its layers one by one")

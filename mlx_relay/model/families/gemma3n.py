@@ -7,8 +7,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_relay.model import altup, step_inputs
-from mlx_relay.model.carried import MaskFor
-from mlx_relay.model.families.base import FamilyAdapter, Parts
+from mlx_relay.model.families.base import FamilyAdapter, LayerRun, Parts
 from mlx_relay.model.families.gemma4 import PER_LAYER_PARTS
 from mlx_relay.model.families.ops import own_softcap, scale_by_root
 
@@ -21,25 +20,16 @@ class Gemma3n(FamilyAdapter):
         h0 = altup.first_stream(h, altup.streams(inner))
         return inner.project_per_layer_inputs(h0, inner.get_per_layer_inputs(tokens))
 
-    def run_layers(
-        self,
-        inner: Any,
-        layers: list[Any],
-        kv_sources: dict[int, int],
-        h: mx.array,
-        caches: list[Any],
-        kws: list[dict[str, Any]],
-        mask_for: MaskFor,
-    ) -> mx.array:
+    def run_layers(self, run: LayerRun, h: mx.array) -> mx.array:
         """As its forward runs them, on its AltUp streams (folded in h: altup.py): every
         layer takes one position offset, the first cache's before the step, and a
         KV-shared layer the cache of the layer it reuses (updated earlier in this step),
         with that layer's mask."""
-        x = altup.unfold(h, altup.streams(inner))
-        offset = caches[0].offset if caches else 0
-        for i, (layer, kw) in enumerate(zip(layers, kws, strict=True)):
-            cache = caches[kv_sources.get(i, i)]
-            x = layer(x, mask_for(cache), cache, offset=offset, **kw)
+        x = altup.unfold(h, altup.streams(run.inner))
+        offset = run.caches[0].offset if run.caches else 0
+        for i, (layer, kw) in enumerate(zip(run.layers, run.kws, strict=True)):
+            cache = run.caches[run.kv_sources.get(i, i)]
+            x = layer(x, run.mask_for(cache), cache, offset=offset, **kw)
         return altup.fold(x)
 
 

@@ -14,8 +14,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_relay.model import step_inputs
-from mlx_relay.model.carried import MaskFor
-from mlx_relay.model.families.base import FamilyAdapter
+from mlx_relay.model.families.base import FamilyAdapter, LayerRun
 from mlx_relay.model.families.ops import own_softcap, scale_by_root
 
 # rank 0's: the per-layer embedding table and its projection
@@ -39,28 +38,19 @@ class Gemma4(FamilyAdapter):
             return inner.project_per_layer_inputs(h, ids_part)
         return inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(tokens))
 
-    def run_layers(
-        self,
-        inner: Any,
-        layers: list[Any],
-        kv_sources: dict[int, int],
-        h: mx.array,
-        caches: list[Any],
-        kws: list[dict[str, Any]],
-        mask_for: MaskFor,
-    ) -> mx.array:
+    def run_layers(self, run: LayerRun, h: mx.array) -> mx.array:
         """As its forward runs them: a layer with its own cache returns its keys, values
         and offset, and a KV-shared layer (no cache) takes those of the layer it reuses,
         from this very step, with that layer's mask."""
         returned: dict[int, tuple[Any, Any]] = {}
-        for i, (layer, kw) in enumerate(zip(layers, kws, strict=True)):
-            source = kv_sources.get(i)
+        for i, (layer, kw) in enumerate(zip(run.layers, run.kws, strict=True)):
+            source = run.kv_sources.get(i)
             if source is None:
-                h, kvs, offset = layer(h, mask_for(caches[i]), caches[i], **kw)
+                h, kvs, offset = layer(h, run.mask_for(run.caches[i]), run.caches[i], **kw)
                 returned[i] = (kvs, offset)
             else:
                 kvs, offset = returned[source]
-                mask = mask_for(caches[source])
+                mask = run.mask_for(run.caches[source])
                 h = layer(h, mask, None, shared_kv=kvs, offset=offset, **kw)[0]
         return h
 
