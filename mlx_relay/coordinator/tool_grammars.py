@@ -44,6 +44,7 @@ from mlx_relay.coordinator.requests import InvalidRequest
 
 # Spells a marker in lark: a quoted literal, or the special token it also is.
 Spell = Callable[[str], str]
+NAME, ARGUMENTS = '"name"', '"arguments"'  # the keys of a JSON call, quoted
 # JSON_WHITESPACE as a lexeme (written WS? where it may be absent: a lexeme is never empty).
 WS = r"WS: / |\n{1,2}[ \t]{0,20}/"
 SYNTAXES = ("hermes", "qwen_xml", "mistral_json", "mistral_args", "tool_code", "pythonic")
@@ -67,6 +68,17 @@ class Tool:
         if not isinstance(props, dict):
             return []
         return [(k, v, k in required) for k, v in props.items()]
+
+    @property
+    def takes_no_arguments(self) -> bool:
+        """`{}` is plainly valid arguments (nothing required, nothing that could require
+        it): a call may leave them out, as the parsers read that as `{}`."""
+        schema = self.schema
+        if schema.get("type", "object") != "object" or schema.get("required"):
+            return False
+        return not any(
+            k in schema for k in ("minProperties", "$ref", "anyOf", "oneOf", "allOf", "not")
+        )
 
 
 def tools_of(tools: list[dict]) -> list[Tool]:
@@ -142,15 +154,15 @@ def _json_calls(tools: list[Tool], rules: list[str]) -> str:
     names = []
     for t in tools:
         name, args = f"call_{t.index}", f"args_{t.index}"
+        arguments = f'WS? "," WS? {_lark(ARGUMENTS)} WS? ":" WS? {args}'
+        if t.takes_no_arguments:  # the parsers read a call without them as {}
+            arguments = f"({arguments})?"
         parts = [
             '"{" WS?',
-            _lark('"name"'),
+            _lark(NAME),
             'WS? ":" WS?',
             _lark(json.dumps(t.name, ensure_ascii=False)),
-            'WS? "," WS?',
-            _lark('"arguments"'),
-            'WS? ":" WS?',
-            args,
+            arguments,
             'WS? "}"',
         ]
         rules.append(f"{name}: {' '.join(parts)}")
