@@ -448,12 +448,22 @@ def test_tool_call_streamed_end_to_end(scripted):
 
 
 def test_tool_call_to_a_tool_not_offered(scripted):
+    """The script calls get_weather; offered only get_time, the call is held to it from
+    its `<tool_call>` on (issue 38: auto calls follow the call grammar)."""
     running, _, _ = scripted
-    other = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    # Bounded, so that the call also ends where the grammar leaves the script.
+    zone = {
+        "type": "object",
+        "properties": {"zone": {"type": "string", "maxLength": 3}},
+        "required": ["zone"],
+        "additionalProperties": False,
+    }
+    other = [{"type": "function", "function": {"name": "get_time", "parameters": zone}}]
     response = running.client.generate(_tool_request(tools=other))
-    assert list(response.unknown_tools) == ["get_weather"]
-    assert not response.tool_calls
-    assert response.finish_reason == "stop"
+    assert not response.unknown_tools and not response.malformed_tool_call
+    assert [c.function.name for c in response.tool_calls] == ["get_time"]
+    assert len(json.loads(response.tool_calls[0].function.arguments)["zone"]) <= 3
+    assert response.finish_reason == "tool_calls"
     assert response.text == "OK"
 
 

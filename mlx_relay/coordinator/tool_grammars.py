@@ -93,6 +93,8 @@ def tools_of(tools: list[dict]) -> list[Tool]:
         if not isinstance(schema, dict):
             raise InvalidRequest(f"tools[{i}] parameters must be a JSON Schema object")
         check_schema(schema, f"tools[{i}] parameters")
+        if "type" not in schema:  # arguments are an object whatever else the schema says
+            schema = {"type": "object", **schema}
         guidance = {"whitespace_pattern": JSON_WHITESPACE, "lenient": not strict}
         schema = {**schema, "x-guidance": {**guidance, **(schema.get("x-guidance") or {})}}
         out.append(Tool(function["name"], schema, strict, i))
