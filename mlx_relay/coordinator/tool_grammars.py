@@ -151,27 +151,31 @@ def call_grammar(
 # --- one call, per format ------------------------------------------------------------
 
 
+def _one_of(kind: str, tools: list[Tool], rules: list[str], call: Callable[[Tool], str]) -> str:
+    """Rule `kind`: a call of any of `tools`, each `call(tool)` (which may add rules)."""
+    names = [f"{kind}_{t.index}" for t in tools]
+    rules.extend(f"{name}: {call(t)}" for name, t in zip(names, tools, strict=True))
+    rules.append(f"{kind}: {' | '.join(names)}")
+    return kind
+
+
+def _arguments(tool: Tool, rules: list[str]) -> str:
+    """Rule of a tool's arguments as one JSON object valid against its schema."""
+    rules.append(f"args_{tool.index}: %json {json.dumps(tool.schema, ensure_ascii=False)}")
+    return f"args_{tool.index}"
+
+
 def _json_calls(tools: list[Tool], rules: list[str]) -> str:
     """`{"name": N, "arguments": A}`, whitespace as JSON allows (bounded)."""
-    names = []
-    for t in tools:
-        name, args = f"call_{t.index}", f"args_{t.index}"
-        arguments = f'WS? "," WS? {_lark(ARGUMENTS)} WS? ":" WS? {args}'
+
+    def call(t: Tool) -> str:
+        arguments = f'WS? "," WS? {_lark(ARGUMENTS)} WS? ":" WS? {_arguments(t, rules)}'
         if t.takes_no_arguments:  # the parsers read a call without them as {}
             arguments = f"({arguments})?"
-        parts = [
-            '"{" WS?',
-            _lark(NAME),
-            'WS? ":" WS?',
-            _lark(json.dumps(t.name, ensure_ascii=False)),
-            arguments,
-            'WS? "}"',
-        ]
-        rules.append(f"{name}: {' '.join(parts)}")
-        rules.append(f"{args}: %json {json.dumps(t.schema, ensure_ascii=False)}")
-        names.append(name)
-    rules.append(f"json_call: {' | '.join(names)}")
-    return "json_call"
+        name = _lark(json.dumps(t.name, ensure_ascii=False))
+        return f'"{{" WS? {_lark(NAME)} WS? ":" WS? {name} {arguments} WS? "}}"'
+
+    return _one_of("json_call", tools, rules, call)
 
 
 def _xml_calls(tools: list[Tool], rules: list[str]) -> str:
@@ -180,20 +184,17 @@ def _xml_calls(tools: list[Tool], rules: list[str]) -> str:
     A value is written on its own line; strings are raw text (never holding the closing
     tags the parser looks for), every other type the JSON text the parser converts."""
     rules.append(r"RAW: /(?s:.*)/ & ~/(?s:.*<\/(parameter|function)>.*)/")
-    names = []
-    for t in tools:
+
+    def call(t: Tool) -> str:
         params = []
         for j, (key, schema, required) in enumerate(t.properties):
             value = f"value_{t.index}_{j}"
             rules.append(f"{value}: {_xml_value(t, key, schema, rules, value)}")
             param = f'{_lark(f"<parameter={key}>")} {value} "</parameter>" WS?'
             params.append(param if required else f"({param})?")
-        name = f"xml_call_{t.index}"
-        head = _lark(f"<function={t.name}>")
-        rules.append(f'{name}: {head} WS? {" ".join(params)} "</function>"')
-        names.append(name)
-    rules.append(f"xml_call: {' | '.join(names)}")
-    return "xml_call"
+        return f'{_lark(f"<function={t.name}>")} WS? {" ".join(params)} "</function>"'
+
+    return _one_of("xml_call", tools, rules, call)
 
 
 def _xml_value(tool: Tool, key: str, schema: Any, rules: list[str], rule: str) -> str:
@@ -230,30 +231,26 @@ def _takes_string(schema: dict) -> bool:
 
 def _args_calls(tools: list[Tool], rules: list[str], spell: Spell) -> str:
     """Mistral's `N[ARGS]{...}`."""
-    names = []
-    for t in tools:
-        name, args = f"args_call_{t.index}", f"args_{t.index}"
-        rules.append(f"{name}: {_lark(t.name)} {spell('[ARGS]')} {args}")
-        rules.append(f"{args}: %json {json.dumps(t.schema, ensure_ascii=False)}")
-        names.append(name)
-    rules.append(f"args_call: {' | '.join(names)}")
-    return "args_call"
+    return _one_of(
+        "args_call",
+        tools,
+        rules,
+        lambda t: f"{_lark(t.name)} {spell('[ARGS]')} {_arguments(t, rules)}",
+    )
 
 
 def _python_calls(tools: list[Tool], rules: list[str]) -> str:
     """`N(key=value, ...)`, keyword arguments only, values as JSON literals."""
-    names = []
-    for t in tools:
+
+    def call(t: Tool) -> str:
         items = []
         for j, (key, schema, required) in enumerate(t.properties):
             value = f"kw_{t.index}_{j}"
             rules.append(f"{value}: %json {json.dumps(_guided(t, schema))}")
             items.append((f'"{key}=" {value}', required))
-        name = f"py_call_{t.index}"
-        rules.append(f'{name}: {_lark(t.name + "(")} {_comma_list(items)} ")"')
-        names.append(name)
-    rules.append(f"py_call: {' | '.join(names)}")
-    return "py_call"
+        return f'{_lark(t.name + "(")} {_comma_list(items)} ")"'
+
+    return _one_of("py_call", tools, rules, call)
 
 
 def _comma_list(items: list[tuple[str, bool]]) -> str:
