@@ -24,7 +24,7 @@ from oracle import tokenizer_for
 from mlx_relay.coordinator import constraints, tool_grammars
 from mlx_relay.coordinator.markup import ChatMarkup
 from mlx_relay.coordinator.requests import InvalidRequest, render_prompt
-from mlx_relay.coordinator.tool_constraint import ToolCallWatch, tool_constraint
+from mlx_relay.coordinator.tool_constraint import ToolCallWatch, marker_guards, tool_constraint
 from mlx_relay.coordinator.tool_parsers import hermes, qwen_xml, tool_code
 from mlx_relay.protocol import relay_pb2 as pb
 
@@ -181,20 +181,37 @@ def test_text_after_the_marker_in_its_last_token_is_fed_to_the_grammar(compiler,
     ll = compiler.ll_tokenizer
     quote = b'"'
 
-    def watch(grammar: str) -> ToolCallWatch:
-        matcher = compiler.matcher(llguidance.grammar_from("lark", grammar), "test")
-        return ToolCallWatch(matcher, ll, "<c>{", closes=True)
+    def watch(grammar: str, guarded: bool = True) -> ToolCallWatch:
+        grammar = llguidance.grammar_from("lark", grammar)
+        guards = marker_guards(compiler, grammar, "<c>{") if guarded else None
+        matcher = compiler.matcher(grammar, "test")
+        return ToolCallWatch(matcher, ll, "<c>{", closes=True, guards=guards)
 
-    opened = watch('start: "\\"x\\"" "</c>" /(?s:.*)/')
     tokens = ll.tokenize_bytes(b'OK <c>{"')
-    assert ll.decode_bytes(tokens[-1:]) == b"{" + quote  # the marker ends inside it
-    for token in tokens:
+    brace = tokens[-1]
+    assert ll.decode_bytes([brace]) == b"{" + quote  # the marker ends inside it
+    opened = watch('start: "\\"x\\"" "</c>" /(?s:.*)/')
+    for token in tokens[:-1]:
         opened.advance(token)
+    assert not opened.active  # `{"` can start this call: nothing to guard
+    opened.advance(brace)
     assert opened.active
     x = ll.tokenize_bytes(b"x")[0]
     assert np.flatnonzero(np.array(opened.mask(VOCAB))).tolist() == [x]  # "x, not "" or "y
 
-    refused = watch('start: "y" "</c>" /(?s:.*)/')
+    # A call that cannot begin with `"`: after `<c>` (part of the marker) the token
+    # `{"` is masked out, and only it; the rest of the text stays free.
+    guarded = watch('start: "y" "</c>" /(?s:.*)/')
+    for token in tokens[:-1]:
+        before = guarded.active
+        guarded.advance(token)
+    assert not before and guarded.active and guarded.matcher is None
+    allowed = np.array(guarded.mask(VOCAB))
+    assert not allowed[brace] and allowed.sum() == len(compiler.tokenizer) - 1
+    guarded.advance(ll.tokenize_bytes(b"!")[0])  # the marker did not come: free again
+    assert not guarded.active
+
+    refused = watch('start: "y" "</c>" /(?s:.*)/', guarded=False)
     with caplog.at_level(logging.WARNING, logger="mlx_relay.constraints"):
         for token in tokens:
             refused.advance(token)

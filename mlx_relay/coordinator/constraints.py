@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import llguidance
@@ -135,12 +136,26 @@ class Compiler:
             ) from e
         self.think_end_id = (markup or ChatMarkup.of(tokenizer)).think_end_id
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._memo: OrderedDict[Any, Any] = OrderedDict()
         self._lock = threading.Lock()
 
     def constraint(self, grammar: str, field: str, *, in_reasoning: bool = False) -> Constraint:
         """A constraint of `grammar`, or InvalidRequest naming `field` and the reason."""
         gate = self.think_end_id if in_reasoning else None
         return Constraint(self.matcher(grammar, field), gate)
+
+    def memo(self, key: Any, make: Callable[[], Any]) -> Any:
+        """`make()`, once per `key` for this tokenizer (what a grammar or marker implies
+        about the vocabulary, computed once rather than per request)."""
+        with self._lock:
+            if key in self._memo:
+                return self._memo[key]
+        value = make()
+        with self._lock:
+            value = self._memo.setdefault(key, value)
+            while len(self._memo) > 2 * CACHED_GRAMMARS:
+                self._memo.popitem(last=False)
+            return value
 
     def spell(self, text: str) -> str:
         """`text` in a Lark grammar: a literal, or also the special token it is one of

@@ -14,9 +14,11 @@ for it in the text, so a marker spelled over several tokens (the fallback prompt
 ``<tool_call>`` on most vocabularies) counts as well as a special token. Text inside a
 think block is free: the parser reads no calls there either. As llama.cpp's lazy
 grammars do, the token that completes the marker may carry text after it; that text is
-fed to the grammar. Where the grammar refuses it (the model wrote the marker and then no
-call at all, within one token) the call cannot be held: it is logged and left to the
-output parser, which flags it malformed.
+fed to the grammar. So that it is always text a call can begin with, while the text ends
+in part of a marker spelled over several tokens (`<tool`), the tokens that would complete
+it with anything else (`_call>Paris`) are masked out (`marker_guards`); every other token
+stays allowed. Were such text to come anyway (a marker inside one token), the call could
+not be held: it is logged and left to the output parser, which flags it malformed.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import logging
 
 import llguidance
+import numpy as np
 
 from mlx_relay.coordinator.constraints import Compiler, Constraint
 from mlx_relay.coordinator.markup import ChatMarkup
@@ -52,8 +55,11 @@ class ToolCallWatch(Constraint):
         think: tuple[str, str] = ("", ""),
         in_reasoning: bool = False,
         request_id: str = "",
+        guards: dict[int, bytes] | None = None,
     ) -> None:
+        """`guards`: `marker_guards` of this grammar and marker (None: no guard)."""
         self._grammar = grammar
+        self._guards = guards or {}
         self._tokenizer = tokenizer
         self._closes = closes
         self._start = start.encode()
@@ -71,10 +77,10 @@ class ToolCallWatch(Constraint):
         """Move over the token sampled; True once the output must end (an end-less
         format's calls are complete). A token the call's mask refused raises
         RuntimeError, as `Constraint.advance` does."""
-        if self._bitmask is None:
+        matcher = self.matcher
+        if matcher is None:
             self._watch(bytes(self._tokenizer.decode_bytes([token])))
             return False
-        matcher = self.matcher
         if not matcher.consume_token(token) or matcher.is_error():
             raise RuntimeError(f"the grammar rejected token {token}: {matcher.get_error()}")
         if matcher.is_stopped():
@@ -106,7 +112,7 @@ class ToolCallWatch(Constraint):
                 self._open(text)
                 return
             self._thinking = True
-        self._seen = _tail(text, self._keep)
+        self._idle(_tail(text, self._keep))
 
     def _open(self, rest: bytes) -> None:
         """A call starts; `rest` is what its first token wrote after the marker."""
@@ -128,7 +134,66 @@ class ToolCallWatch(Constraint):
         self._bitmask = matcher.compute_bitmask()
 
     def _idle(self, seen: bytes) -> None:
-        self.matcher, self._bitmask, self._seen = None, None, seen
+        self.matcher, self._seen = None, seen
+        self._bitmask = self._guard()
+
+    def _guard(self) -> bytes | None:
+        """The mask while the text ends in part of the start marker (None: no mask)."""
+        if self._thinking:
+            return None
+        parts = [g for k, g in self._guards.items() if self._seen.endswith(self._start[:k])]
+        if len(parts) < 2:
+            return parts[0] if parts else None
+        words = [np.frombuffer(g, dtype=np.uint32) for g in parts]
+        return np.bitwise_and.reduce(words).tobytes()
+
+
+def marker_guards(compiler: Compiler, grammar: str, start: str) -> dict[int, bytes]:
+    """Per length k of a proper prefix of `start`: the tokens allowed after text ending
+    in that prefix, as an llguidance bitmask, where some token would complete the marker
+    with text no call in `grammar` (compiled) begins with. Computed once per tokenizer,
+    grammar and marker."""
+
+    def make() -> dict[int, bytes]:
+        template = compiler.matcher(grammar, "tools")
+        ll = compiler.ll_tokenizer
+        guards = {}
+        for k, candidates in _completions(compiler, start).items():
+            bad = []
+            for token, rest in candidates:
+                matcher = template.deep_copy()
+                if not matcher.consume_tokens(ll.tokenize_bytes(rest)) or matcher.is_error():
+                    bad.append(token)
+            if bad:
+                words = np.full((ll.vocab_size + 31) // 32, 0xFFFFFFFF, dtype=np.uint32)
+                for token in bad:
+                    words[token // 32] &= ~np.uint32(1 << (token % 32))
+                guards[k] = words.tobytes()
+        return guards
+
+    return compiler.memo(("marker_guards", grammar, start), make)
+
+
+def _completions(compiler: Compiler, start: str) -> dict[int, list[tuple[int, bytes]]]:
+    """Per length k of a proper prefix of `start`: the (token, text after the marker) of
+    every ordinary token that completes the marker after that prefix with text after it."""
+
+    def make() -> dict[int, list[tuple[int, bytes]]]:
+        ll = compiler.ll_tokenizer
+        marker = start.encode()
+        firsts = set(marker[1:])  # what a completing token can begin with
+        out: dict[int, list[tuple[int, bytes]]] = {}
+        for token in range(ll.vocab_size):
+            piece = bytes(ll.decode_bytes([token]))
+            if not piece or piece[0] not in firsts or ll.is_special_token(token):
+                continue
+            for k in range(1, len(marker)):
+                rest = marker[k:]
+                if len(piece) > len(rest) and piece.startswith(rest):
+                    out.setdefault(k, []).append((token, piece[len(rest) :]))
+        return out
+
+    return compiler.memo(("marker_completions", start), make)
 
 
 def _tail(text: bytes, n: int) -> bytes:
@@ -181,4 +246,5 @@ def tool_constraint(
         think=(markup.think_start, markup.think_end),
         in_reasoning=in_reasoning,
         request_id=request_id,
+        guards=marker_guards(compiler, grammar, start),
     )
