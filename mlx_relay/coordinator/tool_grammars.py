@@ -145,7 +145,10 @@ def call_grammar(
         # mlx-lm's Qwen3-Coder parser wants </function> last, but for one newline.
         gap = '"\\n"?' if syntax == "qwen_xml" else "WS?"
         body = f"{body} {gap} {spell(end)} /(?s:.*)/"
-    return llguidance.grammar_from("lark", "\n".join([f"start: WS? {body}", *rules]))
+    try:
+        return llguidance.grammar_from("lark", "\n".join([f"start: WS? {body}", *rules]))
+    except ValueError as e:
+        raise InvalidRequest(f"tools cannot be enforced: {e}") from e
 
 
 # --- one call, per format ------------------------------------------------------------
