@@ -30,9 +30,10 @@ test: install browser
 	$(PY) -m pytest -q -ra tests
 
 # The in-process tests, no rank processes (each layer's rules: pacing, scheduling,
-# sampling, markup, parsers, the step header): under a minute.
-FAST_TESTS := $(addprefix tests/test_,markup output pace postprocess protocol sampling \
-	scheduler side_inputs slots split textstream tool_parsers trace_report)
+# sampling, markup, parsers, the step header; the engine against an in-process pipeline):
+# under a minute.
+FAST_TESTS := $(addprefix tests/test_,engine markup output pace postprocess protocol sampling \
+	scheduler scheduler_state side_inputs slots split textstream tool_parsers trace_report)
 test-fast: install
 	$(PY) -m pytest -q -ra $(addsuffix .py,$(FAST_TESTS))
 

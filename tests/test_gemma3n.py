@@ -29,11 +29,10 @@ from test_families import (
 )
 from tiny_models import GEMMA3N_KV_SHARED, GEMMA3N_PER_LAYER_VOCAB
 
-from mlx_relay.coordinator.pipeline import _keep_kv_shared_together
 from mlx_relay.coordinator.requests import encode_text
 from mlx_relay.model import checkpoint, sharding
 from mlx_relay.model.kvcache import SlotCaches
-from mlx_relay.model.split import default_split, model_layers
+from mlx_relay.model.split import default_split, keep_kv_shared_together, model_layers
 from mlx_relay.model.stage import forward_stage
 from mlx_relay.model.step_inputs import LayerInputs, pass_on
 from mlx_relay.protocol import header as hdr
@@ -156,7 +155,7 @@ def test_kv_shared_layers_stay_with_the_layers_they_reuse(model):
     with pytest.raises(sharding.UnsupportedFamily, match="layer 5 reuses layer 2's keys"):
         sharding.load_shard(model, 3, NUM_LAYERS, has_ends=False)
     assert default_split(model, NUM_LAYERS, 3) == [1, 1, 4]
-    assert _keep_kv_shared_together(model, [2, 2, 2], by_memory=True) == [1, 1, 4]
+    assert keep_kv_shared_together(model, [2, 2, 2], computed=True) == [1, 1, 4]
     with pytest.raises(ValueError, match="the last rank must hold at least 4 layers"):
         model_layers("3,3", str(model), 2)
 

@@ -26,10 +26,10 @@ from oracle import generate_concurrently
 from test_families import SPLITS, _oracle, _request, _whole
 from tiny_models import VOCAB_SIZE
 
-from mlx_relay.coordinator.pipeline import Pipeline, _keep_kv_shared_together
+from mlx_relay.coordinator.pipeline import Pipeline
 from mlx_relay.model import checkpoint, memory, sharding
 from mlx_relay.model.kvcache import SlotCaches
-from mlx_relay.model.split import default_split, model_layers
+from mlx_relay.model.split import default_split, keep_kv_shared_together, model_layers
 from mlx_relay.model.stage import forward_stage
 from mlx_relay.model.step_inputs import pass_on
 from mlx_relay.protocol import header as hdr
@@ -177,12 +177,12 @@ def test_kv_shared_layers_stay_with_the_layers_they_reuse(model):
         model_layers("3,3", str(model), 2)
     with pytest.raises(ValueError, match="must stay on one rank"):
         model_layers("even", str(model), 4)
-    assert _keep_kv_shared_together(model, [3, 3], by_memory=True) == [2, 4]
-    assert _keep_kv_shared_together(model, [2, 2, 2], by_memory=True) == [1, 1, 4]
+    assert keep_kv_shared_together(model, [3, 3], computed=True) == [2, 4]
+    assert keep_kv_shared_together(model, [2, 2, 2], computed=True) == [1, 1, 4]
     with pytest.raises(ValueError, match="the last rank must hold at least 4 layers"):
-        _keep_kv_shared_together(model, [3, 3], by_memory=False)
+        keep_kv_shared_together(model, [3, 3], computed=False)
     with pytest.raises(ValueError, match="must stay on one rank"):
-        _keep_kv_shared_together(model, [1, 1, 1, 3], by_memory=True)
+        keep_kv_shared_together(model, [1, 1, 1, 3], computed=True)
 
 
 def test_the_memory_check_counts_no_cache_for_kv_shared_layers(model):

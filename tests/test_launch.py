@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -26,7 +25,6 @@ from launching import (
 from oracle import chat_tokens, mlx_lm_tokens
 
 from mlx_relay.client.client import Client, wait_serving
-from mlx_relay.coordinator.pipeline import memory_split
 from mlx_relay.launch.hostfile import parse_hostfile
 from mlx_relay.launch.mlx_launch import (
     client_address,
@@ -34,6 +32,7 @@ from mlx_relay.launch.mlx_launch import (
     launch_script,
     plan_wiring,
 )
+from mlx_relay.model.split import memory_split
 
 # ---------------------------------------------------------------- unit: what gets run
 
@@ -109,24 +108,17 @@ def test_client_address_reaches_rank_0_where_it_can():
     assert client_address("10.0.0.1:5", "10.0.0.1", False) == "10.0.0.1:5"
 
 
-def test_memory_split_weights_free_memory_and_keeps_a_layer_per_rank(monkeypatch):
-    from mlx_relay.model import memory
-
+def test_memory_split_weights_free_memory_and_keeps_a_layer_per_rank():
     gb = 2**30
-    monkeypatch.setattr(memory, "stats", lambda: {"free_memory": 30 * gb, "active_memory": 2 * gb})
-
-    def hub(*stats):
-        snap = {r + 1: SimpleNamespace(stats=s) for r, s in enumerate(stats) if s is not None}
-        return SimpleNamespace(snapshot=lambda: snap)
-
-    assert memory_split(30, 3, hub({"free_memory": 16 * gb}, {"free_memory": 48 * gb})) == [
+    own = {"free_memory": 30 * gb, "active_memory": 2 * gb}  # rank 0's: 32 GB in all
+    assert memory_split(30, [own, {"free_memory": 16 * gb}, {"free_memory": 48 * gb}]) == [
         10, 5, 15,
     ]  # fmt: skip
-    assert memory_split(30, 3, hub({"free_memory": 0}, None)) == [10, 10, 10]  # unknown: average
-    assert memory_split(4, 3, hub({"free_memory": gb // 100}, {"free_memory": 100 * gb})) == [
+    assert memory_split(30, [own, {"free_memory": 0}, None]) == [10, 10, 10]  # unknown: average
+    assert memory_split(4, [own, {"free_memory": gb // 100}, {"free_memory": 100 * gb}]) == [
         1, 1, 2,
     ]  # fmt: skip
-    assert memory_split(30, 2, hub({"free_memory": int(32.5 * gb)})) == [15, 15]  # within 5%
+    assert memory_split(30, [own, {"free_memory": int(32.5 * gb)}]) == [15, 15]  # within 5%
 
 
 def test_launch_refuses_a_bad_hostfile_naming_the_entry(tmp_path):

@@ -81,6 +81,36 @@ def test_a_long_prompt_on_uneven_ranks_with_a_short_step_timeout(model, tmp_path
     print(f"\n{ranks} ranks ({layers}), {len(prompt)} prompt tokens: {took:.1f} s")
 
 
+@pytest.fixture(scope="module")
+def long_context_model(tmp_path_factory) -> Path:
+    """A context of 8,192 tokens (narrow, so 7,000 prompt tokens stay quick on a CPU)."""
+    return make_tiny_model(
+        tmp_path_factory.mktemp("llama-8k"),
+        "llama",
+        num_layers=3,
+        hidden_size=64,
+        overrides=(("max_position_embeddings", 8192),),
+    )
+
+
+def test_needles_from_300_to_7000_tokens_on_three_ranks(long_context_model, tmp_path):
+    """Issue 37: prompts that fill most of the context, several chunks in flight at once,
+    greedy, equal to mlx-lm at every length."""
+    model = long_context_model
+    running = start_cluster(model, 3, tmp_path / "logs", "--prefill-chunk", "512")
+    try:
+        for words in (120, 2750):  # (~350 and ~7,000 tokens)
+            messages = _haystack(words, seed=words)
+            prompt = chat_tokens(model, messages)
+            started = time.monotonic()
+            tokens = list(running.client.generate(_request(messages, 6)).token_ids)
+            took = time.monotonic() - started
+            assert tokens == mlx_lm_tokens(model, prompt, 6), (len(prompt), running.logs())
+            print(f"\n3 ranks, {len(prompt)} prompt tokens: {took:.1f} s")
+    finally:
+        running.stop()
+
+
 def _prefilling(running, messages: list[dict]) -> tuple[list, threading.Thread]:
     """A long request sent and in the middle of its prefill: [error or None], its thread."""
     outcome: list = []

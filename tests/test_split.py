@@ -123,3 +123,45 @@ def test_resolve_layers_is_the_one_reading_of_layers():
     # No model is read when the spec does not need its layer count.
     assert model_layers("", "/nowhere", 2) is None
     assert model_layers("auto", "/nowhere", 2) == AUTO
+
+
+def test_the_default_split_follows_measured_speed(tmp_path):
+    """A rank measured twice as fast does about twice the work (issue 37: a mixed
+    cluster splits by speed); equally fast ranks keep the balanced split."""
+    from tiny_models import make_tiny_model
+
+    from mlx_relay.model.sharding import read_config
+    from mlx_relay.model.speed import speed_weights
+    from mlx_relay.model.split import default_split
+
+    model = make_tiny_model(tmp_path / "m", "llama", num_layers=12)
+    head = head_cost_in_layers(read_config(model))
+    balanced = default_split(model, 12, 3)
+    assert balanced == parse_layers("balanced", 12, 3, head)
+    assert speed_weights([800.0, 1000.0, 1250.0]) is None  # within 1.6x: equally fast
+    assert speed_weights([1000.0, 0.0, 1000.0]) is None  # a figure missing
+    slow_last = default_split(model, 12, 3, speed_weights([1000.0, 1000.0, 250.0]))
+    assert sum(slow_last) == 12 and slow_last[2] < balanced[2]
+    assert slow_last[2] <= 2 < slow_last[1]
+    fast_first = default_split(model, 12, 2, speed_weights([3000.0, 1000.0]))
+    assert fast_first[0] > parse_layers("balanced", 12, 2, head)[0]
+
+
+def test_a_split_that_does_not_fit_a_rank_is_named(tmp_path):
+    """The speed split's memory check counts what the load's own check counts."""
+    from tiny_models import make_tiny_model
+
+    from mlx_relay.model.memory import shard_need, short_rank
+
+    model = make_tiny_model(tmp_path / "m", "llama", num_layers=4)
+    first, rest = shard_need(model, 0, 2, ends=True), shard_need(model, 2, 4)
+    assert short_rank(model, [(0, 2), (2, 4)], [first, rest]) is None
+    assert short_rank(model, [(0, 2), (2, 4)], [first - 1, rest]) == 0
+    assert short_rank(model, [(0, 2), (2, 4)], [first, rest - 1]) == 1
+    assert short_rank(model, [(0, 2), (2, 4)], [None, None]) is None  # not known: not refused
+
+
+def test_the_speed_probe_measures_a_positive_rate():
+    from mlx_relay.model.speed import probe
+
+    assert probe(runs=1, run_s=0.01) > 0

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a CUDA device machine with two GPUs, as call 2 of bench/gpu/prepare.sh's recipe:
 #     bash bench/gpu/measure.sh [warm] [load] [timeline] [single] [diagnose] [exact] [channels] [trace]
-#                               [nranks] [nprefill] [nexact] [nload]
+#                               [nranks] [nprefill] [nexact] [nload] [n70b] [nserver] [nchunk]
 #     (none: load timeline single; the n* parts need GPUS=4 GPUs or more)
 # (`warm` first: a fresh machine's first cluster spends ~2 minutes compiling kernels.)
 # Installs the carried wheels, builds the random 4-bit Llama-3-8B shape, and runs issue
@@ -128,6 +128,29 @@ if wants nload; then
   t nload; timeout 420 python3 bench/bench_concurrency.py --shape llama3-8b --gpus "$G" \
     --streams 16 --idle-seconds 1 --hop-modes auto --ranks "2,$G" --tokens 256 2>&1 \
     | tee "$OUT/nload.log" | grep -v '^$' | tail -12
+fi
+# The 70B shape (37 GB, built here on first use) single stream at 2 and GPUS ranks
+# against mlx-lm on one GPU; the qwen2 8B shape with 16 streams on GPUS ranks against
+# mlx-lm's own distributed server on the same GPUs; a ~4,000-token prompt's first token
+# with 1,024-token prefill chunks (the default is 512).
+if wants n70b; then
+  t n70b build; python3 bench/shapes.py llama3-70b /root/bench/llama3-70b > /dev/null
+  t n70b; timeout 560 python3 bench/bench_pipeline.py --shape llama3-70b --gpus "$G" \
+    --ranks "2,$G" --hop-modes auto --tokens 64 --rounds 3 2>&1 | tee "$OUT/n70b.log" | tail -10
+fi
+if wants nserver; then
+  python3 bench/shapes.py llama3-8b-qwen2 /root/bench/llama3-8b-qwen2 > /dev/null
+  t nserver warm; timeout 200 python3 bench/bench_concurrency.py --shape llama3-8b-qwen2 \
+    --gpus "$G" --streams 16 --idle-seconds 1 --hop-modes auto --ranks "$G" --tokens 16 \
+    > /dev/null 2>&1  # (the qwen2 shape's own kernels compiled: not measured)
+  t nserver; timeout 500 python3 bench/bench_concurrency.py --shape llama3-8b-qwen2 \
+    --gpus "$G" --streams 16 --idle-seconds 1 --hop-modes auto --ranks "$G" --tokens 256 \
+    --mlx-lm-server 2>&1 | tee "$OUT/nserver.log" | grep -v '^$' | tail -12
+fi
+if wants nchunk; then
+  t nchunk; timeout 500 python3 bench/bench_pipeline.py --shape llama3-8b --gpus "$G" \
+    --ranks "2,$G" --hop-modes auto --tokens 16 --rounds 3 --prompt-tokens 4000 \
+    --serve-args "--prefill-chunk 1024" 2>&1 | tee "$OUT/nchunk.log" | tail -10
 fi
 if wants exact; then
   t exact; timeout 400 python3 bench/greedy_under_load.py --shape llama3-8b --gpus 2 --ranks 1,2 \

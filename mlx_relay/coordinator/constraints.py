@@ -35,7 +35,7 @@ from jsonschema import exceptions as schema_errors
 from jsonschema import validators
 
 from mlx_relay.coordinator.markup import ChatMarkup
-from mlx_relay.coordinator.requests import InvalidRequest
+from mlx_relay.coordinator.requests import InvalidRequest, json_field
 
 # Between JSON tokens: nothing, one space, or one or two newlines and an indent of at
 # most 20, as llama.cpp's JSON-schema grammars allow. Unbounded whitespace lets a model
@@ -66,15 +66,9 @@ def request_grammar(response_format_json: str, grammar: str) -> tuple[str, str] 
 
 def response_format_grammar(raw: str) -> str | None:
     """The grammar of OpenAI's `response_format` (JSON text), None for plain text."""
-    raw = raw.strip()
-    if not raw:
+    value = json_field(raw, "response_format", dict, "a JSON object with a 'type'")
+    if value is None:
         return None
-    try:
-        value = json.loads(raw)
-    except ValueError as e:
-        raise InvalidRequest(f"response_format is not valid JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise InvalidRequest("response_format must be a JSON object with a 'type'")
     kind = value.get("type")
     if kind not in RESPONSE_FORMATS:
         raise InvalidRequest(

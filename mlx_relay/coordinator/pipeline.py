@@ -24,19 +24,19 @@ import numpy as np
 
 from mlx_relay import timeline
 from mlx_relay.coordinator.mailboxes import Mailboxes
-from mlx_relay.coordinator.pace import FIRST_SHAPE_S, SLACK, StepPace, step_cost, step_shape
-from mlx_relay.model import memory, sharding
+from mlx_relay.coordinator.pace import StepPace, step_cost
+from mlx_relay.coordinator.ring_watch import ClusterFailure, RankFailure, RingWatch
+from mlx_relay.model import memory, sharding, speed
 from mlx_relay.model.default_model import resolve_model
 from mlx_relay.model.kvcache import CacheError, SlotCaches
+from mlx_relay.model.speed import speed_weights
 from mlx_relay.model.split import (
     AUTO,
-    LayerCosts,
-    cost_split,
     default_split,
-    kv_shared_refusal,
+    keep_kv_shared_together,
     layer_costs,
     layer_ranges,
-    split_layers,
+    memory_split,
 )
 from mlx_relay.model.stage import forward_stage
 from mlx_relay.model.step_inputs import PromptInputs, pass_on
@@ -49,31 +49,6 @@ log = logging.getLogger("mlx_relay.pipeline")
 
 
 WATCH_INTERVAL_S = 0.1
-RING_BROKEN_WAIT_S = 2.0  # for the side channel to tell which rank broke the ring
-
-
-class RankFailure(RuntimeError):
-    """A rank failed inside a step. The ring is still in step; the request is not."""
-
-    def __init__(self, rank: int, host: str, message: str, code: int = hdr.ERR_EXCEPTION):
-        where = f"rank {rank}" + (f" ({host})" if host else "")
-        super().__init__(f"{where}: {message}")
-        self.rank = rank
-        self.host = host
-        self.code = code
-
-
-class ClusterFailure(RankFailure):
-    """The ring cannot continue: a rank is gone or a step is overdue. Nothing is in step."""
-
-    def __init__(self, rank: int, host: str, message: str) -> None:
-        RuntimeError.__init__(
-            self,
-            (f"rank {rank}" + (f" ({host})" if host else "") + ": " if rank >= 0 else "") + message,
-        )
-        self.rank = rank
-        self.host = host
-        self.code = hdr.ERR_EXCEPTION
 
 
 @dataclass
@@ -138,14 +113,17 @@ class Pipeline:
         self.ring = ring
         self.hub = hub
         self.heartbeat_timeout = heartbeat_timeout
-        # A forward step may take this long, plus SLACK times what it should take at the
-        # pace measured (pace.py), from when it could start; 0: forever.
         self.step_timeout = step_timeout
-        self.pace = StepPace()
-        self._shapes: set[tuple[int, int]] = set()  # step shapes done since the load
         self._hidden = 0  # the loaded model's hidden size (what context costs)
-        self._ring_free_at = time.monotonic()  # the last step was done with then
         self.world_size = ring.size if ring else 1
+        # Which steps are out, their deadlines, and whom to name when one is late.
+        self.watch = RingWatch(
+            hub,
+            self.world_size,
+            heartbeat_timeout=heartbeat_timeout,
+            step_timeout=step_timeout,
+            eager=ring is not None and ring.eager,
+        )
         # Steps round the ring at once (0: one a rank). More than one a rank keeps a
         # rank's device busy while its host waits for a return and launches what reads it.
         self.depth = steps_in_flight if steps_in_flight and self.world_size > 1 else self.world_size
@@ -154,9 +132,6 @@ class Pipeline:
         self.caches: SlotCaches | None = None
         self._in_flight: deque[Step] = deque()
         self._step_id = 0
-        # Launched and not yet done with (header back, and any payload read), oldest
-        # first: what the step timeout watches.
-        self._outstanding: dict[int, Step] = {}
         self._unannounced: deque[tuple[Step, mx.array | None]] = deque()
         # Frees asked for while a two-pass model's first lap is round the ring: they go
         # after its second lap, here and on the ring (see launch_free).
@@ -186,19 +161,13 @@ class Pipeline:
         self.unload()
         path = resolve_model(spec)
         num_layers = sharding.count_layers(sharding.read_config(path))
-        by_memory = layers == AUTO  # (named splits arrive as counts that keep the tail)
-        if layers == AUTO:
-            costs = layer_costs(path, num_layers, sharding.read_config(path))
-            layers = memory_split(num_layers, self.world_size, self.hub, costs)
-        # The default: equal work per rank, rank 0's LM head counted (the fastest split
-        # under load in bench_concurrency; single-stream speed does not depend on it).
-        counts = layers or default_split(path, num_layers, self.world_size)
+        counts, computed = self._plan_split(path, num_layers, layers)
         if len(counts) != self.world_size or sum(counts) != num_layers or min(counts) < 1:
             raise ValueError(
                 f"layer split {counts} does not cover {num_layers} layers over "
                 f"{self.world_size} ranks with at least one layer each"
             )
-        counts = _keep_kv_shared_together(path, list(counts), by_memory)
+        counts = keep_kv_shared_together(path, list(counts), computed)
         ranges = layer_ranges(counts)
         try:  # before any worker loads: rank 0 holds the embedding and LM head too
             memory.check_fits(path, *ranges[0], ends=True)
@@ -224,10 +193,56 @@ class Pipeline:
                 self._command(hdr.CMD_UNLOAD)
             raise
         self._hidden = sharding.hidden_size(self.shard.config)
-        self.pace = StepPace()  # (a new model: its pace is still to be measured)
-        self._shapes.clear()
+        self.watch.reset()  # (a new model: its pace is still to be measured)
         self.loaded = LoadedModel(spec, str(path), fp, num_layers, [tuple(r) for r in ranges])
         return self.loaded
+
+    def _plan_split(
+        self, path: Any, num_layers: int, layers: list[int] | str | None
+    ) -> tuple[list[int], bool]:
+        """The layer counts to load, and whether they were computed here (by memory or
+        by speed; named splits arrive as counts that keep a KV-shared tail already).
+
+        The default: equal work per rank, rank 0's LM head counted (the fastest split
+        under load in bench_concurrency; single-stream speed does not depend on it),
+        where the ranks are equally fast; else work in proportion to each rank's
+        measured speed (`probe_speeds`), unless that would not fit a rank's memory, when
+        the split by memory (`auto`) is taken instead."""
+        if layers and layers != AUTO:
+            return list(layers), False
+        config = sharding.read_config(path)
+        costs = layer_costs(path, num_layers, config)
+        stats = self._rank_stats()
+        if layers == AUTO:
+            return memory_split(num_layers, stats, costs), True
+        weights = speed_weights(self.probe_speeds())
+        counts = default_split(path, num_layers, self.world_size, weights)
+        if weights is None:
+            return counts, False
+        rooms = [None if figures is None else memory.headroom(figures) for figures in stats]
+        short = memory.short_rank(path, layer_ranges(counts), rooms)
+        if short is not None:
+            log.info("layers by speed %s do not fit rank %d's memory: by memory", counts, short)
+            return memory_split(num_layers, stats, costs), True
+        log.info("layers by speed: %s MB/s per rank -> layers %s", weights, counts)
+        return counts, True
+
+    def _rank_stats(self) -> list[dict[str, Any] | None]:
+        """Every rank's memory figures: rank 0's own, each worker's latest report."""
+        snapshot = self.hub.snapshot() if self.hub is not None else {}
+        workers = [snapshot[r].stats if r in snapshot else None for r in range(1, self.world_size)]
+        return [memory.stats(), *workers]
+
+    def probe_speeds(self) -> list[float] | None:
+        """Each rank's weight-reading speed in MB/s (model/speed.py), measured one rank
+        after another: rank 0 here, then each worker as CMD_PROBE passes it, writing its
+        figure into the header's `lengths` at its rank. None with one rank (or more
+        ranks than a header has rows)."""
+        if self.world_size < 2 or self.world_size > hdr.MAX_SEQS:
+            return None
+        own = speed.probe()
+        back = self._command(hdr.CMD_PROBE, slots=list(range(self.world_size)))
+        return [own, *(float(v) for v in back.lengths[1:])]
 
     def unload(self) -> None:
         if self.loaded is not None and self.world_size > 1:
@@ -476,7 +491,7 @@ class Pipeline:
                 if isinstance(e, ClusterFailure):
                     self._early.clear()
                     raise
-                if step.header.step_id in self._outstanding:  # (else nobody reads it)
+                if self.watch.is_out(step.header.step_id):  # (else nobody reads it)
                     self._early_failures[step.header.step_id] = e
                 else:
                     log.warning("dropped %s: %s", step.header.describe(), e)
@@ -576,7 +591,7 @@ class Pipeline:
         step.header.step_id = self._step_id
         if tokens is not None:
             timeline.mark_when_computed("sampled", step.header.step_id, tokens)
-        self._outstanding[step.header.step_id] = step
+        self.watch.launched(step)
         width = self._returned_width(step.header)
         self.ring.choose_path(step.header, alone=not self._in_flight, returned_width=width)
         self._in_flight.append(step)
@@ -596,7 +611,7 @@ class Pipeline:
                 step.returned = self.ring.post_recv_payload(back)
         except RuntimeError as e:
             # The header is out: whatever failed, the ring is no longer in step.
-            broken = self._ring_broken(e, self.ring.next)
+            broken = self.watch.ring_broken(e, self.ring.next)
             if isinstance(broken, ClusterFailure):
                 raise broken from e
             raise ClusterFailure(
@@ -612,7 +627,7 @@ class Pipeline:
             try:
                 step.posted = self.ring.send(step.header, payload, step.sides)
             except RuntimeError as e:
-                raise self._ring_broken(e, self.ring.next) from e
+                raise self.watch.ring_broken(e, self.ring.next) from e
 
     def _command(
         self, cmd: int, payload: mx.array | None = None, slots: list[int] | None = None
@@ -670,9 +685,9 @@ class Pipeline:
             try:
                 out = self.ring.post_recv_payload(back)
             except RuntimeError as e:
-                raise self._ring_broken(e, self.ring.prev) from e
+                raise self.watch.ring_broken(e, self.ring.prev) from e
         if back.error_mask:
-            raise self._failure(back)
+            raise self.watch.failure(back)
         if (
             isinstance(out, mx.array)
             and self.ring.settles
@@ -694,171 +709,43 @@ class Pipeline:
             except DoorbellTimeout:
                 pass
             except NeighbourGone as e:
-                raise self._ring_broken(e, self.ring.prev) from e
-            gone = self.hub.failure(self.heartbeat_timeout) if self.hub else None
+                raise self.watch.ring_broken(e, self.ring.prev) from e
+            gone = self.watch.gone()
             if gone:
-                raise ClusterFailure(gone.rank, gone.host, gone.reason)
-            overdue = self._overdue(step)
+                raise gone
+            overdue = self.watch.overdue(step)
             if overdue:
                 raise overdue
 
     def done(self, step: Step) -> None:
         """The caller has what it wanted of `step` (its results were read): the ring's
         pace learns what a forward step that came back whole took."""
-        outstanding = self._outstanding.pop(step.header.step_id, None)
-        failed = self._early_failures.pop(step.header.step_id, None)
-        if outstanding is None:
-            return
-        now = time.monotonic()
-        step.took = now - self._started(step)
-        self._ring_free_at = now
-        if step.header.cmd == hdr.CMD_FORWARD and not failed and not step.header.error_mask:
-            self.pace.observe(step.units, step.took)
-            self._shapes.add(step_shape(step.header.lengths))
+        failed = self._early_failures.pop(step.header.step_id, None) is not None
+        self.watch.done(step, failed)
 
-    def _started(self, step: Step) -> float:
-        """When `step` could start: launched, and the step before it done with."""
-        return max(step.launched_at, self._ring_free_at)
+    @property
+    def pace(self) -> StepPace:
+        """The ring's measured pace (what the scheduler sizes prompt chunks by)."""
+        return self.watch.pace
 
     def overdue(self) -> ClusterFailure | None:
-        """For a watchdog thread: the oldest forward step not done with, if overdue. Once a
-        step's header is back the host waits inside MLX (reading its results, or posting
-        work queued behind it), where no timeout of ours can reach."""
-        step = self._oldest_forward()
-        return None if step is None else self._overdue(step)
-
-    def _oldest_forward(self) -> Step | None:
-        """The oldest forward step not done with, read from another thread (None where
-        there is none, or the engine thread changed the steps under us: look next time)."""
-        try:
-            forward = (s for s in self._outstanding.values() if s.header.cmd == hdr.CMD_FORWARD)
-            return next(forward, None)
-        except RuntimeError:
-            return None
+        """For a watchdog thread: RingWatch.overdue."""
+        return self.watch.overdue()
 
     def lagging(self, factor: float = 4.0, floor: float = 1.0) -> LinkFailure | None:
-        """For a status page: the rank holding the oldest forward step if that step is out
-        longer than `factor` times what it should take at the measured pace (and `floor`
-        seconds), long before the watchdog's allowance: a slow rank, named as `overdue`
-        would name it. None while every step keeps pace."""
-        step = self._oldest_forward()
-        if step is None or self.hub is None:
-            return None
-        elapsed = time.monotonic() - self._started(step)
-        expected = self.pace.expected(step.units)
-        if elapsed <= max(floor, factor * expected):
-            return None
-        suspect = self.hub.suspect(step.header.step_id)
-        if suspect is None:
-            return None
-        return LinkFailure(
-            suspect.rank,
-            suspect.host,
-            f"{step.header.describe()} out for {elapsed:.1f} s (it should take "
-            f"{expected:.2f} s at this cluster's pace); {suspect.reason}",
-        )
-
-    def _overdue(self, step: Step) -> ClusterFailure | None:
-        """`step`'s failure if it took longer than its allowance (pace.py) from when it
-        could start, naming the first rank that has not passed it on."""
-        header = step.header
-        if not (self.step_timeout and header.cmd == hdr.CMD_FORWARD):
-            return None
-        elapsed = time.monotonic() - self._started(step)
-        new_shape = step_shape(header.lengths) not in self._shapes
-        allowed = self.pace.allowance(step.units, self.step_timeout, self.world_size, new_shape)
-        if elapsed <= allowed:
-            return None
-        expected = self.pace.expected(step.units)
-        suspect = self.hub.suspect(header.step_id) if self.hub else None
-        return ClusterFailure(
-            suspect.rank if suspect else -1,
-            suspect.host if suspect else "",
-            f"{header.describe()} overdue: {elapsed:.1f} s since it could start, allowed "
-            f"{allowed:.1f} s (--step-timeout {self.step_timeout:g} s"
-            + (
-                f" + {SLACK:g} x {self.world_size} ranks x the {expected:.2f} s it should "
-                "take at this cluster's measured pace)"
-                if expected
-                else ")"
-            )
-            + (
-                f"; the first step of its shape since the load (at least {FIRST_SHAPE_S:g} s: "
-                "its kernels may compile first)"
-                if new_shape
-                else ""
-            )
-            + (f"; {suspect.reason}" if suspect else "")
-            + (
-                "; with eager hops, --hop-mode ready may avoid this (it posts no receive early)"
-                if self.ring is not None and self.ring.eager
-                else ""
-            ),
-        )
+        """For a status page: RingWatch.lagging."""
+        return self.watch.lagging(factor, floor)
 
     def ring_failure(self, e: Exception) -> ClusterFailure | None:
         """`e`, raised while rank 0 posted a step (its input was a receive from the
         ring), as the cluster failure it is when the ring broke; None otherwise."""
         if self.ring is None or not isinstance(e, RuntimeError) or "[ring]" not in str(e):
             return None
-        broken = self._ring_broken(e, self.ring.prev)
+        broken = self.watch.ring_broken(e, self.ring.prev)
         return broken if isinstance(broken, ClusterFailure) else None
-
-    def _ring_broken(self, e: RuntimeError, neighbour: int) -> Exception:
-        """mx.distributed raised: if a rank is gone, the ring broke with it, so name it.
-
-        A compute error inside `send` (it evaluates the payload first) leaves the ring
-        intact and is returned as it is.
-        """
-        gone = (
-            self.hub.wait_failure(self.heartbeat_timeout, RING_BROKEN_WAIT_S) if self.hub else None
-        )
-        if gone is not None:
-            return ClusterFailure(gone.rank, gone.host, gone.reason)
-        if "[ring]" in str(e) or "connection" in str(e).lower():
-            return ClusterFailure(
-                neighbour, self._host(neighbour), f"rank 0's ring connection to it broke: {e}"
-            )
-        return e
-
-    def _failure(self, back: hdr.StepHeader) -> RankFailure:
-        rank = back.failed_ranks[0]
-        message = self.hub.take_error(back.step_id, rank) if self.hub else None
-        reason = hdr.ERROR_NAMES.get(back.error_code, str(back.error_code))
-        return RankFailure(rank, self._host(rank), message or reason, back.error_code)
-
-    def _host(self, rank: int) -> str:
-        """The host a worker reported in its hello, for error messages."""
-        info = self.hub.snapshot().get(rank) if self.hub else None
-        return info.host if info else ""
 
     def worker_stats(self) -> dict[int, Any]:
         return self.hub.snapshot() if self.hub else {}
-
-
-def _keep_kv_shared_together(path: Any, counts: list[int], by_memory: bool) -> list[int]:
-    """A split whose last rank holds the model's KV-shared layers with the layers they
-    reuse (gemma4: sharding.kv_shared_tail). The named splits keep them there already
-    (split.parse_layers); a split by memory gets layers moved to the last rank from the
-    ranks before it (each keeps one), and counts a user gave that part them are refused,
-    with the numbers, before any rank loads."""
-    tail = sharding.kv_shared_tail(sharding.read_config(path))
-    if len(counts) == 1 or counts[-1] >= tail:
-        return counts
-    if not by_memory:
-        raise ValueError(kv_shared_refusal(counts, tail))
-    moved = list(counts)
-    for rank in range(len(moved) - 2, -1, -1):
-        give = min(moved[rank] - 1, tail - moved[-1])
-        moved[rank] -= give
-        moved[-1] += give
-    if moved[-1] < tail:
-        raise ValueError(
-            f"this model's last {tail} layers must stay on one rank, which leaves fewer "
-            f"than one layer for each of the other {len(counts) - 1} ranks"
-        )
-    log.info("layers %s -> %s: the last rank holds the KV-shared layers", counts, moved)
-    return moved
 
 
 def hub_ready(hub: ControlHub, world_size: int, timeout: float) -> None:
@@ -868,40 +755,3 @@ def hub_ready(hub: ControlHub, world_size: int, timeout: float) -> None:
             f"ranks {missing} never reached rank 0's side channel within {timeout:.0f} s"
         )
     log.info("all %d workers said hello", world_size - 1)
-
-
-def memory_split(
-    num_layers: int, world_size: int, hub: ControlHub | None, costs: LayerCosts | None = None
-) -> list[int]:
-    """Layer counts in proportion to the memory each rank has for the model.
-
-    A rank's weight is its free memory plus the memory MLX already holds there (the
-    shard and caches being replaced), from rank 0's own figures and each worker's latest
-    side-channel report; a rank that has not reported counts as the average. Weights
-    within 5% of each other give the even split. Every rank gets at least one layer.
-    """
-
-    def weight(stats: dict) -> float | None:
-        free = stats.get("free_memory")
-        return None if free is None else float(free) + float(stats.get("active_memory", 0))
-
-    snapshot = hub.snapshot() if hub is not None else {}
-    weights = [weight(memory.stats())]
-    weights += [weight(snapshot[r].stats) if r in snapshot else None for r in range(1, world_size)]
-    known = [w for w in weights if w is not None and w > 0]
-    fill = sum(known) / len(known) if known else 1.0
-    filled = [w if w is not None and w > 0 else fill for w in weights]
-    # Within 5% of each other (ranks sharing a machine, say) is equal: the even split.
-    even = max(filled) <= 1.05 * min(filled)
-    if costs is not None and len(costs.held) == num_layers:  # each layer's bytes, rank 0's ends
-        counts = cost_split(
-            [float(b) for b in costs.held], world_size, costs.ends, None if even else filled
-        )
-    else:
-        counts = split_layers(num_layers, world_size, None if even else filled)
-    log.info(
-        "layers auto: memory per rank %s GB -> layers %s",
-        [round(w / 2**30, 2) for w in filled],
-        counts,
-    )
-    return counts

@@ -374,6 +374,30 @@ def memory_limit() -> int | None:
         ) from None
 
 
+def shard_need(path: Path, start: int, end: int, *, ends: bool = False) -> int:
+    """Bytes a shard needs as check_fits counts them: its weights, with the caches of
+    `--max-active` sequences of `--max-context` tokens and HEADROOM where they are known."""
+    weights = shard_nbytes(path, start, end, ends=ends)
+    if not _plan.max_active:
+        return weights
+    context = sequence_bound(model_context(path))
+    try:
+        caches = _plan.max_active * cache_nbytes(path, start, end, context)
+    except CacheUnknown:
+        return weights
+    return int((weights + caches) * (1 + HEADROOM))
+
+
+def short_rank(path: Path, ranges: list[tuple[int, int]], rooms: list[int | None]) -> int | None:
+    """The first rank whose shard (rank 0's with the embedding and head) needs more than
+    the memory it has (`rooms`, bytes: each rank's `headroom`; None: not known)."""
+    for rank, (start, end) in enumerate(ranges):
+        room = rooms[rank] if rank < len(rooms) else None
+        if room is not None and shard_need(path, start, end, ends=rank == 0) > room:
+            return rank
+    return None
+
+
 def check_fits(path: Path, start: int, end: int, *, ends: bool = False) -> None:
     """Refuse a shard whose weights, with the caches of `--max-active` sequences of
     `--max-context` tokens and HEADROOM, exceed what this rank may use; before loading any."""

@@ -16,6 +16,7 @@ embedding and head included). Models of uniform layers split as they always did.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import statistics
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("mlx_relay.split")
 
 AUTO = "auto"  # --layers auto: split by each rank's free memory, known only once ranks run
 
@@ -268,15 +271,93 @@ def resolve_layers(
     return parse_layers(spec, num_layers, n, head_layers, costs, tail)
 
 
-def default_split(path: Path, num_layers: int, n: int) -> list[int]:
+def default_split(
+    path: Path, num_layers: int, n: int, speeds: list[float] | None = None
+) -> list[int]:
     """The default (`balanced`) split of the model at `path`: by each layer's bytes
-    when the weight files tell them, else by layer count with the head counted."""
+    when the weight files tell them, else by layer count with the head counted.
+
+    `speeds`: each rank's measured weight-reading speed (model/speed.py), where ranks
+    differ: each rank's work (its layers, and rank 0's head) is then in proportion to
+    its speed, so a rank twice as fast holds about twice the layers. The caller keeps
+    a KV-shared tail together (`keep_kv_shared_together`, computed=True)."""
     from mlx_relay.model import sharding
 
     config = sharding.read_config(path)
     costs = layer_costs(path, num_layers, config)
     head = sharding.head_cost_in_layers(config)
-    return parse_layers("balanced", num_layers, n, head, costs, sharding.kv_shared_tail(config))
+    if speeds is None:
+        tail = sharding.kv_shared_tail(config)
+        return parse_layers("balanced", num_layers, n, head, costs, tail)
+    work = costs.work if costs is not None and len(costs.work) == num_layers else []
+    typical = (statistics.median(work) or 1.0) if work else 1.0
+    units = [w / typical for w in work] if work else [1.0] * num_layers
+    return cost_split(units, n, head, speeds)
+
+
+def memory_split(
+    num_layers: int, stats: list[dict[str, Any] | None], costs: LayerCosts | None = None
+) -> list[int]:
+    """Layer counts in proportion to the memory each rank has for the model (`auto`).
+
+    `stats`: each rank's memory figures (model/memory.stats(): rank 0's own, the
+    workers' from their latest side-channel report; None where a rank has not
+    reported, which then counts as the average). A rank's weight is its free memory
+    plus the memory MLX already holds there (the shard and caches being replaced).
+    Weights within 5% of each other give the even split. Every rank gets at least one
+    layer.
+    """
+
+    def weight(figures: dict[str, Any] | None) -> float | None:
+        free = None if figures is None else figures.get("free_memory")
+        return None if free is None else float(free) + float(figures.get("active_memory", 0))
+
+    world_size = len(stats)
+    weights = [weight(figures) for figures in stats]
+    known = [w for w in weights if w is not None and w > 0]
+    fill = sum(known) / len(known) if known else 1.0
+    filled = [w if w is not None and w > 0 else fill for w in weights]
+    # Within 5% of each other (ranks sharing a machine, say) is equal: the even split.
+    even = max(filled) <= 1.05 * min(filled)
+    if costs is not None and len(costs.held) == num_layers:  # each layer's bytes, rank 0's ends
+        counts = cost_split(
+            [float(b) for b in costs.held], world_size, costs.ends, None if even else filled
+        )
+    else:
+        counts = split_layers(num_layers, world_size, None if even else filled)
+    log.info(
+        "layers auto: memory per rank %s GB -> layers %s",
+        [round(w / 2**30, 2) for w in filled],
+        counts,
+    )
+    return counts
+
+
+def keep_kv_shared_together(path: Any, counts: list[int], computed: bool) -> list[int]:
+    """A split whose last rank holds the model's KV-shared layers with the layers they
+    reuse (gemma4: sharding.kv_shared_tail). The named splits keep them there already
+    (parse_layers); a computed split (by memory, by speed) gets layers moved to the
+    last rank from the ranks before it (each keeps one), and counts a user gave that
+    part them are refused, with the numbers, before any rank loads."""
+    from mlx_relay.model import sharding
+
+    tail = sharding.kv_shared_tail(sharding.read_config(path))
+    if len(counts) == 1 or counts[-1] >= tail:
+        return counts
+    if not computed:
+        raise ValueError(kv_shared_refusal(counts, tail))
+    moved = list(counts)
+    for rank in range(len(moved) - 2, -1, -1):
+        give = min(moved[rank] - 1, tail - moved[-1])
+        moved[rank] -= give
+        moved[-1] += give
+    if moved[-1] < tail:
+        raise ValueError(
+            f"this model's last {tail} layers must stay on one rank, which leaves fewer "
+            f"than one layer for each of the other {len(counts) - 1} ranks"
+        )
+    log.info("layers %s -> %s: the last rank holds the KV-shared layers", counts, moved)
+    return moved
 
 
 def model_layers(spec: str, model: str, n: int) -> Layers:

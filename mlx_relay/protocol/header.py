@@ -52,8 +52,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# 4: side arrays and deltas; 5: laps, widths that change on the way; 6: token types
-PROTOCOL_VERSION = 7
+# 4: side arrays and deltas; 5: laps, widths that change on the way; 6: token types;
+# 8: CMD_PROBE
+PROTOCOL_VERSION = 8
 MAGIC = 0x4D4C5200 | PROTOCOL_VERSION  # "MLR" + version
 
 MAX_SEQS = 16
@@ -66,6 +67,7 @@ CMD_UNLOAD = 3  # drop model and caches, keep running
 CMD_FREE = 4  # free the KV caches of the announced slots
 CMD_SHUTDOWN = 6  # release everything and leave the loop: the last step a worker takes
 CMD_PING = 7  # no-op round trip (tests, health)
+CMD_PROBE = 8  # each worker measures its speed and writes it into `lengths` at its rank
 
 COMMAND_NAMES = {
     CMD_FORWARD: "FORWARD",
@@ -74,6 +76,7 @@ COMMAND_NAMES = {
     CMD_FREE: "FREE",
     CMD_SHUTDOWN: "SHUTDOWN",
     CMD_PING: "PING",
+    CMD_PROBE: "PROBE",
 }
 
 # Flags.

@@ -19,7 +19,7 @@ import mlx.core as mx
 import zmq
 
 from mlx_relay import timeline
-from mlx_relay.model import memory, sharding
+from mlx_relay.model import memory, sharding, speed
 from mlx_relay.model.default_model import resolve_model
 from mlx_relay.model.kvcache import CacheError, SlotCaches
 from mlx_relay.model.stage import forward_stage
@@ -113,7 +113,8 @@ class Worker:
                 self.step_seconds += time.perf_counter() - started
             self.link.done_step = header.step_id  # rank 0 can tell who holds an overdue step
             if header.cmd == hdr.CMD_SHUTDOWN:
-                log.info("rank %d: shutdown", self.rank)
+                fenced = f" ({self.ring.fenced} hops waited for a shape change)"
+                log.info("rank %d: shutdown%s", self.rank, fenced if self.ring.fences else "")
                 return
 
     def timings(self) -> dict[str, float]:
@@ -188,6 +189,9 @@ class Worker:
             self._unload()
             return payload
         if cmd == hdr.CMD_PING:
+            return payload
+        if cmd == hdr.CMD_PROBE:  # (the default split weighs the ranks by these)
+            header.lengths[self.rank] = round(speed.probe())
             return payload
         raise StepError(hdr.ERR_BAD_HEADER, f"unknown command {cmd}")
 
