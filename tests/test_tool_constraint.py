@@ -70,7 +70,7 @@ PARSERS = {
     "mistral_json": mistral.parse_tool_call,
     "mistral_args": mistral.parse_tool_call,
     "tool_code": tool_code.parse_tool_call,
-    "pythonic": lambda text, tools: pythonic.parse_tool_call(f"<|tool_call_start|>{text}", tools),
+    "pythonic": pythonic.parse_tool_call,
 }
 ENDS = {"hermes": "</tool_call>", "qwen_xml": "</tool_call>", "tool_code": "```"}
 ENDS["pythonic"] = "<|tool_call_end|>"
