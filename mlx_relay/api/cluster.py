@@ -33,6 +33,7 @@ from mlx_relay.coordinator.markup import ChatMarkup
 from mlx_relay.coordinator.output import Chunk
 from mlx_relay.coordinator.pipeline import ClusterFailure, LoadedModel, RankFailure
 from mlx_relay.coordinator.sequence import EngineError, Request
+from mlx_relay.coordinator.tool_constraint import tool_constraint
 from mlx_relay.model import memory
 from mlx_relay.model.default_model import ModelError
 from mlx_relay.model.split import model_layers
@@ -200,15 +201,18 @@ class Cluster:
         ]
         params.max_tokens = budget.cap(params.max_tokens, len(prompt.token_ids), limits)
         starts_in_reasoning = bool(request.messages) and self.markup().opens_think(prompt.text)
+        request_id = request.request_id or uuid.uuid4().hex[:12]
         return Request(
             prompt_tokens=prompt.token_ids,
             params=params,
-            request_id=request.request_id or uuid.uuid4().hex[:12],
+            request_id=request_id,
             tools=prompt.tools,
             parse_tools=prompt.tool_choice != "none",
             starts_in_reasoning=starts_in_reasoning,
             opens_tool_call=prompt.opens_tool_call,
-            constraint=self._constraint(tokenizer, request, prompt, starts_in_reasoning),
+            constraint=self._constraint(
+                tokenizer, request, prompt, starts_in_reasoning, request_id
+            ),
             pixel_values=prompt.pixel_values,  # rank 0 encodes them as the prefill starts
         )
 
@@ -218,25 +222,33 @@ class Cluster:
         request: pb.GenerateRequest,
         prompt: requests.Prompt,
         in_reasoning: bool,
+        request_id: str,
     ) -> constraints.Constraint | None:
-        """The grammar of a forced tool call, `response_format` or `grammar`, compiled,
-        or None (free text). A forced call (tool_choice required or a named tool) in
-        Hermes JSON is held to a call of an allowed tool with valid arguments; the prompt
-        already closed any think block, so it applies from the first token."""
+        """The grammar of `response_format` or `grammar`, or of the request's tool
+        calls (tool_constraint: a forced call from its first token, a call the model
+        opens under `auto` from its start marker), compiled; or None (free text). A
+        forced call wins over a response format; a response format over `auto` calls."""
         wanted = constraints.request_grammar(request.response_format_json, request.grammar)
-        if prompt.opens_tool_call and (prompt.tool_fallback or self.markup().json_tool_calls):
-            wanted, in_reasoning = (
-                (constraints.tool_call_grammar(prompt.tools or []), "tools"),
-                False,
-            )
-        if wanted is None:
+        if wanted is None and not prompt.tools:
             return None
+        try:
+            compiler = self._compiler_for(tokenizer)
+        except requests.InvalidRequest:
+            if wanted is None and not prompt.opens_tool_call:
+                return None  # `auto` calls on a tokenizer llguidance cannot read: free
+            raise
+        if wanted is None or prompt.opens_tool_call:
+            return tool_constraint(
+                compiler, self.markup(), prompt, in_reasoning=in_reasoning, request_id=request_id
+            )
         grammar, field = wanted
+        return compiler.constraint(grammar, field, in_reasoning=in_reasoning)
+
+    def _compiler_for(self, tokenizer: Any) -> constraints.Compiler:
         with self._compiler_lock:  # built once per loaded tokenizer (up to ~1 s)
             if self._compiler is None or self._compiler.tokenizer is not tokenizer:
                 self._compiler = constraints.Compiler(tokenizer, self.markup())
-            compiler = self._compiler
-        return compiler.constraint(grammar, field, in_reasoning=in_reasoning)
+            return self._compiler
 
     def render(self, request: pb.GenerateRequest | pb.TokenizeRequest) -> requests.Prompt:
         """The prompt's text and tokens, as the model will see them."""
