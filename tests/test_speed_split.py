@@ -1,8 +1,9 @@
-"""Issue 37: a mixed cluster splits by speed. One CPU rank is throttled to a quarter of
-a core (a CFS bandwidth limit) from its start, so the probe at load
+"""Issue 37: a mixed cluster splits by speed. One CPU rank poses as a machine of its own
+(MLX_RELAY_HOST_NAME) and is throttled to a quarter of a core (a CFS bandwidth limit)
+from its start, so the probe at load
 measures it slower: the default split gives it fewer layers than the balanced split,
-and the tokens are still mlx-lm's. (On a machine busy with other work every rank gets a
-share of a core anyway, and the throttled one may not measure slower.)"""
+and the tokens are still mlx-lm's. Ranks of one machine are never told apart by speed:
+the same cluster without the pose keeps the balanced split, however busy the machine."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from mlx_relay.client.client import Client
 from mlx_relay.coordinator.requests import encode_text
 from mlx_relay.launch.local import LocalCluster, free_ports
 from mlx_relay.model.sharding import head_cost_in_layers, read_config
-from mlx_relay.model.split import layer_ranges, parse_layers
+from mlx_relay.model.split import parse_layers
 from mlx_relay.protocol import relay_pb2 as pb
+from mlx_relay.protocol.control import HOST_NAME_ENV
 
 NUM_LAYERS = 12
 SHARE = 0.25  # the throttled rank may run a quarter of the time
@@ -82,18 +84,27 @@ def model(tiny_model):
     return tiny_model("llama", NUM_LAYERS)
 
 
+def _counts(client: Client) -> list[int]:
+    return [r.layer_end - r.layer_start for r in client.status().ranks]
+
+
 def test_a_throttled_rank_gets_fewer_layers(model, tmp_path):
     address = f"127.0.0.1:{free_ports(1)[0]}"
-    cluster = LocalCluster(3, ["--model", str(model)], grpc_address=address, log_dir=tmp_path)
+    cluster = LocalCluster(
+        3,
+        ["--model", str(model)],
+        grpc_address=address,
+        log_dir=tmp_path,
+        rank_env={2: {HOST_NAME_ENV: "slow-mac"}},
+    )
     cluster.start()
     try:
         with Throttle(cluster.procs[2].pid):  # (from before the load's probe)
             cluster.wait_serving(180)
         client = Client(address, timeout=120)
-        got = [(r.layer_start, r.layer_end) for r in client.status().ranks]
-        counts = [end - start for start, end in got]
+        counts = _counts(client)
         balanced = parse_layers("balanced", NUM_LAYERS, 3, head_cost_in_layers(read_config(model)))
-        assert counts[2] < balanced[2], (got, layer_ranges(balanced))
+        assert counts[2] < balanced[2], (counts, balanced)
         reply = client.generate(
             pb.GenerateRequest(prompt="Once upon a time", params=pb.SamplingParams(max_tokens=10))
         )
@@ -103,3 +114,11 @@ def test_a_throttled_rank_gets_fewer_layers(model, tmp_path):
         print(f"\nthrottled rank 2: layers {counts}, balanced {balanced}")
     finally:
         cluster.stop()
+
+
+def test_ranks_of_one_machine_keep_the_balanced_split(model, cluster_factory):
+    """Throttled or not, ranks with one host name are one machine's: nothing is probed."""
+    running = cluster_factory(model, 2)
+    balanced = parse_layers("balanced", NUM_LAYERS, 2, head_cost_in_layers(read_config(model)))
+    assert _counts(running.client) == balanced
+    assert "layers by speed" not in running.logs()

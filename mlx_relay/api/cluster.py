@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
@@ -37,6 +36,7 @@ from mlx_relay.coordinator.tool_constraint import tool_constraint
 from mlx_relay.model import memory
 from mlx_relay.model.default_model import ModelError
 from mlx_relay.model.split import model_layers
+from mlx_relay.protocol import control
 from mlx_relay.protocol import relay_pb2 as pb
 from mlx_relay.transport.hub import LinkFailure, RankInfo
 
@@ -480,7 +480,7 @@ def _rank0_status(loaded: Any) -> pb.RankStatus:
     start, end = loaded.ranges[0] if loaded else (0, 0)
     return pb.RankStatus(
         rank=0,
-        host=socket.gethostname(),
+        host=control.host_name(),
         pid=os.getpid(),
         layer_start=start,
         layer_end=end,

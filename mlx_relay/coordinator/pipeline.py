@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import socket
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from mlx_relay.model.split import (
 )
 from mlx_relay.model.stage import forward_stage
 from mlx_relay.model.step_inputs import PromptInputs, pass_on
+from mlx_relay.protocol import control
 from mlx_relay.protocol import header as hdr
 from mlx_relay.transport.doorbell import DoorbellTimeout, NeighbourGone
 from mlx_relay.transport.hub import ControlHub, LinkFailure
@@ -172,7 +172,7 @@ class Pipeline:
         try:  # before any worker loads: rank 0 holds the embedding and LM head too
             memory.check_fits(path, *ranges[0], ends=True)
         except memory.ShardTooBig as e:
-            raise RankFailure(0, socket.gethostname(), str(e), hdr.ERR_OUT_OF_MEMORY) from e
+            raise RankFailure(0, control.host_name(), str(e), hdr.ERR_OUT_OF_MEMORY) from e
         fp = sharding.fingerprint(path)
         kv = memory.plan().kv_quantization()  # quantized KV caches: the same on every rank
         document = {"model": spec, "ranges": ranges, "fingerprint": fp, "kv": kv}
@@ -184,7 +184,7 @@ class Pipeline:
             try:
                 memory.check_measured(path, start, end, self.shard, ends=True)
             except memory.ShardTooBig as e:
-                host = socket.gethostname()
+                host = control.host_name()
                 raise RankFailure(0, host, str(e), hdr.ERR_OUT_OF_MEMORY) from e
             self.caches = SlotCaches(self.shard)
             self._per_layer = sharding.computes_per_layer_inputs(self.shard)
@@ -236,13 +236,18 @@ class Pipeline:
     def probe_speeds(self) -> list[float] | None:
         """Each rank's weight-reading speed in MB/s (model/speed.py), measured one rank
         after another: rank 0 here, then each worker as CMD_PROBE passes it, writing its
-        figure into the header's `lengths` at its rank. None with one rank (or more
-        ranks than a header has rows)."""
-        if self.world_size < 2 or self.world_size > hdr.MAX_SEQS:
+        figure into the header's `lengths` at its rank. Ranks of one machine (the same
+        host name) are equally fast: each counts as the fastest of them, so what else
+        runs there does not tell them apart. None where all ranks share one machine
+        (nothing is measured), with one rank, or more ranks than a header has rows."""
+        hosts = [control.host_name(), *(self.watch.host(r) for r in range(1, self.world_size))]
+        if len(set(hosts)) < 2 or self.world_size > hdr.MAX_SEQS:
             return None
         own = speed.probe()
         back = self._command(hdr.CMD_PROBE, slots=list(range(self.world_size)))
-        return [own, *(float(v) for v in back.lengths[1:])]
+        measured = [own, *(float(v) for v in back.lengths[1:])]
+        best = {h: max(m for m, o in zip(measured, hosts, strict=True) if o == h) for h in hosts}
+        return [best[h] for h in hosts]
 
     def unload(self) -> None:
         if self.loaded is not None and self.world_size > 1:

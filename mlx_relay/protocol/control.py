@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import json
 import os
+import socket
 from typing import Any
 
 # Message kinds.
@@ -22,12 +23,21 @@ LOADED = "loaded"  # worker -> rank 0: model fingerprint and memory after CMD_LO
 BYE = "bye"  # rank 0 -> worker: rank 0 is gone or stopping; exit
 
 SECRET_ENV = "MLX_RELAY_SECRET"
+HOST_NAME_ENV = "MLX_RELAY_HOST_NAME"  # the name a rank gives its machine (default: hostname)
 CONTROL_ENV = "MLX_RELAY_CONTROL"  # tcp://host:port of rank 0's side channel
 
 
 # A peer whose side-channel connection closed counts as gone once it stays closed this
 # long (a process that died); both ends use it, so that neither outlives the other long.
 LINK_GRACE_S = 0.5
+
+
+def host_name() -> str:
+    """The name of this rank's machine, in its hello, errors and status: the hostname,
+    unless MLX_RELAY_HOST_NAME names it (a friendlier name; or, in the tests, several
+    ranks of one machine posing as machines of their own). Ranks with the same name are
+    on one machine, which the default split counts as equally fast."""
+    return os.environ.get(HOST_NAME_ENV) or socket.gethostname()
 
 
 def identity(rank: int, role: str) -> bytes:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -68,7 +67,7 @@ class ControlLink:
         self._cmd.send_multipart(control.encode(kind, self._body(**extra), self.secret))
 
     def hello(self) -> None:
-        self.send(control.HELLO, host=socket.gethostname(), pid=os.getpid(), stats=self._stats())
+        self.send(control.HELLO, host=control.host_name(), pid=os.getpid(), stats=self._stats())
         self._hb_thread.start()
 
     def ring_broken(self, message: str) -> None:
