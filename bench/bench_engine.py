@@ -44,9 +44,10 @@ def main() -> int:
     import mlx.core as mx
     from mlx_lm import load, stream_generate
 
-    from mlx_relay.coordinator.engine import Engine, Request
+    from mlx_relay.coordinator.engine import Engine
     from mlx_relay.coordinator.pipeline import Pipeline
     from mlx_relay.coordinator.sampling import SamplingParams
+    from mlx_relay.coordinator.sequence import Request
 
     path = args.model or str(shapes.make_shape(args.shape, shapes.cache_dir() / args.shape))
     model, tokenizer = load(path)

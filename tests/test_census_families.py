@@ -32,7 +32,7 @@ FAMILIES = (
     "starcoder2",
     "internlm3",
     "smollm3",
-    # their parts named otherwise (sharding._PARTS): a layer list inside a decoder
+    # their parts named otherwise (their adapters' parts: families/): a layer list inside a decoder
     # module (plamo2, plamo3; plamo3's sliding mask is a window + 1 over a cache of the
     # window), tok_embeddings and an `output` head (internlm2), final_layernorm (phi),
     # transformer.h / wte / ln_f (exaone), a decoder in a wrapped language model (qwen3_vl)
@@ -59,18 +59,18 @@ FAMILIES = (
     # MLA with its own rope scaling (deepseek_v2); linear attention (KDA) and MLA (kimi_linear)
     "deepseek_v2",
     "kimi_linear",
-    # layers without a cache between those with one (sharding._KEEPS_CACHE)
+    # layers without a cache between those with one (their adapters' keeps_cache)
     "nemotron_h",
     # large MoEs whose census configs were written by hand (MLA and zero experts;
     # sliding and full attention with sinks)
     "longcat_flash",
     "mimo_v2_flash",
-    # every layer takes the step's position offset (step_inputs.LAYER_INPUTS), which
+    # every layer takes the step's position offset (its adapter's layer_inputs), which
     # their forward reads from an attention layer's cache; a rank may hold none
     "bailing_moe_linear",
     "bailing_hybrid",
     "bailing_moe_v3",
-    # layers with no-op attention keep no cache (sharding._KEEPS_CACHE)
+    # layers with no-op attention keep no cache (their adapters' keeps_cache)
     "nemotron-nas",
     "pixtral",
     "lfm2-vl",

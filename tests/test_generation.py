@@ -448,12 +448,22 @@ def test_tool_call_streamed_end_to_end(scripted):
 
 
 def test_tool_call_to_a_tool_not_offered(scripted):
+    """The script calls get_weather; offered only get_time, the call is held to it from
+    its `<tool_call>` on (issue 38: auto calls follow the call grammar)."""
     running, _, _ = scripted
-    other = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    # Bounded, so that the call also ends where the grammar leaves the script.
+    zone = {
+        "type": "object",
+        "properties": {"zone": {"type": "string", "maxLength": 3}},
+        "required": ["zone"],
+        "additionalProperties": False,
+    }
+    other = [{"type": "function", "function": {"name": "get_time", "parameters": zone}}]
     response = running.client.generate(_tool_request(tools=other))
-    assert list(response.unknown_tools) == ["get_weather"]
-    assert not response.tool_calls
-    assert response.finish_reason == "stop"
+    assert not response.unknown_tools and not response.malformed_tool_call
+    assert [c.function.name for c in response.tool_calls] == ["get_time"]
+    assert len(json.loads(response.tool_calls[0].function.arguments)["zone"]) <= 3
+    assert response.finish_reason == "tool_calls"
     assert response.text == "OK"
 
 
@@ -467,12 +477,9 @@ def test_tool_choice_none_leaves_the_markup_as_text(scripted):
 
 def test_malformed_tool_call_is_content_and_flagged(scripted):
     running, _, raw_ids = scripted
-    # A raw prompt may carry tools too (for the parser; the client rendered the prompt).
-    request = pb.GenerateRequest(
-        prompt=RAW_PROMPT,
-        params=pb.SamplingParams(max_tokens=40),
-        tools_json=json.dumps(TOOLS),
-    )
+    # Without tools nothing holds a call to a grammar (with them, issue 38's auto calls
+    # would be: tests/test_tool_auto.py), so the model's broken markup comes back.
+    request = pb.GenerateRequest(prompt=RAW_PROMPT, params=pb.SamplingParams(max_tokens=40))
     chunks = list(running.client.stream(request))
     assert [t for c in chunks for t in c.token_ids] == raw_ids
     assert "".join(c.text for c in chunks) == RAW_SCRIPT[0]
@@ -581,13 +588,19 @@ def test_cli_tool_flags_and_json(scripted, tmp_path, capsys):
     assert cli.main(argv) == 0
     assert capsys.readouterr().out.splitlines() == ["OK", "[tool call] get_weather {}"]
 
+    # Offered another tool, the scripted call to get_weather is held to it (issue 38);
+    # arguments that can only be {}, so that it ends where the script is left.
+    empty = {"type": "object", "properties": {}, "additionalProperties": False}
     other = tmp_path / "other.json"
-    other.write_text(json.dumps([{"type": "function", "function": {"name": "get_time"}}]))
+    other.write_text(
+        json.dumps([{"type": "function", "function": {"name": "get_time", "parameters": empty}}])
+    )
     out = _cli_json(
         capsys, "chat", MESSAGES[0]["content"], "--address", running.address, "--json",
         "--tools", str(other), "--stream",
     )  # fmt: skip
-    assert out["unknown_tools"] == ["get_weather"]
+    assert [c["function"]["name"] for c in out["tool_calls"]] == ["get_time"]
+    assert "unknown_tools" not in out and "malformed_tool_call" not in out
     out = _cli_json(capsys, "generate", RAW_PROMPT, "--address", running.address, "--json")
     assert out["malformed_tool_call"] is True
 

@@ -3,6 +3,7 @@ collective hops end to end."""
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 from pathlib import Path
@@ -32,6 +33,7 @@ from mlx_relay.transport.ring import (
     AUTO,
     COLLECTIVE,
     EAGER,
+    FENCE_ENV,
     INLINE_BACK_MAX_BYTES,
     INLINE_ENV,
     INLINE_MAX_BYTES,
@@ -101,6 +103,24 @@ def test_settled_receives_keep_tokens_exact(tiny_model, cluster_factory, hops, t
     logs = _timed_chats(tiny_model("llama", 6), cluster_factory, 3, hops, tmp_path, env)
     assert "settled receives" in logs
     assert ("payloads up to 0 bytes inline" in logs) == (hops == READY)
+
+
+@pytest.mark.cluster
+def test_fenced_shape_changes_keep_tokens_exact(tiny_model, cluster_factory):
+    """The JACCL guard (mlx issue 3149: back-to-back transfers of different shapes got
+    wrong data), run on the ring backend (MLX_RELAY_FENCE_SHAPES=1): concurrent chats
+    and a prompt in chunks of several sizes, every transfer of a new shape waiting for
+    the one before; tokens equal to mlx-lm's, and the waits happened."""
+    model = tiny_model("llama", 6)
+    running = cluster_factory(
+        model, 3, "--hop-mode", EAGER, "--prefill-chunk", "16", env={FENCE_ENV: "1"}
+    )
+    _chats_equal_mlx_lm(running, model)
+    running.stop()
+    logs = running.logs()
+    assert logs.count("fenced shape changes") == 3, logs
+    waits = [int(n) for n in re.findall(r"\((\d+) hops waited for a shape change\)", logs)]
+    assert len(waits) == 2 and min(waits) > 0, logs
 
 
 def _doorbell_pair() -> tuple[Doorbell, Doorbell]:

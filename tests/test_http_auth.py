@@ -132,7 +132,7 @@ def test_reachable_from_other_machines_without_a_token_warns(caplog, monkeypatch
     from mlx_relay.api.http import server
     from mlx_relay.api.metrics import Metrics
 
-    cluster = SimpleNamespace(metrics=Metrics(lambda: None))  # reached only per request
+    cluster = SimpleNamespace(metrics=Metrics(None))  # reached only per request
 
     monkeypatch.delenv("MLX_RELAY_AUTH_TOKEN", raising=False)
     args = argparse.Namespace(

@@ -49,23 +49,32 @@ def test_tiny_tokenizer_thinks_and_uses_mlx_lms_json_tools(tiny_dir):
     assert [(f.start, f.end) for f in markup.tool_formats] == [("<tool_call>", "</tool_call>")]
     assert markup.tool_call_start == "<tool_call>"
     assert markup.tool_call_opening == "<tool_call>\n"
+    assert markup.tool_syntax == "hermes"  # calls held to tool_grammars' hermes grammar
 
 
 @pytest.mark.parametrize(
-    "parser_type, start, end, opening",
+    "parser_type, start, end, opening, syntax",
     [
-        ("pythonic", "<|tool_call_start|>", "<|tool_call_end|>", "<|tool_call_start|>"),
-        ("mistral", "[TOOL_CALLS]", "", "[TOOL_CALLS]"),
-        ("qwen3_coder", "<tool_call>", "</tool_call>", "<tool_call>\n"),
+        ("pythonic", "<|tool_call_start|>", "<|tool_call_end|>", "<|tool_call_start|>", "pythonic"),
+        ("mistral", "[TOOL_CALLS]", "", "[TOOL_CALLS]", "mistral_json"),
+        ("qwen3_coder", "<tool_call>", "</tool_call>", "<tool_call>\n", "qwen_xml"),
+        ("glm47", "<tool_call>", "</tool_call>", "<tool_call>\n", None),  # no grammar
     ],
 )
 def test_a_declared_mlx_lm_parser_is_the_only_format(
-    tiny_dir, tmp_path, parser_type, start, end, opening
+    tiny_dir, tmp_path, parser_type, start, end, opening, syntax
 ):
     markup = ChatMarkup.of(variant(tiny_dir, tmp_path, tool_parser_type=parser_type))
     assert markup.tool_parser == f"mlx_lm.tool_parsers.{parser_type}"
     assert [(f.start, f.end) for f in markup.tool_formats] == [(start, end)]
     assert (markup.tool_call_start, markup.tool_call_opening) == (start, opening)
+    assert markup.tool_syntax == syntax
+
+
+def test_a_mistral_template_with_args_markers_gets_the_args_grammar(tiny_dir, tmp_path):
+    template = "{%- for m in messages %}{{ m.content }}{%- endfor %}[TOOL_CALLS]f[ARGS]{}"
+    tok = variant(tiny_dir, tmp_path, tool_parser_type="mistral", chat_template=template)
+    assert ChatMarkup.of(tok).tool_syntax == "mistral_args"
 
 
 def test_a_gemma_template_falls_back_to_our_formats_and_forces_tool_code(tiny_dir, tmp_path):
@@ -78,6 +87,7 @@ def test_a_gemma_template_falls_back_to_our_formats_and_forces_tool_code(tiny_di
     assert [f.start for f in markup.tool_formats] == ["<tool_call>", "```tool_code"]
     assert markup.tool_call_start == "```tool_code"
     assert markup.tool_call_opening == "```tool_code\n"
+    assert markup.tool_syntax == "tool_code"
 
 
 def test_a_template_without_tool_markup_cannot_force_a_call(tiny_dir, tmp_path):
@@ -85,6 +95,7 @@ def test_a_template_without_tool_markup_cannot_force_a_call(tiny_dir, tmp_path):
     markup = ChatMarkup.of(variant(tiny_dir, tmp_path, chat_template=template))
     assert markup.tool_parser == "fallback"
     assert markup.tool_call_start is None and markup.tool_call_opening == ""
+    assert markup.tool_syntax is None
     assert markup.thinks  # the vocabulary still has the think tokens
 
 

@@ -15,11 +15,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import make_tiny_model  # noqa: E402
 
-from mlx_relay.coordinator.engine import Request, Sequence  # noqa: E402
 from mlx_relay.coordinator.markup import ChatMarkup  # noqa: E402
 from mlx_relay.coordinator.output import Chunk, OutputProcessor  # noqa: E402
 from mlx_relay.coordinator.postprocess import OutputParser  # noqa: E402
 from mlx_relay.coordinator.sampling import Sampler, SamplingParams  # noqa: E402
+from mlx_relay.coordinator.sequence import Request, Sequence  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,16 +1,16 @@
-"""Scheduling rules (coordinator/scheduler.py) without rank processes."""
+"""Scheduling rules (coordinator/policy.py) without rank processes."""
 
 from __future__ import annotations
 
 from mlx_relay.coordinator.pace import step_cost
-from mlx_relay.coordinator.scheduler import (
+from mlx_relay.coordinator.policy import (
     CHUNK_TARGET_S,
     MIN_CHUNK,
     PROBE_CHUNK,
     STALL_STEPS,
+    Policy,
     PrefillPacer,
     Scheduled,
-    Scheduler,
     StepOutput,
     Unit,
     next_unit,
@@ -79,49 +79,47 @@ def test_units_take_turns():
 
 
 def test_nothing_runnable_schedules_nothing():
-    assert Scheduler(512).schedule([], decoding=False) is None
+    assert Policy(512).schedule([], decoding=False) is None
 
 
 def test_a_prompt_goes_in_chunks_and_its_last_token_alone_for_the_logits():
-    scheduler = Scheduler(64)
-    scheduler.reset(WIDE)
-    scheduler.update_from_output(
-        StepOutput("prefill", 0.01, tokens=32, want_logits=False, units=32.0)
-    )
+    policy = Policy(64)
+    policy.reset(WIDE)
+    policy.update_from_output(StepOutput("prefill", 0.01, tokens=32, want_logits=False, units=32.0))
     pending, steps = 150, []
     while pending:
-        plan = scheduler.schedule([Unit("prefill", "seq", pending)], decoding=False)
+        plan = policy.schedule([Unit("prefill", "seq", pending)], decoding=False)
         steps.append((plan.tokens, plan.want_logits))
         pending -= plan.tokens
     assert steps == [(64, False), (64, False), (21, False), (1, True)]
 
 
 def test_decode_groups_and_prompts_take_turns():
-    scheduler = Scheduler(512)
+    policy = Policy(512)
     units = [Unit("group", 0), Unit("group", 1), Unit("prefill", "seq", 1000)]
-    plans = [scheduler.schedule(units, decoding=True) for _ in range(4)]
+    plans = [policy.schedule(units, decoding=True) for _ in range(4)]
     assert [p.unit for p in plans] == [units[0], units[1], units[2], units[0]]
     assert plans[0] == Scheduled(units[0], 1, True)  # a decode step: one token a row
     assert plans[2].tokens == PROBE_CHUNK and not plans[2].want_logits  # none timed yet
 
 
 def test_what_came_back_paces_the_next_chunk_beside_streams():
-    scheduler = Scheduler(512)
-    scheduler.reset(WIDE)
+    policy = Policy(512)
+    policy.reset(WIDE)
     prompt = [Unit("prefill", "seq", 1000)]
-    scheduler.update_from_output(StepOutput("group", 0.02))
-    assert scheduler.schedule(prompt, decoding=True).tokens == PROBE_CHUNK
+    policy.update_from_output(StepOutput("group", 0.02))
+    assert policy.schedule(prompt, decoding=True).tokens == PROBE_CHUNK
     done = StepOutput("prefill", 0.032, tokens=32, want_logits=False, units=32.0)
-    scheduler.update_from_output(done)
-    assert scheduler.schedule(prompt, decoding=True).tokens == STALL_STEPS * 20
-    assert scheduler.schedule(prompt, decoding=False).tokens == 512  # alone: the whole chunk
+    policy.update_from_output(done)
+    assert policy.schedule(prompt, decoding=True).tokens == STALL_STEPS * 20
+    assert policy.schedule(prompt, decoding=False).tokens == 512  # alone: the whole chunk
 
 
 def test_steps_that_say_nothing_about_the_pace_are_ignored():
-    scheduler = Scheduler(512)
-    scheduler.update_from_output(StepOutput("group", 5.0, beside_prefill=True))
-    scheduler.update_from_output(StepOutput("prefill", 5.0, tokens=1, want_logits=True))
-    assert (scheduler.pacer.decode_step_s, scheduler.pacer.prefill_unit_s) == (0.0, 0.0)
+    policy = Policy(512)
+    policy.update_from_output(StepOutput("group", 5.0, beside_prefill=True))
+    policy.update_from_output(StepOutput("prefill", 5.0, tokens=1, want_logits=True))
+    assert (policy.pacer.decode_step_s, policy.pacer.prefill_unit_s) == (0.0, 0.0)
 
 
 def test_with_quantized_kv_caches_a_prompt_alone_goes_in_whole_prefill_chunks():

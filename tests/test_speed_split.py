@@ -1,14 +1,17 @@
-"""Issue 37: a mixed cluster splits by speed. One CPU rank is throttled (stopped and
-continued on a duty cycle, as `cpulimit` does) from its start, so the probe at load
+"""Issue 37: a mixed cluster splits by speed. One CPU rank is throttled to a quarter of
+a core (a CFS bandwidth limit) from its start, so the probe at load
 measures it slower: the default split gives it fewer layers than the balanced split,
-and the tokens are still mlx-lm's."""
+and the tokens are still mlx-lm's. (On a machine busy with other work every rank gets a
+share of a core anyway, and the throttled one may not measure slower.)"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from oracle import mlx_lm_tokens, tokenizer_for
@@ -21,38 +24,57 @@ from mlx_relay.model.split import layer_ranges, parse_layers
 from mlx_relay.protocol import relay_pb2 as pb
 
 NUM_LAYERS = 12
-ON_S, OFF_S = 0.002, 0.006  # the throttled rank runs a quarter of the time
+SHARE = 0.25  # the throttled rank may run a quarter of the time
+CGROUP_CPU = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller, where mounted writable
 
 
 class Throttle:
-    """Stop and continue one process on a duty cycle until stopped."""
+    """Hold one process to SHARE of a core: the kernel's CFS bandwidth limit (a cgroup
+    of its own, cpu.cfs_quota_us) where this machine lets us make one, else stopping and
+    continuing it on a duty cycle from a thread, as `cpulimit` does (less exact under
+    load: the thread itself must get the CPU on time)."""
+
+    PERIOD_US = 20_000
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
+        self._group = CGROUP_CPU / f"mlx-relay-throttle-{pid}"
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread: threading.Thread | None = None
 
     def __enter__(self) -> Throttle:
-        self._thread.start()
+        try:
+            self._group.mkdir()
+            (self._group / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+            (self._group / "cpu.cfs_quota_us").write_text(str(int(self.PERIOD_US * SHARE)))
+            (self._group / "cgroup.procs").write_text(str(self.pid))
+        except OSError:
+            self._thread = threading.Thread(target=self._duty_cycle, daemon=True)
+            self._thread.start()
         return self
 
     def __exit__(self, *_: object) -> None:
-        self._done.set()
-        self._thread.join(5)
-        try:
-            os.kill(self.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+        if self._thread is not None:
+            self._done.set()
+            self._thread.join(5)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)
+        if self._group.exists():
+            with contextlib.suppress(OSError):  # (its process back where it was)
+                (CGROUP_CPU / "cgroup.procs").write_text(str(self.pid))
+            with contextlib.suppress(OSError):
+                self._group.rmdir()
 
-    def _run(self) -> None:
+    def _duty_cycle(self) -> None:
+        on = self.PERIOD_US * SHARE / 1e6
         while not self._done.is_set():
             try:
                 os.kill(self.pid, signal.SIGSTOP)
-                time.sleep(OFF_S)
+                time.sleep(self.PERIOD_US / 1e6 - on)
                 os.kill(self.pid, signal.SIGCONT)
             except ProcessLookupError:
                 return
-            time.sleep(ON_S)
+            time.sleep(on)
 
 
 @pytest.fixture

@@ -140,6 +140,9 @@ if wants n70b; then
 fi
 if wants nserver; then
   python3 bench/shapes.py llama3-8b-qwen2 /root/bench/llama3-8b-qwen2 > /dev/null
+  t nserver warm; timeout 200 python3 bench/bench_concurrency.py --shape llama3-8b-qwen2 \
+    --gpus "$G" --streams 16 --idle-seconds 1 --hop-modes auto --ranks "$G" --tokens 16 \
+    > /dev/null 2>&1  # (the qwen2 shape's own kernels compiled: not measured)
   t nserver; timeout 500 python3 bench/bench_concurrency.py --shape llama3-8b-qwen2 \
     --gpus "$G" --streams 16 --idle-seconds 1 --hop-modes auto --ranks "$G" --tokens 256 \
     --mlx-lm-server 2>&1 | tee "$OUT/nserver.log" | grep -v '^$' | tail -12

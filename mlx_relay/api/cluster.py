@@ -3,8 +3,13 @@
 gRPC, HTTP and LocalAI's backend service all translate their wire messages into a
 `pb.GenerateRequest` and hand it to `Cluster.submit`: one way from a request to the
 engine, so the doors differ only in how they spell things. Errors come out as
-`requests.InvalidRequest`, `EngineError` (with a `kind`) or `RankFailure`; each door
-maps those to its own status codes.
+`requests.InvalidRequest`, `EngineError` (with a `kind`) or `RankFailure` (`REFUSALS`);
+each door maps those to its own status codes.
+
+It is also all a door reads of the cluster: its state, the model served, the workers,
+the ring's steps, why it cannot serve (`unhealthy`). The engine and its pipeline stay
+behind it (`_engine`), so they change without a door changing, and one `max_tokens`
+policy (`budget.py`) applies to every door as the request is built.
 """
 
 from __future__ import annotations
@@ -16,18 +21,24 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
+from mlx_relay.api import budget
+from mlx_relay.api.budget import Limit
 from mlx_relay.api.metrics import Metrics
 from mlx_relay.coordinator import constraints, load_checks, requests
-from mlx_relay.coordinator.engine import Engine, EngineError, Request
+from mlx_relay.coordinator.engine import Engine
 from mlx_relay.coordinator.markup import ChatMarkup
 from mlx_relay.coordinator.output import Chunk
-from mlx_relay.coordinator.pipeline import ClusterFailure, RankFailure
+from mlx_relay.coordinator.pipeline import ClusterFailure, LoadedModel, RankFailure
+from mlx_relay.coordinator.sequence import EngineError, Request
+from mlx_relay.coordinator.tool_constraint import tool_constraint
 from mlx_relay.model import memory
 from mlx_relay.model.default_model import ModelError
 from mlx_relay.model.split import model_layers
 from mlx_relay.protocol import relay_pb2 as pb
+from mlx_relay.transport.hub import LinkFailure, RankInfo
 
 log = logging.getLogger("mlx_relay.cluster")
 
@@ -49,7 +60,7 @@ class Cluster:
         layers: str = "",
         tool_fallback: bool = True,
     ) -> None:
-        self.engine = engine
+        self._engine = engine
         # Tools for a model whose template ignores them go into the system prompt
         # (coordinator/tool_prompt.py); False (--no-tool-fallback) refuses such requests.
         self.tool_fallback = tool_fallback
@@ -58,65 +69,150 @@ class Cluster:
         self.last_layers = layers
         self._compiler: constraints.Compiler | None = None  # the loaded tokenizer's
         self._compiler_lock = threading.Lock()
-        self.metrics = Metrics(lambda: self.engine)  # every door's requests, by API
+        self.metrics = Metrics(self)  # every door's requests, by API
 
     def tokenizer(self) -> Any:
         """The loaded model's tokenizer, or EngineError('unavailable') saying why not."""
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None or self.engine.state != "serving":
-            raise EngineError("unavailable", not_serving(self.engine.state, self.engine.error))
+        tokenizer = self._engine.tokenizer
+        if tokenizer is None or self._engine.state != "serving":
+            raise EngineError("unavailable", not_serving(self._engine.state, self._engine.error))
         return tokenizer
 
     def markup(self) -> ChatMarkup:
         """The loaded model's chat markup (resolved once, at load), or EngineError."""
-        markup = self.engine.markup
-        if markup is None or self.engine.state != "serving":
-            raise EngineError("unavailable", not_serving(self.engine.state, self.engine.error))
+        markup = self._engine.markup
+        if markup is None or self._engine.state != "serving":
+            raise EngineError("unavailable", not_serving(self._engine.state, self._engine.error))
         return markup
 
-    def build(self, request: pb.GenerateRequest) -> Request:
-        """Check and render a request; nothing reaches the engine yet."""
+    # --- what the doors read of the cluster (none looks past this class) ----------
+    @property
+    def state(self) -> str:
+        """The engine's state: starting, loading, serving, unloaded, draining, stopping
+        or failed."""
+        return self._engine.state
+
+    @property
+    def error(self) -> str:
+        """Why the cluster failed ('' unless it did)."""
+        return self._engine.error
+
+    @property
+    def running(self) -> bool:
+        """The engine's loop thread is alive: a server over a dead loop serves nothing."""
+        return self._engine.running
+
+    @property
+    def loaded(self) -> LoadedModel | None:
+        """The model served (its spec, path, fingerprint, layer ranges), None if none."""
+        return self._engine.pipeline.loaded
+
+    def model_id(self) -> str:
+        """The served model's name as every API lists it ('' when none is loaded)."""
+        loaded = self.loaded
+        return loaded.spec if loaded else ""
+
+    @property
+    def context_length(self) -> int:
+        """The loaded model's context (0: none loaded, or none known)."""
+        return self._engine.context_length
+
+    @property
+    def world_size(self) -> int:
+        return self._engine.pipeline.world_size
+
+    def counts(self) -> tuple[int, int]:
+        """Requests running and queued."""
+        return self._engine.counts()
+
+    def cached_prompts(self) -> tuple[int, int]:
+        """Parked prompt caches and the tokens they hold."""
+        return self._engine.cached_prompts()
+
+    def cached_tokens(self, request_id: str) -> int:
+        """The prompt tokens a running request found in a kept cache (0 once it is gone):
+        what a stream's first event reports before the final usage comes."""
+        rows = self._engine.snapshot()
+        return next((r.get("cached_tokens", 0) for r in rows if r["request_id"] == request_id), 0)
+
+    def steps(self) -> dict[str, Steps]:
+        """Forward steps round the ring so far, by kind (prefill, decode ...)."""
+        engine = self._engine
+        counts, seconds = dict(engine.step_counts), dict(engine.step_seconds)
+        tokens = dict(engine.step_tokens)
+        return {
+            kind: Steps(n, seconds.get(kind, 0.0), tokens.get(kind, 0))
+            for kind, n in counts.items()
+        }
+
+    def workers(self) -> dict[int, RankInfo]:
+        """Every worker as its heartbeats last told rank 0 (none with one rank)."""
+        return self._engine.pipeline.worker_stats()
+
+    def lagging(self) -> LinkFailure | None:
+        """The worker holding the oldest step far longer than it should, while serving."""
+        return self._engine.pipeline.lagging() if self.state == "serving" else None
+
+    def ring(self) -> Ring:
+        """How the ring is run: what the live page shows beside the ranks."""
+        engine, pipeline = self._engine, self._engine.pipeline
+        hub, ring = pipeline.hub, pipeline.ring
+        return Ring(
+            hop_mode=ring.mode if ring is not None else "none (one rank)",
+            heartbeat_timeout=pipeline.heartbeat_timeout,
+            heartbeat_interval=hub.heartbeat_interval if hub is not None else 0.5,
+            max_active=engine.max_active,
+            max_queue=engine.max_queue,
+        )
+
+    def unhealthy(self) -> str:
+        """Why the cluster cannot serve now ('' if it can): its loop stopped, it serves no
+        model, or a worker is gone or silent (before the watchdog fails the cluster)."""
+        engine, pipeline = self._engine, self._engine.pipeline
+        if not engine.running:
+            return "the engine's loop has stopped" + (f": {engine.error}" if engine.error else "")
+        if engine.state != "serving":
+            return not_serving(engine.state, engine.error)
+        if pipeline.hub is not None:
+            failure = pipeline.hub.failure(pipeline.heartbeat_timeout)
+            if failure is not None:
+                return f"a rank is down: {failure}"
+        return ""
+
+    def build(self, request: pb.GenerateRequest, limit: Limit | None = None) -> Request:
+        """Check and render a request; nothing reaches the engine yet. `limit`: a door's
+        own cap on prompt + output (LocalAI's ContextSize), besides the cluster's."""
         tokenizer = self.tokenizer()
         prompt = self.render(request)
-        context = self.engine.context_length
-        n = len(prompt.token_ids)
-        if context and n >= context:
-            raise requests.InvalidRequest(
-                f"the prompt is {n} tokens; the model's context is {context}"
-            )
-        # An explicit --max-context bounds prompt + max_tokens: what each rank checked its
-        # memory for. Without one the bound is the model's context, and a sequence that
-        # reaches it ends there ("length"), as it always has.
-        bound = memory.sequence_bound(context) if memory.plan().max_context else 0
-        if bound and n >= bound:
-            raise requests.InvalidRequest(
-                f"the prompt is {n} tokens; this cluster serves at most {bound} tokens per "
-                "sequence (--max-context), prompt and output together"
-            )
-        default_max_tokens = self.engine.default_max_tokens
-        if bound:  # an unset max_tokens takes what is left, as much as it may
-            default_max_tokens = min(default_max_tokens, bound - n)
         params = requests.sampling_params(
             request.params,
             vocab_size=len(tokenizer),
-            default_max_tokens=default_max_tokens,
+            default_max_tokens=self._engine.default_max_tokens,
         )
-        if bound and n + params.max_tokens > bound:
-            raise requests.InvalidRequest(
-                f"the prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{n + params.max_tokens} tokens, more than the {bound} this cluster serves per "
-                f"sequence (--max-context); lower max_tokens to at most {bound - n}"
-            )
+        # One max_tokens policy for every door (api/budget.py): a ceiling, cut to what
+        # the prompt leaves of the model's context, --max-context (what each rank checked
+        # its memory for) and the door's limit; a prompt that leaves nothing is refused.
+        context = self._engine.context_length
+        bound = memory.sequence_bound(context) if memory.plan().max_context else 0
+        limits = [
+            Limit(context, "the model's context"),
+            Limit(bound, "the most this cluster serves per sequence (--max-context)"),
+            limit or Limit(0, ""),
+        ]
+        params.max_tokens = budget.cap(params.max_tokens, len(prompt.token_ids), limits)
         starts_in_reasoning = bool(request.messages) and self.markup().opens_think(prompt.text)
+        request_id = request.request_id or uuid.uuid4().hex[:12]
         return Request(
             prompt_tokens=prompt.token_ids,
             params=params,
-            request_id=request.request_id or uuid.uuid4().hex[:12],
+            request_id=request_id,
             tools=prompt.tools,
             parse_tools=prompt.tool_choice != "none",
             starts_in_reasoning=starts_in_reasoning,
             opens_tool_call=prompt.opens_tool_call,
-            constraint=self._constraint(tokenizer, request, prompt, starts_in_reasoning),
+            constraint=self._constraint(
+                tokenizer, request, prompt, starts_in_reasoning, request_id
+            ),
             pixel_values=prompt.pixel_values,  # rank 0 encodes them as the prefill starts
         )
 
@@ -126,25 +222,33 @@ class Cluster:
         request: pb.GenerateRequest,
         prompt: requests.Prompt,
         in_reasoning: bool,
+        request_id: str,
     ) -> constraints.Constraint | None:
-        """The grammar of a forced tool call, `response_format` or `grammar`, compiled,
-        or None (free text). A forced call (tool_choice required or a named tool) in
-        Hermes JSON is held to a call of an allowed tool with valid arguments; the prompt
-        already closed any think block, so it applies from the first token."""
+        """The grammar of `response_format` or `grammar`, or of the request's tool
+        calls (tool_constraint: a forced call from its first token, a call the model
+        opens under `auto` from its start marker), compiled; or None (free text). A
+        forced call wins over a response format; a response format over `auto` calls."""
         wanted = constraints.request_grammar(request.response_format_json, request.grammar)
-        if prompt.opens_tool_call and (prompt.tool_fallback or self.markup().json_tool_calls):
-            wanted, in_reasoning = (
-                (constraints.tool_call_grammar(prompt.tools or []), "tools"),
-                False,
-            )
-        if wanted is None:
+        if wanted is None and not prompt.tools:
             return None
+        try:
+            compiler = self._compiler_for(tokenizer)
+        except requests.InvalidRequest:
+            if wanted is None and not prompt.opens_tool_call:
+                return None  # `auto` calls on a tokenizer llguidance cannot read: free
+            raise
+        if wanted is None or prompt.opens_tool_call:
+            return tool_constraint(
+                compiler, self.markup(), prompt, in_reasoning=in_reasoning, request_id=request_id
+            )
         grammar, field = wanted
+        return compiler.constraint(grammar, field, in_reasoning=in_reasoning)
+
+    def _compiler_for(self, tokenizer: Any) -> constraints.Compiler:
         with self._compiler_lock:  # built once per loaded tokenizer (up to ~1 s)
             if self._compiler is None or self._compiler.tokenizer is not tokenizer:
                 self._compiler = constraints.Compiler(tokenizer, self.markup())
-            compiler = self._compiler
-        return compiler.constraint(grammar, field, in_reasoning=in_reasoning)
+            return self._compiler
 
     def render(self, request: pb.GenerateRequest | pb.TokenizeRequest) -> requests.Prompt:
         """The prompt's text and tokens, as the model will see them."""
@@ -163,18 +267,20 @@ class Cluster:
             tool_fallback=self.tool_fallback,
         )
         if rendered.images:  # image tokens expanded, pixels ready (or InvalidRequest)
-            pipeline = self.engine.pipeline
+            pipeline = self._engine.pipeline
             loaded, shard = pipeline.loaded, pipeline.shard
             requests.encode_images(
                 rendered, loaded.path if loaded else None, shard.config if shard else {}
             )
         return rendered
 
-    def submit(self, request: pb.GenerateRequest, api: str = "grpc") -> Request:
+    def submit(
+        self, request: pb.GenerateRequest, api: str = "grpc", limit: Limit | None = None
+    ) -> Request:
         """Start generating; iterate `.chunks()` (or `observed`), and `.cancel()` when the
         caller goes. A refusal is counted in the metrics under `api`, then raised."""
         try:
-            return self.engine.submit(self.build(request))
+            return self._engine.submit(self.build(request, limit))
         except Exception as e:
             self.metrics.refused(api, error_kind(e))
             raise
@@ -206,9 +312,9 @@ class Cluster:
         layers_spec = layers if model or layers else self.last_layers
         if not spec:
             raise requests.InvalidRequest("model is required ('default' or a path)")
-        if self.engine.state in ("draining", "stopping", "failed"):
-            raise EngineError("unavailable", f"the cluster is {self.engine.state}")
-        pipeline = self.engine.pipeline
+        if self._engine.state in ("draining", "stopping", "failed"):
+            raise EngineError("unavailable", f"the cluster is {self._engine.state}")
+        pipeline = self._engine.pipeline
         try:
             counts = model_layers(layers_spec, spec, pipeline.world_size)
         except ModelError as e:
@@ -242,7 +348,7 @@ class Cluster:
     def _restore(self, previous: Any) -> str:
         """After a load failed past the checks: load the model it replaced again.
         What to add to the load's error ('' when nothing was released)."""
-        if previous is None or self.engine.state != "unloaded":
+        if previous is None or self._engine.state != "unloaded":
             return ""
         counts = [end - start for start, end in previous.ranges]
         log.warning("the load failed after %s was released; loading it again", previous.spec)
@@ -262,7 +368,7 @@ class Cluster:
     def _load(self, spec: str, counts: Any) -> None:
         """The engine's load, its failures as the doors report them."""
         try:
-            self.engine.load(spec, counts).result()
+            self._engine.load(spec, counts).result()
         except ClusterFailure:
             raise
         except RankFailure as e:  # a worker refused its shard; the cluster still serves
@@ -274,21 +380,20 @@ class Cluster:
 
     def free(self, shutdown: bool = False) -> str:
         """Free the model on every rank (CMD_SHUTDOWN stops them too); a message saying so."""
-        return self.engine.free(shutdown=shutdown).result()
+        return self._engine.free(shutdown=shutdown).result()
 
     def status(self) -> pb.StatusResponse:
-        engine = self.engine
-        pipeline = engine.pipeline
-        loaded = pipeline.loaded
-        active, queued = engine.counts()
-        parked, parked_tokens = engine.cached_prompts()
+        """The cluster as the Status RPC (and `/v1/status`) shows it."""
+        loaded = self.loaded
+        active, queued = self.counts()
+        parked, parked_tokens = self.cached_prompts()
         out = pb.StatusResponse(
-            world_size=pipeline.world_size,
-            state=engine.state,
+            world_size=self.world_size,
+            state=self.state,
             active_requests=active,
             queued_requests=queued,
             backend=self.backend,
-            error=engine.error,
+            error=self.error,
             cached_prompts=parked,
             cached_prompt_tokens=parked_tokens,
         )
@@ -296,10 +401,10 @@ class Cluster:
             out.model = loaded.spec
             out.model_path = loaded.path
             out.num_layers = loaded.num_layers
-        out.requests.extend(pb.RequestStatus(**row) for row in engine.snapshot())
+        out.requests.extend(pb.RequestStatus(**row) for row in self._engine.snapshot())
         out.ranks.append(_rank0_status(loaded))
         now = time.monotonic()
-        for rank, info in sorted(pipeline.worker_stats().items()):
+        for rank, info in sorted(self.workers().items()):
             start, end = loaded.ranges[rank] if loaded else (0, 0)
             out.ranks.append(
                 pb.RankStatus(
@@ -319,8 +424,32 @@ class Cluster:
         return out
 
 
+@dataclass(frozen=True)
+class Steps:
+    """Forward steps of one kind round the ring: how many, their seconds from launch to
+    back on rank 0, and the tokens they carried (prompt tokens prefilled, tokens decoded)."""
+
+    steps: int
+    seconds: float
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Ring:
+    hop_mode: str  # how a hop is timed (--hop-mode), "none (one rank)" with one rank
+    heartbeat_timeout: float  # a worker silent this long is gone
+    heartbeat_interval: float
+    max_active: int
+    max_queue: int
+
+
 def _named(loaded: Any) -> str:
     return repr(loaded.spec) if loaded else "no model"
+
+
+# What the cluster refuses or fails a request with; each door maps them to its statuses
+# (error_kind), anything else being an internal error.
+REFUSALS = (requests.InvalidRequest, EngineError, RankFailure)
 
 
 def error_kind(e: BaseException) -> str:

@@ -28,12 +28,12 @@ from typing import Any
 import grpc
 
 from mlx_relay.api.auth import TokenAuth
-from mlx_relay.api.cluster import Cluster, not_serving
+from mlx_relay.api.budget import Limit
+from mlx_relay.api.cluster import REFUSALS, Cluster, not_serving
 from mlx_relay.api.service import grpc_status
 from mlx_relay.coordinator import requests
-from mlx_relay.coordinator.engine import EngineError
 from mlx_relay.coordinator.output import Chunk, TokenLogprob
-from mlx_relay.coordinator.pipeline import RankFailure
+from mlx_relay.coordinator.sequence import EngineError
 from mlx_relay.model import vision
 from mlx_relay.protocol import relay_pb2 as pb
 from mlx_relay.protocol.localai import backend_pb2 as lpb
@@ -58,7 +58,7 @@ def _map_errors(fn: Callable) -> Callable:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         context.abort(grpc_status(e), str(e))
 
-    errors = (requests.InvalidRequest, NotFound, EngineError, RankFailure)
+    errors = (*REFUSALS, NotFound)
 
     @functools.wraps(fn)
     def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
@@ -90,7 +90,7 @@ def _messages(options: lpb.PredictOptions) -> list[pb.ChatMessage]:
             tool_call_id=m.tool_call_id,
             reasoning=m.reasoning_content,
         )
-        for call in _json(m.tool_calls, f"Messages[{i}].tool_calls", list) or []:
+        for call in requests.json_field(m.tool_calls, f"Messages[{i}].tool_calls", list) or []:
             function = call.get("function") if isinstance(call, dict) else None
             if not isinstance(function, dict):
                 raise requests.InvalidRequest(
@@ -114,23 +114,11 @@ def _messages(options: lpb.PredictOptions) -> list[pb.ChatMessage]:
     return out
 
 
-def _json(raw: str, name: str, kind: type) -> Any:
-    if not raw.strip():
-        return None
-    try:
-        value = json.loads(raw)
-    except ValueError as e:
-        raise requests.InvalidRequest(f"{name} is not valid JSON: {e}") from e
-    if not isinstance(value, kind):
-        raise requests.InvalidRequest(f"{name} must be a JSON {kind.__name__}")
-    return value
-
-
 def _tool_choice(raw: str) -> str:
     """LocalAI sends tool_choice as JSON: a string ("auto") or an object naming a function."""
     raw = raw.strip()
     if raw.startswith('"'):
-        return _json(raw, "ToolChoice", str)
+        return requests.json_field(raw, "ToolChoice", str)
     return raw  # 'auto' unquoted, or an object the engine's parser reads
 
 
@@ -147,18 +135,8 @@ def _template_kwargs(metadata: dict[str, str]) -> str:
     if metadata.get("reasoning_effort"):
         kwargs["reasoning_effort"] = metadata["reasoning_effort"]
     blob = metadata.get("chat_template_kwargs", "")
-    kwargs.update(_json(blob, "Metadata chat_template_kwargs", dict) or {})
+    kwargs.update(requests.json_field(blob, "Metadata chat_template_kwargs", dict) or {})
     return json.dumps(kwargs) if kwargs else ""
-
-
-def _logit_bias(raw: str) -> dict[int, float]:
-    bias = _json(raw, "LogitBias", dict) or {}
-    try:
-        return {int(k): float(v) for k, v in bias.items()}
-    except (TypeError, ValueError) as e:
-        raise requests.InvalidRequest(
-            f'LogitBias must map token ids to numbers, e.g. {{"123": -100}}: {e}'
-        ) from e
 
 
 def _params(options: lpb.PredictOptions, vocab_size: int) -> pb.SamplingParams:
@@ -186,7 +164,8 @@ def _params(options: lpb.PredictOptions, vocab_size: int) -> pb.SamplingParams:
         params.frequency_penalty = options.FrequencyPenalty
     if options.PresencePenalty:
         params.presence_penalty = options.PresencePenalty
-    params.logit_bias.update(_logit_bias(options.LogitBias))
+    bias = requests.json_field(options.LogitBias, "LogitBias", dict)
+    params.logit_bias.update(requests.logit_bias(bias or {}, "LogitBias"))
     return params
 
 
@@ -319,9 +298,9 @@ class LocalAIServicer(lpb_grpc.BackendServicer):
 
     def Health(self, request, context):  # noqa: N802 - gRPC method name
         """Exactly "OK" while LoadModel can be served (LocalAI polls for those bytes)."""
-        state = self.cluster.engine.state
+        state = self.cluster.state
         if state in ("failed", "stopping", "draining"):
-            return lpb.Reply(message=not_serving(state, self.cluster.engine.error).encode())
+            return lpb.Reply(message=not_serving(state, self.cluster.error).encode())
         return lpb.Reply(message=b"OK")
 
     @_map_errors
@@ -331,7 +310,7 @@ class LocalAIServicer(lpb_grpc.BackendServicer):
                 raise requests.InvalidRequest(f"{field} is not supported by mlx-relay")
         with self._load_lock:  # LocalAI may retry; one reload after a Free is enough
             self._wait_loaded(context)
-            loaded = self.cluster.engine.pipeline.loaded
+            loaded = self.cluster.loaded
             spec, path = (loaded.spec, loaded.path) if loaded else (self.cluster.last_model,) * 2
             if not _same_model(request, spec, path):
                 raise requests.InvalidRequest(
@@ -339,12 +318,12 @@ class LocalAIServicer(lpb_grpc.BackendServicer):
                     "holds one model across all its ranks; start it with "
                     f"--model {request.Model or 'PATH'} to serve that one"
                 )
-            if self.cluster.engine.state == "unloaded":  # after a Free: load it again
+            if self.cluster.state == "unloaded":  # after a Free: load it again
                 self.cluster.load()
-            loaded = self.cluster.engine.pipeline.loaded
+            loaded = self.cluster.loaded
             if loaded is None:
-                raise EngineError("unavailable", not_serving(self.cluster.engine.state, ""))
-            limit = self.cluster.engine.context_length
+                raise EngineError("unavailable", not_serving(self.cluster.state, ""))
+            limit = self.cluster.context_length
             if limit and request.ContextSize > limit:
                 raise requests.InvalidRequest(
                     f"ContextSize {request.ContextSize} is beyond the model's context of "
@@ -359,9 +338,9 @@ class LocalAIServicer(lpb_grpc.BackendServicer):
         """A cluster still starting or loading its model answers once it is done."""
         remaining = context.time_remaining()
         deadline = time.monotonic() + min(LOAD_WAIT_S, remaining or LOAD_WAIT_S)
-        while self.cluster.engine.state in ("starting", "loading"):
+        while self.cluster.state in ("starting", "loading"):
             if time.monotonic() > deadline or not context.is_active():
-                raise EngineError("unavailable", not_serving(self.cluster.engine.state, ""))
+                raise EngineError("unavailable", not_serving(self.cluster.state, ""))
             time.sleep(0.1)
 
     @_map_errors
@@ -395,20 +374,13 @@ class LocalAIServicer(lpb_grpc.BackendServicer):
 
     def _request(self, options: lpb.PredictOptions) -> pb.GenerateRequest:
         self._check_identity(options)
-        request = generate_request(options, len(self.cluster.tokenizer()))
-        if self.context_size:
-            prompt = len(self.cluster.render(request).token_ids)
-            room = self.context_size - prompt
-            if room < 1:
-                raise requests.InvalidRequest(
-                    f"the prompt is {prompt} tokens; LoadModel's ContextSize is {self.context_size}"
-                )
-            wanted = request.params.max_tokens or self.cluster.engine.default_max_tokens
-            request.params.max_tokens = min(wanted, room)
-        return request
+        return generate_request(options, len(self.cluster.tokenizer()))
 
     def _replies(self, options: lpb.PredictOptions, context) -> Iterator[lpb.Reply]:
-        req = self.cluster.submit(self._request(options), "localai")
+        # LoadModel's ContextSize caps prompt + answer as the cluster's own limits do
+        # (api/budget.py: Tokens is a ceiling, cut to the room left).
+        limit = Limit(self.context_size, "LoadModel's ContextSize")
+        req = self.cluster.submit(self._request(options), "localai", limit)
         context.add_callback(req.cancel)
         prompt_tokens = len(req.prompt_tokens)
         generated = 0

@@ -3,7 +3,7 @@
 One observer per request sees the chunks as its door hands them on (`Cluster.observed`
 for the gRPC doors, `http.common.Output` for HTTP), labelled by API, so every door is
 measured the same way; `/metrics` on the HTTP door shows them all.
-Running and waiting requests and parked prompt caches are read from the engine at
+Running and waiting requests and parked prompt caches are read from the cluster at
 scrape time, and so are step times: round the ring as rank 0 sees them, and each worker's
 share as it reports it. Not measured: the transfer of each hop on its own (telling it from
 a rank's compute would take one more wait on the device per hop).
@@ -12,14 +12,18 @@ a rank's compute would take one more wait on the device per hop).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from mlx_relay.coordinator.engine import Engine, Request
 from mlx_relay.coordinator.output import Chunk
+from mlx_relay.coordinator.sequence import Request
+
+if TYPE_CHECKING:  # (the cluster builds its Metrics: no import at run time)
+    from mlx_relay.api.cluster import Cluster
 
 PREFIX = "mlx_relay:"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0)
@@ -30,16 +34,16 @@ _REQUEST_BUCKETS += (50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 disable_created_metrics()  # `*_created` series double the output and tell nobody anything
 
 
-class _EngineGauges(Collector):
-    """Gauges read from the engine when scraped, so they are never stale."""
+class _ClusterGauges(Collector):
+    """Gauges read from the cluster when scraped, so they are never stale."""
 
-    def __init__(self, engine: Callable[[], Engine]) -> None:
-        self._engine = engine
+    def __init__(self, cluster: Cluster) -> None:
+        self._cluster = cluster
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        engine = self._engine()
-        running, waiting = engine.counts()
-        parked, parked_tokens = engine.cached_prompts()
+        cluster = self._cluster
+        running, waiting = cluster.counts()
+        parked, parked_tokens = cluster.cached_prompts()
         for name, doc, value in (
             ("num_requests_running", "Requests decoding or prefilling now.", running),
             ("num_requests_waiting", "Requests queued for a slot.", waiting),
@@ -50,12 +54,12 @@ class _EngineGauges(Collector):
         yield GaugeMetricFamily(
             PREFIX + "engine_serving",
             "1 while the engine serves a model, else 0.",
-            value=1 if engine.state == "serving" and engine.running else 0,
+            value=1 if cluster.state == "serving" and cluster.running else 0,
         )
-        yield from _step_timings(engine)
+        yield from _step_timings(cluster)
 
 
-def _step_timings(engine: Engine) -> Iterator[CounterMetricFamily]:
+def _step_timings(cluster: Cluster) -> Iterator[CounterMetricFamily]:
     """Step times: round the whole ring as rank 0 sees them, and each worker's own share
     (from its header arriving to its output computed, receiving its input included, with
     ready hops; to its part queued on its device with eager hops, which never wait for
@@ -68,9 +72,9 @@ def _step_timings(engine: Engine) -> Iterator[CounterMetricFamily]:
     ring_steps = CounterMetricFamily(
         PREFIX + "ring_steps", "Forward steps round the ring.", labels=["kind"]
     )
-    for kind, count in sorted(dict(engine.step_counts).items()):
-        ring_steps.add_metric([kind], count)
-        ring_seconds.add_metric([kind], dict(engine.step_seconds).get(kind, 0.0))
+    for kind, steps in sorted(cluster.steps().items()):
+        ring_steps.add_metric([kind], steps.steps)
+        ring_seconds.add_metric([kind], steps.seconds)
     rank_seconds = CounterMetricFamily(
         PREFIX + "rank_step_seconds",
         "A worker's time per forward step, from its header arriving to its output computed "
@@ -80,7 +84,7 @@ def _step_timings(engine: Engine) -> Iterator[CounterMetricFamily]:
     rank_steps = CounterMetricFamily(
         PREFIX + "rank_steps", "Forward steps a worker took.", labels=["rank"]
     )
-    for rank, info in sorted(engine.pipeline.worker_stats().items()):
+    for rank, info in sorted(cluster.workers().items()):
         if "steps" in info.stats:
             rank_steps.add_metric([str(rank)], info.stats["steps"])
             rank_seconds.add_metric([str(rank)], info.stats.get("step_seconds", 0.0))
@@ -90,7 +94,7 @@ def _step_timings(engine: Engine) -> Iterator[CounterMetricFamily]:
 class Metrics:
     """The registry the `/metrics` endpoint shows, and the observers that fill it."""
 
-    def __init__(self, engine: Callable[[], Engine]) -> None:
+    def __init__(self, cluster: Cluster | None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -138,7 +142,8 @@ class Metrics:
             "Requests that reused an earlier request's KV cache.",
             registry=r,
         )
-        r.register(_EngineGauges(engine))
+        if cluster is not None:  # (None: requests counted, no gauges)
+            r.register(_ClusterGauges(cluster))
 
     def refused(self, api: str, kind: str) -> None:
         """A request refused before it reached the engine."""

@@ -16,11 +16,8 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from mlx_relay.api.cluster import Cluster, error_kind
-from mlx_relay.coordinator import requests
-from mlx_relay.coordinator.engine import EngineError
+from mlx_relay.api.cluster import REFUSALS, Cluster, error_kind
 from mlx_relay.coordinator.output import Chunk
-from mlx_relay.coordinator.pipeline import RankFailure
 from mlx_relay.protocol import relay_pb2 as pb
 from mlx_relay.protocol.aggregate import aggregate
 
@@ -62,7 +59,7 @@ def _statuses(request: Any, context: grpc.ServicerContext) -> Iterator[None]:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
     try:
         yield
-    except (requests.InvalidRequest, EngineError, RankFailure) as e:
+    except REFUSALS as e:
         context.abort(grpc_status(e), str(e))
 
 

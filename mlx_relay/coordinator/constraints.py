@@ -1,7 +1,8 @@
 """Constrained generation: which tokens a grammar allows next, with llguidance.
 
 A request may carry OpenAI's `response_format` (`json_object`, `json_schema`) or a GBNF
-grammar (llama.cpp's syntax, as LocalAI sends it). `Compiler` turns either into an
+grammar (llama.cpp's syntax, as LocalAI sends it); its tools make grammars of their own
+(tool_grammars.py, tool_constraint.py). `Compiler` turns any of them into an
 llguidance grammar once per text (compiling is the costly part; a request gets a copy
 of a compiled matcher) and refuses what cannot be enforced with `InvalidRequest`, before
 the request reaches the engine. `Constraint` is one request's matcher, used only on the
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import llguidance
@@ -33,7 +35,7 @@ from jsonschema import exceptions as schema_errors
 from jsonschema import validators
 
 from mlx_relay.coordinator.markup import ChatMarkup
-from mlx_relay.coordinator.requests import InvalidRequest
+from mlx_relay.coordinator.requests import InvalidRequest, json_field
 
 # Between JSON tokens: nothing, one space, or one or two newlines and an indent of at
 # most 20, as llama.cpp's JSON-schema grammars allow. Unbounded whitespace lets a model
@@ -64,15 +66,9 @@ def request_grammar(response_format_json: str, grammar: str) -> tuple[str, str] 
 
 def response_format_grammar(raw: str) -> str | None:
     """The grammar of OpenAI's `response_format` (JSON text), None for plain text."""
-    raw = raw.strip()
-    if not raw:
+    value = json_field(raw, "response_format", dict, "a JSON object with a 'type'")
+    if value is None:
         return None
-    try:
-        value = json.loads(raw)
-    except ValueError as e:
-        raise InvalidRequest(f"response_format is not valid JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise InvalidRequest("response_format must be a JSON object with a 'type'")
     kind = value.get("type")
     if kind not in RESPONSE_FORMATS:
         raise InvalidRequest(
@@ -105,41 +101,6 @@ def check_schema(
         raise InvalidRequest(f"{field} is not a valid JSON Schema{at}: {e.message}") from e
 
 
-def tool_call_grammar(tools: list[dict]) -> str:
-    """The grammar of one forced call in Hermes JSON, the text after `<tool_call>`:
-    `{"name": N, "arguments": A}` where N is one of `tools` and A is valid against that
-    tool's `parameters` schema.
-
-    A `strict` tool's schema must be one llguidance enforces in full (else the request
-    is refused); other tools' schemas are enforced leniently (keywords llguidance does
-    not support are ignored), so a tool that was accepted before is not refused now.
-    Once the object closes the grammar is complete and the request ends: the output
-    parser reads an unclosed block at the end as the call.
-    """
-    rules, names = [], []
-    for i, tool in enumerate(tools):
-        function = tool["function"] if isinstance(tool.get("function"), dict) else tool
-        strict = function.get("strict") is True or tool.get("strict") is True
-        schema = function.get("parameters", function.get("input_schema"))
-        if schema is None:
-            schema = {"type": "object"}
-        if not isinstance(schema, dict):
-            raise InvalidRequest(f"tools[{i}] parameters must be a JSON Schema object")
-        check_schema(schema, f"tools[{i}] parameters")
-        guidance = {"whitespace_pattern": JSON_WHITESPACE, "lenient": not strict}
-        schema = {**schema, "x-guidance": {**guidance, **(schema.get("x-guidance") or {})}}
-        head = '{"name": ' + json.dumps(function["name"], ensure_ascii=False) + ', "arguments": '
-        names.append(f"call_{i}")
-        rules.append(f"call_{i}: {_lark_string(head)} args_{i} {_lark_string('}')}")
-        rules.append(f"args_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
-    return llguidance.grammar_from("lark", "\n".join([f"start: {' | '.join(names)}", *rules]))
-
-
-def _lark_string(text: str) -> str:
-    """`text` as a Lark string literal (JSON's escapes are Lark's)."""
-    return json.dumps(text, ensure_ascii=False)
-
-
 def gbnf_grammar(text: str) -> str:
     """An llguidance grammar from a GBNF grammar (llama.cpp syntax; Lark also accepted)."""
     try:
@@ -169,9 +130,37 @@ class Compiler:
             ) from e
         self.think_end_id = (markup or ChatMarkup.of(tokenizer)).think_end_id
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._memo: OrderedDict[Any, Any] = OrderedDict()
         self._lock = threading.Lock()
 
     def constraint(self, grammar: str, field: str, *, in_reasoning: bool = False) -> Constraint:
+        """A constraint of `grammar`, or InvalidRequest naming `field` and the reason."""
+        gate = self.think_end_id if in_reasoning else None
+        return Constraint(self.matcher(grammar, field), gate)
+
+    def memo(self, key: Any, make: Callable[[], Any]) -> Any:
+        """`make()`, once per `key` for this tokenizer (what a grammar or marker implies
+        about the vocabulary, computed once rather than per request)."""
+        with self._lock:
+            if key in self._memo:
+                return self._memo[key]
+        value = make()
+        with self._lock:
+            value = self._memo.setdefault(key, value)
+            while len(self._memo) > 2 * CACHED_GRAMMARS:
+                self._memo.popitem(last=False)
+            return value
+
+    def spell(self, text: str) -> str:
+        """`text` in a Lark grammar: a literal, or also the special token it is one of
+        (a special token's bytes never match a literal, as `<tool_call>` on Qwen)."""
+        literal = json.dumps(text, ensure_ascii=False)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) == 1 and self.ll_tokenizer.is_special_token(ids[0]):
+            return f"(<[{ids[0]}]> | {literal})"
+        return literal
+
+    def matcher(self, grammar: str, field: str) -> llguidance.LLMatcher:
         """A fresh matcher for `grammar`, or InvalidRequest naming `field` and the reason."""
         with self._lock:
             compiled = self._compiled.get(grammar)
@@ -185,8 +174,7 @@ class Compiler:
                 self._compiled[grammar] = compiled
                 while len(self._compiled) > CACHED_GRAMMARS:
                     self._compiled.popitem(last=False)
-        gate = self.think_end_id if in_reasoning else None
-        return Constraint(compiled.deep_copy(), gate)
+        return compiled.deep_copy()
 
 
 class Constraint:

@@ -4,92 +4,55 @@ gRPC handler threads never touch MLX. They submit a request and read its chunks 
 a queue; commands (load, free, shutdown) run on the engine thread once no step is in
 flight, so every rank always sees one well-ordered sequence of steps.
 
-Scheduling. A new sequence is prefilled one chunk per step, the way mlx-lm prefills:
-all prompt tokens but the last in chunks, then the last one in the step that yields the
-first token. Its chunks are known in advance, so several are in flight at once, each on
-the next rank while the one before it runs on this one. A chunk is sized by measured
-time: alone about CHUNK_TARGET_S (at most `--prefill-chunk` tokens), beside running
-streams about STALL_STEPS decode steps, so a long prompt delays each running stream by
-no more than that per token (scheduler.py holds these rules). It then joins one of
-several decode groups, each decoded as one batch per step. Units of work (a group's next token, a sequence's
-next prefill chunk) take turns, so a long prompt never stalls running streams, and up
-to one step per rank is in flight at once: while rank 1 runs one group's layers,
-rank 0 runs the next group's. Everything that decides — sampling, stop strings, EOS,
-cancellation — happens here, between steps, so a worker never has anything to decide.
-What a client sees of each token read back (text, reasoning, tool calls, logprobs, the
-finish reason, usage) is the output processor's (output.py).
+The engine is the thread shell around the scheduler (scheduler.py), which owns every
+request's state and decides: the engine asks it what to launch, launches it on the
+pipeline, samples what comes back and hands it the tokens, then carries out what it
+answers (chunks for the clients, frees and parks of slots). Scheduling, in short: a new
+sequence is prefilled one chunk per step, the way mlx-lm prefills: all prompt tokens
+but the last in chunks sized by measured time (policy.py), then the last one in the
+step that yields the first token. Its chunks are known in advance, so several are in
+flight at once, each on the next rank while the one before it runs on this one. It
+then joins one of several decode groups, each decoded as one batch per step. Units of
+work (a group's next token, a sequence's next prefill chunk) take turns, so a long
+prompt never stalls running streams, and up to one step per rank is in flight at once:
+while rank 1 runs one group's layers, rank 0 runs the next group's. Everything that
+decides (sampling, stop strings, EOS, cancellation) happens here, between steps, so a
+worker never has anything to decide. What a client sees of each token read back (text,
+reasoning, tool calls, logprobs, the finish reason, usage) is the output processor's
+(output.py).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.utils import load_tokenizer
 
 from mlx_relay import timeline
-from mlx_relay.coordinator.constraints import Constraint, apply_mask
+from mlx_relay.coordinator.admission import MemoryCheck
 from mlx_relay.coordinator.markup import ChatMarkup
-from mlx_relay.coordinator.output import Chunk, OutputProcessor
+from mlx_relay.coordinator.output import OutputProcessor
 from mlx_relay.coordinator.pipeline import ClusterFailure, Pipeline, RankFailure, Step
-from mlx_relay.coordinator.postprocess import OutputParser
-from mlx_relay.coordinator.sampling import Sampler, SamplingParams
-from mlx_relay.coordinator.scheduler import Scheduler, StepOutput, Unit, pick_group
-from mlx_relay.coordinator.slots import SlotTable, Taken
+from mlx_relay.coordinator.policy import StepOutput
+from mlx_relay.coordinator.sampling import sample_batch
+from mlx_relay.coordinator.scheduler import DecodeGroup, Forward, Park, Scheduler, Update
+from mlx_relay.coordinator.sequence import EngineError, Request, Sequence
 from mlx_relay.model import memory, vision
 from mlx_relay.model.step_inputs import PromptInputs
 from mlx_relay.protocol import header as hdr
 
+__all__ = ["Engine"]  # (the request model is sequence.py's)
+
 log = logging.getLogger("mlx_relay.engine")
-
-
-class EngineError(Exception):
-    """A request cannot be served; `kind` maps to a gRPC status in the servicer."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind  # "invalid", "unavailable", "exhausted", "internal", "cancelled"
-
-
-@dataclass
-class Request:
-    prompt_tokens: list[int]
-    params: SamplingParams
-    request_id: str = ""
-    tools: list[dict] | None = None
-    parse_tools: bool = True
-    starts_in_reasoning: bool = False
-    opens_tool_call: str = ""  # tool_choice forced a call: the prompt ends in its marker
-    constraint: Constraint | None = None  # a grammar the output must follow
-    # A vision-language request's preprocessed images (prompt_tokens then hold one image
-    # token per image feature): rank 0 merges them into the prompt's embeddings.
-    pixel_values: Any = None
-    created: float = field(default_factory=time.perf_counter)
-    out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def chunks(self) -> Iterator[Chunk]:
-        """Blocking iterator over the stream; raises EngineError if the request failed."""
-        while True:
-            item = self.out.get()
-            if isinstance(item, Exception):
-                raise item
-            yield item
-            if item.finish_reason is not None:
-                return
 
 
 @dataclass
@@ -100,59 +63,6 @@ class Sampled:
     seqs: list[Sequence]
     tokens: mx.array  # (len(seqs),)
     logprobs: list[mx.array | None]  # a row's log-probabilities where its request wants them
-
-
-@dataclass
-class Sequence:
-    """Engine-thread state of one active request."""
-
-    request: Request
-    slot: int
-    sampler: Sampler
-    detokenizer: Any
-    parser: OutputParser  # also cuts the stop strings
-    pending: list[int]  # prompt tokens still to prefill
-    position: int = 0  # tokens fed to the KV caches (sent round the ring)
-    context: list[int] = field(default_factory=list)  # prompt + sampled tokens read so far
-    generated: list[int] = field(default_factory=list)
-    # The token sampled last, still on the device: the next decode step's input.
-    next_input: mx.array | None = None
-    cached_tokens: int = 0  # prompt tokens found in a parked cache; the first step reuses it
-    taken: Taken | None = None  # how the slot was taken, until the first step launches
-    reasoning_tokens: int = 0
-    group: int | None = None
-    in_flight: int = 0  # steps of this sequence now round the ring
-    first_token_at: float | None = None
-    # An image request's merged prompt embeddings, from its first prefill chunk on.
-    embeddings: PromptInputs | None = None
-
-    @property
-    def prefilling(self) -> bool:
-        """Prompt tokens left to send: known in advance, so several chunks may be in flight."""
-        return self.first_token_at is None and bool(self.pending)
-
-
-def _has_images(seq: Sequence) -> bool:
-    return seq.request.pixel_values is not None
-
-
-def _cached_before_images(request: Request, cached: int, config: dict[str, Any]) -> int:
-    """An image request reuses a parked cache only where it ends before the first
-    image token: past it, equal token ids need not mean equal images. None where the
-    prompt goes whole from position 0 (vision.prefills_whole: gemma4's image mask)."""
-    if request.pixel_values is None or not cached:
-        return cached
-    if vision.prefills_whole(config):
-        return 0
-    prompt, image_token = request.prompt_tokens, vision.image_token_id(config)
-    first = prompt.index(image_token) if image_token in prompt else len(prompt)
-    return cached if cached <= first else 0
-
-
-def _constrained(seq: Sequence) -> bool:
-    """A grammar decides this sequence's next token (not while it waits for a think end)."""
-    constraint = seq.request.constraint
-    return constraint is not None and constraint.active
 
 
 class Engine:
@@ -168,31 +78,28 @@ class Engine:
         prompt_cache_tokens: int = 0,
     ) -> None:
         self.pipeline = pipeline
-        self.prompt_cache = prompt_cache
-        self.prompt_cache_tokens = prompt_cache_tokens  # 0: as many as the slots hold
         self.max_active = max_active
         self.max_queue = max_queue
-        self.prefill_chunk = prefill_chunk
         self.default_max_tokens = default_max_tokens
         self.max_in_flight = max(1, pipeline.depth)
-        n_groups = max(pipeline.depth, math.ceil(max_active / hdr.MAX_SEQS))
         self.tokenizer: Any = None
         self.markup: ChatMarkup | None = None  # its chat markup, resolved once at load
         self.context_length = 0
         self.state = "starting"
         self.error = ""
         self.on_state: Callable[[str], None] = lambda state: None
-        self._output: OutputProcessor | None = None  # the loaded model's output rules
-        self._waiting: deque[Request] = deque()
-        self._active: list[Sequence] = []
-        self._groups: list[list[Sequence]] = [[] for _ in range(n_groups)]
+        self.scheduler = Scheduler(
+            max_active=max_active,
+            max_queue=max_queue,
+            prefill_chunk=prefill_chunk,
+            groups=max(pipeline.depth, math.ceil(max_active / hdr.MAX_SEQS)),
+            prompt_cache=prompt_cache,
+            prompt_cache_tokens=prompt_cache_tokens,
+        )
         self._launched: deque[Step] = deque()
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
-        self._cv = threading.Condition()
-        self._slots = SlotTable(max_active)
-        self._reuse = False  # prompt_cache, and the model's caches can be cut back
+        self._cv = threading.Condition()  # held around every call into the scheduler
         self._stop = False
-        self._scheduler = Scheduler(prefill_chunk)  # what runs next (data in, data out)
         # Forward steps round the ring by kind, and their seconds from launch to back on
         # rank 0 (read by the metrics; written by the engine thread only).
         self.step_counts: dict[str, int] = {}
@@ -210,14 +117,7 @@ class Engine:
         with self._cv:
             if self.state != "serving":
                 raise EngineError("unavailable", f"the cluster is not serving ({self.state})")
-            # Requests about to take a free slot are not queued: only those beyond count.
-            if len(self._waiting) - self._slots.open() >= self.max_queue:
-                raise EngineError(
-                    "exhausted",
-                    f"server busy: {len(self._active)} requests running and "
-                    f"{len(self._waiting)} queued (limit {self.max_queue}); retry later",
-                )
-            self._waiting.append(request)
+            self.scheduler.add(request)
             self._cv.notify_all()
         return request
 
@@ -234,45 +134,17 @@ class Engine:
 
     def counts(self) -> tuple[int, int]:
         with self._cv:
-            return len(self._active), len(self._waiting)
+            return len(self.scheduler.running), len(self.scheduler.waiting)
 
     def snapshot(self) -> list[dict[str, Any]]:
-        """Every request queued or running, for a status page: its phase, tokens so far,
-        timings and prompt-cache hit. Read from another thread: counts may be a step old."""
-        now = time.perf_counter()
+        """Every request queued or running, for a status page (scheduler.snapshot)."""
         with self._cv:
-            waiting, active = list(self._waiting), list(self._active)
-        out: list[dict[str, Any]] = [
-            {
-                "request_id": r.request_id,
-                "phase": "queued",
-                "prompt_tokens": len(r.prompt_tokens),
-                "age_s": now - r.created,
-            }
-            for r in waiting
-        ]
-        for seq in active:
-            r, first, generated = seq.request, seq.first_token_at, len(seq.generated)
-            row = {
-                "request_id": r.request_id,
-                "phase": "prefill" if first is None else "decode",
-                "prompt_tokens": len(r.prompt_tokens),
-                "prefilled_tokens": len(r.prompt_tokens) - len(seq.pending),
-                "cached_tokens": seq.cached_tokens,
-                "generated_tokens": generated,
-                "age_s": now - r.created,
-            }
-            if first is not None:
-                row["time_to_first_token_s"] = first - r.created
-                if generated > 1 and now > first:
-                    row["decode_tokens_per_s"] = (generated - 1) / (now - first)
-            out.append(row)
-        return sorted(out, key=lambda row: -row["age_s"])
+            return self.scheduler.snapshot()
 
     def cached_prompts(self) -> tuple[int, int]:
         """Parked slots and the tokens their caches hold."""
         with self._cv:
-            return self._slots.stats()
+            return self.scheduler.slots.stats()
 
     def load(self, spec: str, layers: list[int] | None = None) -> Future:
         return self.call(lambda: self._load(spec, layers))
@@ -314,8 +186,8 @@ class Engine:
                         self._complete_oldest()
                     self._run_commands()
                     continue
-                self._admit()
-                self._reap_cancelled()
+                self._update(self.scheduler.admit)
+                self._update(self.scheduler.reap_cancelled)
                 self._launch_ready()
                 if self._launched:
                     self._complete_oldest()
@@ -329,14 +201,7 @@ class Engine:
         """Nothing to launch: block (the workers sleep on their doorbells meanwhile)."""
         with self._cv:
             self._cv.wait_for(
-                lambda: (
-                    self._stop
-                    or self._commands
-                    or (self._waiting and self._slots.open())
-                    or any(s.request.cancelled.is_set() for s in self._active)
-                    or self._launchable()
-                ),
-                timeout=0.5,
+                lambda: self._stop or self._commands or self.scheduler.has_work(), timeout=0.5
             )
 
     def _run_commands(self) -> None:
@@ -355,166 +220,71 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - reported to the caller
                 future.set_exception(e)
 
-    def _admit(self) -> None:
-        failed: list[Taken] = []
+    def _update(self, call: Callable[..., Update], *args: Any) -> None:
+        """Ask the scheduler (under the lock), then carry out its answer: chunks and
+        errors to the requests' queues, then its slots' free and park steps, in order."""
         with self._cv:
-            while self._waiting and self._slots.open():
-                request = self._waiting.popleft()
-                if request.cancelled.is_set():
-                    request.out.put(Chunk(finish_reason="cancelled"))
-                    continue
-                short = self._memory_short(request)
-                if short and self._active:  # running sequences will end and free theirs
-                    self._waiting.appendleft(request)
-                    break
-                if short:
-                    request.out.put(EngineError("exhausted", f"not enough memory: {short}"))
-                    continue
-                taken = self._slots.take(request.prompt_tokens)
-                try:
-                    seq = self._new_sequence(request, taken)
-                except Exception as e:  # noqa: BLE001 - one bad request must not stop the engine
-                    log.exception("request %s cannot start: %s", request.request_id, e)
-                    request.out.put(EngineError("internal", f"the request cannot start: {e}"))
-                    failed.append(taken)
-                    continue
-                self._active.append(seq)
-        for taken in failed:
-            self._give_back(taken)
-
-    def _memory_short(self, request: Request) -> str:
-        """Why `request`'s caches would not fit what the ranks have left now ('' if they
-        would): rank 0's own figures, the workers' from their last heartbeat, less what
-        the running sequences may still add. Rechecked at most every 50 ms while it waits."""
-        loaded = self.pipeline.loaded
-        if loaded is None:
-            return ""
-        now = time.monotonic()
-        last = getattr(self, "_memory_checked", (0.0, None, ""))
-        if last[1] is request and now - last[0] < 0.05:
-            return last[2]
-        bound = memory.sequence_bound(self.context_length) or 1 << 30
-
-        def most(r: Request) -> int:  # the tokens a sequence may reach
-            return min(len(r.prompt_tokens) + r.params.max_tokens, bound)
-
-        tokens = most(request)
-        running = [(s.position, most(s.request)) for s in self._active]
-        parked = [len(t) for t in self._slots.parked.values()]
-        figures = {0: memory.stats()}
-        if self.pipeline.hub is not None:
-            figures.update({r: i.stats for r, i in self.pipeline.hub.snapshot().items()})
-        short = memory.admission_shortfall(
-            Path(loaded.path), loaded.ranges, figures, tokens, running, parked, loaded.fingerprint
-        )
-        self._memory_checked = (now, request, short)
-        return short
-
-    def _give_back(self, taken: Taken) -> None:
-        """A slot taken for a sequence that never ran a step: no rank touched its caches."""
-        with self._cv:
-            if taken.held is not None:
-                self._slots.park(taken.slot, taken.held)
-                return
-            if taken.source is not None:  # a copy source, pinned for this sequence
-                self._slots.unpin(taken.source)
-        self._free_slot(taken.slot)  # it may hold an evicted cache on every rank
-
-    def _new_sequence(self, request: Request, taken: Taken) -> Sequence:
-        cached = _cached_before_images(request, taken.cached, self.pipeline.shard.config)
-        return Sequence(
-            request=request,
-            slot=taken.slot,
-            sampler=Sampler(request.params),
-            detokenizer=self.tokenizer.detokenizer,
-            parser=OutputParser(
-                self.markup,
-                tools=request.tools,
-                parse_tools=request.parse_tools,
-                starts_in_reasoning=request.starts_in_reasoning,
-                opens_tool_call=request.opens_tool_call,
-                stop=request.params.stop,
-            ),
-            pending=list(request.prompt_tokens[cached:]),
-            position=cached,
-            context=list(request.prompt_tokens[:cached]),
-            cached_tokens=cached,
-            taken=taken,
-        )
-
-    def _reap_cancelled(self) -> None:
-        """End cancelled sequences now: steps of theirs still in flight run to their end
-        on every rank before the freeing step that follows them (steps keep their order),
-        and what they return is ignored."""
-        for seq in list(self._active):
-            if seq.request.cancelled.is_set():
-                self._finish(seq, Chunk(), reason="cancelled")
+            update = call(*args)
+        for request, item in update.emit:
+            request.out.put(item)
+        for action in update.slots:
+            step = self.pipeline.launch_free([action.slot], park=isinstance(action, Park))
+            if step is not None:
+                self._launched.append(step)
 
     # --- launching -----------------------------------------------------------------
-    def _units(self) -> list[Unit]:
-        """Work that can go round the ring now, in a stable order."""
-        units = [
-            Unit("group", g)
-            for g, members in enumerate(self._groups)
-            if members and all(s.next_input is not None for s in members)
-        ]
-        shard = self.pipeline.shard  # (whole: its image prompts go in one step)
-        whole = shard is not None and vision.prefills_whole(shard.config)
-        units += [
-            Unit(
-                "prefill",
-                s,
-                len(s.pending),
-                whole and s.request.pixel_values is not None,
-                position=s.position,
-            )
-            for s in self._active
-            if s.group is None and s.prefilling and not s.request.cancelled.is_set()
-        ]
-        return units
-
-    def _launchable(self) -> bool:
-        return bool(self._units())
+    def _launch_ready(self) -> None:
+        if self._commands:  # a command waits for the ring to empty: launch nothing new
+            return
+        limit = min(self.max_in_flight, self.pipeline.in_flight_limit)
+        while len(self._launched) < limit and self._launch_next():
+            pass
 
     def _launch_next(self) -> bool:
-        plan = self._scheduler.schedule(self._units(), decoding=any(self._groups))
-        if plan is None:
+        with self._cv:
+            action = self.scheduler.schedule()
+        if action is None:
             return False
-        unit = plan.unit
         try:
-            if unit.kind == "group":
-                self._launch_group(unit.key)
-            else:
-                self._launch_single(unit.key, plan.tokens, plan.want_logits)
+            step = self._launch(action)
         except RankFailure:
             raise
         except Exception as e:  # noqa: BLE001 - rank 0's own stage failed for this unit
             broken = self.pipeline.ring_failure(e)
             if broken is not None:  # the input it waited for never came: a rank is gone
                 raise broken from e
-            seqs = self._groups[unit.key] if unit.kind == "group" else [unit.key]
             log.exception("rank 0 failed a step: %s", e)
-            for seq in list(seqs):
-                self._finish(seq, EngineError("internal", f"rank 0: {e}"))
+            self._update(self.scheduler.fail, action.seqs, "internal", f"rank 0: {e}")
+            return True
+        step.tag = action.seqs
+        self._launched.append(step)
+        self._update(self.scheduler.launched, action)
         return True
 
-    def _launch_single(self, seq: Sequence, n: int, want_logits: bool) -> None:
-        """The next prefill chunk of `n` tokens, or the last prompt token (whose logits
-        give token 1), as the scheduler planned it."""
-        tokens, seq.pending = seq.pending[:n], seq.pending[n:]
-        step = self.pipeline.launch_forward(
+    def _launch(self, action: Forward) -> Step:
+        """One forward step on the pipeline: a decode group's, fed the tokens its members
+        sampled last, which may not be computed yet (the step goes out before the host
+        has read them); or a sequence's next prompt chunk."""
+        if isinstance(action, DecodeGroup):
+            members = action.members
+            return self.pipeline.launch_forward(
+                [s.slot for s in members],
+                [s.position for s in members],
+                mx.concatenate(action.inputs)[:, None],
+                [1] * len(members),
+                group=action.group,
+                want_logits=True,
+            )
+        seq, n = action.seq, len(action.tokens)
+        return self.pipeline.launch_forward(
             [seq.slot],
             [seq.position],
-            mx.array([tokens]),
+            mx.array([action.tokens]),
             [n],
-            want_logits=want_logits,
-            reuse_from=seq.taken.source if seq.taken and seq.cached_tokens else None,
+            want_logits=action.want_logits,
+            reuse_from=action.reuse_from,
             prompt=self._image_inputs(seq, n),
         )
-        self._launched_first(seq)
-        seq.position += n
-        seq.context.extend(tokens)
-        self._track(step, [seq])
 
     def _image_inputs(self, seq: Sequence, n: int) -> PromptInputs | None:
         """For an image request, its prompt's merged embeddings (and multimodal rope
@@ -532,7 +302,7 @@ class Engine:
         return out
 
     def _timed(self, step: Step) -> None:
-        """Tell the scheduler what a finished forward step took."""
+        """Count a finished forward step, and tell the scheduler what it took."""
         header = step.header
         if header.cmd != hdr.CMD_FORWARD:
             return
@@ -546,41 +316,16 @@ class Engine:
         self.step_seconds[kind] = self.step_seconds.get(kind, 0.0) + seconds
         carried = header.n_seqs if decode else header.lengths[0]
         self.step_tokens[kind] = self.step_tokens.get(kind, 0) + carried
-        self._scheduler.update_from_output(
-            StepOutput(
-                kind="group" if decode else "prefill",
-                seconds=took,
-                tokens=0 if decode else header.lengths[0],
-                units=step.units,
-                want_logits=step.want_logits,
-                beside_prefill=decode and any(s.prefilling for s in self._active),
+        with self._cv:
+            self.scheduler.step_took(
+                StepOutput(
+                    kind="group" if decode else "prefill",
+                    seconds=took,
+                    tokens=0 if decode else header.lengths[0],
+                    units=step.units,
+                    want_logits=step.want_logits,
+                )
             )
-        )
-
-    def _launch_group(self, group: int) -> None:
-        """One decode step of the group, fed the tokens its members sampled last, which
-        may not be computed yet: the step goes out before the host has read them."""
-        members = list(self._groups[group])
-        tokens = mx.concatenate([s.next_input for s in members])[:, None]
-        for s in members:
-            s.next_input = None
-        step = self.pipeline.launch_forward(
-            [s.slot for s in members],
-            [s.position for s in members],
-            tokens,
-            [1] * len(members),
-            group=group,
-            want_logits=True,
-        )
-        for s in members:
-            s.position += 1
-        self._track(step, members)
-
-    def _track(self, step: Step, seqs: list[Sequence]) -> None:
-        step.tag = seqs
-        for s in seqs:
-            s.in_flight += 1
-        self._launched.append(step)
 
     # --- completing ----------------------------------------------------------------
     def _complete_oldest(self) -> None:
@@ -590,15 +335,11 @@ class Engine:
         the host detokenizes, parses and streams."""
         step = self._launched.popleft()
         seqs: list[Sequence] = step.tag or []
-        for s in seqs:
-            s.in_flight -= 1
         sampled: Sampled | None = None
         try:
             logits = self.pipeline.complete(step, early=True)
-            for seq in seqs:
-                if seq in self._active and seq.request.cancelled.is_set():
-                    self._finish(seq, Chunk(), reason="cancelled")
-            rows = [(i, s) for i, s in enumerate(seqs) if s in self._active]
+            self._update(self.scheduler.reap_cancelled, seqs)
+            rows = [(i, s) for i, s in enumerate(seqs) if self.scheduler.is_running(s)]
             if logits is not None and rows:
                 # On CUDA the return is settled only once the next steps are built on
                 # the sampled tokens, right before their launch (Pipeline.settle).
@@ -615,7 +356,8 @@ class Engine:
             raise
         except RankFailure as e:
             sampled = None  # (nothing of this step is read: it is done with)
-            self._step_failed(step, seqs, e)
+            log.error("%s failed: %s", step.header.describe(), e)
+            self._update(self.scheduler.step_failed, step.header.slots, seqs, str(e))
             return
         finally:
             if sampled is None:  # nothing will read this step's results
@@ -625,82 +367,21 @@ class Engine:
         self._timed(step)
         self.pipeline.announce()
 
-    def _step_failed(self, step: Step, seqs: list[Sequence], e: RankFailure) -> None:
-        log.error("%s failed: %s", step.header.describe(), e)
-        for seq in seqs:
-            if seq in self._active:
-                self._finish(seq, EngineError("internal", str(e)))
-        # A rank failed a step on these slots: a parked cache among them (a park that
-        # failed, or a finished sequence's last step still in flight) may not hold what
-        # the other ranks' copies hold, so nobody may reuse it.
-        lost = set(step.header.slots)
-        for seq in self._active:
-            if seq.taken and seq.cached_tokens and seq.taken.source in lost:
-                self._restart_prefill(seq)
-        with self._cv:
-            forgotten = self._slots.forget(step.header.slots)
-        for slot in forgotten:
-            self._free_slot(slot)
-        # Its later steps in flight fail too; they find the sequences finished.
-
-    def _launch_ready(self) -> None:
-        if self._commands:  # a command waits for the ring to empty: launch nothing new
-            return
-        limit = min(self.max_in_flight, self.pipeline.in_flight_limit)
-        while len(self._launched) < limit and self._launch_next():
-            pass
-
-    def _join_group(self, seq: Sequence) -> None:
-        group = pick_group([len(m) for m in self._groups], hdr.MAX_SEQS)
-        seq.group = group
-        self._groups[group].append(seq)
-
     def _sample(
         self, step: Step, rows: list[tuple[int, Sequence]], logits: mx.array, start: bool = True
     ) -> Sampled:
-        """mlx-lm's step for each row (logits processors, log-softmax, sample), built as
-        one graph and started (unless not `start`: the caller starts it once the return
-        it reads is settled), not waited for; each sequence's next input is its row.
-
-        Rows that take the plain greedy token share one argmax; only requests that need
-        their own work (a seed, penalties, a grammar) get a row of their own. A grammar's
-        mask is applied after the logits processors, as the last of them; it is for the
-        token after the one read back last, which `_emit` has moved the matcher over (a
-        sequence has at most one step that wants logits in flight).
-        """
+        """mlx-lm's step for each row (sampling.sample_batch), built as one graph and
+        started (unless not `start`: the caller starts it once the return it reads is
+        settled), not waited for; each sequence's next input is its row. A grammar's
+        mask is for the token after the one read back last, which the scheduler has
+        moved the matcher over (a sequence has at most one step that wants logits in
+        flight)."""
         if len(rows) < logits.shape[0]:
             logits = logits[mx.array([i for i, _ in rows])]
         seqs = [s for _, s in rows]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        own_rows = [
-            s.sampler.processes or s.sampler.params.temperature != 0 or _constrained(s)
-            for s in seqs
-        ]
-        wanted: list[mx.array | None] = [None] * len(seqs)
-        if not any(own_rows):
-            tokens = mx.argmax(logprobs, axis=-1)
-        else:
-            picked = []
-            for j, seq in enumerate(seqs):
-                row = logprobs[j : j + 1]
-                constraint = seq.request.constraint
-                allowed = constraint.mask(logits.shape[-1]) if constraint is not None else None
-                if seq.sampler.processes or allowed is not None:
-                    row = logits[j : j + 1]
-                    if seq.sampler.processes:
-                        row = seq.sampler.process(seq.context, seq.generated, row)
-                    if allowed is not None:
-                        row = apply_mask(row, allowed)
-                    row = row - mx.logsumexp(row, keepdims=True)
-                picked.append(seq.sampler.sample(row))
-                wanted[j] = row[0]
-            tokens = mx.concatenate(picked)
-        for j, seq in enumerate(seqs):
-            if seq.request.params.logprobs and wanted[j] is None:
-                wanted[j] = logprobs[j]
-            seq.next_input = tokens[j : j + 1]
-            if seq.group is None:
-                self._join_group(seq)
+        tokens, wanted = sample_batch(logits, seqs)
+        with self._cv:
+            self.scheduler.sampled(seqs, tokens)
         if start:
             mx.async_eval(tokens)
         return Sampled(step, seqs, tokens, wanted)
@@ -710,92 +391,7 @@ class Engine:
         values = sampled.tokens.tolist()
         timeline.mark("tokens", sampled.step.header.step_id)
         self.pipeline.done(sampled.step)
-        now = time.perf_counter()
-        for seq, token, logprobs in zip(sampled.seqs, values, sampled.logprobs, strict=True):
-            if seq not in self._active:
-                continue
-            if seq.first_token_at is None:
-                seq.first_token_at = now
-            seq.context.append(token)
-            self._emit(seq, token, logprobs)
-
-    def _emit(self, seq: Sequence, token: int, logprobs: mx.array | None) -> None:
-        chunk, reason = self._output.token(seq, token, logprobs)
-        constraint = seq.request.constraint
-        if not reason and constraint is not None:
-            # Here, while the device runs the next step: the matcher takes the token and
-            # computes the next mask. A complete grammar ends the sequence.
-            try:
-                reason = "stop" if constraint.advance(token) else ""
-            except RuntimeError as e:
-                log.error("request %s: %s", seq.request.request_id, e)
-                self._finish(seq, EngineError("internal", str(e)))
-                return
-        if reason:
-            self._finish(seq, chunk, reason=reason)
-        else:
-            seq.request.out.put(chunk)
-
-    def _finish(self, seq: Sequence, last: Chunk | Exception, reason: str | None = None) -> None:
-        request = seq.request
-        if isinstance(last, Chunk):
-            self._output.finish(seq, last, reason)
-        request.out.put(last)
-        self._active.remove(seq)
-        if seq.group is not None:
-            self._groups[seq.group].remove(seq)
-        if seq.taken is not None and isinstance(last, Chunk):  # ended before any step
-            self._give_back(seq.taken)
-            self._keep_to_budget()
-        elif seq.taken is not None:  # its first step failed on rank 0: reset the slot
-            self._launched_first(seq)
-            self._free_slot(seq.slot)
-        elif self._reuse and isinstance(last, Chunk) and seq.position and not _has_images(seq):
-            # (an image request's caches are not parked: its image tokens' ids say
-            # nothing of the image, so a later prompt could match them wrongly)
-            # It ended normally: its caches stay for a later prompt sharing a prefix
-            # (after its steps still in flight: the park step follows them everywhere).
-            self._launch_free([seq.slot], park=True)
-            with self._cv:
-                self._slots.park(seq.slot, seq.context[: seq.position])
-            self._keep_to_budget()
-        else:
-            self._free_slot(seq.slot)
-
-    def _launched_first(self, seq: Sequence) -> None:
-        """Rank 0 copied or cut back at launch, and every worker does so before any later
-        step: a copy source may be taken or evicted again."""
-        taken, seq.taken = seq.taken, None
-        if taken is not None and taken.source not in (None, taken.slot):
-            with self._cv:
-                self._slots.unpin(taken.source)
-            self._keep_to_budget()
-
-    def _keep_to_budget(self) -> None:
-        """Free the oldest parked caches beyond --prompt-cache-tokens on every rank."""
-        if self.prompt_cache_tokens <= 0:
-            return
-        with self._cv:
-            evicted = self._slots.over_budget(self.prompt_cache_tokens)
-        for slot in evicted:
-            self._free_slot(slot)
-
-    def _restart_prefill(self, seq: Sequence) -> None:
-        """Its parked source is gone before its first step: prefill the whole prompt."""
-        self._launched_first(seq)  # unpins
-        prompt = seq.request.prompt_tokens
-        seq.pending, seq.position, seq.context, seq.cached_tokens = list(prompt), 0, [], 0
-
-    def _free_slot(self, slot: int) -> None:
-        """Drop the slot's caches on every rank; it is empty from now on."""
-        self._launch_free([slot])
-        with self._cv:
-            self._slots.release(slot)
-
-    def _launch_free(self, slots: list[int], park: bool = False) -> None:
-        step = self.pipeline.launch_free(slots, park=park)
-        if step is not None:
-            self._launched.append(step)
+        self._update(self.scheduler.update_from_output, sampled.seqs, values, sampled.logprobs)
 
     # --- commands (engine thread, nothing in flight) ---------------------------------
     def _load(self, spec: str, layers: list[int] | None) -> Any:
@@ -805,14 +401,19 @@ class Engine:
             loaded = self.pipeline.load(spec, layers)
             self.tokenizer = load_tokenizer(loaded.path)
             self.markup = ChatMarkup.of(self.tokenizer)
-            config = self.pipeline.shard.config
-            self.context_length = int(config.get("max_position_embeddings") or 0)
-            self._output = OutputProcessor(self.tokenizer, self.context_length)
-            self._unpark_all()
-            self._reuse = self.prompt_cache and self.pipeline.shard.reusable_caches
             shard = self.pipeline.shard
-            self._scheduler.reset(self.pipeline.hidden_size, fixed_alone=shard.kv is not None)
-            self._slots.usable = self.pipeline.shard.usable_prefix
+            self.context_length = int(shard.config.get("max_position_embeddings") or 0)
+            check = MemoryCheck(
+                loaded.path, loaded.ranges, loaded.fingerprint, self.context_length, self._figures
+            )
+            with self._cv:
+                self.scheduler.load(
+                    OutputProcessor(self.tokenizer, self.context_length),
+                    self.markup,
+                    shard,
+                    self.pipeline.hidden_size,
+                    check,
+                )
         except Exception:
             self._set_state("unloaded")
             raise
@@ -820,11 +421,19 @@ class Engine:
         self._set_state("serving")
         return loaded
 
+    def _figures(self) -> dict[int, dict[str, Any]]:
+        """Each rank's latest memory figures: rank 0's now, the workers' last heartbeat's."""
+        figures = {0: memory.stats()}
+        if self.pipeline.hub is not None:
+            figures.update({r: i.stats for r, i in self.pipeline.hub.snapshot().items()})
+        return figures
+
     def _free(self, shutdown: bool) -> str:
         self._cancel_all("the model was freed")
         self.pipeline.unload()
-        self._unpark_all()
-        self.tokenizer = self.markup = self._output = None
+        with self._cv:
+            self.scheduler.unload()
+        self.tokenizer = self.markup = None
         self._set_state("unloaded")
         if shutdown:
             self._set_state("stopping")
@@ -834,18 +443,8 @@ class Engine:
             return "model freed; every rank is shutting down"
         return "model freed on every rank"
 
-    def _unpark_all(self) -> None:
-        """The ranks' caches were replaced or dropped: parked slots are empty again."""
-        with self._cv:
-            self._slots.reset()
-
     def _cancel_all(self, why: str) -> None:
-        with self._cv:
-            waiting, self._waiting = list(self._waiting), deque()
-        for request in waiting:
-            request.out.put(EngineError("unavailable", why))
-        for seq in list(self._active):
-            self._finish(seq, EngineError("unavailable", why))
+        self._update(self.scheduler.cancel_all, why)
         while self._launched:
             self._complete_oldest()
 
@@ -855,11 +454,10 @@ class Engine:
             self._set_state("failed")
         with self._cv:
             self._stop = True
-            waiting, self._waiting = list(self._waiting), deque()
+            requests = self.scheduler.abandon()
             commands, self._commands = list(self._commands), deque()
             self._cv.notify_all()
-        for request in waiting + [s.request for s in list(self._active)]:
+        for request in requests:
             request.out.put(EngineError("unavailable", why))
-        self._active.clear()
         for _, future in commands:
             future.set_exception(EngineError("unavailable", why))

@@ -20,6 +20,13 @@ from mlx_relay.coordinator.tool_parsers import hermes, tool_code
 from mlx_relay.coordinator.tool_parsers.common import name_and_arguments
 
 DEFAULT_THINK_MARKERS = ("<think>", "</think>")
+# mlx-lm's tool parsers (by module) whose format tool_grammars can hold to a grammar.
+_DECLARED_SYNTAX = {
+    "json_tools": "hermes",
+    "qwen3_coder": "qwen_xml",
+    "mistral": "mistral_json",
+    "pythonic": "pythonic",
+}
 
 # Parses the text between a format's markers into (name, arguments) pairs; raises
 # ValueError (or anything else) when the text is not a call in that format.
@@ -52,6 +59,9 @@ class ChatMarkup:
     # The marker that opens a call this model writes (forcing tool_choice), or None.
     tool_call_start: str | None = None
     tool_parser: str = ""  # where the parser comes from, for logs and tests
+    # How a call is held to a grammar (tool_grammars.SYNTAXES), None where no grammar
+    # of this model's format is known: its calls are then parsed but not constrained.
+    tool_syntax: str | None = None
 
     @classmethod
     def of(cls, tokenizer: Any) -> ChatMarkup:
@@ -65,10 +75,18 @@ class ChatMarkup:
             formats = (ToolFormat(call_start, call_end, _calls(parser, second)),)
             opener: str | None = call_start
             source = getattr(parser, "__module__", "") or "tokenizer"
+            syntax = _DECLARED_SYNTAX.get(source.rpartition(".")[2])
+            if syntax == "mistral_json" and "[ARGS]" in _template(tokenizer):
+                syntax = "mistral_args"  # newer Mistral templates: name[ARGS]{...}
         else:
             formats = tuple(ToolFormat(s, e, _calls(p)) for s, e, p in tool_parsers.FALLBACK)
             opener = _template_tool_marker(tokenizer, [f.start for f in formats])
             source = "fallback"
+            syntax = None
+            if opener == hermes.tool_call_start:
+                syntax = "qwen_xml" if "<function=" in _template(tokenizer) else "hermes"
+            elif opener == tool_code.tool_call_start:
+                syntax = "tool_code"
         return cls(
             think_start=start,
             think_end=end,
@@ -77,21 +95,12 @@ class ChatMarkup:
             tool_formats=formats,
             tool_call_start=opener,
             tool_parser=source,
+            tool_syntax=syntax,
         )
 
     def opens_think(self, prompt_text: str) -> bool:
         """Templates such as Qwen3's open the think block in the prompt itself."""
         return prompt_text.rstrip().endswith(self.think_start)
-
-    @property
-    def json_tool_calls(self) -> bool:
-        """A call is `<tool_call>` + Hermes JSON (`{"name", "arguments"}`): what a forced
-        call's grammar (constraints.tool_call_grammar) writes. Qwen3-Coder's and GLM's
-        `<tool_call>` hold XML-like bodies instead."""
-        return self.tool_call_start == hermes.tool_call_start and self.tool_parser in (
-            "fallback",
-            "mlx_lm.tool_parsers.json_tools",
-        )
 
     @property
     def tool_call_opening(self) -> str:
@@ -128,9 +137,13 @@ def _declared_tool_parser(tokenizer: Any) -> tuple[Callable, str, str] | None:
 
 def _template_tool_marker(tokenizer: Any, markers: list[str]) -> str | None:
     """The first of our markers that the chat template writes, if any."""
-    template = getattr(tokenizer, "chat_template", None)
-    template = template if isinstance(template, str) else str(template or "")
+    template = _template(tokenizer)
     return next((m for m in markers if m in template), None)
+
+
+def _template(tokenizer: Any) -> str:
+    template = getattr(tokenizer, "chat_template", None)
+    return template if isinstance(template, str) else str(template or "")
 
 
 def _single_token(tokenizer: Any, text: str) -> int | None:

@@ -4,45 +4,18 @@ reasoning, tool calls and logprobs, and the last chunk's finish reason, usage an
 The engine decides what runs, samples, and reads tokens back; it hands every token to
 the `OutputProcessor` of the loaded model and only acts on the answer (stream the chunk,
 or end the sequence), so output rules change here without touching the engine's loop.
+`Chunk` and `TokenLogprob` are the request model's (sequence.py); the doors import
+them from here.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 
-from mlx_relay.coordinator.postprocess import ToolCall
-
-if TYPE_CHECKING:
-    from mlx_relay.coordinator.engine import Sequence
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    token: str
-    logprob: float
-    top: list[tuple[int, str, float]] = field(default_factory=list)
-
-
-@dataclass
-class Chunk:
-    """A piece of one request's output stream; the last one has a finish_reason."""
-
-    text: str = ""
-    reasoning: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    usage: dict[str, int] | None = None
-    timings: dict[str, float] | None = None
-    malformed_tool_call: bool = False
-    unknown_tools: list[str] = field(default_factory=list)
-    stop_sequence: str = ""  # the stop string that ended it (finish_reason "stop")
+from mlx_relay.coordinator.sequence import Chunk, Sequence, TokenLogprob
 
 
 class OutputProcessor:

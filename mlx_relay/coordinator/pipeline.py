@@ -24,7 +24,8 @@ import numpy as np
 
 from mlx_relay import timeline
 from mlx_relay.coordinator.mailboxes import Mailboxes
-from mlx_relay.coordinator.pace import FIRST_SHAPE_S, SLACK, StepPace, step_cost, step_shape
+from mlx_relay.coordinator.pace import StepPace, step_cost
+from mlx_relay.coordinator.ring_watch import ClusterFailure, RankFailure, RingWatch
 from mlx_relay.model import memory, sharding, speed
 from mlx_relay.model.default_model import resolve_model
 from mlx_relay.model.kvcache import CacheError, SlotCaches
@@ -32,7 +33,6 @@ from mlx_relay.model.speed import speed_weights
 from mlx_relay.model.split import (
     AUTO,
     default_split,
-    fits_memory,
     keep_kv_shared_together,
     layer_costs,
     layer_ranges,
@@ -49,31 +49,6 @@ log = logging.getLogger("mlx_relay.pipeline")
 
 
 WATCH_INTERVAL_S = 0.1
-RING_BROKEN_WAIT_S = 2.0  # for the side channel to tell which rank broke the ring
-
-
-class RankFailure(RuntimeError):
-    """A rank failed inside a step. The ring is still in step; the request is not."""
-
-    def __init__(self, rank: int, host: str, message: str, code: int = hdr.ERR_EXCEPTION):
-        where = f"rank {rank}" + (f" ({host})" if host else "")
-        super().__init__(f"{where}: {message}")
-        self.rank = rank
-        self.host = host
-        self.code = code
-
-
-class ClusterFailure(RankFailure):
-    """The ring cannot continue: a rank is gone or a step is overdue. Nothing is in step."""
-
-    def __init__(self, rank: int, host: str, message: str) -> None:
-        RuntimeError.__init__(
-            self,
-            (f"rank {rank}" + (f" ({host})" if host else "") + ": " if rank >= 0 else "") + message,
-        )
-        self.rank = rank
-        self.host = host
-        self.code = hdr.ERR_EXCEPTION
 
 
 @dataclass
@@ -138,14 +113,17 @@ class Pipeline:
         self.ring = ring
         self.hub = hub
         self.heartbeat_timeout = heartbeat_timeout
-        # A forward step may take this long, plus SLACK times what it should take at the
-        # pace measured (pace.py), from when it could start; 0: forever.
         self.step_timeout = step_timeout
-        self.pace = StepPace()
-        self._shapes: set[tuple[int, int]] = set()  # step shapes done since the load
         self._hidden = 0  # the loaded model's hidden size (what context costs)
-        self._ring_free_at = time.monotonic()  # the last step was done with then
         self.world_size = ring.size if ring else 1
+        # Which steps are out, their deadlines, and whom to name when one is late.
+        self.watch = RingWatch(
+            hub,
+            self.world_size,
+            heartbeat_timeout=heartbeat_timeout,
+            step_timeout=step_timeout,
+            eager=ring is not None and ring.eager,
+        )
         # Steps round the ring at once (0: one a rank). More than one a rank keeps a
         # rank's device busy while its host waits for a return and launches what reads it.
         self.depth = steps_in_flight if steps_in_flight and self.world_size > 1 else self.world_size
@@ -154,9 +132,6 @@ class Pipeline:
         self.caches: SlotCaches | None = None
         self._in_flight: deque[Step] = deque()
         self._step_id = 0
-        # Launched and not yet done with (header back, and any payload read), oldest
-        # first: what the step timeout watches.
-        self._outstanding: dict[int, Step] = {}
         self._unannounced: deque[tuple[Step, mx.array | None]] = deque()
         # Frees asked for while a two-pass model's first lap is round the ring: they go
         # after its second lap, here and on the ring (see launch_free).
@@ -218,8 +193,7 @@ class Pipeline:
                 self._command(hdr.CMD_UNLOAD)
             raise
         self._hidden = sharding.hidden_size(self.shard.config)
-        self.pace = StepPace()  # (a new model: its pace is still to be measured)
-        self._shapes.clear()
+        self.watch.reset()  # (a new model: its pace is still to be measured)
         self.loaded = LoadedModel(spec, str(path), fp, num_layers, [tuple(r) for r in ranges])
         return self.loaded
 
@@ -245,8 +219,8 @@ class Pipeline:
         counts = default_split(path, num_layers, self.world_size, weights)
         if weights is None:
             return counts, False
-        room = [None if figures is None else memory.headroom(figures) for figures in stats]
-        short = fits_memory(counts, costs, room)
+        rooms = [None if figures is None else memory.headroom(figures) for figures in stats]
+        short = memory.short_rank(path, layer_ranges(counts), rooms)
         if short is not None:
             log.info("layers by speed %s do not fit rank %d's memory: by memory", counts, short)
             return memory_split(num_layers, stats, costs), True
@@ -517,7 +491,7 @@ class Pipeline:
                 if isinstance(e, ClusterFailure):
                     self._early.clear()
                     raise
-                if step.header.step_id in self._outstanding:  # (else nobody reads it)
+                if self.watch.is_out(step.header.step_id):  # (else nobody reads it)
                     self._early_failures[step.header.step_id] = e
                 else:
                     log.warning("dropped %s: %s", step.header.describe(), e)
@@ -617,7 +591,7 @@ class Pipeline:
         step.header.step_id = self._step_id
         if tokens is not None:
             timeline.mark_when_computed("sampled", step.header.step_id, tokens)
-        self._outstanding[step.header.step_id] = step
+        self.watch.launched(step)
         width = self._returned_width(step.header)
         self.ring.choose_path(step.header, alone=not self._in_flight, returned_width=width)
         self._in_flight.append(step)
@@ -637,7 +611,7 @@ class Pipeline:
                 step.returned = self.ring.post_recv_payload(back)
         except RuntimeError as e:
             # The header is out: whatever failed, the ring is no longer in step.
-            broken = self._ring_broken(e, self.ring.next)
+            broken = self.watch.ring_broken(e, self.ring.next)
             if isinstance(broken, ClusterFailure):
                 raise broken from e
             raise ClusterFailure(
@@ -653,7 +627,7 @@ class Pipeline:
             try:
                 step.posted = self.ring.send(step.header, payload, step.sides)
             except RuntimeError as e:
-                raise self._ring_broken(e, self.ring.next) from e
+                raise self.watch.ring_broken(e, self.ring.next) from e
 
     def _command(
         self, cmd: int, payload: mx.array | None = None, slots: list[int] | None = None
@@ -711,9 +685,9 @@ class Pipeline:
             try:
                 out = self.ring.post_recv_payload(back)
             except RuntimeError as e:
-                raise self._ring_broken(e, self.ring.prev) from e
+                raise self.watch.ring_broken(e, self.ring.prev) from e
         if back.error_mask:
-            raise self._failure(back)
+            raise self.watch.failure(back)
         if (
             isinstance(out, mx.array)
             and self.ring.settles
@@ -735,143 +709,40 @@ class Pipeline:
             except DoorbellTimeout:
                 pass
             except NeighbourGone as e:
-                raise self._ring_broken(e, self.ring.prev) from e
-            gone = self.hub.failure(self.heartbeat_timeout) if self.hub else None
+                raise self.watch.ring_broken(e, self.ring.prev) from e
+            gone = self.watch.gone()
             if gone:
-                raise ClusterFailure(gone.rank, gone.host, gone.reason)
-            overdue = self._overdue(step)
+                raise gone
+            overdue = self.watch.overdue(step)
             if overdue:
                 raise overdue
 
     def done(self, step: Step) -> None:
         """The caller has what it wanted of `step` (its results were read): the ring's
         pace learns what a forward step that came back whole took."""
-        outstanding = self._outstanding.pop(step.header.step_id, None)
-        failed = self._early_failures.pop(step.header.step_id, None)
-        if outstanding is None:
-            return
-        now = time.monotonic()
-        step.took = now - self._started(step)
-        self._ring_free_at = now
-        if step.header.cmd == hdr.CMD_FORWARD and not failed and not step.header.error_mask:
-            self.pace.observe(step.units, step.took)
-            self._shapes.add(step_shape(step.header.lengths))
+        failed = self._early_failures.pop(step.header.step_id, None) is not None
+        self.watch.done(step, failed)
 
-    def _started(self, step: Step) -> float:
-        """When `step` could start: launched, and the step before it done with."""
-        return max(step.launched_at, self._ring_free_at)
+    @property
+    def pace(self) -> StepPace:
+        """The ring's measured pace (what the scheduler sizes prompt chunks by)."""
+        return self.watch.pace
 
     def overdue(self) -> ClusterFailure | None:
-        """For a watchdog thread: the oldest forward step not done with, if overdue. Once a
-        step's header is back the host waits inside MLX (reading its results, or posting
-        work queued behind it), where no timeout of ours can reach."""
-        step = self._oldest_forward()
-        return None if step is None else self._overdue(step)
-
-    def _oldest_forward(self) -> Step | None:
-        """The oldest forward step not done with, read from another thread (None where
-        there is none, or the engine thread changed the steps under us: look next time)."""
-        try:
-            forward = (s for s in self._outstanding.values() if s.header.cmd == hdr.CMD_FORWARD)
-            return next(forward, None)
-        except RuntimeError:
-            return None
+        """For a watchdog thread: RingWatch.overdue."""
+        return self.watch.overdue()
 
     def lagging(self, factor: float = 4.0, floor: float = 1.0) -> LinkFailure | None:
-        """For a status page: the rank holding the oldest forward step if that step is out
-        longer than `factor` times what it should take at the measured pace (and `floor`
-        seconds), long before the watchdog's allowance: a slow rank, named as `overdue`
-        would name it. None while every step keeps pace."""
-        step = self._oldest_forward()
-        if step is None or self.hub is None:
-            return None
-        elapsed = time.monotonic() - self._started(step)
-        expected = self.pace.expected(step.units)
-        if elapsed <= max(floor, factor * expected):
-            return None
-        suspect = self.hub.suspect(step.header.step_id)
-        if suspect is None:
-            return None
-        return LinkFailure(
-            suspect.rank,
-            suspect.host,
-            f"{step.header.describe()} out for {elapsed:.1f} s (it should take "
-            f"{expected:.2f} s at this cluster's pace); {suspect.reason}",
-        )
-
-    def _overdue(self, step: Step) -> ClusterFailure | None:
-        """`step`'s failure if it took longer than its allowance (pace.py) from when it
-        could start, naming the first rank that has not passed it on."""
-        header = step.header
-        if not (self.step_timeout and header.cmd == hdr.CMD_FORWARD):
-            return None
-        elapsed = time.monotonic() - self._started(step)
-        new_shape = step_shape(header.lengths) not in self._shapes
-        allowed = self.pace.allowance(step.units, self.step_timeout, self.world_size, new_shape)
-        if elapsed <= allowed:
-            return None
-        expected = self.pace.expected(step.units)
-        suspect = self.hub.suspect(header.step_id) if self.hub else None
-        return ClusterFailure(
-            suspect.rank if suspect else -1,
-            suspect.host if suspect else "",
-            f"{header.describe()} overdue: {elapsed:.1f} s since it could start, allowed "
-            f"{allowed:.1f} s (--step-timeout {self.step_timeout:g} s"
-            + (
-                f" + {SLACK:g} x {self.world_size} ranks x the {expected:.2f} s it should "
-                "take at this cluster's measured pace)"
-                if expected
-                else ")"
-            )
-            + (
-                f"; the first step of its shape since the load (at least {FIRST_SHAPE_S:g} s: "
-                "its kernels may compile first)"
-                if new_shape
-                else ""
-            )
-            + (f"; {suspect.reason}" if suspect else "")
-            + (
-                "; with eager hops, --hop-mode ready may avoid this (it posts no receive early)"
-                if self.ring is not None and self.ring.eager
-                else ""
-            ),
-        )
+        """For a status page: RingWatch.lagging."""
+        return self.watch.lagging(factor, floor)
 
     def ring_failure(self, e: Exception) -> ClusterFailure | None:
         """`e`, raised while rank 0 posted a step (its input was a receive from the
         ring), as the cluster failure it is when the ring broke; None otherwise."""
         if self.ring is None or not isinstance(e, RuntimeError) or "[ring]" not in str(e):
             return None
-        broken = self._ring_broken(e, self.ring.prev)
+        broken = self.watch.ring_broken(e, self.ring.prev)
         return broken if isinstance(broken, ClusterFailure) else None
-
-    def _ring_broken(self, e: RuntimeError, neighbour: int) -> Exception:
-        """mx.distributed raised: if a rank is gone, the ring broke with it, so name it.
-
-        A compute error inside `send` (it evaluates the payload first) leaves the ring
-        intact and is returned as it is.
-        """
-        gone = (
-            self.hub.wait_failure(self.heartbeat_timeout, RING_BROKEN_WAIT_S) if self.hub else None
-        )
-        if gone is not None:
-            return ClusterFailure(gone.rank, gone.host, gone.reason)
-        if "[ring]" in str(e) or "connection" in str(e).lower():
-            return ClusterFailure(
-                neighbour, self._host(neighbour), f"rank 0's ring connection to it broke: {e}"
-            )
-        return e
-
-    def _failure(self, back: hdr.StepHeader) -> RankFailure:
-        rank = back.failed_ranks[0]
-        message = self.hub.take_error(back.step_id, rank) if self.hub else None
-        reason = hdr.ERROR_NAMES.get(back.error_code, str(back.error_code))
-        return RankFailure(rank, self._host(rank), message or reason, back.error_code)
-
-    def _host(self, rank: int) -> str:
-        """The host a worker reported in its hello, for error messages."""
-        info = self.hub.snapshot().get(rank) if self.hub else None
-        return info.host if info else ""
 
     def worker_stats(self) -> dict[int, Any]:
         return self.hub.snapshot() if self.hub else {}

@@ -43,16 +43,35 @@ class Prompt:
     pixel_values: Any = None  # the images preprocessed (encode_images), for rank 0
 
 
-def _json_field(raw: str, name: str, kind: type) -> Any:
-    if not raw:
+def json_field(raw: str, name: str, kind: type, shape: str = "") -> Any:
+    """A request field that carries JSON text, parsed: None when blank, InvalidRequest
+    naming `name` when it is not JSON or not a `kind` (`shape`: how to say what it must
+    be, "a JSON <kind>" when not given). Every door's JSON-in-a-string field goes here."""
+    if not raw.strip():
         return None
     try:
         value = json.loads(raw)
     except ValueError as e:
         raise InvalidRequest(f"{name} is not valid JSON: {e}") from e
     if not isinstance(value, kind):
-        raise InvalidRequest(f"{name} must be a JSON {kind.__name__}")
+        raise InvalidRequest(f"{name} must be {shape or 'a JSON ' + kind.__name__}")
     return value
+
+
+def logit_bias(value: dict[Any, Any], name: str = "logit_bias") -> dict[int, float]:
+    """OpenAI's `logit_bias` (token ids as JSON object keys, so strings) as token id ->
+    bias; InvalidRequest naming `name` for a key that is not a token id or a bias that is
+    not a number. (Ranges are checked with the other sampling fields: sampling_params.)"""
+    out = {}
+    for token, bias in value.items():
+        try:
+            out[int(token)] = float(bias)
+        except (TypeError, ValueError) as e:
+            raise InvalidRequest(
+                f'{name} must map token ids to numbers, e.g. {{"123": -100}}; got '
+                f"{token!r}: {bias!r}"
+            ) from e
+    return out
 
 
 def _message_dict(i: int, m: pb.ChatMessage) -> dict[str, Any]:
@@ -131,11 +150,11 @@ def render_prompt(
     if prompt and messages:
         raise InvalidRequest("give either prompt or messages, not both")
     # Checked for raw prompts too: there the tools still name what the parser accepts.
-    tools = _json_field(tools_json, "tools", list)
+    tools = json_field(tools_json, "tools", list)
     for i, tool in enumerate(tools or []):
         if not isinstance(tool, dict) or not _tool_name(tool):
             raise InvalidRequest(f"tools[{i}] has no function name")
-    kwargs = _json_field(chat_template_kwargs_json, "chat_template_kwargs", dict) or {}
+    kwargs = json_field(chat_template_kwargs_json, "chat_template_kwargs", dict) or {}
     choice = parse_tool_choice(tool_choice, tools)
     forced = choice not in ("auto", "none")
     named = forced and choice != "required"
@@ -236,7 +255,7 @@ def parse_tool_choice(raw: str, tools: list[dict] | None) -> str:
     """'auto', 'none', 'required', or the name of one of the request's tools."""
     choice = raw.strip()
     if choice.startswith("{"):
-        value = _json_field(choice, "tool_choice", dict)
+        value = json_field(choice, "tool_choice", dict)
         choice = _tool_name(value) if value.get("type", "function") == "function" else ""
         if not choice:
             raise InvalidRequest("tool_choice object must name a function")

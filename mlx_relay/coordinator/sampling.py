@@ -5,12 +5,15 @@ Every global draw is `key, sub = split(key)` and then a draw with `sub`, so each
 request here keeps its own key and splits it the same way: a seeded request gives the
 tokens mlx-lm gives after `mx.random.seed(seed)`, whatever else the server is doing.
 The deterministic filters (top-p, min-p, top-k) are mlx-lm's own functions.
+`sample_batch` samples one step's rows together (the engine's batched sampler).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
@@ -103,3 +106,64 @@ class Sampler:
             mask[..., self.special_token_ids] = False
         apply = mx.random.uniform(0, 1, key=self._next_key()) <= p.xtc_probability
         return mx.where(apply, mx.where(mask, -mx.inf, logits), logits)
+
+
+class Mask(Protocol):
+    """A grammar's allowed next tokens (constraints.Constraint)."""
+
+    @property
+    def active(self) -> bool: ...
+
+    def mask(self, vocab: int) -> mx.array | None: ...
+
+
+class Row(Protocol):
+    """What sampling reads of a sequence (sequence.Sequence)."""
+
+    sampler: Sampler
+    context: list[int]  # prompt + tokens read so far: the context processors' window
+    generated: list[int]
+
+    @property
+    def constraint(self) -> Mask | None: ...
+
+
+def sample_batch(logits: mx.array, rows: Sequence[Row]) -> tuple[mx.array, list[mx.array | None]]:
+    """mlx-lm's step for each row of `logits` (logits processors, log-softmax, sample),
+    built as one graph, not evaluated: the tokens (len(rows),), and each row's
+    log-probabilities where its request wants them (None elsewhere).
+
+    Rows that take the plain greedy token share one argmax; only requests that need their
+    own work (a seed, penalties, a grammar) get a row of their own. A grammar's mask is
+    applied after the logits processors, as the last of them (constraints.apply_mask); it
+    is for the token after the one its matcher was moved over last.
+    """
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    own_rows = [
+        r.sampler.processes
+        or r.sampler.params.temperature != 0
+        or (r.constraint is not None and r.constraint.active)
+        for r in rows
+    ]
+    wanted: list[mx.array | None] = [None] * len(rows)
+    if not any(own_rows):
+        tokens = mx.argmax(logprobs, axis=-1)
+    else:
+        picked = []
+        for j, r in enumerate(rows):
+            row = logprobs[j : j + 1]
+            allowed = r.constraint.mask(logits.shape[-1]) if r.constraint is not None else None
+            if r.sampler.processes or allowed is not None:
+                row = logits[j : j + 1]
+                if r.sampler.processes:
+                    row = r.sampler.process(r.context, r.generated, row)
+                if allowed is not None:
+                    row = mx.where(allowed, row, -mx.inf)
+                row = row - mx.logsumexp(row, keepdims=True)
+            picked.append(r.sampler.sample(row))
+            wanted[j] = row[0]
+        tokens = mx.concatenate(picked)
+    for j, r in enumerate(rows):
+        if r.sampler.params.logprobs and wanted[j] is None:
+            wanted[j] = logprobs[j]
+    return tokens, wanted

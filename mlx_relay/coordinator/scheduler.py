@@ -1,172 +1,503 @@
-"""Scheduling decisions that need no ring, no device and no request: data in, data out.
+"""The scheduler: every request's state from queued to finished, and what runs next.
 
-The engine asks these what to do next and tells them what happened, so the rules can be
-read and unit-tested on their own (tests/test_scheduler.py). In the spirit of vLLM v1's
-`schedule()` / `update_from_output()`, `Scheduler` is the interface the engine uses:
+As vLLM v1's scheduler, it owns the state and makes the decisions; the engine
+(engine.py) is the thread around it that carries them out on the pipeline and reports
+back what happened. The state: the waiting requests, the running sequences, their
+decode groups, and the prompt-cache slot table (slots.py). The calls:
 
-- `Scheduler.schedule(units, decoding)`: of the `Unit`s runnable now, the one to launch
-  next and what its step carries (`Scheduled`: a prompt chunk's size, whether it needs
-  logits), or None;
-- `Scheduler.update_from_output(StepOutput)`: what a finished step took, which paces the
-  next prompt chunks.
+- `add(request)`: queue it (EngineError "exhausted" beyond --max-queue);
+- `admit()`: queued requests take slots while there are some and their caches fit
+  (the memory check, admission.py); a sequence starts from a parked cache sharing its
+  prompt's prefix;
+- `schedule()`: the next forward step, typed: one sequence's `PrefillChunk` or a
+  `DecodeGroup`'s next token (units take turns, chunks are paced: policy.py), or None;
+  `launched(action)` once it is round the ring;
+- `sampled(seqs, tokens)`: a step's tokens, still on the device, are its sequences'
+  next inputs (a first token joins a decode group);
+- `update_from_output(seqs, tokens, logprobs)`: the tokens read back become chunks for
+  the clients; those that end a sequence (EOS, a stop string, the length, a grammar's
+  end) finish it;
+- `reap_cancelled`, `step_failed`, `fail`, `cancel_all`: the other ways sequences end.
 
-It is built from these rules:
-
-- `PrefillPacer`: how many prompt tokens the next prefill chunk carries, sized by time
-  on every path: alone, what costs about CHUNK_TARGET_S at the measured pace (at most
-  `--prefill-chunk` tokens, as mlx-lm prefills, which a GPU reaches at once), so that no
-  step on a slow machine runs for minutes and a short request gets in between the
-  chunks of a long one; beside running streams, what costs about STALL_STEPS decode
-  steps, so a long prompt delays every running stream by at most that much per token
-  instead of one long stall. Cost counts the context (pace.step_cost): a chunk deep in
-  a long prompt is smaller than the first. The first chunk after a load is a probe of
-  PROBE_CHUNK tokens, which measures the pace.
-- `pick_group`: which decode group a sequence joins after its first token.
-- `next_unit`: which runnable unit (a decode group, a prefill) goes round the ring next;
-  units take turns so that no prompt starves the streams, nor the streams a prompt.
+Each call that ends sequences or moves slots returns an `Update`: what to put on the
+requests' queues, the sequences finished, and the `Free`/`Park` steps to launch, in
+order. A finished sequence's slot is parked (its caches stay for a later prompt
+sharing a prefix) or freed; parked caches beyond --prompt-cache-tokens are freed.
+Nothing here touches the ring or the device, nor takes a lock: the engine holds its
+own around every call.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+import dataclasses
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
 
-from mlx_relay.coordinator.pace import tokens_within
+import mlx.core as mx
 
-STALL_STEPS = 4  # a prefill chunk beside running streams costs about this many decode steps
-CHUNK_TARGET_S = 2.0  # a prefill chunk alone costs about this long (from when it can start)
-MIN_CHUNK = 8  # tokens: below this a chunk's fixed costs dominate
-PROBE_CHUNK = 32  # a chunk's size before any prefill was timed
-EMA = 0.3  # weight of the newest measurement in the step-time averages
+from mlx_relay.coordinator.admission import MemoryCheck
+from mlx_relay.coordinator.markup import ChatMarkup
+from mlx_relay.coordinator.output import OutputProcessor
+from mlx_relay.coordinator.policy import Policy, StepOutput, Unit, pick_group
+from mlx_relay.coordinator.postprocess import OutputParser
+from mlx_relay.coordinator.sampling import Sampler
+from mlx_relay.coordinator.sequence import Chunk, EngineError, Request, Sequence
+from mlx_relay.coordinator.slots import SlotTable, Taken
+from mlx_relay.model import vision
+from mlx_relay.model.sharding import Shard
+from mlx_relay.protocol import header as hdr
 
-T = TypeVar("T")
-
-
-class PrefillPacer:
-    """Chunk sizes from the measured pace of decode steps and of prefilled work."""
-
-    def __init__(self, prefill_chunk: int, hidden: int = 0, fixed_alone: bool = False) -> None:
-        self.prefill_chunk = prefill_chunk
-        self.hidden = hidden  # the model's hidden size: how much context costs (pace.py)
-        # Alone, a chunk is `--prefill-chunk` tokens, as mlx-lm's prefill_step_size: with
-        # quantized KV caches, where chunk boundaries change what the caches hold.
-        self.fixed_alone = fixed_alone
-        self.decode_step_s = 0.0  # moving average of a decode group's step, launch to read
-        self.prefill_unit_s = 0.0  # moving average of a unit of prompt work (pace.step_cost)
-
-    def chunk_size(self, decoding: bool, position: int = 0) -> int:
-        """The next chunk of a prompt whose first `position` tokens are sent: what costs
-        CHUNK_TARGET_S, or while streams decode STALL_STEPS of their steps, at most
-        `--prefill-chunk`; PROBE_CHUNK until a chunk was timed."""
-        beside = decoding and bool(self.decode_step_s)
-        if self.fixed_alone and not beside:
-            return self.prefill_chunk
-        if not self.prefill_unit_s:
-            return min(self.prefill_chunk, PROBE_CHUNK)
-        budget = STALL_STEPS * self.decode_step_s if beside else CHUNK_TARGET_S
-        fits = tokens_within(budget / self.prefill_unit_s, position, self.hidden)
-        return max(MIN_CHUNK, min(self.prefill_chunk, fits))
-
-    def decode_step_took(self, seconds: float) -> None:
-        """A decode step with no prefill beside it: the pace a stream keeps undisturbed."""
-        self.decode_step_s = _average(self.decode_step_s, seconds)
-
-    def prefill_chunk_took(self, seconds: float, tokens: int, units: float) -> None:
-        """A prefill chunk (not the last prompt token's step) of `units` took `seconds`
-        from when it could start; tiny chunks say little."""
-        if tokens >= MIN_CHUNK and units > 0:
-            self.prefill_unit_s = _average(self.prefill_unit_s, seconds / units)
-
-
-def pick_group(sizes: Sequence[int], capacity: int) -> int:
-    """The decode group a new stream joins: the smallest one with room (the first of
-    equals), so groups stay even and each step's batch stays small."""
-    loads = [n if n < capacity else math.inf for n in sizes]
-    return loads.index(min(loads))
-
-
-def next_unit(units: Sequence[T], turn: int) -> T:
-    """Round robin over the units runnable now (their order is stable between calls)."""
-    return units[turn % len(units)]
+log = logging.getLogger("mlx_relay.scheduler")
 
 
 @dataclass(frozen=True)
-class Unit:
-    """Work that can go round the ring now: a decode group, or one sequence's prompt."""
+class PrefillChunk:
+    """The next `tokens` of one sequence's prompt (with its last one: logits for token 1)."""
 
-    kind: str  # "group" or "prefill"
-    key: Any  # the group's index, or the engine's sequence
-    pending: int = 0  # prompt tokens still to send (a prefill)
-    # the prompt goes in one step, its last token in it (gemma4's image prompts: its
-    # image tokens attend to each other only in an unchunked prefill, as in mlx-vlm)
-    whole: bool = False
-    position: int = 0  # prompt tokens already sent (a prefill): their context costs
-
-
-@dataclass(frozen=True)
-class Scheduled:
-    """The next step: which unit, how many prompt tokens (1 a row for a decode group), and
-    whether its logits are wanted (a decode step, or a prompt's last token)."""
-
-    unit: Unit
-    tokens: int
+    seq: Sequence
+    tokens: list[int]
     want_logits: bool
+    reuse_from: int | None  # the parked slot its first step starts from
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [self.seq]
 
 
 @dataclass(frozen=True)
-class StepOutput:
-    """What came back from a forward step, as far as scheduling cares."""
+class DecodeGroup:
+    """One decode step of a group, fed each member's token sampled last."""
 
-    kind: str  # "group" or "prefill"
-    seconds: float  # a decode step: launch to completion; a prefill: from when it could start
-    tokens: int = 0  # prompt tokens a prefill step carried
-    units: float = 0.0  # its work (pace.step_cost)
-    want_logits: bool = True
-    beside_prefill: bool = False  # a prompt was being prefilled while it ran
+    group: int
+    members: list[Sequence]
+    inputs: list[mx.array]  # (1,) each, maybe not computed yet
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return self.members
+
+
+@dataclass(frozen=True)
+class Free:
+    """Drop the slot's caches on every rank."""
+
+    slot: int
+
+
+@dataclass(frozen=True)
+class Park:
+    """Keep the slot's caches as one sequence's on every rank, for a later prompt."""
+
+    slot: int
+
+
+Forward = PrefillChunk | DecodeGroup
+
+
+@dataclass
+class Update:
+    """What the engine carries out after a call: chunks and errors for the requests'
+    queues, then the slot steps to launch, in order."""
+
+    emit: list[tuple[Request, Chunk | Exception]] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+    slots: list[Free | Park] = field(default_factory=list)
 
 
 class Scheduler:
-    """What runs next, from what is runnable and what the last steps took."""
+    def __init__(
+        self,
+        *,
+        max_active: int,
+        max_queue: int,
+        prefill_chunk: int,
+        groups: int,
+        prompt_cache: bool = True,
+        prompt_cache_tokens: int = 0,
+    ) -> None:
+        self.max_queue = max_queue
+        self.prompt_cache = prompt_cache
+        self.prompt_cache_tokens = prompt_cache_tokens  # 0: as many as the slots hold
+        self.waiting: deque[Request] = deque()
+        self.running: list[Sequence] = []
+        self.groups: list[list[Sequence]] = [[] for _ in range(groups)]
+        self.slots = SlotTable(max_active)
+        self.policy = Policy(prefill_chunk)
+        # The loaded model's rules (load): output, chat markup, config, memory check.
+        self.output: OutputProcessor | None = None
+        self.markup: ChatMarkup | None = None
+        self.config: dict[str, Any] = {}
+        self.memory: MemoryCheck | None = None
+        self.reuse = False  # prompt_cache, and the model's caches can be cut back
+        self.whole_images = False  # an image prompt goes in one step (vision.prefills_whole)
 
-    def __init__(self, prefill_chunk: int) -> None:
-        self.pacer = PrefillPacer(prefill_chunk)
-        self._turn = 0
+    # --- the model ---------------------------------------------------------------------
+    def load(
+        self,
+        output: OutputProcessor,
+        markup: ChatMarkup,
+        shard: Shard,
+        hidden: int,
+        memory: MemoryCheck | None,
+    ) -> None:
+        """A model was loaded on every rank (`shard`: rank 0's): no cache is parked any
+        more, and its pace is still to be measured."""
+        self.output, self.markup, self.memory = output, markup, memory
+        self.config = shard.config
+        self.slots.reset()
+        self.reuse = self.prompt_cache and shard.reusable_caches
+        self.whole_images = vision.prefills_whole(shard.config)
+        # (quantized KV caches: a prompt alone goes in --prefill-chunk chunks)
+        self.policy.reset(hidden, fixed_alone=shard.kv is not None)
+        self.slots.usable = shard.usable_prefix
 
-    def reset(self, hidden: int, fixed_alone: bool = False) -> None:
-        """A model was loaded (hidden size `hidden`): its pace is still to be measured.
-        `fixed_alone`: a prompt alone goes in `--prefill-chunk` chunks (quantized KV
-        caches: see PrefillPacer)."""
-        self.pacer = PrefillPacer(self.pacer.prefill_chunk, hidden, fixed_alone)
+    def unload(self) -> None:
+        """The ranks' caches were dropped: parked slots are empty again."""
+        self.slots.reset()
+        self.output = self.markup = self.memory = None
+        self.whole_images = False
 
-    def schedule(self, units: Sequence[Unit], decoding: bool) -> Scheduled | None:
-        """The unit to launch next (units take turns) and its step, or None if none can run.
+    # --- queued --------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        # Requests about to take a free slot are not queued: only those beyond count.
+        if len(self.waiting) - self.slots.open() >= self.max_queue:
+            raise EngineError(
+                "exhausted",
+                f"server busy: {len(self.running)} requests running and "
+                f"{len(self.waiting)} queued (limit {self.max_queue}); retry later",
+            )
+        self.waiting.append(request)
 
-        ``decoding``: streams are running, so a prompt chunk is paced beside them. A prompt
-        is sent in chunks up to its last token, which goes alone: its logits give token 1
-        (a `whole` prompt goes in one step with its last token).
-        """
-        if not units:
+    def admit(self) -> Update:
+        """Queued requests take slots, in order, while there are some. One whose caches
+        would not fit waits while sequences run (they will end and free theirs), and is
+        refused when none does."""
+        update, failed = Update(), []
+        while self.waiting and self.slots.open():
+            request = self.waiting.popleft()
+            if request.cancelled.is_set():
+                update.emit.append((request, Chunk(finish_reason="cancelled")))
+                continue
+            short = self._memory_short(request)
+            if short and self.running:
+                self.waiting.appendleft(request)
+                break
+            if short:
+                update.emit.append(
+                    (request, EngineError("exhausted", f"not enough memory: {short}"))
+                )
+                continue
+            taken = self.slots.take(request.prompt_tokens)
+            try:
+                seq = self._new_sequence(request, taken)
+            except Exception as e:  # noqa: BLE001 - one bad request must not stop the engine
+                log.exception("request %s cannot start: %s", request.request_id, e)
+                update.emit.append(
+                    (request, EngineError("internal", f"the request cannot start: {e}"))
+                )
+                failed.append(taken)
+                continue
+            self.running.append(seq)
+        for taken in failed:
+            self._give_back(taken, update)
+        return update
+
+    def _memory_short(self, request: Request) -> str:
+        if self.memory is None:
+            return ""
+        parked = [len(t) for t in self.slots.parked.values()]
+        return self.memory.shortfall(request, self.running, parked)
+
+    def _new_sequence(self, request: Request, taken: Taken) -> Sequence:
+        assert self.output is not None
+        cached = _cached_before_images(request, taken.cached, self.config)
+        return Sequence(
+            request=request,
+            slot=taken.slot,
+            sampler=Sampler(request.params),
+            detokenizer=self.output.tokenizer.detokenizer,
+            parser=OutputParser(
+                self.markup,
+                tools=request.tools,
+                parse_tools=request.parse_tools,
+                starts_in_reasoning=request.starts_in_reasoning,
+                opens_tool_call=request.opens_tool_call,
+                stop=request.params.stop,
+            ),
+            pending=list(request.prompt_tokens[cached:]),
+            position=cached,
+            context=list(request.prompt_tokens[:cached]),
+            cached_tokens=cached,
+            taken=taken,
+        )
+
+    # --- what runs next ------------------------------------------------------------------
+    def _units(self) -> list[Unit]:
+        """Work that can go round the ring now, in a stable order."""
+        units = [
+            Unit("group", g)
+            for g, members in enumerate(self.groups)
+            if members and all(s.next_input is not None for s in members)
+        ]
+        units += [
+            Unit("prefill", s, len(s.pending), self.whole_images and s.has_images, s.position)
+            for s in self.running
+            if s.group is None and s.prefilling and not s.request.cancelled.is_set()
+        ]
+        return units
+
+    def schedule(self) -> Forward | None:
+        """The next forward step (its inputs taken from the state), or None if nothing
+        can run now."""
+        plan = self.policy.schedule(self._units(), decoding=any(self.groups))
+        if plan is None:
             return None
-        unit = next_unit(units, self._turn)
-        self._turn += 1
-        if unit.kind == "group":
-            return Scheduled(unit, 1, True)
-        if unit.pending <= 1 or unit.whole:
-            return Scheduled(unit, max(1, unit.pending), True)
-        chunk = self.pacer.chunk_size(decoding, unit.position)
-        return Scheduled(unit, min(chunk, unit.pending - 1), False)
+        if plan.unit.kind == "group":
+            members = list(self.groups[plan.unit.key])
+            inputs = [s.next_input for s in members]
+            for s in members:
+                s.next_input = None
+            return DecodeGroup(plan.unit.key, members, inputs)
+        seq: Sequence = plan.unit.key
+        tokens, seq.pending = seq.pending[: plan.tokens], seq.pending[plan.tokens :]
+        reuse = seq.taken.source if seq.taken and seq.cached_tokens else None
+        return PrefillChunk(seq, tokens, plan.want_logits, reuse)
 
-    def update_from_output(self, out: StepOutput) -> None:
-        """Fold a finished step's duration into the averages the chunk size comes from."""
-        if out.kind == "group":
-            # Only steps with no prefill beside them: the pace a stream keeps undisturbed.
-            if not out.beside_prefill:
-                self.pacer.decode_step_took(out.seconds)
-        elif not out.want_logits:
-            self.pacer.prefill_chunk_took(out.seconds, out.tokens, out.units)
+    def launched(self, action: Forward) -> Update:
+        """`action`'s step is round the ring: its sequences' positions move on."""
+        update = Update()
+        if isinstance(action, DecodeGroup):
+            for s in action.members:
+                s.position += 1
+            return update
+        seq = action.seq
+        self._launched_first(seq, update)
+        seq.position += len(action.tokens)
+        seq.context.extend(action.tokens)
+        return update
+
+    def has_work(self) -> bool:
+        """Anything to admit, reap or launch."""
+        return bool(
+            (self.waiting and self.slots.open())
+            or any(s.request.cancelled.is_set() for s in self.running)
+            or self._units()
+        )
+
+    def step_took(self, out: StepOutput) -> None:
+        """A forward step came back: what it took paces the next prompt chunks (a decode
+        step counts only with no prompt prefilled beside it)."""
+        if out.kind == "group" and any(s.prefilling for s in self.running):
+            out = dataclasses.replace(out, beside_prefill=True)
+        self.policy.update_from_output(out)
+
+    # --- results ---------------------------------------------------------------------
+    def is_running(self, seq: Sequence) -> bool:
+        return seq in self.running
+
+    def sampled(self, seqs: list[Sequence], tokens: mx.array) -> None:
+        """`tokens` (len(seqs),), maybe not computed yet, are the next decode inputs; a
+        sequence's first token makes it join a decode group."""
+        for j, seq in enumerate(seqs):
+            seq.next_input = tokens[j : j + 1]
+            if seq.group is None:
+                seq.group = pick_group([len(m) for m in self.groups], hdr.MAX_SEQS)
+                self.groups[seq.group].append(seq)
+
+    def update_from_output(
+        self, seqs: list[Sequence], tokens: list[int], logprobs: list[mx.array | None]
+    ) -> Update:
+        """The tokens read back for a step's sequences (and their log-probabilities
+        where wanted): a chunk for each still running, and the sequences they end."""
+        update, now = Update(), time.perf_counter()
+        for seq, token, row in zip(seqs, tokens, logprobs, strict=True):
+            if seq not in self.running:
+                continue
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+            seq.context.append(token)
+            self._emit(seq, token, row, update)
+        return update
+
+    def _emit(self, seq: Sequence, token: int, logprobs: mx.array | None, update: Update) -> None:
+        assert self.output is not None
+        chunk, reason = self.output.token(seq, token, logprobs)
+        constraint = seq.request.constraint
+        if not reason and constraint is not None:
+            # Here, while the device runs the next step: the matcher takes the token and
+            # computes the next mask. A complete grammar ends the sequence.
+            try:
+                reason = "stop" if constraint.advance(token) else ""
+            except RuntimeError as e:
+                log.error("request %s: %s", seq.request.request_id, e)
+                self._finish(seq, EngineError("internal", str(e)), update)
+                return
+        if reason:
+            self._finish(seq, chunk, update, reason)
+        else:
+            update.emit.append((seq.request, chunk))
+
+    # --- sequences ending otherwise ---------------------------------------------------
+    def reap_cancelled(self, seqs: list[Sequence] | None = None) -> Update:
+        """End the cancelled sequences (of `seqs`, or all): steps of theirs still in
+        flight run to their end on every rank before the freeing step that follows them
+        (steps keep their order), and what they return is ignored."""
+        update = Update()
+        for seq in list(self.running if seqs is None else seqs):
+            if seq in self.running and seq.request.cancelled.is_set():
+                self._finish(seq, Chunk(), update, "cancelled")
+        return update
+
+    def fail(self, seqs: list[Sequence], kind: str, message: str) -> Update:
+        """End `seqs` with an EngineError (rank 0 failed a step of theirs)."""
+        update = Update()
+        for seq in list(seqs):
+            if seq in self.running:
+                self._finish(seq, EngineError(kind, message), update)
+        return update
+
+    def step_failed(self, slots: list[int], seqs: list[Sequence], message: str) -> Update:
+        """A rank failed a step on `slots` for `seqs`: they end with its message. A parked
+        cache among the slots (a park that failed, or a finished sequence's last step
+        still in flight) may not hold what the other ranks' copies hold, so nobody may
+        reuse it. The step's later steps in flight fail too; they find the sequences
+        finished."""
+        update = self.fail(seqs, "internal", message)
+        lost = set(slots)
+        for seq in self.running:
+            if seq.taken and seq.cached_tokens and seq.taken.source in lost:
+                self._restart_prefill(seq, update)
+        for slot in self.slots.forget(slots):
+            self._free(slot, update)
+        return update
+
+    def cancel_all(self, why: str) -> Update:
+        """Every request queued or running ends with UNAVAILABLE (a load, a free)."""
+        update = Update()
+        waiting, self.waiting = list(self.waiting), deque()
+        for request in waiting:
+            update.emit.append((request, EngineError("unavailable", why)))
+        for seq in list(self.running):
+            self._finish(seq, EngineError("unavailable", why), update)
+        return update
+
+    def abandon(self) -> list[Request]:
+        """Every request queued or running, forgotten: the cluster failed, nothing more
+        is launched, and the caller answers them."""
+        requests = list(self.waiting) + [s.request for s in self.running]
+        self.waiting.clear()
+        self.running.clear()
+        return requests
+
+    # --- slots -------------------------------------------------------------------------
+    def _finish(
+        self, seq: Sequence, last: Chunk | Exception, update: Update, reason: str | None = None
+    ) -> None:
+        if isinstance(last, Chunk):
+            assert self.output is not None
+            self.output.finish(seq, last, reason)
+        update.emit.append((seq.request, last))
+        update.finished.append(seq)
+        self.running.remove(seq)
+        if seq.group is not None:
+            self.groups[seq.group].remove(seq)
+        if seq.taken is not None and isinstance(last, Chunk):  # ended before any step
+            self._give_back(seq.taken, update)
+            self._keep_to_budget(update)
+        elif seq.taken is not None:  # its first step failed on rank 0: reset the slot
+            self._launched_first(seq, update)
+            self._free(seq.slot, update)
+        elif self.reuse and isinstance(last, Chunk) and seq.position and not seq.has_images:
+            # (an image request's caches are not parked: its image tokens' ids say
+            # nothing of the image, so a later prompt could match them wrongly)
+            # It ended normally: its caches stay for a later prompt sharing a prefix
+            # (after its steps still in flight: the park step follows them everywhere).
+            update.slots.append(Park(seq.slot))
+            self.slots.park(seq.slot, seq.context[: seq.position])
+            self._keep_to_budget(update)
+        else:
+            self._free(seq.slot, update)
+
+    def _give_back(self, taken: Taken, update: Update) -> None:
+        """A slot taken for a sequence that never ran a step: no rank touched its caches."""
+        if taken.held is not None:
+            self.slots.park(taken.slot, taken.held)
+            return
+        if taken.source is not None:  # a copy source, pinned for this sequence
+            self.slots.unpin(taken.source)
+        self._free(taken.slot, update)  # it may hold an evicted cache on every rank
+
+    def _launched_first(self, seq: Sequence, update: Update) -> None:
+        """Rank 0 copied or cut back at launch, and every worker does so before any later
+        step: a copy source may be taken or evicted again."""
+        taken, seq.taken = seq.taken, None
+        if taken is not None and taken.source not in (None, taken.slot):
+            self.slots.unpin(taken.source)
+            self._keep_to_budget(update)
+
+    def _keep_to_budget(self, update: Update) -> None:
+        """Free the oldest parked caches beyond --prompt-cache-tokens on every rank."""
+        if self.prompt_cache_tokens <= 0:
+            return
+        for slot in self.slots.over_budget(self.prompt_cache_tokens):
+            self._free(slot, update)
+
+    def _restart_prefill(self, seq: Sequence, update: Update) -> None:
+        """Its parked source is gone before its first step: prefill the whole prompt."""
+        self._launched_first(seq, update)  # unpins
+        prompt = seq.request.prompt_tokens
+        seq.pending, seq.position, seq.context, seq.cached_tokens = list(prompt), 0, [], 0
+
+    def _free(self, slot: int, update: Update) -> None:
+        """The slot's caches go on every rank (the step follows its steps in flight); it
+        is empty from now on."""
+        update.slots.append(Free(slot))
+        self.slots.release(slot)
+
+    # --- status ----------------------------------------------------------------------
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Every request queued or running, for a status page: its phase, tokens so far,
+        timings and prompt-cache hit."""
+        now = time.perf_counter()
+        out: list[dict[str, Any]] = [
+            {
+                "request_id": r.request_id,
+                "phase": "queued",
+                "prompt_tokens": len(r.prompt_tokens),
+                "age_s": now - r.created,
+            }
+            for r in self.waiting
+        ]
+        for seq in self.running:
+            r, first, generated = seq.request, seq.first_token_at, len(seq.generated)
+            row = {
+                "request_id": r.request_id,
+                "phase": "prefill" if first is None else "decode",
+                "prompt_tokens": len(r.prompt_tokens),
+                "prefilled_tokens": len(r.prompt_tokens) - len(seq.pending),
+                "cached_tokens": seq.cached_tokens,
+                "generated_tokens": generated,
+                "age_s": now - r.created,
+            }
+            if first is not None:
+                row["time_to_first_token_s"] = first - r.created
+                if generated > 1 and now > first:
+                    row["decode_tokens_per_s"] = (generated - 1) / (now - first)
+            out.append(row)
+        return sorted(out, key=lambda row: -row["age_s"])
 
 
-def _average(old: float, new: float) -> float:
-    return new if not old else (1 - EMA) * old + EMA * new
+def _cached_before_images(request: Request, cached: int, config: dict[str, Any]) -> int:
+    """An image request reuses a parked cache only where it ends before the first
+    image token: past it, equal token ids need not mean equal images. None where the
+    prompt goes whole from position 0 (vision.prefills_whole: gemma4's image mask)."""
+    if request.pixel_values is None or not cached:
+        return cached
+    if vision.prefills_whole(config):
+        return 0
+    prompt, image_token = request.prompt_tokens, vision.image_token_id(config)
+    first = prompt.index(image_token) if image_token in prompt else len(prompt)
+    return cached if cached <= first else 0

@@ -13,9 +13,9 @@ models), and the model is asked to answer a call as
 which the output parser already reads (`tool_parsers.hermes`). Earlier turns are
 rewritten the same way: an assistant's tool calls become that markup in its content and a
 tool's result a user turn in `<tool_response>` tags, since such templates know no `tool`
-role or `tool_calls`. A forced `tool_choice` opens the `<tool_call>` block in the prompt,
-and the call is then held to a grammar (`constraints.tool_call_grammar`), so even a small
-model writes a well-formed call. `--no-tool-fallback` turns this off: such requests are
+role or `tool_calls`. A forced `tool_choice` opens the `<tool_call>` block in the prompt;
+forced or not, a call is held to a grammar (`tool_grammars.call_grammar`, hermes), so even
+a small model writes a well-formed call. `--no-tool-fallback` turns this off: such requests are
 refused instead, as before.
 """
 

@@ -82,10 +82,10 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
         dict(
             type=int,
             default=0,
-            help="most tokens (prompt + max_tokens) in one sequence, beyond it a request is "
-            "refused; each rank checks at load that its weights and the caches of --max-active "
-            "such sequences fit its memory (default 0: the model's context, where a sequence "
-            "ends)",
+            help="most tokens (prompt + output) in one sequence: a sequence ends there, a "
+            "prompt that leaves no room is refused; each rank checks at load that its weights "
+            "and the caches of --max-active such sequences fit its memory (default 0: the "
+            "model's context)",
         ),
     ),
     (
@@ -334,7 +334,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from mlx_relay.transport.collective import gpu_tags, on_gpus_of_their_own, payload_groups
     from mlx_relay.transport.doorbell import Doorbell, DoorbellError, doorbell_endpoints
-    from mlx_relay.transport.ring import AUTO, PAIRED_MODES, Ring, choose_hop_mode
+    from mlx_relay.transport.ring import AUTO, PAIRED_MODES, Ring, choose_hop_mode, fences_here
 
     secret = control.cluster_secret()
     hosts = rank_hosts(size)
@@ -344,9 +344,10 @@ def _serve(args: argparse.Namespace) -> int:
         # GPUs of their own, each neighbouring pair hops over NCCL)
         paired = args.hop_mode in (AUTO, *PAIRED_MODES)
         tags = gpu_tags(group) if paired else []
+        backend = _backend_in_use(args.backend)
         mode = choose_hop_mode(
             args.hop_mode,
-            _backend_in_use(args.backend),
+            backend,
             cores=_cores(),
             ranks_here=hosts.count(hosts[rank]),
             gpu_pair=on_gpus_of_their_own(tags),
@@ -357,14 +358,15 @@ def _serve(args: argparse.Namespace) -> int:
             return _fatal(rank, UserError(str(e)))
         try:
             payloads = payload_groups(group, hosts[0], tags) if mode in PAIRED_MODES else None
-            ring = Ring(group, doorbell, mode, payloads=payloads)
+            ring = Ring(group, doorbell, mode, payloads=payloads, fences=fences_here(backend))
         except ValueError as e:
             return _fatal(rank, UserError(str(e)))
         log.info(
-            "rank %d: %s hops%s%s",
+            "rank %d: %s hops%s%s%s",
             rank,
             mode,
             ", settled receives" if ring.settles else "",
+            ", fenced shape changes" if ring.fences else "",
             f", payloads up to {ring.inline_max:,} bytes inline" if not ring.eager else "",
         )
     endpoint = control_endpoint(args, hosts)
@@ -457,6 +459,8 @@ def _backend_in_use(requested: str) -> str:
         return requested
     if "OMPI_COMM_WORLD_RANK" in os.environ or "PMI_RANK" in os.environ:
         return "mpi"
+    if "MLX_JACCL_COORDINATOR" in os.environ:  # (mlx.launch sets it for jaccl, and only then)
+        return "jaccl"
     return "ring"
 
 

@@ -14,11 +14,12 @@ start, so a hop after more blocks is wider; Hunyuan's carries the group's keys a
 values only where a hop parts a group. DeepSeek V4.1's hyper-connection streams and
 the state its layers share are laid out in deepseek_v4.py.
 
-Each family is a `Carrier`: rank 0 folds the embedding (`start`), every rank runs its
-layers on the folded state as the family's forward does (`run_layers`), and the head
-reads the h the final norm gets (`final`); `width_after` says how wide the state is
-after some layers (what rank 0 posts the return's receive for). Folding and unfolding
-only move values, so a stage computes exactly what the whole model computes.
+Each family is a `Carrier`, which its adapter names (families/): rank 0 folds the
+embedding (`start`), every rank runs its layers on the folded state as the family's
+forward does (`run_layers`), and the head reads the h the final norm gets (`final`);
+`width_after` says how wide the state is after some layers (what rank 0 posts the
+return's receive for). Folding and unfolding only move values, so a stage computes
+exactly what the whole model computes.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class _Paired(Carrier):
         return _unfold(x, x.shape[-1] // 2)[0]
 
 
-class _Talkie(_Paired):
+class Talkie(_Paired):
     """Every block adds the normed embedding (its forward norms it, then keeps it)."""
 
     def run_layers(
@@ -116,7 +117,7 @@ class _Talkie(_Paired):
         return _fold([h, embedding])
 
 
-class _Rwkv7(_Paired):
+class Rwkv7(_Paired):
     """Every layer after the first mixes in the first layer's values (zeros before it:
     layer 0 makes v_first and reads none); no masks, its state is recurrent."""
 
@@ -143,7 +144,7 @@ class _Rwkv7(_Paired):
         return _fold([h, v_first.reshape(companion.shape)])
 
 
-class _KimiK3(Carrier):
+class KimiK3(Carrier):
     """Attention residuals: h, then one state per block of attn_res_block_size layers
     begun so far; the final norm reads their mix with h (the output mix)."""
 
@@ -197,7 +198,7 @@ class _KimiK3(Carrier):
         return blocks
 
 
-class _Hunyuan(Carrier):
+class Hunyuan(Carrier):
     """Cross-layer attention: a group's first layer projects keys and values, the others
     reuse them; carried after h where a hop parts a group."""
 
@@ -241,7 +242,7 @@ class _Hunyuan(Carrier):
         return args.num_key_value_heads * (args.hidden_size // args.num_attention_heads)
 
 
-class _DeepSeekV4(Carrier):
+class DeepSeekV4(Carrier):
     """Hyper-connection streams and the state its layers share: deepseek_v4.py. The
     last layer's rank collapses the streams, so the final norm reads the state as is."""
 
@@ -264,13 +265,3 @@ class _DeepSeekV4(Carrier):
         mask_for: MaskFor,
     ) -> mx.array:
         return deepseek_v4.run_layers(inner, first, layers, x, caches)  # (no masks)
-
-
-CARRIERS: dict[str, Carrier] = {
-    "talkie": _Talkie(),
-    "rwkv7": _Rwkv7(),
-    "kimi_k3": _KimiK3(),
-    "hunyuan": _Hunyuan(),
-    deepseek_v4.FAMILY: _DeepSeekV4(),
-}
-FAMILIES = tuple(CARRIERS)

@@ -14,9 +14,9 @@ a rank keeps the compressed rows it received in its first layer's cache (a layer
 never writes them), and the rank holding the last layer collapses the streams into the
 hidden state the final norm reads.
 
-Its LayerCache has no batch form, so a decode group runs row by row
-(`sharding._ROW_BY_ROW`): each row is laid out by its own position, and rows are
-padded to the widest.
+Its LayerCache has no batch form, so a decode group runs row by row (its adapter's
+`row_by_row`: families/deepseek.py): each row is laid out by its own position, and rows
+are padded to the widest.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ import mlx.core as mx
 import psutil
 from mlx.utils import tree_flatten
 
-from mlx_relay.model import checkpoint, sharding
+from mlx_relay.model import checkpoint, families, sharding
 
 log = logging.getLogger("mlx_relay.memory")
 
@@ -45,16 +45,11 @@ RUNTIME_RESERVE = 0.025
 CACHE_STEP = 256  # mlx-lm's KV caches grow by this many positions at a time
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 _TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-# mlx-lm families whose layers keep plain KV caches (or sliding windows, told by the
-# config): their cache size follows from the config alone.
-ATTENTION_FAMILIES = frozenset(
-    "llama mistral qwen2 qwen3 qwen2_moe qwen3_moe mixtral phi phi3 gemma gemma2 gemma3 "
-    "gemma3_text starcoder2 olmo olmo2 cohere smollm3 granite internlm2 exaone glm4_moe".split()
-)
-MLA_FAMILIES = frozenset({"deepseek_v3", "kimi_k2"})  # one latent + one rotary key per position
-# MLA plus a sparse indexer, whose CacheList also keeps one indexer key per position
-# (stored as keys and as values).
-MLA_INDEXER_FAMILIES = frozenset({"deepseek_v32"})
+# What a family's caches are, where its config alone gives their size, is its adapter's
+# `kv_cache` (families/): "attention" (plain KV caches, or sliding windows the config
+# tells), "mla" (one latent + one rotary key per position), "mla_indexer" (MLA plus a
+# sparse indexer, whose CacheList also keeps one indexer key per position, stored as keys
+# and as values).
 
 
 class ShardTooBig(ValueError):
@@ -169,19 +164,13 @@ def _layer_caches(path: str, start: int, end: int) -> tuple[int, tuple[int | Non
     """
     config = _read_config(path)
     family = str(config.get("model_type", ""))
+    adapter = families.adapter_for(family)
     layer_types = config.get("layer_types")
     chunk = _chunk_window(path, config)
-    if not (
-        chunk
-        or family in ATTENTION_FAMILIES
-        or family in MLA_FAMILIES
-        or family in MLA_INDEXER_FAMILIES
-        or isinstance(layer_types, list)
-        or _plain_caches(family)
-    ):
+    if not (chunk or adapter.kv_cache or isinstance(layer_types, list) or _plain_caches(family)):
         raise CacheUnknown(f"model_type {family!r} makes caches of its own kind")
     try:
-        per_position = _position_values(family, config) * _dtype_bytes(Path(path), config)
+        per_position = _position_values(adapter.kv_cache, config) * _dtype_bytes(Path(path), config)
     except (KeyError, TypeError, ValueError) as e:  # (a config without what it reads)
         raise CacheUnknown(f"model_type {family!r}: {e}") from None
     window = config.get("sliding_window")
@@ -198,7 +187,7 @@ def _layer_caches(path: str, start: int, end: int) -> tuple[int, tuple[int | Non
             windows.append(int(window) if kind == "sliding_attention" and window else None)
         elif chunk and (layer + 1) % 4:  # (llama 4: every 4th layer attends to all)
             windows.append(chunk)
-        elif family.startswith("gemma3") and config.get("sliding_window_pattern") and window:
+        elif adapter.sliding_pattern and config.get("sliding_window_pattern") and window:
             pattern = int(config["sliding_window_pattern"])
             windows.append(None if layer % pattern == pattern - 1 else int(window))
         else:
@@ -209,18 +198,20 @@ def _layer_caches(path: str, start: int, end: int) -> tuple[int, tuple[int | Non
 def _chunk_window(path: str, config: dict[str, Any]) -> int:
     """Positions a chunked-attention layer of Llama 4 holds at most (0: not Llama 4):
     its chunk, plus what one step adds before the cache drops what is out of it."""
-    if sharding.read_config(Path(path)).get("model_type") != "llama4":  # (not its text's)
+    model_type = sharding.read_config(Path(path)).get("model_type")  # (not its text's)
+    if not families.adapter_for(str(model_type)).chunked_attention:
         return 0
     chunk = int(config.get("attention_chunk_size") or 0)
     return chunk + CACHE_STEP if chunk else 0
 
 
-def _position_values(family: str, config: dict[str, Any]) -> int:
+def _position_values(kind: str | None, config: dict[str, Any]) -> int:
     """Values one layer caches per position: keys and values of every KV head, or for
-    MLA (DeepSeek V3) the compressed latent and the rotary key, as mlx-lm keeps them."""
-    if family in MLA_FAMILIES:
+    MLA (DeepSeek V3) the compressed latent and the rotary key, as mlx-lm keeps them
+    (`kind`: the family's adapter's kv_cache)."""
+    if kind == "mla":
         return int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])
-    if family in MLA_INDEXER_FAMILIES:
+    if kind == "mla_indexer":
         latent = int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])
         return latent + 2 * int(config["index_head_dim"])
     if "kv_lora_rank" in config:
@@ -269,7 +260,8 @@ def cache_nbytes(path: Path, start: int, end: int, tokens: int) -> int:
     held = math.ceil(tokens / CACHE_STEP) * CACHE_STEP
     full = per_position  # a full-attention layer's bytes per position
     config = _read_config(str(path))
-    quantized = config.get("model_type") not in MLA_INDEXER_FAMILIES  # CacheLists stay
+    # (an indexer's CacheLists stay as they are)
+    quantized = families.adapter_for(str(config.get("model_type"))).kv_cache != "mla_indexer"
     if _plan.kv_bits and quantized and tokens > _plan.quantized_kv_start:
         # Quantized (as QuantizedKVCache): each value packed into kv_bits bits, plus a
         # scale and a bias per group of kv_group_size values, in the model's dtype.
@@ -372,6 +364,30 @@ def memory_limit() -> int | None:
         raise ValueError(
             f"{MEMORY_LIMIT_ENV}={os.environ[MEMORY_LIMIT_ENV]!r} is not a size"
         ) from None
+
+
+def shard_need(path: Path, start: int, end: int, *, ends: bool = False) -> int:
+    """Bytes a shard needs as check_fits counts them: its weights, with the caches of
+    `--max-active` sequences of `--max-context` tokens and HEADROOM where they are known."""
+    weights = shard_nbytes(path, start, end, ends=ends)
+    if not _plan.max_active:
+        return weights
+    context = sequence_bound(model_context(path))
+    try:
+        caches = _plan.max_active * cache_nbytes(path, start, end, context)
+    except CacheUnknown:
+        return weights
+    return int((weights + caches) * (1 + HEADROOM))
+
+
+def short_rank(path: Path, ranges: list[tuple[int, int]], rooms: list[int | None]) -> int | None:
+    """The first rank whose shard (rank 0's with the embedding and head) needs more than
+    the memory it has (`rooms`, bytes: each rank's `headroom`; None: not known)."""
+    for rank, (start, end) in enumerate(ranges):
+        room = rooms[rank] if rank < len(rooms) else None
+        if room is not None and shard_need(path, start, end, ends=rank == 0) > room:
+            return rank
+    return None
 
 
 def check_fits(path: Path, start: int, end: int, *, ends: bool = False) -> None:

@@ -15,7 +15,9 @@ family this cannot reproduce is refused when it loads (`check_splittable`). What
 travels between ranks may be more than one hidden state: gemma3n's AltUp streams,
 folded into the payload's width (altup.py), or what the layers of talkie, rwkv7, Kimi
 K3, Hunyuan-Large and DeepSeek V4.1 take besides h (carried.py); IQuest Loop Coder runs
-every layer twice a step, its steps going round the ring twice (two_pass.py).
+every layer twice a step, its steps going round the ring twice (two_pass.py). Where a
+family differs from a plain decoder, its adapter says how (families/): this module is
+the machinery that asks it and names no family itself.
 """
 
 from __future__ import annotations
@@ -52,299 +54,36 @@ from mlx_lm.models.cache import (
 from mlx_lm.models.deepseek_v41 import LayerCache as DeepSeekLayerCache
 from mlx_lm.utils import load_model
 
-from mlx_relay.model import altup, carried, two_pass, vision
-from mlx_relay.model.step_inputs import LAYER_INPUTS, LayerInputs, takes_inputs
-
-# What each family's own forward does around the layers besides embed_tokens, the final
-# norm and the LM head, written as that forward writes it (the same operations in the same
-# order, so results are bit-identical). Each op gets the model's own ModelArgs, so a
-# default the config leaves out is the model's. EMBED: on embed_tokens' output; PRE_HEAD:
-# on the final norm's output, before the head; LOGITS: on the head's output.
-_Op = Callable[[Any, mx.array], mx.array]
-
-
-def _softcap(cap: float | None, x: mx.array) -> mx.array:
-    return mx.tanh(x / cap) * cap if cap else x
-
-
-def _minicpm_pre_head(a: Any, h: mx.array) -> mx.array:
-    """minicpm scales the normed state down before an untied head only."""
-    return h if a.tie_word_embeddings else h / (a.hidden_size / a.dim_model_base)
-
-
-def _weightless_norm(a: Any, h: mx.array) -> mx.array:
-    """An RMS norm without a weight, at the model's eps (muse_glimmer's embedding,
-    talkie's embedding and final norm)."""
-    return mx.fast.rms_norm(h, None, a.rms_norm_eps)
-
-
-def _nanochat_norm(a: Any, h: mx.array) -> mx.array:
-    """nanochat's norms have no weights: its own functional rms_norm."""
-    from mlx_lm.models.nanochat import rms_norm
-
-    return rms_norm(h)
-
-
-def _own_softcap(module: str, name: str) -> _Op:
-    """A family's own compiled soft-cap function, so its logits stay bit-identical."""
-
-    def op(a: Any, x: mx.array) -> mx.array:
-        fn = getattr(importlib.import_module(f"mlx_lm.models.{module}"), name)
-        if module == "nanochat":
-            return fn(x)  # nanochat's cap is the function's default, 15
-        cap = a.final_logit_softcapping
-        return fn(cap, x) if cap is not None else x
-
-    return op
-
-
-def _falcon_h1_logits(a: Any, x: mx.array) -> mx.array:
-    """falcon_h1 folds its multipliers into the weights, except a tied head's."""
-    return x * (a.lm_head_multiplier / a.embedding_multiplier) if a.tie_word_embeddings else x
-
-
-def _gemma3_embed(a: Any, h: mx.array) -> mx.array:
-    """gemma3 rounds its sqrt(hidden) factor to bfloat16 first (vision.py scales an image
-    prompt's merged embeddings the same way)."""
-    return h * mx.array(a.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
-
-
-_EMBED_OPS: dict[str, _Op] = {
-    "gemma": lambda a, h: h * (a.hidden_size**0.5),
-    "gemma2": lambda a, h: h * (a.hidden_size**0.5),
-    "gemma3_text": _gemma3_embed,
-    "gemma3": _gemma3_embed,  # its vision-language model: decode steps embed tokens here
-    "granite": lambda a, h: h * a.embedding_multiplier,
-    "granitemoe": lambda a, h: h * a.embedding_multiplier,
-    "granitemoehybrid": lambda a, h: h * a.embedding_multiplier,
-    "minicpm": lambda a, h: h * a.scale_emb,
-    "minicpm3": lambda a, h: h * a.scale_emb,
-    "afmoe": lambda a, h: h * math.sqrt(a.hidden_size) if a.mup_enabled else h,
-    "gear": lambda a, h: h * math.sqrt(a.hidden_size),
-    "muse_glimmer": _weightless_norm,
-    "gemma4_text": lambda a, h: h * (a.hidden_size**0.5),
-    "gemma3n": lambda a, h: h * (a.hidden_size**0.5),  # (then its AltUp streams: altup.py)
-    "nanochat": _nanochat_norm,
-    "talkie": _weightless_norm,
-    "phi3small": lambda a, h: a.mup_embedding_multiplier * h if a.mup_embedding_multiplier else h,
-    "recurrent_gemma": lambda a, h: (
-        h * math.sqrt(h.shape[-1]) if a.embeddings_scale_by_sqrt_dim else h
-    ),
-}
-_PRE_HEAD_OPS: dict[str, _Op] = {
-    "minicpm": _minicpm_pre_head,
-    "minicpm3": _minicpm_pre_head,
-    "nanochat": _nanochat_norm,  # its final norm (it has no norm module)
-    "talkie": _weightless_norm,
-}
-_LOGITS_OPS: dict[str, _Op] = {
-    "gemma2": lambda a, x: _softcap(a.final_logit_softcapping, x),
-    "gear": lambda a, x: _softcap(a.final_logit_softcapping, x),
-    "granite": lambda a, x: x / a.logits_scaling,
-    "granitemoe": lambda a, x: x / a.logits_scaling,
-    "granitemoehybrid": lambda a, x: x / a.logits_scaling,
-    "cohere": lambda a, x: x * a.logit_scale,
-    "cohere2": lambda a, x: x * a.logit_scale,
-    "muse_glimmer": lambda a, x: _softcap(a.final_logit_softcapping, x * a.output_multiplier),
-    "gemma4_text": _own_softcap("gemma4_text", "logit_softcap"),
-    "gemma3n": _own_softcap("gemma3n", "logit_softcap"),
-    "nanochat": _own_softcap("nanochat", "softcap"),
-    "falcon_h1": _falcon_h1_logits,
-    "recurrent_gemma": lambda a, x: _softcap(a.logits_soft_cap, x),
-    "phi3small": lambda a, x: x / a.mup_width_multiplier if a.mup_width_multiplier else x,
-}
-# Families whose LM head is not a module called on h: given the module holding it and h.
-_HEAD_CALLS: dict[str, Callable[[Any, mx.array], mx.array]] = {
-    # a bare (vocab, hidden) parameter, scaled by a learned gain
-    "talkie": lambda outer, h: outer.lm_head_gain(h @ outer.lm_head.T),
-}
-# Token ids whose logits the family's own head sets to -inf (after its LOGITS op), by
-# the name of the model's attribute that holds them.
-_MASKED_IDS: dict[str, str] = {"phi3small": "_dummy_tokenizer_ids"}
-
-
-@dataclass(frozen=True)
-class Parts:
-    """Where a family keeps its decoder body and, in it, the layer list (a dotted path
-    where a module of its own holds the list: plamo's `layers.layers`), the token
-    embedding and the final norm (None: the forward norms without a module, which a
-    PRE_HEAD op then does)."""
-
-    decoder: str = "model"
-    layers: str = "layers"
-    embed: str = "embed_tokens"
-    norm: str | None = "norm"
-    # the untied LM head: on the model (or the language model it wraps), or where a
-    # dotted path from the model says (gpt_neox: model.embed_out)
-    head: str = "lm_head"
-
-    @property
-    def head_name(self) -> str:
-        return self.head.rsplit(".", 1)[-1]
-
-
-_PARTS: dict[str, Parts] = {
-    # final norms named otherwise
-    "falcon_h1": Parts(norm="final_layernorm"),
-    "recurrent_gemma": Parts(norm="final_norm"),
-    "phi3small": Parts(norm="final_layernorm"),
-    "phi": Parts(norm="final_layernorm"),
-    "jamba": Parts(norm="final_layernorm"),
-    "lfm2": Parts(norm="embedding_norm"),  # (its final norm, whatever the name says)
-    "lfm2_moe": Parts(norm="embedding_norm"),
-    "lfm2-vl": Parts(norm="embedding_norm"),  # (its lfm2 decoder in a language_model)
-    # embeddings and heads named otherwise
-    "internlm2": Parts(embed="tok_embeddings", head="output"),
-    "llama4_text": Parts(head="output"),
-    "bailing_moe": Parts(embed="word_embeddings"),
-    # (each layer takes the step's offset too: step_inputs.LAYER_INPUTS)
-    "bailing_moe_linear": Parts(embed="word_embeddings"),
-    "bailing_hybrid": Parts(embed="word_embeddings"),
-    "bailing_moe_v3": Parts(embed="word_embeddings"),
-    # (each layer takes and returns the first layer's values besides h: carried.py)
-    "rwkv7": Parts(embed="embeddings"),
-    # whole decoders named otherwise
-    "nanochat": Parts(decoder="transformer", layers="h", embed="wte", norm=None),
-    "exaone": Parts(decoder="transformer", layers="h", embed="wte", norm="ln_f"),
-    "gpt_neox": Parts(
-        layers="h", embed="embed_in", norm="final_layer_norm", head="model.embed_out"
-    ),
-    "gptj": Parts(layers="h", embed="wte", norm="ln_f"),
-    "gpt2": Parts(layers="h", embed="wte", norm="ln_f"),
-    "gpt_bigcode": Parts(decoder="transformer", layers="h", embed="wte", norm="ln_f"),
-    "qwen": Parts(decoder="transformer", layers="h", embed="wte", norm="ln_f"),
-    "spark2_5": Parts(embed="embedding"),
-    "afm7": Parts(embed="embedding", norm="output_norm"),  # (its second list: _REUSE_LISTS)
-    "longcat_flash_ngram": Parts(embed="ngram_embeddings"),  # (_EMBED_READS_IDS)
-    "openelm": Parts(decoder="transformer", embed="token_embeddings"),
-    "dbrx": Parts(decoder="transformer", layers="blocks", embed="wte", norm="norm_f"),
-    "lille-130m": Parts(decoder="transformer", embed="tok_embeddings"),
-    "mamba": Parts(decoder="backbone", embed="embeddings", norm="norm_f"),
-    "nemotron_h": Parts(decoder="backbone", embed="embeddings", norm="norm_f"),
-    "mamba2": Parts(decoder="backbone", embed="embeddings", norm="norm_f"),
-    # its final norm is inside its head module (OutputHead: norm, then linear)
-    "phixtral": Parts(decoder="transformer", layers="h", embed="embd", norm=None),
-    # the list sits in a decoder module that builds the masks and loops over it
-    "plamo2": Parts(layers="layers.layers"),
-    "plamo3": Parts(layers="layers.layers"),
-    "plamo": Parts(layers="layers.layers"),
-    "gemma3n": Parts(decoder="model.language_model"),  # (its towers: sanitize drops them)
-    # each block takes the normed embedding besides h (carried.py); weightless norms
-    "talkie": Parts(layers="blocks", embed="embed", norm=None),
-}
-
-# Families whose ModelArgs only wrap a text config (gemma3n: model_type, text_config):
-# the ops and rules read the decoder's own config, with the model's defaults filled in.
-_TEXT_ARGS = {"gemma3n": "model.language_model.config"}
-
-
-# Families whose ModelArgs wrap a text model's config and whose decoder is that text
-# model's (mlx-lm's gemma4: the text of a Gemma 4 checkpoint, its towers dropped on
-# load): every rule of the tables here is the text family's.
-_TEXT_FAMILIES = {"gemma4": "gemma4_text"}
+from mlx_relay.model import altup, two_pass, vision
+from mlx_relay.model.families import (
+    FamilyAdapter,
+    LayerRun,
+    Parts,
+    adapter_for,
+    adapter_of,
+    family_of,
+    wraps_text,
+)
+from mlx_relay.model.step_inputs import LayerInputs
 
 
 def parts_of(config: dict[str, Any]) -> Parts:
-    return _PARTS.get(family_of(config), Parts())
-
-
-# How a family's forward calls a layer, where not `layer(h, mask, cache)`: given the
-# layer, the hidden state, `mask_for(cache)` (the model's mask for a layer with that
-# cache), the layer's cache and the keyword arguments its step inputs give
-# (step_inputs.LAYER_INPUTS), the layer's output hidden state.
-_LayerCall = Callable[..., mx.array]
+    return adapter_of(config).parts
 
 
 def _plain_call(layer: Any, h: mx.array, mask_for: Callable[[Any], Any], c: Any) -> mx.array:
     return layer(h, mask_for(c), c)
 
 
-def _keyword_call(
-    layer: Any, h: mx.array, mask_for: Callable[[Any], Any], c: Any, **kw: Any
-) -> mx.array:
-    return layer(h, mask_for(c), c, **kw)
-
-
-def _mrope_call(
-    layer: Any, h: mx.array, mask_for: Callable[[Any], Any], c: Any, **kw: Any
-) -> mx.array:
-    return layer(h, mask_for(c), c, kw["position_ids"], kw["position_embeddings"])
-
-
-def _llama4_scale(args: Any, h: mx.array, c: Any) -> mx.array:
-    """The attention scale by position (llama 4's log scaling past the original context)
-    that Mistral 4's forward computes from the step's offset: from this layer's cache,
-    whose offset is the step's, as ministral3's attention does itself when given none."""
-    from mlx_lm.models.ministral3 import _get_llama_4_attn_scale
-
-    rope = args.rope_parameters
-    offset = c.offset if c is not None else 0
-    return _get_llama_4_attn_scale(
-        h.shape[1], offset, rope["llama_4_scaling_beta"], rope["original_max_position_embeddings"]
-    ).astype(h.dtype)
-
-
-_LAYER_CALLS: dict[str, _LayerCall] = {
-    # the step's position offset, from the header (step_inputs.LAYER_INPUTS)
-    "bailing_moe_linear": _keyword_call,
-    "bailing_hybrid": _keyword_call,
-    # returns (h, its keys and values, offset), which a KV-shared layer takes (run_layers
-    # passes them where a layer reuses an earlier one's); the 2B/4B layouts' layers take
-    # their per-layer input (step_inputs.py)
-    "gemma4_text": lambda layer, h, mask_for, c, **kw: layer(h, mask_for(c), c, **kw)[0],
-    # a mamba mixer and attention side by side: each gets its own cache's mask
-    "falcon_h1": lambda layer, h, mask_for, c: layer(
-        h, cache=c, attn_mask=mask_for(c[1]), mamba_mask=mask_for(c[0])
-    ),
-    # (x, attn_scale, mask, cache): the scale by position, from the layer's own cache
-    "ministral3": lambda layer, h, mask_for, c: layer(h, None, mask_for(c), c),
-    "mistral4": lambda layer, h, mask_for, c: layer(
-        h, _llama4_scale(layer.self_attn.args, h, c), mask_for(c), c
-    ),
-    # no mask: its mixers read only their conv and SSM state
-    "mamba": lambda layer, h, mask_for, c: layer(h, c),
-    # takes (x, cache, mask); its forward gives every layer the local-attention mask,
-    # which the recurrent layers ignore
-    "recurrent_gemma": lambda layer, h, mask_for, c: layer(h, mask=mask_for(c), cache=c),
-    # multimodal rope: positions rank 0 computed from the image grid (step_inputs.py)
-    "qwen2_vl": _mrope_call,
-    "qwen2_5_vl": _mrope_call,
-}
-
-
-# Families some of whose layers keep no cache (nemotron_h's MLP and MoE blocks, between
-# its mamba and attention ones): given a layer, whether it keeps one. The model makes
-# caches for the others only; a layer without one gets neither cache nor mask, as the
-# family's forward gives it nothing it reads.
-_KEEPS_CACHE: dict[str, Callable[[Any], bool]] = {
-    "nemotron_h": lambda layer: layer.block_type in ("M", "*"),
-    "nemotron-nas": lambda layer: layer.self_attn is not None,  # (no-op attention: none)
-}
-
-
 def _keeps_cache(layers: list[Any], config: dict[str, Any]) -> tuple[bool, ...] | None:
-    keeps = _KEEPS_CACHE.get(family_of(config))
+    keeps = adapter_of(config).keeps_cache
     return tuple(keeps(layer) for layer in layers) if keeps else None
 
 
 def _cacheless_count(layers: list[Any], config: dict[str, Any]) -> int:
-    keeps = _KEEPS_CACHE.get(family_of(config))
+    keeps = adapter_of(config).keeps_cache
     return sum(1 for layer in layers if not keeps(layer)) if keeps else 0
 
-
-# Families whose last layers reuse an earlier layer's keys and values, computed in the
-# same forward (gemma4's 2B/4B layouts, gemma3n: num_kv_shared_layers): the decoder's
-# list of, for each layer, the layer whose keys and values it uses (itself where it has
-# its own).
-_KV_SHARING = {"gemma4_text": "previous_kvs", "gemma3n": "layer_idx_to_cache_idx"}
-
-# Families whose decoder keeps its last layers in a second list, run after the first,
-# each of which reuses the keys and values of the first list's last layer (afm7:
-# kv_reuse_layers, num_kv_reuse_layers of them): the list, and the config key counting
-# it. A shard joins the two lists into one (`_join_layer_lists`) and splits that; the
-# reusing layers are KV-shared layers like gemma4's, so one rank holds them together
-# with the layer they reuse.
-_REUSE_LISTS = {"afm7": ("kv_reuse_layers", "num_kv_reuse_layers")}
 
 # What mask a layer gets, by its cache's kind: the models build one mask per kind from
 # the first cache of that kind (full attention, sliding window, chunked attention,
@@ -356,49 +95,6 @@ _MASK_KINDS: tuple[tuple[tuple[type, ...], str], ...] = (
     ((KVCache, BatchKVCache, QuantizedKVCache, ConcatenateKVCache), FULL),
     ((ArraysCache,), SSM),  # MambaCache is one too
 )
-
-# Modules of a decoder, besides the embedding, that only rank 0 holds and runs: gemma4's
-# per-layer embedding table (most of a 2B/4B model's weights) and projection, which
-# compute the per-layer inputs rank 0 sends (step_inputs.py).
-_ROOT_PARTS = {
-    "gpt2": ("wpe",),  # (learned position embeddings: _POSITION_EMBEDDINGS)
-    "gpt_bigcode": ("wpe",),
-    "gemma4_text": (
-        "embed_tokens_per_layer",
-        "per_layer_model_projection",
-        "per_layer_projection_norm",
-    ),
-    # gemma3n's too, and the projections that make and merge its AltUp streams
-    "gemma3n": (
-        "embed_tokens_per_layer",
-        "per_layer_model_projection",
-        "per_layer_projection_norm",
-        "altup_projections",
-        "altup_unembed_projections",
-    ),
-}
-
-# Families whose decode groups run row by row, each sequence on its own caches (as
-# quantized caches do): phi3small's block-sparse attention layers place their blocks by
-# the length of the cache and add the boolean mask to their scores, so the padded batch
-# caches of a group (several sequences at once) would change its tokens.
-# (llama4's ChunkedKVCache and DeepSeek V4.1's LayerCache have no batch form; IQuest
-# Loop Coder's second pass makes its masks as of before the step, from a row's offset)
-_ROW_BY_ROW = ("phi3small", "llama4", "deepseek_v41", two_pass.FAMILY)
-
-# Families whose layers take no mask, keeping a cache of their own kind that has none
-# (DeepSeek V4.1's window and compressed groups: carried.py runs them).
-_MASKLESS = ("deepseek_v41",)
-
-# Families whose embedding reads the ids of the sequence before the step's (LongCat
-# Flash's n-gram embedding, which keeps the last few in a cache of its own, first in the
-# model's cache list): rank 0 keeps every sequence's ids (kvcache.SlotCaches) and gives
-# each row its own to `embed`; the layers' caches are the rest of the list.
-_EMBED_READS_IDS = ("longcat_flash_ngram",)
-
-# Families whose embedding adds learned position embeddings (this table of the decoder,
-# which only rank 0 holds) by each token's position: GPT-2, StarCoder 1.
-_POSITION_EMBEDDINGS = {"gpt2": "wpe", "gpt_bigcode": "wpe"}
 
 
 # Caches that summarise every position so far (an SSM state; DeepSeek V4.1's window and
@@ -481,7 +177,7 @@ class KVQuant:
 class Rows(list):
     """A decode group's caches as one cache list per row, each row run alone: quantized
     KV caches have no batch form (mlx-lm does not batch them either), and a batch would
-    change a _ROW_BY_ROW family's tokens (see Shard.row_by_row)."""
+    change a row-by-row family's tokens (see Shard.row_by_row)."""
 
 
 @dataclass
@@ -509,13 +205,13 @@ class Shard:
     # also holds the vision tower and projector (model/vision.py).
     vision: bool = False
     kv: KVQuant | None = None  # quantized KV caches
-    # Its layers take step inputs besides h (step_inputs.LAYER_INPUTS; e.g. Qwen2-VL's
+    # Its layers take step inputs besides h (its adapter's layer_inputs; e.g. Qwen2-VL's
     # positions, gemma4's per-layer inputs), which rank 0 computes.
     takes_inputs: bool = False
     # Layers reusing an earlier layer's keys and values (gemma4's KV sharing): local
     # index -> local index of the layer reused; they have no cache of their own.
     kv_sources: dict[int, int] | None = None
-    # Whether each local layer keeps a cache, where some do not (_KEEPS_CACHE); None: all do.
+    # Whether each local layer keeps a cache, where some do not (keeps_cache); None: all do.
     keeps_cache: tuple[bool, ...] | None = None
     # Empty caches of the local layers as the whole model made them at load, copied for
     # each new sequence. A model may choose a layer's cache by its index (baichuan_m1's
@@ -526,13 +222,18 @@ class Shard:
     def passes(self) -> int:
         """How many times a step runs the layers: 2 for IQuest Loop Coder (two_pass.py),
         whose steps go round the ring twice."""
-        return 2 if family_of(self.config) == two_pass.FAMILY else 1
+        return self.adapter.passes
 
     @property
     def row_by_row(self) -> bool:
         """Whether a decode group runs each row alone on its own caches (Rows): caches
-        with no batch form (quantized), or a family a batch changes (_ROW_BY_ROW)."""
-        return self.kv is not None or family_of(self.config) in _ROW_BY_ROW
+        with no batch form (quantized), or a family a batch changes (row_by_row)."""
+        return self.kv is not None or self.adapter.row_by_row
+
+    @property
+    def adapter(self) -> FamilyAdapter:
+        """The rules of the model's family (families/)."""
+        return adapter_of(self.config)
 
     def usable_prefix(self, held: int, shared: int) -> bool:
         """Whether a parked cache holding `held` positions can start a sequence at its
@@ -697,9 +398,10 @@ def load_shard(
         outer = head_owner(model, parts_of(config).head)
     parts = parts_of(config)
     caches = make_prompt_cache(model)  # all layers still here
-    if family_of(config) in _EMBED_READS_IDS:  # (the embedding's own: see the table)
+    adapter = adapter_of(config)
+    if adapter.embed_reads_ids:  # (the embedding's own, first in the list)
         caches = caches[1:]
-    if family_of(config) == two_pass.FAMILY:  # (a layer's two: one per pass)
+    if adapter.passes == 2:  # (a layer's two: one per pass)
         caches = two_pass.pair_caches(caches)
     _join_layer_lists(inner, parts, config)
     num_layers = len(_attr_path(inner, parts.layers))
@@ -721,7 +423,7 @@ def load_shard(
         for name in vision.ENCODER_PARTS:  # a VLM's vision tower and projector: rank 0's
             if name in model:
                 model.pop(name)
-        for name in _ROOT_PARTS.get(family_of(config), ()):  # what only rank 0 computes
+        for name in adapter.root_parts:  # what only rank 0 computes
             if name in inner and inner[name] is not None:
                 inner.pop(name)
     mx.eval(model.parameters())
@@ -737,7 +439,7 @@ def load_shard(
         wants_array_masks(inner),
         vision.is_vlm(config),
         kv,
-        takes_inputs(family_of(config), model_args_of(outer, config)),
+        adapter.takes_inputs(model_args_of(outer, config)),
         kv_sources,
         _keeps_cache(_attr_path(inner, parts.layers), config),
         template,
@@ -748,16 +450,16 @@ def load_shard(
 
 
 def second_list_from(config: dict[str, Any]) -> int:
-    """The model's index of the first layer of its second layer list (_REUSE_LISTS);
+    """The model's index of the first layer of its second layer list (reuse_list);
     0 for a model with one list."""
-    reusing = kv_shared_layers(config) if family_of(config) in _REUSE_LISTS else 0
+    reusing = kv_shared_layers(config) if adapter_of(config).reuse_list else 0
     return count_layers(config) - reusing if reusing else 0
 
 
 def _join_layer_lists(inner: nn.Module, parts: Parts, config: dict[str, Any]) -> None:
-    """One layer list of a decoder that keeps its last layers in a second (_REUSE_LISTS),
+    """One layer list of a decoder that keeps its last layers in a second (reuse_list),
     so that the split, the memory check and the shard see the model's layers in order."""
-    rule = _REUSE_LISTS.get(family_of(config))
+    rule = adapter_of(config).reuse_list
     if rule is None:
         return
     second = getattr(inner, rule[0])
@@ -774,7 +476,7 @@ def _local_caches(
     end: int,
 ) -> tuple[Any, ...]:
     """The whole model's caches of layers [start, end): it makes one, in layer order, for
-    each layer that keeps its own (none for a KV-shared layer or one _KEEPS_CACHE says
+    each layer that keeps its own (none for a KV-shared layer or one keeps_cache says
     keeps none; check_splittable has made sure the counts agree)."""
     keeps = _keeps_cache(layers, config) or (True,) * len(layers)
     sources = _kv_sources_of(inner, config) or list(range(len(layers)))
@@ -833,8 +535,8 @@ def probe_input(shard: Shard, tokens: int) -> mx.array:
         if mx.issubdtype(a.dtype, mx.floating)
     ]
     h = mx.zeros((1, tokens, int(text["hidden_size"])), floats[0] if floats else mx.float32)
-    if (name := family_of(shard.config)) in carried.FAMILIES:  # (what enters its layers)
-        h = carried.CARRIERS[name].probe_state(shard.inner, shard.start, h)
+    if carrier := shard.adapter.carrier:  # (what enters its layers)
+        h = carrier.probe_state(shard.inner, shard.start, h)
     return h
 
 
@@ -863,12 +565,13 @@ def check_splittable(
     the full model does: UnsupportedFamily names the family and the reason. `inner`:
     the decoder, where it is not `inner_model(model)` (a VLM's language model)."""
     family = family_of(config) if "model_type" in config else type(model).__module__
+    adapter = adapter_for(family)
 
     def refuse(why: str) -> UnsupportedFamily:
         return unsplittable(config.get("model_type", family), why)
 
-    if config.get("final_logit_softcapping") and family not in _LOGITS_OPS:
-        # A family not in the tables whose forward may soft-cap its logits: refused
+    if config.get("final_logit_softcapping") and adapter.logits_op is None:
+        # A family without a logits rule whose forward may soft-cap its logits: refused
         # rather than split into different logits.
         raise refuse(
             "its config soft-caps the logits (final_logit_softcapping), and "
@@ -883,27 +586,19 @@ def check_splittable(
                 f"layers, then {parts.norm} and the LM head)"
             )
     layers = _attr_path(inner, parts.layers)
-    # (KV-shared layers have no cache, nor have the layers _KEEPS_CACHE says keep none)
+    # (KV-shared layers have no cache, nor have the layers keeps_cache says keep none)
     owners = len(layers) - _kv_shared_count(inner, config) - _cacheless_count(layers, config)
     if len(caches) != owners:
         raise refuse(
             f"it makes {len(caches)} caches for {owners} layers (mlx-relay keeps one cache "
             "per layer; here some layers keep none or several)"
         )
-    for i, cache in enumerate(caches if family not in _MASKLESS else ()):
+    for i, cache in enumerate(caches if not adapter.maskless else ()):
         try:
             mask_kind(mask_source(cache))
         except UnsupportedFamily as e:
             raise refuse(f"layer {i}: {e}") from None
-    called_otherwise = (
-        _LAYER_CALLS,
-        altup.FAMILIES,
-        carried.FAMILIES,
-        _REUSE_LISTS,
-        (two_pass.FAMILY,),
-    )
-    if any(family in table for table in called_otherwise):
-        # (called as its forward does)
+    if adapter.calls_layers_itself:  # (called as its forward does)
         return
     for layer in {type(layer): layer for layer in layers}.values():
         params = list(inspect.signature(layer.__call__).parameters)
@@ -934,9 +629,9 @@ def model_args(shard: Shard) -> Any:
 
 
 def model_args_of(outer: nn.Module, config: dict[str, Any]) -> Any:
-    if path := _TEXT_ARGS.get(family_of(config)):
+    if path := adapter_of(config).text_args:
         return _attr_path(outer, path)
-    if config.get("model_type") in _TEXT_FAMILIES:  # (the wrapped text model's own)
+    if wraps_text(config.get("model_type")):  # (the wrapped text model's own)
         language_model = getattr(outer, "language_model", outer)
         # (mlx-vlm's language model, of the family's VLM, keeps its TextConfig as config)
         return getattr(language_model, "args", None) or language_model.config
@@ -946,17 +641,12 @@ def model_args_of(outer: nn.Module, config: dict[str, Any]) -> Any:
     return args or SimpleNamespace(**config)
 
 
-def family_of(config: dict[str, Any]) -> str:
-    """The family whose rules apply: the model type, or the text model's it wraps."""
-    model_type = str(config.get("model_type", ""))
-    return _TEXT_FAMILIES.get(model_type, model_type)
-
-
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The config the decoder is built from: the text config a _TEXT_FAMILIES wrapper
-    passes on (with the defaults its own ModelArgs fills in), else the config itself."""
+    """The config the decoder is built from: the text config a wrapper (an adapter's
+    `wrappers`) passes on (with the defaults its own ModelArgs fills in), else the config
+    itself."""
     model_type = config.get("model_type")
-    if model_type not in _TEXT_FAMILIES:
+    if not wraps_text(model_type):
         return config
     wrapper = importlib.import_module(f"mlx_lm.models.{model_type}")
     return dict(wrapper.ModelArgs.from_dict(config).text_config)
@@ -967,7 +657,7 @@ def computes_per_layer_inputs(shard: Shard) -> bool:
     gemma4 VLM may take step inputs without them: an image prompt's token types)."""
     return (
         shard.takes_inputs
-        and family_of(shard.config) in _ROOT_PARTS
+        and shard.adapter.per_layer
         and bool(getattr(model_args(shard), "hidden_size_per_layer_input", True))
     )
 
@@ -975,25 +665,17 @@ def computes_per_layer_inputs(shard: Shard) -> bool:
 def per_layer_inputs(
     shard: Shard, tokens: mx.array, h: mx.array, ids_part: mx.array | None = None
 ) -> mx.array:
-    """gemma4's and gemma3n's per-layer inputs of every layer (batch, tokens, layers,
-    dim), on rank 0 from the token ids and the first hidden state (embed's output; for
-    gemma3n its first AltUp stream), by the model's own methods, as its forward computes
-    them before its first layer. `ids_part`: the part from the ids, already computed
-    (a gemma4 image prompt's, by mlx-vlm's get_input_embeddings)."""
-    inner = shard.inner
-    if family_of(shard.config) in altup.FAMILIES:  # gemma3n: from stream 0, its embedding
-        h0 = altup.first_stream(h, altup.streams(inner))
-        return inner.project_per_layer_inputs(h0, inner.get_per_layer_inputs(tokens))
-    if shard.vision:  # (mlx-vlm's gemma4 names them without mlx-lm's underscore)
-        if ids_part is None:
-            ids_part = inner.get_per_layer_inputs(tokens)
-        return inner.project_per_layer_inputs(h, ids_part)
-    return inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(tokens))
+    """The per-layer inputs of every layer (batch, tokens, layers, dim) of a family
+    that takes them (gemma4, gemma3n), on rank 0 from the token ids and the first hidden
+    state (embed's output), by the model's own methods, as its forward computes them
+    before its first layer. `ids_part`: the part from the ids, already computed (a gemma4
+    image prompt's, by mlx-vlm's get_input_embeddings)."""
+    return shard.adapter.per_layer_inputs(shard.inner, shard.vision, tokens, h, ids_part)
 
 
 def embeds_ids(shard: Shard) -> bool:
-    """Whether rank 0's embedding reads each sequence's earlier ids (_EMBED_READS_IDS)."""
-    return shard.has_ends and family_of(shard.config) in _EMBED_READS_IDS
+    """Whether rank 0's embedding reads each sequence's earlier ids (embed_reads_ids)."""
+    return shard.has_ends and shard.adapter.embed_reads_ids
 
 
 def embed(
@@ -1005,30 +687,30 @@ def embed(
     """Token embeddings as the family's own forward feeds them to its first layer.
     `offsets`: each row's first position (learned position embeddings read them);
     `before`: each row's ids before these (1, offset), for `embeds_ids`."""
-    family = family_of(shard.config)
-    if family in _EMBED_READS_IDS:
+    adapter = shard.adapter
+    if adapter.embed_reads_ids:
         return _ngram_embed(getattr(shard.inner, shard.parts.embed), tokens, before)
     h = getattr(shard.inner, shard.parts.embed)(tokens)
-    if table := _POSITION_EMBEDDINGS.get(family):
+    if table := adapter.position_embeddings:
         rows, length = tokens.shape
         start = mx.array(list(offsets) if offsets is not None else [0] * rows)
         h = h + getattr(shard.inner, table)(start[:, None] + mx.arange(length))
-    op = _EMBED_OPS.get(family)
+    op = adapter.embed_op
     h = op(model_args(shard), h) if op else h
-    if family in carried.FAMILIES:
-        return carried.CARRIERS[family].start(shard.inner, h)
-    return altup.expand(shard.inner, h) if family in altup.FAMILIES else h
+    if adapter.carrier:
+        return adapter.carrier.start(shard.inner, h)
+    return altup.expand(shard.inner, h) if adapter.altup else h
 
 
 def output_width(shard: Shard, width: int, layers_done: int | None = None) -> int:
     """The width of the state the model's first `layers_done` layers (default: up to
     this shard's last) leave, where `width` entered this shard: the same, except for a
     family whose carried state grows (carried.py)."""
-    family = family_of(shard.config)
-    if family not in carried.FAMILIES:
+    carrier = shard.adapter.carrier
+    if carrier is None:
         return width
     done = shard.end if layers_done is None else layers_done
-    return carried.CARRIERS[family].width_after(shard.inner, done, width)
+    return carrier.width_after(shard.inner, done, width)
 
 
 def _ngram_embed(embedding: Any, tokens: mx.array, before: Sequence[mx.array] | None) -> mx.array:
@@ -1057,7 +739,7 @@ def run_layers(
     Within a step every cache of a kind (full attention, sliding window, linear
     attention) holds the same positions, so their masks are equal: build each once
     from the first cache of its kind, as the models themselves do. `inputs`: the step's
-    inputs besides h, for a family whose layers take more (step_inputs.LAYER_INPUTS);
+    inputs besides h, for a family whose layers take more (its adapter's layer_inputs);
     `second_pass`: a two-pass model's second run of the layers (Shard.passes).
     """
     if isinstance(caches, Rows):
@@ -1087,24 +769,25 @@ def run_layers(
             masks[key] = make_mask(shard, kind, first, source)
         return masks[key]
 
-    family = family_of(shard.config)
-    if family in carried.FAMILIES:
-        carrier = carried.CARRIERS[family]
+    adapter = shard.adapter
+    if carrier := adapter.carrier:
         return carrier.run_layers(shard.inner, shard.start, shard.layers, h, caches, mask_for)
-    call = _LAYER_CALLS.get(family, _plain_call)
+    call = adapter.layer_call or _plain_call
+    kws = None
     if shard.takes_inputs:
         if inputs is None:  # (a probe, or a test's own run: positions from the caches)
             inputs = LayerInputs(offsets=[_offset(caches)] * h.shape[0], deltas=[0] * h.shape[0])
-        kws = LAYER_INPUTS[family](shard.layers, h, inputs)
-        if family in altup.FAMILIES:
-            return _run_altup(shard, h, caches, kws, mask_for)
-        if shard.kv_sources:
-            return _run_kv_shared(shard, h, caches, kws, mask_for)
+        assert adapter.layer_inputs is not None  # (takes_inputs says it has them)
+        kws = adapter.layer_inputs(shard.layers, h, inputs)
+    if adapter.altup or shard.kv_sources:  # (its forward's own loop: its adapter's)
+        kws = kws if kws is not None else [{}] * len(shard.layers)
+        sources = shard.kv_sources or {}
+        run = LayerRun(shard.inner, shard.layers, sources, caches, kws, mask_for)
+        return adapter.run_layers(run, h)
+    if kws is not None:
         for layer, cache, kw in zip(shard.layers, caches, kws, strict=True):
             h = call(layer, h, mask_for, cache, **kw)
         return h
-    if shard.kv_sources:
-        return _run_kv_shared(shard, h, caches, [{}] * len(shard.layers), mask_for)
     if shard.keeps_cache is not None:
         own = iter(caches)
         for layer, keeps in zip(shard.layers, shard.keeps_cache, strict=True):
@@ -1133,65 +816,13 @@ def _stack_rows(rows: list[mx.array]) -> mx.array:
     return mx.concatenate(padded, axis=0)
 
 
-def _run_kv_shared(
-    shard: Shard,
-    h: mx.array,
-    caches: list[Any],
-    kws: list[dict[str, Any]],
-    mask_for: Callable[[Any], Any],
-) -> mx.array:
-    """gemma4's layers as its forward runs them: a layer with its own cache returns its
-    keys, values and offset, and a KV-shared layer (no cache) takes those of the layer it
-    reuses, from this very step, with that layer's mask (kv_sources: both are here).
-    afm7's reusing layers take all that layer's cache holds after this step's update."""
-    if family_of(shard.config) in _REUSE_LISTS:  # (afm7: the reused cache's contents)
-        for i, layer in enumerate(shard.layers):
-            source = shard.kv_sources.get(i)
-            if source is None:
-                h = layer(h, mask_for(caches[i]), caches[i])
-            else:
-                keys, values = caches[source].keys_and_values()
-                h = layer(h, keys, values, mask_for(caches[source]))
-        return h
-    returned: dict[int, tuple[Any, Any]] = {}
-    for i, (layer, kw) in enumerate(zip(shard.layers, kws, strict=True)):
-        source = shard.kv_sources.get(i) if shard.kv_sources else None
-        if source is None:
-            h, kvs, offset = layer(h, mask_for(caches[i]), caches[i], **kw)
-            returned[i] = (kvs, offset)
-        else:
-            kvs, offset = returned[source]
-            mask = mask_for(caches[source])
-            h = layer(h, mask, None, shared_kv=kvs, offset=offset, **kw)[0]
-    return h
-
-
-def _run_altup(
-    shard: Shard,
-    h: mx.array,
-    caches: list[Any],
-    kws: list[dict[str, Any]],
-    mask_for: Callable[[Any], Any],
-) -> mx.array:
-    """gemma3n's layers as its forward runs them, on its AltUp streams (folded in h:
-    altup.py): every layer takes one position offset, the first cache's before the
-    step, and a KV-shared layer the cache of the layer it reuses (updated earlier in
-    this step), with that layer's mask (kv_sources: both are here)."""
-    x = altup.unfold(h, altup.streams(shard.inner))
-    offset = caches[0].offset if caches else 0
-    sources = shard.kv_sources or {}
-    for i, (layer, kw) in enumerate(zip(shard.layers, kws, strict=True)):
-        cache = caches[sources.get(i, i)]
-        x = layer(x, mask_for(cache), cache, offset=offset, **kw)
-    return altup.fold(x)
-
-
 def _kv_sources_of(inner: nn.Module, config: dict[str, Any]) -> list[int]:
     """For each of the decoder's layers, the layer whose keys and values it uses."""
-    if family_of(config) in _REUSE_LISTS:  # (the last layers reuse the one before them)
+    adapter = adapter_of(config)
+    if adapter.reuse_list:  # (the last layers reuse the one before them)
         n, reusing = count_layers(config), kv_shared_layers(config)
         return list(range(n - reusing)) + [n - reusing - 1] * reusing
-    name = _KV_SHARING.get(family_of(config))
+    name = adapter.kv_sharing
     return list(getattr(inner, name, None) or []) if name else []
 
 
@@ -1229,18 +860,18 @@ def kv_shared_sources(
 def _kv_sharing_args(config: dict[str, Any]) -> Any:
     """The decoder's own args of a family that may share KV (None otherwise), so that a
     value the config leaves out is the model's default (gemma4_text's is 20 layers)."""
-    family = family_of(config)
-    if family not in _KV_SHARING:
+    family, adapter = family_of(config), adapter_of(config)
+    if not adapter.kv_sharing:
         return None
     module = importlib.import_module(f"mlx_lm.models.{family}")
-    if family in _TEXT_ARGS:  # (gemma3n: its decoder's own TextConfig)
+    if adapter.text_args:  # (gemma3n: its decoder's own TextConfig)
         return module.TextConfig.from_dict(config.get("text_config") or {})
     return module.ModelArgs.from_dict(text_config(config))
 
 
 def kv_shared_layers(config: dict[str, Any]) -> int:
     """How many last layers keep no keys and values of their own (0: none share)."""
-    if rule := _REUSE_LISTS.get(family_of(config)):
+    if rule := adapter_of(config).reuse_list:
         return int(text_config(config).get(rule[1]) or 0)
     args = _kv_sharing_args(config)
     return max(0, int(getattr(args, "num_kv_shared_layers", 0) or 0)) if args else 0
@@ -1252,7 +883,7 @@ def kv_shared_tail(config: dict[str, Any]) -> int:
     of its type before the shared ones); 0 for a model without KV sharing."""
     if not kv_shared_layers(config):
         return 0
-    if family_of(config) in _REUSE_LISTS:  # (and the one layer they all reuse)
+    if adapter_of(config).reuse_list:  # (and the one layer they all reuse)
         return kv_shared_layers(config) + 1
     args = _kv_sharing_args(config)
     n = args.num_hidden_layers
@@ -1268,11 +899,6 @@ def _offset(caches: list[Any]) -> int:
     return int(getattr(next(counting, None), "offset", 0))
 
 
-# Families whose forward gives its sliding-window layers a mask window other than their
-# cache's size, from the model's own args (plamo3: window + 1 over a cache of window).
-_SLIDING_MASK_WINDOW: dict[str, Callable[[Any], int]] = {"plamo3": lambda a: a.window_size + 1}
-
-
 def _chunk_mask(h: mx.array, cache: ChunkedKVCache) -> mx.array:
     """Llama 4's chunked attention: a position sees the earlier positions of its own
     chunk that the cache still holds (from its start_position on)."""
@@ -1285,38 +911,39 @@ def _chunk_mask(h: mx.array, cache: ChunkedKVCache) -> mx.array:
 
 def make_mask(shard: Shard, kind: str, h: mx.array, cache: Any) -> Any:
     """The mask the full model builds for layers of this kind (a sliding cache knows
-    its own window, which is the model's unless _SLIDING_MASK_WINDOW says otherwise)."""
+    its own window, which is the model's unless its adapter's sliding_mask_window says
+    otherwise: plamo3's forward gives window + 1 over a cache of window)."""
     if kind == SSM:
         return create_ssm_mask(h, cache)
     if kind == CHUNKED:
         return _chunk_mask(h, cache)
     window = None
-    if kind == SLIDING and (rule := _SLIDING_MASK_WINDOW.get(family_of(shard.config))):
+    if kind == SLIDING and (rule := shard.adapter.sliding_mask_window):
         window = rule(model_args(shard))
     return create_attention_mask(h, cache, window_size=window, return_array=shard.array_masks)
 
 
 def head(shard: Shard, h: mx.array) -> mx.array:
     """Final norm and LM head (tied embeddings when the model has no lm_head), with
-    whatever the family's own forward does around them (the tables above)."""
-    family = family_of(shard.config)
-    if family in altup.FAMILIES:  # gemma3n: its AltUp streams merged into one first
+    whatever the family's own forward does around them (its adapter's ops)."""
+    adapter = shard.adapter
+    if adapter.altup:  # gemma3n: its AltUp streams merged into one first
         h = altup.merge(shard.inner, h)
-    if family in carried.FAMILIES:
-        h = carried.CARRIERS[family].final(shard.inner, h)
+    if adapter.carrier:
+        h = adapter.carrier.final(shard.inner, h)
     norm = shard.parts.norm
     if norm is not None:
         h = getattr(shard.inner, norm)(h)
-    if op := _PRE_HEAD_OPS.get(family):
+    if op := adapter.pre_head_op:
         h = op(model_args(shard), h)
-    if call := _HEAD_CALLS.get(family):
+    if call := adapter.head_call:
         logits = call(shard.outer, h)
     elif shard.parts.head_name in shard.outer:
         logits = shard.outer[shard.parts.head_name](h)
     else:
         logits = getattr(shard.inner, shard.parts.embed).as_linear(h)
-    if op := _LOGITS_OPS.get(family):
+    if op := adapter.logits_op:
         logits = op(model_args(shard), logits)
-    if family in _MASKED_IDS:
-        logits[..., getattr(shard.outer, _MASKED_IDS[family])] = -float("inf")
+    if adapter.masked_ids:
+        logits[..., getattr(shard.outer, adapter.masked_ids)] = -float("inf")
     return logits

@@ -295,21 +295,6 @@ def default_split(
     return cost_split(units, n, head, speeds)
 
 
-def fits_memory(
-    counts: list[int], costs: LayerCosts | None, headroom: list[int | None]
-) -> int | None:
-    """The first rank whose share of the weights (rank 0's with the embedding and head)
-    exceeds 90% of the memory it has (`headroom`, bytes; None: not known), else None."""
-    if costs is None or len(costs.held) != sum(counts):
-        return None
-    for rank, (start, end) in enumerate(layer_ranges(counts)):
-        need = sum(costs.held[start:end]) + (costs.ends if rank == 0 else 0)
-        room = headroom[rank] if rank < len(headroom) else None
-        if room is not None and need > 0.9 * room:
-            return rank
-    return None
-
-
 def memory_split(
     num_layers: int, stats: list[dict[str, Any] | None], costs: LayerCosts | None = None
 ) -> list[int]:

@@ -23,7 +23,7 @@ def forward_stage(
 
     Rank 0 runs the very same function on its embeddings, so every rank treats a step
     identically. `sides`: the side arrays the header lists (what the layers of a family
-    in step_inputs.LAYER_INPUTS take besides h: multimodal rope positions, per-layer
+    with an adapter's `layer_inputs` take besides h: multimodal rope positions, per-layer
     inputs from this rank's first layer on).
     """
     takes_inputs = shard.takes_inputs

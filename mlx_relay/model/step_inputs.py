@@ -7,8 +7,8 @@ per-layer embedding table as large as most of the model, which only rank 0 holds
 0 sends such arrays with the step (protocol/header.py: side arrays after the hidden
 state, and one position delta per sequence in the header itself), and every rank turns
 them into its layers' keyword arguments here, with the family's own code, so a stage
-computes exactly what the whole model computes. A family not in `LAYER_INPUTS` gets
-none and pays nothing.
+computes exactly what the whole model computes. A family whose adapter names none of
+these (families/: `layer_inputs`) gets none and pays nothing.
 
 Positions are forwarded unchanged (every rank needs them all); per-layer inputs hold
 one slice per layer, and each rank keeps its own layers' slices and forwards the rest
@@ -18,7 +18,6 @@ one slice per layer, and each rank keeps its own layers' slices and forwards the
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,7 +108,7 @@ def pass_on(header: hdr.StepHeader, sides: list[mx.array], local_layers: int) ->
     return out
 
 
-def _mrope(layers: list[Any], h: mx.array, inputs: LayerInputs) -> list[dict[str, Any]]:
+def mrope(layers: list[Any], h: mx.array, inputs: LayerInputs) -> list[dict[str, Any]]:
     """Qwen2-VL / Qwen2.5-VL (mlx-vlm): each layer takes the position ids and the rope's
     cos/sin, computed once per forward from them, as its LanguageModel and Qwen2Model do.
     Rank 0 sends a prompt's 3-D positions (temporal, height, width); without them a row's
@@ -125,7 +124,7 @@ def _mrope(layers: list[Any], h: mx.array, inputs: LayerInputs) -> list[dict[str
     return [{"position_ids": positions, "position_embeddings": embeddings}] * len(layers)
 
 
-def _per_layer(layers: list[Any], h: mx.array, inputs: LayerInputs) -> list[dict[str, Any]]:
+def per_layer(layers: list[Any], h: mx.array, inputs: LayerInputs) -> list[dict[str, Any]]:
     """gemma4 (2B/4B layouts), gemma3n: layer i takes its slice of the per-layer inputs."""
     per_layer = inputs.per_layer
     if per_layer is None:  # (a probe run; a gemma4 VLM without them: token types only)
@@ -133,35 +132,10 @@ def _per_layer(layers: list[Any], h: mx.array, inputs: LayerInputs) -> list[dict
     return [{"per_layer_input": per_layer[:, :, i, :]} for i in range(len(layers))]
 
 
-def _offset(layers: list[Any], h: mx.array, inputs: LayerInputs) -> list[dict[str, Any]]:
+def step_offset(layers: list[Any], h: mx.array, inputs: LayerInputs) -> list[dict[str, Any]]:
     """bailing_moe_linear, bailing_hybrid: every layer takes the step's first position,
     which their forward reads from an attention layer's cache (a rank may hold none):
     here from the header, one per row where a group has several."""
     offsets = inputs.offsets
     offset: int | mx.array = offsets[0] if len(offsets) == 1 else mx.array(offsets)
     return [{"offset": offset}] * len(layers)
-
-
-# family -> (this rank's layers, h entering them, the step's inputs) -> each layer's
-# keyword arguments for this call
-LAYER_INPUTS: dict[str, Callable[[list[Any], mx.array, LayerInputs], list[dict[str, Any]]]] = {
-    "qwen2_vl": _mrope,
-    "qwen2_5_vl": _mrope,
-    "gemma4_text": _per_layer,
-    "gemma3n": _per_layer,  # (always: every gemma3n has per-layer inputs)
-    "bailing_moe_linear": _offset,
-    "bailing_hybrid": _offset,
-}
-# Families in LAYER_INPUTS that take inputs only in some configurations (their ModelArgs)
-# (gemma4 as a VLM, loaded through mlx-vlm, also takes an image prompt's token types)
-_TAKES_INPUTS: dict[str, Callable[[Any], bool]] = {
-    "gemma4_text": lambda a: (
-        bool(getattr(a, "hidden_size_per_layer_input", 0))
-        or getattr(a, "use_bidirectional_attention", None) == "vision"
-    ),
-}
-
-
-def takes_inputs(family: str, args: Any) -> bool:
-    """Whether a family's layers, in this configuration, take step inputs."""
-    return family in LAYER_INPUTS and _TAKES_INPUTS.get(family, lambda _: True)(args)

@@ -40,6 +40,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlx_relay.model import families
 from mlx_relay.model.step_inputs import PromptInputs
 
 # model_type -> its decoder families in mlx-vlm (checked by mlx-vlm's LanguageModel).
@@ -54,7 +55,7 @@ VLM_FAMILIES = {
 # Families that are VLMs only where the checkpoint has a vision tower: its config says
 # so (vision_config) and its weights hold one (a Gemma 4 converted to text by mlx-lm
 # keeps the vision_config, not the tower). Otherwise they are text models, which mlx-lm
-# loads (sharding._TEXT_FAMILIES).
+# loads (its adapter's `wrappers`: families/gemma4.py).
 _TOWER_OPTIONAL = ("gemma4",)
 # Families whose language model multiplies its input embeddings, image features merged
 # in, by sqrt(hidden_size) rounded to bfloat16 inside its forward (mlx-vlm's gemma3 does;
@@ -106,10 +107,15 @@ def text_only(config: dict[str, Any]) -> dict[str, Any]:
 
 def prefills_whole(config: dict[str, Any]) -> bool:
     """Whether an image prompt of this (loaded) VLM goes round in one step from position
-    0, its token types with it: a model whose image tokens attend to each other (gemma4:
-    `use_bidirectional_attention: "vision"`), which mlx-vlm's mask does only in such a
-    prefill (and so mlx-vlm's generate prefills such a prompt unchunked)."""
-    return is_vlm(config) and config.get("use_bidirectional_attention") == "vision"
+    0, its token types with it: a model whose image tokens attend to each other (its
+    adapter's prefills_images_whole, gemma4's, with `use_bidirectional_attention:
+    "vision"`), which mlx-vlm's mask does only in such a prefill (and so mlx-vlm's
+    generate prefills such a prompt unchunked)."""
+    return (
+        is_vlm(config)
+        and families.adapter_of(config).prefills_images_whole
+        and config.get("use_bidirectional_attention") == "vision"
+    )
 
 
 def _mlx_vlm() -> Any:

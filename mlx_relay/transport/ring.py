@@ -157,6 +157,19 @@ def settles_here() -> bool:
     return on_cuda()
 
 
+FENCE_ENV = "MLX_RELAY_FENCE_SHAPES"
+
+
+def fences_here(backend: str) -> bool:
+    """Whether this process's ring fences shape changes (see Ring): under the JACCL
+    backend, unless MLX_RELAY_FENCE_SHAPES says otherwise (1 or 0; the tests run the
+    fenced path on the ring backend)."""
+    forced = os.environ.get(FENCE_ENV)
+    if forced is not None:
+        return forced == "1"
+    return backend.startswith("jaccl")
+
+
 class Ring:
     """One hop: the header over the doorbell, the payload over the ring.
 
@@ -175,6 +188,13 @@ class Ring:
     at a new size) does not return: on two H200s a rank hung there for good, at the
     first decode step with eager hops and in a 4,000-token prefill with ready ones.
     Collective hops (`payloads`) wait on the device inside NCCL instead: nothing settles.
+
+    With `fences` (the JACCL backend), a send or receive of another shape than the last
+    one posted in its direction waits for that one to finish first. JACCL has delivered
+    wrong data, or hung, for back-to-back point-to-point transfers of different shapes
+    (mlx issue 3149; a barrier between them avoided it), and a hop must never hand a
+    step another step's data. Decode steps keep one shape, so only a prompt's chunks,
+    and the steps after them, pay the wait.
     """
 
     def __init__(
@@ -185,6 +205,7 @@ class Ring:
         *,
         settles: bool | None = None,
         payloads: PayloadGroups | None = None,
+        fences: bool = False,
     ) -> None:
         if mode not in HOP_MODES:
             raise ValueError(f"hop mode {mode!r}: expected one of {', '.join(HOP_MODES)}")
@@ -205,6 +226,9 @@ class Ring:
         # (every header leaves through it; the doorbell is looked up when one does)
         self.outbox = Outbox(lambda message: self.doorbell.ring(message), f"outbox-{self.rank}")
         self._inline: tuple[int, bytes] | None = None  # (step id, payload) of the last header
+        self.fences = fences
+        self.fenced = 0  # transfers that waited for the one before (shape changes)
+        self._last: dict[str, tuple[tuple[Any, ...], mx.array]] = {}  # direction: (kind, op)
 
     def choose_path(
         self, header: hdr.StepHeader, *, alone: bool, returned_width: int | None = None
@@ -385,9 +409,23 @@ class Ring:
         if collective:  # (the receiver adds zeros: it gets `array`)
             sent = mx.distributed.all_sum(array, group=self.payloads.send, stream=stream)
         else:
+            self._fence("send", (tuple(array.shape), array.dtype))
             sent = mx.distributed.send(array, self.next, group=self.group, stream=stream)
+            self._posted("send", (tuple(array.shape), array.dtype), sent)
         mx.async_eval(sent)
         return sent
+
+    def _fence(self, direction: str, kind: tuple[Any, ...]) -> None:
+        """With `fences`: wait for the last transfer in `direction` if it had another
+        shape or dtype (see the class)."""
+        last = self._last.get(direction)
+        if self.fences and last is not None and last[0] != kind:
+            mx.eval(last[1])
+            self.fenced += 1
+
+    def _posted(self, direction: str, kind: tuple[Any, ...], op: mx.array) -> None:
+        if self.fences:
+            self._last[direction] = (kind, op)
 
     def flush(self) -> None:
         """Wait until every header posted has left (before a rank exits)."""
@@ -445,9 +483,11 @@ class Ring:
             zeros = mx.zeros(shape, mx_dtype(dtype), stream=stream)
             payload = mx.distributed.all_sum(zeros, group=self.payloads.recv, stream=stream)
         else:
+            self._fence("recv", (tuple(shape), mx_dtype(dtype)))
             payload = mx.distributed.recv(
                 shape, mx_dtype(dtype), self.prev, group=self.group, stream=stream
             )
+            self._posted("recv", (tuple(shape), mx_dtype(dtype)), payload)
         mx.async_eval(payload)
         return payload
 

@@ -113,7 +113,8 @@ class Worker:
                 self.step_seconds += time.perf_counter() - started
             self.link.done_step = header.step_id  # rank 0 can tell who holds an overdue step
             if header.cmd == hdr.CMD_SHUTDOWN:
-                log.info("rank %d: shutdown", self.rank)
+                fenced = f" ({self.ring.fenced} hops waited for a shape change)"
+                log.info("rank %d: shutdown%s", self.rank, fenced if self.ring.fences else "")
                 return
 
     def timings(self) -> dict[str, float]:

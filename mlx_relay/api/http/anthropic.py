@@ -9,16 +9,26 @@ message that stream builds, its events dropped.
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 
-from mlx_relay.api.http.common import Door, HttpError, Output, sampling, tool_call
-from mlx_relay.api.http.schemas import Lenient, dumps, sse
+from mlx_relay.api.http.common import (
+    Door,
+    Events,
+    HttpError,
+    Output,
+    fold,
+    sampling,
+    sse_events,
+    tool_call,
+)
+from mlx_relay.api.http.schemas import Lenient, dumps
 from mlx_relay.coordinator.output import Chunk
 from mlx_relay.model import vision
 from mlx_relay.protocol import relay_pb2 as pb
@@ -250,11 +260,13 @@ def template_kwargs(thinking: dict[str, Any] | None) -> str:
 class MessageStream:
     """Content blocks built from chunks, and the stream events that build them."""
 
-    def __init__(self, output: Output, model: str) -> None:
+    def __init__(self, output: Output, model: str, cached: Callable[[], int]) -> None:
         self.id = f"msg_{output.request_id or uuid.uuid4().hex}"
         self.model = model
         self.input_tokens = len(output.request.prompt_tokens)
-        self.cached = 0  # prompt tokens read from a kept cache, once known
+        self._cached = cached  # the prompt tokens the engine found in a kept cache, now
+        self.cached = 0  # those, once known
+        self.started = False
         self.blocks: list[dict[str, Any]] = []
         self.open = ""  # the type of the block being streamed
         self.stop_reason: str | None = None
@@ -291,14 +303,22 @@ class MessageStream:
             "cache_read_input_tokens": cached,
         }
 
-    def start(self, cached: int = 0) -> list[tuple[str, dict[str, Any]]]:
-        """`message_start`, sent once the first chunk came (`cached`: the prompt
-        tokens the engine found in a kept cache), so its usage is the final one's."""
-        self.cached = cached
+    def start(self) -> Events:
+        """Nothing yet: `message_start` waits for the first chunk (the request is then
+        running, so its cache hit is known and its usage is the final one's)."""
+        return []
+
+    def _start(self, cached: Callable[[], int]) -> Events:
+        if self.started:
+            return []
+        self.started, self.cached = True, cached()
         return [("message_start", {"type": "message_start", "message": self.message()})]
 
-    def feed(self, chunk: Chunk) -> list[tuple[str, dict[str, Any]]]:
-        events: list[tuple[str, dict[str, Any]]] = []
+    def failed(self, error: HttpError) -> Events:
+        return [*self._start(lambda: 0), ("error", error_body(error))]
+
+    def feed(self, chunk: Chunk) -> Events:
+        events = self._start(self._cached)
         if chunk.reasoning:
             events += self._delta("thinking", chunk.reasoning)
         if chunk.text:
@@ -354,7 +374,7 @@ class MessageStream:
             events.append(("message_stop", {"type": "message_stop"}))
         return events
 
-    def _delta(self, kind: str, text: str) -> list[tuple[str, dict[str, Any]]]:
+    def _delta(self, kind: str, text: str) -> Events:
         events = []
         if self.open != kind:
             events += self._close()
@@ -396,30 +416,13 @@ class MessageStream:
         )
         return events
 
-    def _close(self) -> list[tuple[str, dict[str, Any]]]:
+    def _close(self) -> Events:
         if not self.open:
             return []
         self.open = ""
         return [
             ("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1})
         ]
-
-
-async def _events(stream: MessageStream, output: Output, door: Door) -> AsyncIterator[str]:
-    started = False
-    try:
-        async for chunk in output:
-            if not started:  # the request is running: its cache hit is known now
-                started = True
-                for name, data in stream.start(door.cached_tokens(output.request_id)):
-                    yield sse(data, name)
-            for name, data in stream.feed(chunk):
-                yield sse(data, name)
-    except HttpError as e:
-        if not started:
-            for name, data in stream.start():
-                yield sse(data, name)
-        yield sse(error_body(e), "error")
 
 
 def router(door: Door) -> APIRouter:
@@ -429,11 +432,11 @@ def router(door: Door) -> APIRouter:
     async def messages(body: MessagesRequest, request: Request) -> Any:
         model = door.check_model(body.model)
         output = await door.generate(body.generate_request(), API)
-        stream = MessageStream(output, body.model or model)
+        cached = functools.partial(door.cluster.cached_tokens, output.request_id)
+        stream = MessageStream(output, body.model or model, cached)
         if body.stream:
-            return output.response(_events(stream, output, door))
-        async for chunk in output.watched(request):
-            stream.feed(chunk)
+            return output.response(sse_events(output, stream))
+        await fold(output, request, stream)
         return stream.message()
 
     @r.post("/v1/messages/count_tokens")

@@ -18,12 +18,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from mlx_relay.api.cluster import Cluster
+from mlx_relay.api.cluster import REFUSALS, Cluster
 from mlx_relay.api.http import anthropic, live, ollama, openai, ops, responses
 from mlx_relay.api.http.common import Door, HttpError, as_http_error
-from mlx_relay.coordinator.engine import EngineError
-from mlx_relay.coordinator.pipeline import RankFailure
-from mlx_relay.coordinator.requests import InvalidRequest
 
 log = logging.getLogger("mlx_relay.http")
 
@@ -95,7 +92,7 @@ def create_app(cluster: Cluster, *, token: str = "", max_body_bytes: int = 4 << 
 
     # The engine's refusals by class (Starlette re-raises, and so logs, what only the
     # catch-all `Exception` handler answers); the catch-all for real failures.
-    for kind in (InvalidRequest, EngineError, RankFailure, Exception):
+    for kind in (*REFUSALS, Exception):
         app.add_exception_handler(kind, engine_error)
     return Guard(app, token, max_body_bytes)
 

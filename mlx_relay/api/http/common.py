@@ -12,8 +12,9 @@ import asyncio
 import json
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
@@ -21,12 +22,11 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import StreamingResponse
 
 from mlx_relay.api.cluster import Cluster, error_kind
-from mlx_relay.api.http.schemas import dumps
+from mlx_relay.api.http.schemas import dumps, sse
 from mlx_relay.api.metrics import Metrics, Observer
 from mlx_relay.coordinator import requests
-from mlx_relay.coordinator.engine import Request
-from mlx_relay.coordinator.output import Chunk, TokenLogprob
-from mlx_relay.coordinator.postprocess import ToolCall
+from mlx_relay.coordinator.output import Chunk
+from mlx_relay.coordinator.sequence import Request
 from mlx_relay.protocol import relay_pb2 as pb
 
 # The HTTP status matching the gRPC status each error kind gets from the gRPC door
@@ -89,18 +89,13 @@ class Door:
     def metrics(self) -> Metrics:
         return self.cluster.metrics
 
-    def model_id(self) -> str:
-        """The loaded model's name as the APIs list it ('' when none is loaded)."""
-        loaded = self.cluster.engine.pipeline.loaded
-        return loaded.spec if loaded else ""
-
     def check_model(self, name: str | None) -> str:
         """The model a request names, if it is the one served; HttpError otherwise.
 
         A request may name it by its spec ('default' or the path it was loaded from) or
         the path's last part; leaving it out means the one served.
         """
-        served = self.model_id()
+        served = self.cluster.model_id()
         if not served:
             self.cluster.tokenizer()  # raises 'unavailable' saying why
         if not name or name in (served, served.rstrip("/").rsplit("/", 1)[-1]):
@@ -108,12 +103,6 @@ class Door:
         raise HttpError(
             "not_found", f"model {name!r} is not served here; this cluster serves {served!r}"
         )
-
-    def cached_tokens(self, request_id: str) -> int:
-        """The prompt tokens a running request found in a kept cache (0 once it is gone):
-        what a stream's first event reports before the final usage comes."""
-        rows = self.cluster.engine.snapshot()
-        return next((r.get("cached_tokens", 0) for r in rows if r["request_id"] == request_id), 0)
 
     async def render(self, request: pb.GenerateRequest | pb.TokenizeRequest) -> requests.Prompt:
         try:
@@ -207,18 +196,29 @@ class Output:
     async def watched(self, http: HttpRequest) -> AsyncIterator[Chunk]:
         """The chunks, for a non-streaming answer: nothing is sent until the last one, so
         the client's disconnect is watched for here (a stream notices it when writing)."""
-
-        async def watch() -> None:
-            while (await http.receive())["type"] != "http.disconnect":
-                pass
-            self.request.cancel()
-
-        watcher = asyncio.create_task(watch())
-        try:
+        async with cancelled_on_disconnect(http, [self.request]):
             async for chunk in self:
                 yield chunk
-        finally:
-            watcher.cancel()
+
+
+@asynccontextmanager
+async def cancelled_on_disconnect(
+    http: HttpRequest, requests: list[Request]
+) -> AsyncIterator[None]:
+    """While inside, a client that leaves cancels `requests` (a non-streaming answer
+    sends nothing until it is whole, so only its receive channel tells)."""
+
+    async def watch() -> None:
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+        for request in requests:
+            request.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()
 
 
 def streamed(
@@ -286,22 +286,12 @@ class Choices:
             for output in self.outputs:
                 output.request.cancel()
 
-    async def collect(self, http: HttpRequest) -> list[Collected]:
+    async def collect(self, http: HttpRequest) -> list[Chunk]:
         """Every whole answer; all are cancelled if the client leaves before them."""
-        wholes = [Collected() for _ in self.outputs]
-
-        async def watch() -> None:
-            while (await http.receive())["type"] != "http.disconnect":
-                pass
-            for output in self.outputs:
-                output.request.cancel()
-
-        watcher = asyncio.create_task(watch())
-        try:
+        wholes = [Chunk() for _ in self.outputs]
+        async with cancelled_on_disconnect(http, [o.request for o in self.outputs]):
             async for index, chunk in self.merged():
                 wholes[index].add(chunk)
-        finally:
-            watcher.cancel()
         return wholes
 
 
@@ -318,39 +308,47 @@ def total_usage(usages: list[dict[str, int]]) -> dict[str, int]:
     }
 
 
-@dataclass
-class Collected:
-    """A whole response: the stream folded (the non-streaming answer of every door)."""
-
-    text: str = ""
-    reasoning: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str = ""
-    usage: dict[str, int] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
-    malformed_tool_call: bool = False
-
-    def add(self, chunk: Chunk) -> None:
-        self.text += chunk.text
-        self.reasoning += chunk.reasoning
-        self.token_ids += chunk.token_ids
-        self.tool_calls += chunk.tool_calls
-        self.logprobs += chunk.logprobs
-        if chunk.finish_reason is not None:
-            self.finish_reason = chunk.finish_reason
-            self.usage = dict(chunk.usage or {})
-            self.timings = dict(chunk.timings or {})
-            self.malformed_tool_call = chunk.malformed_tool_call
-
-
-async def collect(output: Output, http: HttpRequest) -> Collected:
-    """The whole answer; the request is cancelled if the client leaves before it."""
-    whole = Collected()
+async def collect(output: Output, http: HttpRequest) -> Chunk:
+    """The whole answer, the stream folded; the request is cancelled if the client
+    leaves before it."""
+    whole = Chunk()
     async for chunk in output.watched(http):
         whole.add(chunk)
     return whole
+
+
+Events = list[tuple[str, dict[str, Any]]]  # (name, data) of server-sent events
+
+
+class EventSource(Protocol):
+    """An API's answer built from the engine's chunks, and the named events that build
+    it as a stream (Anthropic's Messages, OpenAI's Responses)."""
+
+    def start(self) -> Events: ...
+
+    def feed(self, chunk: Chunk) -> Events: ...
+
+    def failed(self, error: HttpError) -> Events: ...
+
+
+async def sse_events(output: Output, source: EventSource) -> AsyncIterator[str]:
+    """The streamed answer: `source`'s events as server-sent events, chunk by chunk; an
+    error after the response began is the API's error event (its status is sent)."""
+    for name, data in source.start():
+        yield sse(data, name)
+    try:
+        async for chunk in output:
+            for name, data in source.feed(chunk):
+                yield sse(data, name)
+    except HttpError as e:
+        for name, data in source.failed(e):
+            yield sse(data, name)
+
+
+async def fold(output: Output, http: HttpRequest, source: EventSource) -> None:
+    """The non-streaming answer: the same source fed the same chunks, its events dropped."""
+    async for chunk in output.watched(http):
+        source.feed(chunk)
 
 
 def response_format_json(fmt: dict[str, Any] | None) -> str:
@@ -375,13 +373,10 @@ def sampling(**fields: Any) -> pb.SamplingParams:
         if name == "stop":
             params.stop.extend(stop_list(value))
         elif name == "logit_bias":
-            for token, bias in value.items():
-                try:
-                    params.logit_bias[int(token)] = float(bias)
-                except (TypeError, ValueError) as e:
-                    raise HttpError(
-                        "invalid", f"logit_bias keys must be token ids, got {token!r}", "logit_bias"
-                    ) from e
+            try:
+                params.logit_bias.update(requests.logit_bias(value))
+            except requests.InvalidRequest as e:
+                raise HttpError("invalid", str(e), name) from e
         else:
             try:
                 setattr(params, name, value)

@@ -74,35 +74,28 @@ def extend_status(body: dict[str, Any], door: Door) -> None:
       ('gone: ...', 'silent: ...', 'slow: ...' for a late heartbeat or a step it holds
       for 4 times what it should take, or the failure that names it).
     """
-    from mlx_relay.api.http.ops import unhealthy
-
-    engine = door.cluster.engine
-    pipeline = engine.pipeline
-    ring = pipeline.ring
-    body["hop_mode"] = ring.mode if ring is not None else "none (one rank)"
-    body["heartbeat_timeout_s"] = pipeline.heartbeat_timeout
-    body["max_active"] = engine.max_active
-    body["max_queue"] = engine.max_queue
-    body["failure"] = unhealthy(door) if engine.state in ("serving", "failed") else ""
+    cluster = door.cluster
+    ring = cluster.ring()
+    body["hop_mode"] = ring.hop_mode
+    body["heartbeat_timeout_s"] = ring.heartbeat_timeout
+    body["max_active"] = ring.max_active
+    body["max_queue"] = ring.max_queue
+    body["failure"] = cluster.unhealthy() if cluster.state in ("serving", "failed") else ""
+    steps = cluster.steps()
     body["tokens"] = {
-        "prefill": dict(engine.step_tokens).get("prefill", 0),
-        "decode": dict(engine.step_tokens).get("decode", 0),
+        kind: steps[kind].tokens if kind in steps else 0 for kind in ("prefill", "decode")
     }
-    counts, seconds = dict(engine.step_counts), dict(engine.step_seconds)
-    body["ring_steps"] = {
-        k: {"steps": n, "seconds": seconds.get(k, 0.0)} for k, n in counts.items()
-    }
-    workers = pipeline.worker_stats()
-    lagging = pipeline.lagging() if engine.state == "serving" else None
-    interval = pipeline.hub.heartbeat_interval if pipeline.hub is not None else 0.5
+    body["ring_steps"] = {k: {"steps": s.steps, "seconds": s.seconds} for k, s in steps.items()}
+    workers = cluster.workers()
+    lagging = cluster.lagging()
     for row in body.get("ranks", []):
         rank = int(row.get("rank", 0))
         if rank == 0:
             stats = memory.stats()
             row["memory_limit_bytes"] = stats.get("memory_limit", 0)
             row["cache_memory_bytes"] = stats.get("cache_memory", 0)
-            row["steps"] = sum(counts.values())
-            row["step_seconds"] = sum(seconds.values())
+            row["steps"] = sum(s.steps for s in steps.values())
+            row["step_seconds"] = sum(s.seconds for s in steps.values())
             row["gone"] = row["ring_broken"] = ""
             row["alert"] = ""
             continue
@@ -115,7 +108,7 @@ def extend_status(body: dict[str, Any], door: Door) -> None:
         row["gone"] = info.gone if info is not None else ""
         row["ring_broken"] = info.ring_broken if info is not None else ""
         slow = lagging.reason if lagging is not None and lagging.rank == rank else ""
-        row["alert"] = _alert(row, pipeline.heartbeat_timeout, interval, slow)
+        row["alert"] = _alert(row, ring.heartbeat_timeout, ring.heartbeat_interval, slow)
     _blame(body)
 
 
@@ -197,15 +190,13 @@ def router(door: Door) -> APIRouter:
 
 
 async def _events(door: Door) -> AsyncIterator[str]:
-    from mlx_relay.api.http.ops import unhealthy
-
-    engine = door.cluster.engine
+    cluster = door.cluster
     last_sent = 0.0
-    last_key: tuple[str, str, str] | None = None
+    last_key: tuple[str, str, str, int] | None = None
     while True:
-        ended = engine.state in ENDED or not engine.running
-        lagging = engine.pipeline.lagging() if engine.state == "serving" else None
-        key = (engine.state, engine.error, unhealthy(door), lagging.rank if lagging else 0)
+        ended = cluster.state in ENDED or not cluster.running
+        lagging = cluster.lagging()
+        key = (cluster.state, cluster.error, cluster.unhealthy(), lagging.rank if lagging else 0)
         now = time.monotonic()
         if ended or key != last_key or now - last_sent >= EVENT_INTERVAL_S:
             body = await run_in_threadpool(event, door)

@@ -23,7 +23,6 @@ from fastapi.responses import PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 
 from mlx_relay.api.http.common import (
-    Collected,
     Door,
     HttpError,
     Output,
@@ -165,8 +164,8 @@ def _now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
-def _final(model: str, whole: Collected, started: float) -> dict[str, Any]:
-    u, t = whole.usage, whole.timings
+def _final(model: str, whole: Chunk, started: float) -> dict[str, Any]:
+    u, t = whole.usage or {}, whole.timings or {}
     total = time.perf_counter() - started
     ttft = t.get("time_to_first_token_s", 0.0)
     return {
@@ -216,7 +215,7 @@ def _piece(chat: bool, model: str, chunk: Chunk) -> dict[str, Any]:
 
 
 async def _lines(chat: bool, model: str, output: Output, started: float) -> AsyncIterator[str]:
-    whole = Collected()
+    whole = Chunk()
     try:
         async for chunk in output:
             whole.add(chunk)
@@ -250,7 +249,7 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I8
 
 
 def _config(door: Door) -> dict[str, Any]:
-    loaded = door.cluster.engine.pipeline.loaded
+    loaded = door.cluster.loaded
     if loaded is None:
         return {}
     try:
@@ -262,7 +261,7 @@ def _config(door: Door) -> dict[str, Any]:
 def _details(door: Door) -> dict[str, Any]:
     config = _config(door)
     family = str(config.get("model_type", ""))
-    loaded = door.cluster.engine.pipeline.loaded
+    loaded = door.cluster.loaded
     parameters = _parameter_count(Path(loaded.path), config) if loaded else 0
     return {
         "format": "mlx",
@@ -300,8 +299,8 @@ def _short_count(n: int) -> str:
 def _entry(door: Door) -> dict[str, Any]:
     """The served model as /api/tags and /api/ps list it: its bytes on disk and a
     digest of its fingerprint (config and weight index: the same model, the same one)."""
-    loaded = door.cluster.engine.pipeline.loaded
-    served = door.model_id()
+    loaded = door.cluster.loaded
+    served = door.cluster.model_id()
     details = _details(door)
     details.pop("context_length")
     size = sum(checkpoint.tensor_bytes(Path(loaded.path)).values()) if loaded else 0
@@ -375,20 +374,20 @@ def router(door: Door) -> APIRouter:
 
     @r.get("/api/tags")
     async def tags() -> dict[str, Any]:
-        if not door.model_id():
+        if not door.cluster.model_id():
             return {"models": []}
         return {"models": [await run_in_threadpool(_entry, door)]}
 
     @r.get("/api/ps")
     async def ps() -> dict[str, Any]:
         """The running model: the one served, in memory across the ranks until freed."""
-        if not door.model_id():
+        if not door.cluster.model_id():
             return {"models": []}
         entry = await run_in_threadpool(_entry, door)
         entry.pop("modified_at")
         entry["expires_at"] = "9999-12-31T23:59:59Z"  # never unloaded for idleness
         entry["size_vram"] = entry["size"]
-        entry["context_length"] = door.cluster.engine.context_length
+        entry["context_length"] = door.cluster.context_length
         return {"models": [entry]}
 
     @r.post("/api/show")

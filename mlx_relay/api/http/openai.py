@@ -16,7 +16,6 @@ from fastapi import APIRouter, Request
 
 from mlx_relay.api.http.common import (
     Choices,
-    Collected,
     Door,
     HttpError,
     response_format_json,
@@ -274,7 +273,7 @@ def tool_call_deltas(chunk: Chunk) -> list[dict[str, Any]]:
     ]
 
 
-def chat_message(whole: Collected) -> dict[str, Any]:
+def chat_message(whole: Chunk) -> dict[str, Any]:
     # `refusal` and `annotations` are required (nullable) in OpenAI's schema: a model
     # here never refuses by API, and nothing annotates its text.
     message: dict[str, Any] = {
@@ -315,7 +314,7 @@ def router(door: Door) -> APIRouter:
 
     @r.get("/v1/models")
     async def models() -> dict[str, Any]:
-        served = door.model_id()
+        served = door.cluster.model_id()
         data = [{"id": served, "object": "model", "created": 0, "owned_by": "mlx-relay"}]
         return {"object": "list", "data": data if served else []}
 
@@ -360,7 +359,7 @@ def router(door: Door) -> APIRouter:
                 }
                 for i, whole in enumerate(wholes)
             ],
-            "usage": usage(choices.usage([w.usage for w in wholes])),
+            "usage": usage(choices.usage([w.usage or {} for w in wholes])),
         }
 
     @r.post("/v1/completions")
@@ -399,7 +398,7 @@ def router(door: Door) -> APIRouter:
                 }
                 for i, whole in enumerate(wholes)
             ],
-            "usage": usage(choices.usage([w.usage for w in wholes])),
+            "usage": usage(choices.usage([w.usage or {} for w in wholes])),
         }
 
     @r.post("/tokenize")
@@ -416,7 +415,7 @@ def router(door: Door) -> APIRouter:
         return {
             "tokens": prompt.token_ids,
             "count": len(prompt.token_ids),
-            "max_model_len": door.cluster.engine.context_length,
+            "max_model_len": door.cluster.context_length,
             "prompt": prompt.text,
         }
 

@@ -17,25 +17,8 @@ from google.protobuf.message import Message
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
-from mlx_relay.api.cluster import not_serving
 from mlx_relay.api.http.common import Door
 from mlx_relay.api.http.live import extend_status
-
-
-def unhealthy(door: Door) -> str:
-    """Why the cluster cannot serve now ('' if it can)."""
-    engine = door.cluster.engine
-    if not engine.running:
-        return "the engine's loop has stopped" + (f": {engine.error}" if engine.error else "")
-    if engine.state != "serving":
-        return not_serving(engine.state, engine.error)
-    pipeline = engine.pipeline
-    if pipeline.hub is not None:
-        failure = pipeline.hub.failure(pipeline.heartbeat_timeout)
-        if failure is not None:
-            return f"a rank is down: {failure}"
-    return ""
-
 
 _WIDE = {
     FieldDescriptor.TYPE_INT64,
@@ -74,13 +57,13 @@ def router(door: Door) -> APIRouter:
 
     @r.get("/health")
     async def health() -> Any:
-        why = unhealthy(door)
-        engine = door.cluster.engine
+        cluster = door.cluster
+        why = cluster.unhealthy()
         body = {
             "status": "unavailable" if why else "ok",
-            "state": engine.state,
-            "model": door.model_id(),
-            "ranks": engine.pipeline.world_size,
+            "state": cluster.state,
+            "model": cluster.model_id(),
+            "ranks": cluster.world_size,
         }
         if why:
             body["reason"] = why

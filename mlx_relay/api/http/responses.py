@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,14 +22,17 @@ from fastapi import APIRouter, Request
 
 from mlx_relay.api.http.common import (
     Door,
+    Events,
     HttpError,
     Output,
+    fold,
     response_format_json,
     sampling,
+    sse_events,
     tool_call,
 )
 from mlx_relay.api.http.openai import error_body, image_bytes
-from mlx_relay.api.http.schemas import Lenient, dumps, sse
+from mlx_relay.api.http.schemas import Lenient, dumps
 from mlx_relay.coordinator.output import Chunk
 from mlx_relay.model import vision
 from mlx_relay.protocol import relay_pb2 as pb
@@ -291,13 +294,19 @@ class ResponseStream:
         self.seq += 1
         return kind, {"type": kind, "sequence_number": self.seq - 1, **fields}
 
-    def start(self) -> list[tuple[str, dict[str, Any]]]:
+    def start(self) -> Events:
         return [
             self._event("response.created", response=self.response()),
             self._event("response.in_progress", response=self.response()),
         ]
 
-    def feed(self, chunk: Chunk) -> list[tuple[str, dict[str, Any]]]:
+    def failed(self, error: HttpError) -> Events:
+        self.status = "failed"
+        return [
+            ("error", {"type": "error", "sequence_number": self.seq, **error_body(error)["error"]})
+        ]
+
+    def feed(self, chunk: Chunk) -> Events:
         events = []
         if chunk.reasoning:
             events += self._text("reasoning", chunk.reasoning)
@@ -353,7 +362,7 @@ class ResponseStream:
             events.append(self._event(f"response.{self.status}", response=self.response()))
         return events
 
-    def _text(self, kind: str, text: str) -> list[tuple[str, dict[str, Any]]]:
+    def _text(self, kind: str, text: str) -> Events:
         events = []
         part_type = "output_text" if kind == "message" else "reasoning_text"
         if self.open is None or self.open["type"] != kind:
@@ -409,7 +418,7 @@ class ResponseStream:
         )
         return events
 
-    def _close(self) -> list[tuple[str, dict[str, Any]]]:
+    def _close(self) -> Events:
         item, self.open = self.open, None
         if item is None:
             return []
@@ -438,20 +447,6 @@ class ResponseStream:
         ]
 
 
-async def _events(stream: ResponseStream, output: Output) -> AsyncIterator[str]:
-    for name, data in stream.start():
-        yield sse(data, name)
-    try:
-        async for chunk in output:
-            for name, data in stream.feed(chunk):
-                yield sse(data, name)
-    except HttpError as e:
-        stream.status = "failed"
-        yield sse(
-            {"type": "error", "sequence_number": stream.seq, **error_body(e)["error"]}, "error"
-        )
-
-
 def router(door: Door) -> APIRouter:
     r = APIRouter()
     store = Store()
@@ -472,9 +467,8 @@ def router(door: Door) -> APIRouter:
 
         stream = ResponseStream(output, model, body, finished)
         if body.stream:
-            return output.response(_events(stream, output))
-        async for chunk in output.watched(request):
-            stream.feed(chunk)
+            return output.response(sse_events(output, stream))
+        await fold(output, request, stream)
         return stream.response()
 
     @r.get("/v1/responses/{response_id}")

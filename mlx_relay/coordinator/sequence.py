@@ -1,0 +1,142 @@
+"""The request model: what a client asked for, what it reads back, and the engine's state
+of it while it runs.
+
+A `Request` is made by a front door and submitted; the scheduler turns it into a
+`Sequence` when it takes a slot; each token read back becomes a `Chunk` on the request's
+queue. These types live apart from the engine and the output rules so that both can use
+them without importing each other.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_relay.coordinator.constraints import Constraint
+from mlx_relay.coordinator.postprocess import OutputParser, ToolCall
+from mlx_relay.coordinator.sampling import Sampler, SamplingParams
+from mlx_relay.coordinator.slots import Taken
+from mlx_relay.model.step_inputs import PromptInputs
+
+
+class EngineError(Exception):
+    """A request cannot be served; `kind` maps to a gRPC status in the servicer."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind  # "invalid", "unavailable", "exhausted", "internal", "cancelled"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)
+
+
+@dataclass
+class Chunk:
+    """A piece of one request's output stream; the last one has a finish_reason."""
+
+    text: str = ""
+    reasoning: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+    timings: dict[str, float] | None = None
+    malformed_tool_call: bool = False
+    unknown_tools: list[str] = field(default_factory=list)
+    stop_sequence: str = ""  # the stop string that ended it (finish_reason "stop")
+
+    def add(self, later: Chunk) -> None:
+        """Fold the stream's next chunk into this one: a stream folded from an empty
+        Chunk is the whole answer (every door's non-streaming response)."""
+        self.text += later.text
+        self.reasoning += later.reasoning
+        self.token_ids += later.token_ids
+        self.tool_calls += later.tool_calls
+        self.logprobs += later.logprobs
+        if later.finish_reason is not None:
+            self.finish_reason = later.finish_reason
+            self.usage, self.timings = later.usage, later.timings
+            self.malformed_tool_call = later.malformed_tool_call
+            self.unknown_tools = list(later.unknown_tools)
+            self.stop_sequence = later.stop_sequence
+
+
+@dataclass
+class Request:
+    prompt_tokens: list[int]
+    params: SamplingParams
+    request_id: str = ""
+    tools: list[dict] | None = None
+    parse_tools: bool = True
+    starts_in_reasoning: bool = False
+    opens_tool_call: str = ""  # tool_choice forced a call: the prompt ends in its marker
+    constraint: Constraint | None = None  # a grammar the output must follow
+    # A vision-language request's preprocessed images (prompt_tokens then hold one image
+    # token per image feature): rank 0 merges them into the prompt's embeddings.
+    pixel_values: Any = None
+    created: float = field(default_factory=time.perf_counter)
+    out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def chunks(self) -> Iterator[Chunk]:
+        """Blocking iterator over the stream; raises EngineError if the request failed."""
+        while True:
+            item = self.out.get()
+            if isinstance(item, Exception):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Engine-thread state of one active request (compared by identity: a sequence is
+    looked up in lists of the running ones)."""
+
+    request: Request
+    slot: int
+    sampler: Sampler
+    detokenizer: Any
+    parser: OutputParser  # also cuts the stop strings
+    pending: list[int]  # prompt tokens still to prefill
+    position: int = 0  # tokens fed to the KV caches (sent round the ring)
+    context: list[int] = field(default_factory=list)  # prompt + sampled tokens read so far
+    generated: list[int] = field(default_factory=list)
+    # The token sampled last, still on the device: the next decode step's input.
+    next_input: mx.array | None = None
+    cached_tokens: int = 0  # prompt tokens found in a parked cache; the first step reuses it
+    taken: Taken | None = None  # how the slot was taken, until the first step launches
+    reasoning_tokens: int = 0
+    group: int | None = None
+    first_token_at: float | None = None
+    # An image request's merged prompt embeddings, from its first prefill chunk on.
+    embeddings: PromptInputs | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        """Prompt tokens left to send: known in advance, so several chunks may be in flight."""
+        return self.first_token_at is None and bool(self.pending)
+
+    @property
+    def has_images(self) -> bool:
+        return self.request.pixel_values is not None
+
+    @property
+    def constraint(self) -> Constraint | None:
+        return self.request.constraint
