@@ -29,13 +29,15 @@ demo: install
 test: install browser
 	$(PY) -m pytest -q -ra tests
 
-# The in-process tests, no rank processes (each layer's rules: pacing, scheduling,
-# sampling, markup, parsers, the step header; the engine against an in-process pipeline):
-# under a minute.
-FAST_TESTS := $(addprefix tests/test_,engine markup output pace postprocess protocol sampling \
-	scheduler scheduler_state side_inputs slots split textstream tool_parsers trace_report)
+# Every test file that starts no rank process (each layer's rules: pacing, scheduling,
+# sampling, markup, parsers, the step header, hostfiles; the engine against an in-process
+# pipeline; the tiny and default models loaded in-process), less the tests marked
+# `cluster`: about a minute on 2 cores.
+FAST_TESTS := $(addprefix tests/test_,client_wait default_model doors engine family_adapters \
+	hostfile markup output pace postprocess protocol sampling scheduler scheduler_state \
+	side_inputs slots split textstream tiny_models tool_constraint tool_parsers trace_report)
 test-fast: install
-	$(PY) -m pytest -q -ra $(addsuffix .py,$(FAST_TESTS))
+	$(PY) -m pytest -q -ra -m "not cluster" $(addsuffix .py,$(FAST_TESTS))
 
 lint: install
 	$(VENV)/bin/ruff check mlx_relay tests bench

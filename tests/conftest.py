@@ -119,5 +119,19 @@ def cluster_factory(tmp_path):
         assert_gone(running.pids)
 
 
+@pytest.fixture(scope="session")
+def default_cluster(tmp_path_factory):
+    """(RunningCluster, HTTP port): the embedded default model on 2 ranks with the HTTP
+    doors, started once for every module that only asks it questions (a default-model
+    cluster takes seconds of both cores to start; tests that stop, reload or break a
+    cluster start their own)."""
+    port = free_ports(1)[0]
+    logs = tmp_path_factory.mktemp("default-cluster")
+    running = start_cluster("default", 2, logs, "--http-address", f"127.0.0.1:{port}")
+    yield running, port
+    running.stop()
+    assert_gone(running.pids)
+
+
 def pytest_configure(config):
     os.environ.setdefault("MLX_RELAY_LOG", "INFO")

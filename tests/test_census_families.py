@@ -224,17 +224,31 @@ def test_in_a_cluster_equals_mlx_lm(family, layers, hops, tmp_path, cluster_fact
         prompt = chat_tokens(path, [{"role": "user", "content": text}])
         sampler = {"temp": 0.9, "top_p": 0.95} if seed is not None else None
         assert tokens == mlx_lm_tokens(path, prompt, 12, seed=seed, sampler=sampler)
+    if family in PARKED and (layers, hops) == PARKED_SPLIT:  # the same cluster checks it
+        _goes_on_from_a_parked_request(running, path)
+
+
+# Families whose parked caches a continued prompt goes on from, on 2 ranks split 2,4 with
+# the hop mode auto: where test_in_a_cluster_equals_mlx_lm starts that very cluster, it
+# checks this too (one cluster start fewer each).
+PARKED = ("longcat_flash_ngram", "deepseek_v41", "iquestloopcoder")
+PARKED_SPLIT = ("2,4", "auto")
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("family", ["longcat_flash_ngram", "deepseek_v41", "iquestloopcoder"])
+@pytest.mark.parametrize("family", ["deepseek_v41"])
 def test_a_prompt_goes_on_from_a_parked_request(family, tmp_path, cluster_factory):
     """A raw prompt continuing an earlier prompt and its output starts from that
     request's parked caches: longcat_flash_ngram's n-gram embedding from the ids rank 0
     kept for it, deepseek_v41 from its LayerCaches (windows and compressed groups, reused
-    whole only). The tokens are mlx-lm's going on from the same state."""
+    whole only). The tokens are mlx-lm's going on from the same state. (longcat and
+    iquestloopcoder: in test_in_a_cluster_equals_mlx_lm, on its cluster.)"""
     path = write_tokenizer(family_census.write_model(family, tmp_path / "m"))
-    running = cluster_factory(path, 2, layers="2,4")
+    running = cluster_factory(path, 2, layers=PARKED_SPLIT[0])
+    _goes_on_from_a_parked_request(running, path)
+
+
+def _goes_on_from_a_parked_request(running, path: Path) -> None:
     raw = _continuable_prompt(path)
     reply = running.client.generate(_raw(raw, RAW_TOKENS)).text
     first = encode_text(tokenizer_for(path), raw)

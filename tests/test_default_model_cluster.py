@@ -1,9 +1,13 @@
-"""The embedded default model through a real 2-rank cluster."""
+"""The embedded default model through a real 2-rank cluster: greedy text through the
+gRPC, OpenAI, Anthropic and Ollama doors equals single-process mlx-lm's."""
 
 from __future__ import annotations
 
+import anthropic
+import httpx
+import openai
 import pytest
-from oracle import chat_tokens, mlx_lm_tokens
+from oracle import chat_tokens, mlx_lm_tokens, tokenizer_for
 
 from mlx_relay.model.default_model import resolve_model
 from mlx_relay.protocol import relay_pb2 as pb
@@ -11,6 +15,8 @@ from mlx_relay.protocol import relay_pb2 as pb
 pytestmark = [pytest.mark.cluster, pytest.mark.default_model]
 
 QUESTION = "What is the capital of France? Answer in one sentence."
+MESSAGES = [{"role": "user", "content": QUESTION}]
+MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
@@ -18,19 +24,54 @@ def default_path():
     return resolve_model("default")
 
 
-def test_two_ranks_answer_paris_exactly_like_mlx_lm(default_path, cluster_factory):
-    running = cluster_factory("default", 2)
-    messages = [{"role": "user", "content": QUESTION}]
+@pytest.fixture(scope="module")
+def expected(default_path) -> list[int]:
+    """mlx-lm's greedy answer, once for every door."""
+    return mlx_lm_tokens(default_path, chat_tokens(default_path, MESSAGES), MAX_TOKENS)
+
+
+def test_two_ranks_answer_paris_exactly_like_mlx_lm(default_path, expected, default_cluster):
+    running, _ = default_cluster
     response = running.client.generate(
         pb.GenerateRequest(
             messages=[pb.ChatMessage(role="user", content=QUESTION)],
-            params=pb.SamplingParams(max_tokens=24),
+            params=pb.SamplingParams(max_tokens=MAX_TOKENS),
         )
     )
+    text = tokenizer_for(default_path).decode(expected)
     assert "Paris" in response.text
     assert response.finish_reason == "stop"
-    expected = mlx_lm_tokens(default_path, chat_tokens(default_path, messages), 24)
-    assert list(response.token_ids) == expected
+    assert list(response.token_ids) == expected and response.text == text
     status = running.client.status()
     # The default split is balanced: rank 0 also runs the LM head (8 layers' worth here).
     assert [(r.layer_start, r.layer_end) for r in status.ranks] == [(0, 11), (11, 30)]
+
+
+def test_greedy_text_over_http_equals_mlx_lm(default_path, expected, default_cluster):
+    _, port = default_cluster
+    text = tokenizer_for(default_path).decode(expected)
+    base = f"http://127.0.0.1:{port}"
+    oai = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    chat = oai.chat.completions.create(
+        model="default", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert chat.choices[0].message.content == text
+    streamed = oai.chat.completions.create(
+        model="default", messages=MESSAGES, max_tokens=MAX_TOKENS, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
+    claude = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
+    message = claude.messages.create(model="default", max_tokens=MAX_TOKENS, messages=MESSAGES)
+    assert message.content[0].text == text
+    ollama = httpx.post(
+        base + "/api/chat",
+        json={
+            "model": "default",
+            "messages": MESSAGES,
+            "stream": False,
+            "options": {"num_predict": MAX_TOKENS, "temperature": 0},
+        },
+        timeout=120,
+    ).json()
+    assert ollama["message"]["content"] == text
+    assert ollama["eval_count"] == len(expected)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import assert_gone, self_signed_cert
+from conftest import assert_gone, self_signed_cert, start_cluster
 from launching import MLX_RELAY, free_port_range, localhost_hostfile
 from tiny_models import make_tiny_model
 
@@ -169,6 +169,17 @@ def mismatched(model, tmp_path_factory) -> Path:
     config["intermediate_size"] += 8  # the weights' shapes no longer match
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+@pytest.fixture(scope="module")
+def plain(model, tmp_path_factory):
+    """A plain 2-rank cluster (no TLS, no token) that the tests below take turns with:
+    Ctrl-C of a chat, then free and load (which leaves it serving `two_layers`), then a
+    client asking it for TLS. The split is named so a reload can name it back."""
+    running = start_cluster(model, 2, tmp_path_factory.mktemp("plain"), layers="2,3")
+    yield running
+    running.stop()
+    assert_gone(running.pids)
 
 
 # --- checks before any rank starts (unit) ------------------------------------------
@@ -419,8 +430,8 @@ def test_client_and_demo_mistakes_are_one_line(not_models):
 
 
 @pytest.mark.cluster
-def test_ctrl_c_of_a_chat_ends_quietly_and_cancels_its_request(model, cluster_factory):
-    running = cluster_factory(model, 2)
+def test_ctrl_c_of_a_chat_ends_quietly_and_cancels_its_request(plain):
+    running = plain
     for stream in (["--stream"], []):
         cmd = [*MLX_RELAY, "chat", *stream, "hi", "--max-tokens", "100000", "--ignore-eos"]
         chat = subprocess.Popen(
@@ -449,8 +460,8 @@ def test_ctrl_c_of_a_chat_ends_quietly_and_cancels_its_request(model, cluster_fa
 
 
 @pytest.mark.cluster
-def test_load_after_free_serves_again_without_a_restart(model, two_layers, cluster_factory):
-    running = cluster_factory(model, 2, layers="2,3")
+def test_load_after_free_serves_again_without_a_restart(model, two_layers, plain):
+    running = plain
     address = ["--address", running.address]
     result, _ = mlx_relay("free", *address)
     assert result.returncode == 0 and "`mlx-relay load` loads it again" in result.stdout
@@ -475,7 +486,7 @@ def test_load_after_free_serves_again_without_a_restart(model, two_layers, clust
 
 
 @pytest.mark.cluster
-def test_client_errors_say_tls_token_or_nothing_listening(model, cluster_factory, tmp_path):
+def test_client_errors_say_tls_token_or_nothing_listening(model, cluster_factory, plain, tmp_path):
     cert, key = self_signed_cert(tmp_path)
     (tmp_path / "other").mkdir()
     other, _ = self_signed_cert(tmp_path / "other")
@@ -504,7 +515,6 @@ def test_client_errors_say_tls_token_or_nothing_listening(model, cluster_factory
     )
     assert result.returncode == 0, result.stderr
 
-    plain = cluster_factory(model, 1)
     result, _ = mlx_relay("chat", "hi", "--address", plain.address, "--tls-ca", str(cert))
     one_line(result, 1, "does not serve TLS: leave out --tls-ca")
     nothing = f"127.0.0.1:{free_ports(1)[0]}"

@@ -110,6 +110,7 @@ def _free_port_pair() -> int:
     raise RuntimeError("no free port range")
 
 
+@pytest.mark.cluster  # (rank processes of an mx.distributed ring, not test-fast's)
 @pytest.mark.parametrize("name", ["localhost-2.json", "localhost-3.json"])
 def test_localhost_example_runs_under_mlx_launch(name, tmp_path):
     """The local examples really start a ring: every rank sees the full group."""

@@ -25,6 +25,14 @@ from mlx_relay.protocol import relay_pb2 as pb
 from mlx_relay.protocol import relay_pb2_grpc as pb_grpc
 from mlx_relay.protocol.rpc import AUTH_TOKEN_ENV, auth_token
 
+# While waiting for a cluster to come up, try to connect again every 0.1-0.25 s. gRPC's
+# default backoff (1 s, growing 1.6x a try) lets a rank 0 that started listening wait
+# up to 4 s more, after 6 s of imports and loading, before anyone notices it serves.
+PROMPT_RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 250),
+]
+
 
 class Readiness(NamedTuple):
     serving: bool
@@ -42,12 +50,13 @@ class Client:
         timeout: float | None = None,
         token: str | None = None,
         tls_ca: str | bytes | None = None,
+        options: list[tuple[str, Any]] | None = None,
     ) -> None:
         self.address = address
         self.timeout = timeout
         self.token = auth_token(token)
         self.tls = tls_ca is not None
-        self.channel = client_channel(address, token=self.token, tls_ca=tls_ca)
+        self.channel = client_channel(address, token=self.token, tls_ca=tls_ca, options=options)
         self.stub = pb_grpc.RelayStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -193,7 +202,7 @@ def wait_serving(
     deadline = time.monotonic() + timeout
     seen = "nothing answered"
     was_up = False
-    with Client(address, token=token, tls_ca=tls_ca) as client:
+    with Client(address, token=token, tls_ca=tls_ca, options=PROMPT_RECONNECT) as client:
         while time.monotonic() < deadline:
             if check:
                 check()
