@@ -247,11 +247,10 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 ANSWER = "The capital of France is Paris."  # its greedy answer
 
 
-@pytest.fixture(scope="module")
-def smollm(tmp_path_factory):
-    running = start_cluster("default", 2, tmp_path_factory.mktemp("logs"))
-    yield running
-    _stop_cluster(running)
+@pytest.fixture
+def smollm(default_cluster):
+    """The session's default-model cluster (tests/conftest.py): these tests only ask it."""
+    return default_cluster[0]
 
 
 def _question(**params) -> pb.GenerateRequest:

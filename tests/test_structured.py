@@ -323,8 +323,8 @@ def test_cli_json_schema_json_object_and_grammar_flags(served, tmp_path, capsys)
 
 @pytest.mark.cluster
 @pytest.mark.default_model
-def test_the_default_model_answers_in_a_json_object_and_a_schema(cluster_factory):
-    running = cluster_factory("default", 2)
+def test_the_default_model_answers_in_a_json_object_and_a_schema(default_cluster):
+    running, _ = default_cluster
     question = "Give the name and the capital of France as JSON."
     messages = [pb.ChatMessage(role="user", content=question)]
     params = pb.SamplingParams(max_tokens=96)
