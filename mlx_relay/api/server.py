@@ -20,10 +20,8 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from mlx_relay.api import localai
 from mlx_relay.api.auth import TokenAuth, server_credentials
 from mlx_relay.api.cluster import Cluster
-from mlx_relay.api.http import server as http_server
 from mlx_relay.api.service import SERVICE_NAME, RelayServicer, add_to_server
 from mlx_relay.coordinator.engine import Engine
 from mlx_relay.coordinator.pipeline import Pipeline, hub_ready
@@ -203,7 +201,11 @@ def _grpc_server(args, engine: Engine, health_servicer) -> list[grpc.Server] | N
         ", bearer token required" if token else "",
     )
     servers = [server]
+    # (each door's web and proto modules are imported only where it is asked for: a rank
+    # 0 that serves gRPC alone starts sooner)
     if args.localai_address:
+        from mlx_relay.api import localai
+
         try:
             servers.append(
                 localai.serve(
@@ -218,6 +220,10 @@ def _grpc_server(args, engine: Engine, health_servicer) -> list[grpc.Server] | N
             server.stop(grace=0)
             report_fatal(0, str(e))
             return None
+    if not getattr(args, "http_address", ""):
+        return servers
+    from mlx_relay.api.http import server as http_server
+
     try:
         http = http_server.start(args, cluster)  # stopped by _close like the others
     except http_server.ListenError as e:
