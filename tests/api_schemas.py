@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jsonschema.exceptions import best_match
+from jsonschema import validators
+from jsonschema.exceptions import ValidationError, best_match
 from openapi_schema_validator import OAS31Validator
 
 SCHEMAS = Path(__file__).parent / "schemas"
@@ -27,29 +28,72 @@ STREAM_EVENTS = {
 }
 
 
+def _or_null(check):
+    """A keyword's check that lets `null` through where the schema says `nullable: true`."""
+
+    def checked(validator, value, instance, schema):
+        if instance is None and schema.get("nullable") is True:
+            return
+        yield from check(validator, value, instance, schema)
+
+    return checked
+
+
+# OpenAI's document is OpenAPI 3.1 but still marks a few schemas `nullable: true` (3.0's
+# word for it; 3.1 spells it `type: [..., "null"]`): read as the document means it, as
+# the SDKs generated from it do.
+Validator = validators.extend(
+    OAS31Validator,
+    {k: _or_null(OAS31Validator.VALIDATORS[k]) for k in ("type", "enum")},
+)
+
+
 @functools.cache
 def _document(api: str) -> dict[str, Any]:
     return json.loads((SCHEMAS / f"{api}.json").read_text())
 
 
 @functools.cache
-def _validator(api: str, name: str) -> OAS31Validator:
+def _validator(api: str, name: str):
     doc = _document(api)
     if name not in doc["components"]["schemas"]:
         raise KeyError(f"{name} is not among tests/schemas/{api}.json's schemas")
     # `#/components/schemas/...` references resolve against this root.
     schema = {"$ref": f"#/components/schemas/{name}", "components": doc["components"]}
-    return OAS31Validator(schema)
+    return Validator(schema)
+
+
+def _branch_errors(error: ValidationError) -> list[ValidationError]:
+    """The errors that say why `value` is none of a oneOf/anyOf's branches: those of the
+    branch meant (the one whose `type` property the value matches, as the documents'
+    discriminators choose), else of the branch that came closest."""
+    if not error.context:
+        return [error]
+    branches: dict[Any, list[ValidationError]] = {}
+    for sub in error.context:
+        branches.setdefault(sub.relative_schema_path[0], []).append(sub)
+    depth = len(error.absolute_path)
+
+    def wrong_kind(sub: ValidationError) -> bool:
+        """The value is not of this branch's kind: another JSON type, or another `type`."""
+        path = list(sub.absolute_path)[depth:]
+        return (path == ["type"] and sub.validator in ("const", "enum")) or (
+            not path and sub.validator == "type"
+        )
+
+    meant = [b for b in branches.values() if not any(map(wrong_kind, b))]
+    if len(meant) != 1:
+        return [best_match(error.context)]
+    return [leaf for sub in meant[0] for leaf in _branch_errors(sub)]
 
 
 def errors(api: str, name: str, value: Any) -> list[str]:
-    """Every way `value` breaks schema `name` of `api`'s document, most specific first."""
+    """Every way `value` breaks schema `name` of `api`'s document."""
     found = []
     for error in _validator(api, name).iter_errors(value):
-        # A oneOf/anyOf failure names the branch whose error is most telling.
-        deepest = best_match(error.context) if error.context else error
-        path = "/".join(str(p) for p in deepest.absolute_path) or "(top)"
-        found.append(f"{path}: {deepest.message[:300]}")
+        for leaf in _branch_errors(error):
+            path = "/".join(str(p) for p in leaf.absolute_path) or "(top)"
+            found.append(f"{path}: {leaf.message[:300]}")
     return found
 
 
