@@ -14,11 +14,12 @@ shape and validity, never their wisdom. One cluster per model for the whole modu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from dataclasses import dataclass
 from typing import Literal
 
-import anthropic
+import httpx
 import instructor
 import jsonschema
 import ollama
@@ -28,12 +29,14 @@ from agents import (
     Agent as OpenAIAgent,
 )
 from agents import (
+    ModelBehaviorError,
     ModelSettings,
     OpenAIResponsesModel,
     Runner,
     function_tool,
     set_tracing_disabled,
 )
+from api_schemas import check_sse, validate
 from conftest import assert_gone, start_cluster
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import StructuredTool
@@ -99,6 +102,7 @@ def served(request, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     running = start_cluster(model, 2, logs, "--http-address", f"127.0.0.1:{port}")
     served = Served(running, model, [], port)
+    served.http.timeout = httpx.Timeout(300)  # (a forced call on a busy machine: minutes)
     yield served
     served.http.close()
     running.stop()
@@ -382,7 +386,11 @@ def test_instructor(served):
         messages=[
             *asked,
             {"role": "assistant", "content": "", "tool_calls": [call.model_dump()]},
-            {"role": "tool", "tool_call_id": call.id, "content": get_weather(**answer.model_dump())},
+            {
+                "role": "tool",
+                "tool_call_id": call.id,
+                "content": get_weather(**answer.model_dump()),
+            },
         ],
     )
     assert answered.choices[0].finish_reason in ("stop", "length")
@@ -419,7 +427,9 @@ def test_pydantic_ai(served):
     assert isinstance(structured.run_sync(ASK).output, Weather)
 
     calls: list[Weather] = []
-    tooled = Agent(model, model_settings={"max_tokens": FORCED}, capabilities=[CallFirst("weather")])
+    tooled = Agent(
+        model, model_settings={"max_tokens": FORCED}, capabilities=[CallFirst("weather")]
+    )
 
     @tooled.tool
     def weather(ctx: RunContext[None], city: str, unit: Literal["celsius", "fahrenheit"]) -> str:
@@ -436,28 +446,39 @@ def test_pydantic_ai(served):
 # --- openai-agents (the Responses API) -------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _whole_or_cut():
+    try:
+        yield
+    except ModelBehaviorError as e:
+        assert "response.incomplete" in str(e) and "max_output_tokens" in str(e), e
+
+
 def test_openai_agents(served):
+    asyncio.run(_agents(served))  # (one event loop: the SDK's async client is bound to it)
+
+
+async def _agents(served) -> None:
     client = openai.AsyncOpenAI(base_url=served.base + "/v1", api_key="none", max_retries=0)
     model = OpenAIResponsesModel(model=served.model, openai_client=client)
     short = ModelSettings(max_tokens=MAX)
     agent = OpenAIAgent(name="plain", instructions="Be brief.", model=model, model_settings=short)
-    assert isinstance(Runner.run_sync(agent, ASK).final_output, str)
-
-    async def streamed() -> tuple[str, str]:
-        result = Runner.run_streamed(agent, ASK)
+    # The SDK refuses a response cut short by max_tokens (`response.incomplete`) once it
+    # has read it whole; a free answer may be, on a random model: either is a good end.
+    with _whole_or_cut():
+        assert isinstance((await Runner.run(agent, ASK)).final_output, str)
+    with _whole_or_cut():
+        streamed = Runner.run_streamed(agent, ASK)
         deltas = [
             e.data.delta
-            async for e in result.stream_events()
+            async for e in streamed.stream_events()
             if e.type == "raw_response_event" and e.data.type == "response.output_text.delta"
         ]
-        return "".join(deltas), result.final_output
-
-    text, final = asyncio.run(streamed())
-    assert final == text
+        assert streamed.final_output == "".join(deltas)
 
     forced = ModelSettings(max_tokens=FORCED)
     typed = OpenAIAgent(name="typed", model=model, model_settings=forced, output_type=Weather)
-    assert isinstance(Runner.run_sync(typed, ASK).final_output, Weather)
+    assert isinstance((await Runner.run(typed, ASK)).final_output, Weather)
 
     calls: list[Weather] = []
 
@@ -474,11 +495,74 @@ def test_openai_agents(served):
         model_settings=ModelSettings(max_tokens=FORCED, tool_choice="weather"),
         tool_use_behavior="stop_on_first_tool",
     )
-    called = Runner.run_sync(caller, ASK)
+    called = await Runner.run(caller, ASK)
     assert len(calls) == 1 and called.final_output == get_weather(**calls[0].model_dump())
     answerer = OpenAIAgent(
         name="answerer", model=model, tools=[weather], model_settings=ModelSettings(
             max_tokens=MAX, tool_choice="none")
     )  # fmt: skip
-    answered = Runner.run_sync(answerer, called.to_input_list())
-    assert isinstance(answered.final_output, str) and len(calls) == 1
+    with _whole_or_cut():
+        answered = await Runner.run(answerer, called.to_input_list())
+        assert isinstance(answered.final_output, str)
+    assert len(calls) == 1
+
+
+# --- every object and event against the API owners' published schemas ----------------------
+
+
+def _stream(served, kind: str, path: str, body: dict) -> list[dict]:
+    reply = served.http.post(path, json={**body, "stream": True})
+    assert reply.status_code == 200, reply.text
+    return check_sse(kind, reply.text)
+
+
+def test_openai_shapes(served):
+    chat = {"model": served.model, "messages": [{"role": "user", "content": ASK}]}
+    forced = {"tools": [OPENAI_TOOL], "tool_choice": "required", "max_tokens": FORCED}
+    for extra in ({"max_tokens": 4, "logprobs": True, "top_logprobs": 2}, forced):
+        reply = served.http.post("/v1/chat/completions", json={**chat, **extra})
+        validate("openai", "CreateChatCompletionResponse", reply.json())
+    usage = {"stream_options": {"include_usage": True}}
+    for extra in ({"max_tokens": 4, "logprobs": True, **usage}, forced):
+        _stream(served, "chat", "/v1/chat/completions", {**chat, **extra})
+    text = {"model": served.model, "prompt": ["Once upon", "The sky"], "max_tokens": 3}
+    reply = served.http.post("/v1/completions", json={**text, "logprobs": 2})
+    validate("openai", "CreateCompletionResponse", reply.json())
+    _stream(served, "completions", "/v1/completions", {**text, **usage})
+    validate("openai", "ListModelsResponse", served.http.get("/v1/models").json())
+    validate("openai", "Model", served.http.get(f"/v1/models/{served.model}").json())
+    for path, body in (("/v1/chat/completions", {**chat, "model": "nope"}), ("/v1/nope", {})):
+        validate("openai", "ErrorResponse", served.http.post(path, json=body).json())
+
+
+def test_responses_shapes(served):
+    tool = {"type": "function", **OPENAI_TOOL["function"]}
+    plain = {"model": served.model, "input": ASK, "max_output_tokens": 4, "instructions": "Hi."}
+    forced = {"tools": [tool], "tool_choice": "required", "max_output_tokens": FORCED}
+    fmt = {"type": "json_schema", "name": "weather", "schema": WEATHER, "strict": True}
+    structured = {"text": {"format": fmt}, "max_output_tokens": FORCED}
+    for extra in ({}, forced, structured):
+        reply = served.http.post("/v1/responses", json={**plain, **extra}).json()
+        validate("openai", "Response", reply)
+        retrieved = served.http.get(f"/v1/responses/{reply['id']}").json()
+        validate("openai", "Response", retrieved)
+        events = _stream(served, "responses", "/v1/responses", {**plain, **extra})
+        assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    missing = served.http.post("/v1/responses", json={**plain, "previous_response_id": "x"})
+    validate("openai", "ErrorResponse", missing.json())
+
+
+def test_anthropic_shapes(served):
+    asked = {"model": served.model, "messages": [{"role": "user", "content": ASK}]}
+    tools = [{"name": "get_weather", "input_schema": WEATHER}]
+    forced = {"tools": tools, "tool_choice": {"type": "any"}, "max_tokens": FORCED}
+    fmt = {"output_config": {"format": {"type": "json_schema", "schema": WEATHER}}}
+    for extra in ({"max_tokens": 4}, forced, {**fmt, "max_tokens": FORCED}):
+        reply = served.http.post("/v1/messages", json={**asked, **extra})
+        validate("anthropic", "Message", reply.json())
+        events = _stream(served, "anthropic", "/v1/messages", {**asked, **extra})
+        assert [e["type"] for e in events][-2:] == ["message_delta", "message_stop"]
+    counted = served.http.post("/v1/messages/count_tokens", json={**asked, "tools": tools})
+    validate("anthropic", "CountMessageTokensResponse", counted.json())
+    for body in (asked, {**asked, "model": "nope", "max_tokens": 4}):
+        validate("anthropic", "ErrorResponse", served.http.post("/v1/messages", json=body).json())
