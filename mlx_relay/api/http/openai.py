@@ -246,7 +246,7 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
                 ],
             }
             for e in entries
-        ]
+        ],
     }
 
 
