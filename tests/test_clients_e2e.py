@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import json
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import httpx
 import instructor
@@ -68,6 +68,18 @@ class Weather(BaseModel):
 
 
 WEATHER = {k: v for k, v in Weather.model_json_schema().items() if k != "description"}
+City = Annotated[str, Field(max_length=10)]  # (a tool's parameter, bounded as above)
+
+
+class Forecast(BaseModel):
+    """A schema of enums only: Anthropic's SDK moves `maxLength` out of the schema it
+    sends (into the description), so a bounded string would not stay bounded."""
+
+    model_config = ConfigDict(extra="forbid")
+    unit: Literal["celsius", "fahrenheit"]
+    sunny: bool
+
+
 FORCED = 80  # tokens a forced call or structured answer may take (it ends well before)
 
 
@@ -230,9 +242,9 @@ def test_anthropic(served):
     assert stream.get_final_message().content[-1].text == text
 
     parsed = client.messages.parse(
-        model=served.model, max_tokens=FORCED, messages=asked, output_format=Weather
+        model=served.model, max_tokens=FORCED, messages=asked, output_format=Forecast
     )
-    assert isinstance(parsed.parsed_output, Weather)
+    assert isinstance(parsed.parsed_output, Forecast)
 
     tools = [{"name": "get_weather", "description": "Current weather", "input_schema": WEATHER}]
     called = client.messages.create(
@@ -432,7 +444,7 @@ def test_pydantic_ai(served):
     )
 
     @tooled.tool
-    def weather(ctx: RunContext[None], city: str, unit: Literal["celsius", "fahrenheit"]) -> str:
+    def weather(ctx: RunContext[None], city: City, unit: Literal["celsius", "fahrenheit"]) -> str:
         """Current weather in a city."""
         calls.append(Weather(city=city, unit=unit))
         return get_weather(city, unit)
@@ -483,7 +495,7 @@ async def _agents(served) -> None:
     calls: list[Weather] = []
 
     @function_tool
-    def weather(city: str, unit: Literal["celsius", "fahrenheit"]) -> str:
+    def weather(city: City, unit: Literal["celsius", "fahrenheit"]) -> str:
         """Current weather in a city."""
         calls.append(Weather(city=city, unit=unit))
         return get_weather(city, unit)
