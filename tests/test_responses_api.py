@@ -11,6 +11,7 @@ import typing
 
 import openai
 import pytest
+from api_schemas import validate
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 from test_generation import MESSAGES, TOOLS
@@ -33,6 +34,7 @@ EVENT_TYPES = {
 
 
 def _event(data: dict):
+    validate("openai", "ResponseStreamEvent", data)  # OpenAI's published schema
     EVENT_TYPES[data["type"]].model_validate(data)
     return EVENTS.validate_python(data)
 
@@ -197,7 +199,7 @@ def test_the_response_object_validates_with_every_required_key(served):  # noqa:
             "max_output_tokens": 40,
         },
     ).json()
-    reply = Response.model_validate(raw)
+    reply = Response.model_validate(validate("openai", "Response", raw))
     assert _missing(Response, raw) == []
     assert reply.status == "completed" and reply.output_text == "OK"
     for item, parsed in zip(raw["output"], reply.output, strict=True):

@@ -43,12 +43,14 @@ ERROR_TYPES = {
     503: "overloaded_error",
 }
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+DIRECT = {"type": "direct"}
 
 
 def error_body(e: HttpError) -> dict[str, Any]:
     return {
         "type": "error",
         "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": str(e)},
+        "request_id": None,
     }
 
 
@@ -280,15 +282,24 @@ class MessageStream:
             "role": "assistant",
             "model": self.model,
             "content": self.blocks,
-            "stop_reason": self.stop_reason,
-            "stop_sequence": self.stop_sequence or None,
+            **self.stop(),
             "usage": {
                 **self.input_usage(),
                 "output_tokens": self.usage.get("completion_tokens", 0),
                 "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
                 "server_tool_use": None,
                 "service_tier": "standard",
+                "inference_geo": None,
             },
+            "container": None,
+        }
+
+    def stop(self) -> dict[str, Any]:
+        """Why the answer ended (`stop_details` only explains refusals: none here)."""
+        return {
+            "stop_reason": self.stop_reason,
+            "stop_sequence": self.stop_sequence or None,
+            "stop_details": None,
         }
 
     def input_usage(self) -> dict[str, int]:
@@ -330,10 +341,10 @@ class MessageStream:
             except ValueError:
                 arguments = {}
             index = len(self.blocks)
-            self.blocks.append(
-                {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments}
-            )
-            start = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
+            # (`caller`: called by the model itself, not from a server tool's code)
+            block = {"type": "tool_use", "id": call.id, "name": call.name, "caller": DIRECT}
+            self.blocks.append({**block, "input": arguments})
+            start = {**block, "input": {}}
             events.append(
                 (
                     "content_block_start",
@@ -359,10 +370,7 @@ class MessageStream:
                     "message_delta",
                     {
                         "type": "message_delta",
-                        "delta": {
-                            "stop_reason": self.stop_reason,
-                            "stop_sequence": self.stop_sequence or None,
-                        },
+                        "delta": {**self.stop(), "container": None},
                         "usage": {
                             **self.input_usage(),
                             "output_tokens": self.usage.get("completion_tokens", 0),

@@ -232,7 +232,9 @@ def usage(u: dict[str, int]) -> dict[str, Any]:
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    # (`refusal`, the refusal's tokens, is required and nullable: never a refusal here)
     return {
+        "refusal": None,
         "content": [
             {
                 "token": e.token,
@@ -243,7 +245,7 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
                 ],
             }
             for e in entries
-        ]
+        ],
     }
 
 

@@ -229,15 +229,22 @@ def _echo(body: ResponsesRequest | None) -> dict[str, Any]:
         "top_p": body.top_p if body.top_p is not None else 1.0,
         "truncation": "disabled",
         "text": body.text or {"format": {"type": "text"}},
-        "tools": body.tools or [],
+        "tools": [_tool_echo(t) for t in body.tools or []],
         "tool_choice": body.tool_choice or "auto",
         "parallel_tool_calls": True,
         "reasoning": {"effort": None, "summary": None},
         "store": body.store,
         "background": False,
         "service_tier": "default",
-        "user": None,
     }
+
+
+def _tool_echo(tool: dict[str, Any]) -> dict[str, Any]:
+    """A request's tool as the response repeats it: a function tool with the fields
+    OpenAI's schema requires of it (`strict` and `parameters` null where not given)."""
+    if tool.get("type") != "function":
+        return tool
+    return {"strict": None, "parameters": None, **tool}
 
 
 class ResponseStream:
@@ -265,7 +272,7 @@ class ResponseStream:
 
     def response(self) -> dict[str, Any]:
         u = self.usage
-        return {
+        response = {
             "id": self.id,
             "object": "response",
             "created_at": self.created,
@@ -285,10 +292,11 @@ class ResponseStream:
                 "output_tokens": u.get("completion_tokens", 0),
                 "output_tokens_details": {"reasoning_tokens": u.get("reasoning_tokens", 0)},
                 "total_tokens": u.get("total_tokens", 0),
-            }
-            if u
-            else None,
+            },
         }
+        if not u:  # (not known until the end: left out, as the schema has it not nullable)
+            del response["usage"]
+        return response
 
     def _event(self, kind: str, **fields: Any) -> tuple[str, dict[str, Any]]:
         self.seq += 1
@@ -344,6 +352,7 @@ class ResponseStream:
                     "response.function_call_arguments.done",
                     item_id=item["id"],
                     output_index=index,
+                    name=call.name,
                     arguments=call.arguments,
                 )
             )
@@ -387,7 +396,7 @@ class ResponseStream:
                 )
             )
             part = {"type": part_type, "text": ""} | (
-                {"annotations": []} if kind == "message" else {}
+                {"annotations": [], "logprobs": []} if kind == "message" else {}
             )
             item["content"].append(part)
             events.append(

@@ -1,0 +1,580 @@
+"""Issue 38: the clients people use, their current releases, end to end.
+
+Each SDK and framework (openai, anthropic, ollama, langchain-openai, instructor,
+pydantic-ai, openai-agents) makes a plain call, a stream, a structured output and a tool
+round trip (a call of a tool, then its result sent back and answered) against a real
+2-rank cluster over HTTP: once on the default model (SmolLM2, whose chat template ignores
+tools: the server's fallback prompt carries them) and once on a tiny random model whose
+chat template has tools. Tool calls are forced (`tool_choice`, or the framework's
+structured output, which forces one) and structured outputs are held to their schema
+while sampling, so even a random model answers validly: the tests check the answers'
+shape and validity, never their wisdom. One cluster per model for the whole module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import httpx
+import instructor
+import jsonschema
+import ollama
+import openai
+import pytest
+from agents import (
+    Agent as OpenAIAgent,
+)
+from agents import (
+    ModelBehaviorError,
+    ModelSettings,
+    OpenAIResponsesModel,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
+from api_schemas import check_sse, validate
+from conftest import assert_gone, start_cluster
+from langchain_core.messages import HumanMessage, ToolMessage
+from langchain_core.tools import StructuredTool
+from langchain_openai import ChatOpenAI
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_ai import Agent, RunContext
+from pydantic_ai.capabilities import AbstractCapability
+from pydantic_ai.models.openai import OpenAIChatModel
+from pydantic_ai.providers.openai import OpenAIProvider
+from test_http_api import Served
+from tiny_models import make_tiny_model
+
+from mlx_relay.launch.local import free_ports
+
+pytestmark = pytest.mark.cluster
+set_tracing_disabled(True)  # (the agents SDK would send its traces to OpenAI)
+
+ASK = "What is the weather in Paris?"
+MAX = 12  # tokens of a free-text answer: enough to see it, short to keep the suite fast
+
+
+class Weather(BaseModel):
+    """What get_weather takes: short and closed (no other keys), so that a call or an
+    answer held to this schema ends within a few tokens, whatever the model."""
+
+    model_config = ConfigDict(extra="forbid")
+    city: str = Field(max_length=10)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+WEATHER = {k: v for k, v in Weather.model_json_schema().items() if k != "description"}
+City = Annotated[str, Field(max_length=10)]  # (a tool's parameter, bounded as above)
+
+
+class Forecast(BaseModel):
+    """A schema of enums only: Anthropic's SDK moves `maxLength` out of the schema it
+    sends (into the description), so a bounded string would not stay bounded."""
+
+    model_config = ConfigDict(extra="forbid")
+    unit: Literal["celsius", "fahrenheit"]
+    sunny: bool
+
+
+FORCED = 80  # tokens a forced call or structured answer may take (it ends well before)
+
+
+def get_weather(city: str, unit: Literal["celsius", "fahrenheit"]) -> str:
+    """Current weather in a city."""
+    return f"21 degrees {unit} and sunny in {city}"
+
+
+OPENAI_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": WEATHER,
+        "strict": True,
+    },
+}
+RESULT = get_weather("Paris", "celsius")
+
+
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param("default", marks=pytest.mark.default_model), "tiny"],
+)
+def served(request, tmp_path_factory):
+    model = (
+        request.param
+        if request.param == "default"
+        else make_tiny_model(tmp_path_factory.mktemp("tools-tiny"), "qwen3", num_layers=4)
+    )
+    port = free_ports(1)[0]
+    logs = tmp_path_factory.mktemp("logs")
+    running = start_cluster(model, 2, logs, "--http-address", f"127.0.0.1:{port}")
+    served = Served(running, model, [], port)
+    served.http.timeout = httpx.Timeout(300)  # (a forced call on a busy machine: minutes)
+    yield served
+    served.http.close()
+    running.stop()
+    assert_gone(running.pids)
+
+
+def _valid(arguments: str | dict) -> Weather:
+    args = json.loads(arguments) if isinstance(arguments, str) else arguments
+    jsonschema.validate(args, WEATHER)
+    return Weather.model_validate(args)
+
+
+# --- openai: chat completions and the Responses API ---------------------------------------
+
+
+def test_openai_chat(served):
+    client = served.openai
+    plain = client.chat.completions.create(
+        model=served.model, messages=[{"role": "user", "content": ASK}], max_tokens=MAX
+    )
+    assert plain.choices[0].finish_reason in ("stop", "length")
+    assert isinstance(plain.choices[0].message.content, str)
+
+    chunks = list(
+        client.chat.completions.create(
+            model=served.model,
+            messages=[{"role": "user", "content": ASK}],
+            max_tokens=MAX,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    assert 0 < chunks[-1].usage.completion_tokens <= MAX and not chunks[-1].choices
+
+    parsed = client.chat.completions.parse(
+        model=served.model,
+        messages=[{"role": "user", "content": ASK}],
+        response_format=Weather,
+        max_tokens=FORCED,
+    )
+    assert isinstance(parsed.choices[0].message.parsed, Weather)
+
+    asked = [{"role": "user", "content": ASK}]
+    called = client.chat.completions.create(
+        model=served.model,
+        messages=asked,
+        tools=[OPENAI_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=FORCED,
+    )
+    [call] = called.choices[0].message.tool_calls
+    args = _valid(call.function.arguments)
+    answered = client.chat.completions.create(
+        model=served.model,
+        messages=[
+            *asked,
+            called.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": get_weather(**args.model_dump())},
+        ],
+        tools=[OPENAI_TOOL],
+        tool_choice="none",
+        max_tokens=MAX,
+    )
+    assert answered.choices[0].finish_reason in ("stop", "length")
+    assert not answered.choices[0].message.tool_calls
+
+
+def test_openai_responses(served):
+    client = served.openai
+    tool = {"type": "function", **OPENAI_TOOL["function"]}
+    plain = client.responses.create(model=served.model, input=ASK, max_output_tokens=MAX)
+    assert plain.status in ("completed", "incomplete") and plain.output[-1].type == "message"
+
+    # (not `responses.stream`, whose final response must be `completed`, not `incomplete`)
+    events = list(
+        client.responses.create(model=served.model, input=ASK, max_output_tokens=MAX, stream=True)
+    )
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert events[-1].response.output_text == "".join(deltas)
+
+    parsed = client.responses.parse(
+        model=served.model, input=ASK, text_format=Weather, max_output_tokens=FORCED
+    )
+    assert isinstance(parsed.output_parsed, Weather)
+
+    called = client.responses.create(
+        model=served.model,
+        input=ASK,
+        tools=[tool],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=FORCED,
+    )
+    [call] = [item for item in called.output if item.type == "function_call"]
+    args = _valid(call.arguments)
+    answered = client.responses.create(  # (the stored response continued)
+        model=served.model,
+        previous_response_id=called.id,
+        input=[
+            {
+                "type": "function_call_output",
+                "call_id": call.call_id,
+                "output": get_weather(**args.model_dump()),
+            }
+        ],
+        tools=[tool],
+        tool_choice="none",
+        max_output_tokens=MAX,
+    )
+    assert [item.type for item in answered.output][-1] == "message"
+
+
+# --- anthropic ---------------------------------------------------------------------------
+
+
+def test_anthropic(served):
+    client = served.anthropic
+    asked = [{"role": "user", "content": ASK}]
+    plain = client.messages.create(model=served.model, max_tokens=MAX, messages=asked)
+    assert plain.stop_reason in ("end_turn", "max_tokens")
+
+    with client.messages.stream(model=served.model, max_tokens=MAX, messages=asked) as stream:
+        text = "".join(stream.text_stream)
+    assert stream.get_final_message().content[-1].text == text
+
+    parsed = client.messages.parse(
+        model=served.model, max_tokens=FORCED, messages=asked, output_format=Forecast
+    )
+    assert isinstance(parsed.parsed_output, Forecast)
+
+    tools = [{"name": "get_weather", "description": "Current weather", "input_schema": WEATHER}]
+    called = client.messages.create(
+        model=served.model,
+        max_tokens=FORCED,
+        messages=asked,
+        tools=tools,
+        tool_choice={"type": "tool", "name": "get_weather"},
+    )
+    assert called.stop_reason == "tool_use"
+    [use] = [b for b in called.content if b.type == "tool_use"]
+    args = _valid(use.input)
+    answered = client.messages.create(
+        model=served.model,
+        max_tokens=MAX,
+        tools=tools,
+        tool_choice={"type": "none"},
+        messages=[
+            *asked,
+            {"role": "assistant", "content": [b.model_dump() for b in called.content]},
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": use.id,
+                        "content": get_weather(**args.model_dump()),
+                    }
+                ],
+            },
+        ],
+    )
+    assert answered.stop_reason in ("end_turn", "max_tokens")
+
+
+# --- ollama ------------------------------------------------------------------------------
+
+
+def test_ollama(served):
+    client = ollama.Client(host=served.base)
+    asked = [{"role": "user", "content": ASK}]
+    options = {"num_predict": MAX}
+    plain = client.chat(model=served.model, messages=asked, options=options)
+    assert plain.done and isinstance(plain.message.content, str)
+
+    parts = list(client.chat(model=served.model, messages=asked, options=options, stream=True))
+    assert parts[-1].done and not any(p.done for p in parts[:-1])
+
+    structured = client.chat(
+        model=served.model,
+        messages=asked,
+        format=WEATHER,
+        options={"num_predict": FORCED},
+    )
+    Weather.model_validate_json(structured.message.content)
+
+    # Ollama has no tool_choice: whatever the model does with the tool is checked, and the
+    # round trip is a call and its result in the history.
+    offered = client.chat(model=served.model, messages=asked, tools=[OPENAI_TOOL], options=options)
+    for call in offered.message.tool_calls or []:
+        assert call.function.name == "get_weather"
+    call = {"function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}
+    answered = client.chat(
+        model=served.model,
+        messages=[
+            *asked,
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": RESULT, "tool_name": "get_weather"},
+        ],
+        tools=[OPENAI_TOOL],
+        options=options,
+    )
+    assert answered.done
+
+
+# --- langchain-openai ----------------------------------------------------------------------
+
+
+def _langchain(served, max_tokens: int = MAX) -> ChatOpenAI:
+    return ChatOpenAI(
+        model=served.model,
+        base_url=served.base + "/v1",
+        api_key="none",
+        max_tokens=max_tokens,
+        max_retries=0,
+    )
+
+
+def test_langchain(served):
+    chat = _langchain(served)
+    reply = chat.invoke(ASK)
+    assert isinstance(reply.content, str)
+    chunks = list(chat.stream(ASK))
+    assert "".join(c.content for c in chunks) == "".join(c.content for c in chunks if c.content)
+
+    forced = _langchain(served, FORCED)
+    for method in ("json_schema", "function_calling"):
+        answer = forced.with_structured_output(Weather, method=method, strict=True).invoke(ASK)
+        assert isinstance(answer, Weather), method
+
+    weather = StructuredTool.from_function(get_weather, args_schema=Weather)
+    asked = [HumanMessage(ASK)]
+    # (strict: LangChain keeps the schema's `additionalProperties: false` only then)
+    called = forced.bind_tools([weather], tool_choice="get_weather", strict=True).invoke(asked)
+    [call] = called.tool_calls
+    _valid(call["args"])
+    result = weather.invoke(call)
+    assert isinstance(result, ToolMessage)
+    answered = chat.bind_tools([weather], tool_choice="none").invoke([*asked, called, result])
+    assert isinstance(answered.content, str) and not answered.tool_calls
+
+
+# --- instructor ----------------------------------------------------------------------------
+
+
+def test_instructor(served):
+    tools = instructor.from_openai(served.openai, mode=instructor.Mode.TOOLS)
+    asked = [{"role": "user", "content": ASK}]
+    plain = tools.chat.completions.create(
+        model=served.model, messages=asked, response_model=None, max_tokens=MAX
+    )
+    assert plain.choices[0].message.content is not None
+
+    partials = list(
+        tools.chat.completions.create_partial(
+            model=served.model, messages=asked, response_model=Weather, max_tokens=FORCED
+        )
+    )
+    Weather.model_validate(partials[-1].model_dump())
+
+    for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
+        client = instructor.from_openai(served.openai, mode=mode)
+        answer = client.chat.completions.create(
+            model=served.model,
+            messages=asked,
+            response_model=Weather,
+            max_tokens=FORCED,
+            max_retries=0,
+        )
+        assert isinstance(answer, Weather), mode
+
+    # TOOLS mode is a forced call of a tool named for the model; its result goes back.
+    answer, completion = tools.chat.completions.create_with_completion(
+        model=served.model, messages=asked, response_model=Weather, max_tokens=FORCED
+    )
+    [call] = completion.choices[0].message.tool_calls
+    answered = tools.chat.completions.create(
+        model=served.model,
+        response_model=None,
+        max_tokens=MAX,
+        messages=[
+            *asked,
+            {"role": "assistant", "content": "", "tool_calls": [call.model_dump()]},
+            {
+                "role": "tool",
+                "tool_call_id": call.id,
+                "content": get_weather(**answer.model_dump()),
+            },
+        ],
+    )
+    assert answered.choices[0].finish_reason in ("stop", "length")
+
+
+# --- pydantic-ai -----------------------------------------------------------------------------
+
+
+@dataclass
+class CallFirst(AbstractCapability):
+    """Forces a call of `tool` on the run's first step and text after it: a run that
+    calls the tool, gets its result and answers, whatever the model would rather do."""
+
+    tool: str
+
+    def get_model_settings(self):
+        return lambda ctx: {"tool_choice": [self.tool] if ctx.run_step <= 1 else "none"}
+
+
+def _pydantic_model(served) -> OpenAIChatModel:
+    provider = OpenAIProvider(base_url=served.base + "/v1", api_key="none")
+    return OpenAIChatModel(served.model, provider=provider)
+
+
+def test_pydantic_ai(served):
+    model = _pydantic_model(served)
+    agent = Agent(model, model_settings={"max_tokens": MAX})
+    assert isinstance(agent.run_sync(ASK).output, str)
+    streamed = agent.run_stream_sync(ASK)
+    text = "".join(streamed.stream_text(delta=True))
+    assert streamed.get_output() == text
+
+    structured = Agent(model, output_type=Weather, model_settings={"max_tokens": FORCED})
+    assert isinstance(structured.run_sync(ASK).output, Weather)
+
+    calls: list[Weather] = []
+    tooled = Agent(
+        model, model_settings={"max_tokens": FORCED}, capabilities=[CallFirst("weather")]
+    )
+
+    @tooled.tool
+    def weather(ctx: RunContext[None], city: City, unit: Literal["celsius", "fahrenheit"]) -> str:
+        """Current weather in a city."""
+        calls.append(Weather(city=city, unit=unit))
+        return get_weather(city, unit)
+
+    run = tooled.run_sync(ASK)
+    assert len(calls) == 1 and isinstance(run.output, str)
+    kinds = [part.part_kind for message in run.all_messages() for part in message.parts]
+    assert kinds.count("tool-call") == 1 and kinds.count("tool-return") == 1
+
+
+# --- openai-agents (the Responses API) -------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _whole_or_cut():
+    try:
+        yield
+    except ModelBehaviorError as e:
+        assert "response.incomplete" in str(e) and "max_output_tokens" in str(e), e
+
+
+def test_openai_agents(served):
+    asyncio.run(_agents(served))  # (one event loop: the SDK's async client is bound to it)
+
+
+async def _agents(served) -> None:
+    client = openai.AsyncOpenAI(base_url=served.base + "/v1", api_key="none", max_retries=0)
+    model = OpenAIResponsesModel(model=served.model, openai_client=client)
+    short = ModelSettings(max_tokens=MAX)
+    agent = OpenAIAgent(name="plain", instructions="Be brief.", model=model, model_settings=short)
+    # The SDK refuses a response cut short by max_tokens (`response.incomplete`) once it
+    # has read it whole; a free answer may be, on a random model: either is a good end.
+    with _whole_or_cut():
+        assert isinstance((await Runner.run(agent, ASK)).final_output, str)
+    with _whole_or_cut():
+        streamed = Runner.run_streamed(agent, ASK)
+        deltas = [
+            e.data.delta
+            async for e in streamed.stream_events()
+            if e.type == "raw_response_event" and e.data.type == "response.output_text.delta"
+        ]
+        assert streamed.final_output == "".join(deltas)
+
+    forced = ModelSettings(max_tokens=FORCED)
+    typed = OpenAIAgent(name="typed", model=model, model_settings=forced, output_type=Weather)
+    assert isinstance((await Runner.run(typed, ASK)).final_output, Weather)
+
+    calls: list[Weather] = []
+
+    @function_tool
+    def weather(city: City, unit: Literal["celsius", "fahrenheit"]) -> str:
+        """Current weather in a city."""
+        calls.append(Weather(city=city, unit=unit))
+        return get_weather(city, unit)
+
+    caller = OpenAIAgent(
+        name="caller",
+        model=model,
+        tools=[weather],
+        model_settings=ModelSettings(max_tokens=FORCED, tool_choice="weather"),
+        tool_use_behavior="stop_on_first_tool",
+    )
+    called = await Runner.run(caller, ASK)
+    assert len(calls) == 1 and called.final_output == get_weather(**calls[0].model_dump())
+    answerer = OpenAIAgent(
+        name="answerer", model=model, tools=[weather], model_settings=ModelSettings(
+            max_tokens=MAX, tool_choice="none")
+    )  # fmt: skip
+    with _whole_or_cut():
+        answered = await Runner.run(answerer, called.to_input_list())
+        assert isinstance(answered.final_output, str)
+    assert len(calls) == 1
+
+
+# --- every object and event against the API owners' published schemas ----------------------
+
+
+def _stream(served, kind: str, path: str, body: dict) -> list[dict]:
+    reply = served.http.post(path, json={**body, "stream": True})
+    assert reply.status_code == 200, reply.text
+    return check_sse(kind, reply.text)
+
+
+def test_openai_shapes(served):
+    chat = {"model": served.model, "messages": [{"role": "user", "content": ASK}]}
+    forced = {"tools": [OPENAI_TOOL], "tool_choice": "required", "max_tokens": FORCED}
+    for extra in ({"max_tokens": 4, "logprobs": True, "top_logprobs": 2}, forced):
+        reply = served.http.post("/v1/chat/completions", json={**chat, **extra})
+        validate("openai", "CreateChatCompletionResponse", reply.json())
+    usage = {"stream_options": {"include_usage": True}}
+    for extra in ({"max_tokens": 4, "logprobs": True, **usage}, forced):
+        _stream(served, "chat", "/v1/chat/completions", {**chat, **extra})
+    text = {"model": served.model, "prompt": ["Once upon", "The sky"], "max_tokens": 3}
+    reply = served.http.post("/v1/completions", json={**text, "logprobs": 2})
+    validate("openai", "CreateCompletionResponse", reply.json())
+    _stream(served, "completions", "/v1/completions", {**text, **usage})
+    validate("openai", "ListModelsResponse", served.http.get("/v1/models").json())
+    validate("openai", "Model", served.http.get(f"/v1/models/{served.model}").json())
+    for path, body in (("/v1/chat/completions", {**chat, "model": "nope"}), ("/v1/nope", {})):
+        validate("openai", "ErrorResponse", served.http.post(path, json=body).json())
+
+
+def test_responses_shapes(served):
+    tool = {"type": "function", **OPENAI_TOOL["function"]}
+    plain = {"model": served.model, "input": ASK, "max_output_tokens": 4, "instructions": "Hi."}
+    forced = {"tools": [tool], "tool_choice": "required", "max_output_tokens": FORCED}
+    fmt = {"type": "json_schema", "name": "weather", "schema": WEATHER, "strict": True}
+    structured = {"text": {"format": fmt}, "max_output_tokens": FORCED}
+    for extra in ({}, forced, structured):
+        reply = served.http.post("/v1/responses", json={**plain, **extra}).json()
+        validate("openai", "Response", reply)
+        retrieved = served.http.get(f"/v1/responses/{reply['id']}").json()
+        validate("openai", "Response", retrieved)
+        events = _stream(served, "responses", "/v1/responses", {**plain, **extra})
+        assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    missing = served.http.post("/v1/responses", json={**plain, "previous_response_id": "x"})
+    validate("openai", "ErrorResponse", missing.json())
+
+
+def test_anthropic_shapes(served):
+    asked = {"model": served.model, "messages": [{"role": "user", "content": ASK}]}
+    tools = [{"name": "get_weather", "input_schema": WEATHER}]
+    forced = {"tools": tools, "tool_choice": {"type": "any"}, "max_tokens": FORCED}
+    fmt = {"output_config": {"format": {"type": "json_schema", "schema": WEATHER}}}
+    for extra in ({"max_tokens": 4}, forced, {**fmt, "max_tokens": FORCED}):
+        reply = served.http.post("/v1/messages", json={**asked, **extra})
+        validate("anthropic", "Message", reply.json())
+        events = _stream(served, "anthropic", "/v1/messages", {**asked, **extra})
+        assert [e["type"] for e in events][-2:] == ["message_delta", "message_stop"]
+    counted = served.http.post("/v1/messages/count_tokens", json={**asked, "tools": tools})
+    validate("anthropic", "CountMessageTokensResponse", counted.json())
+    for body in (asked, {**asked, "model": "nope", "max_tokens": 4}):
+        validate("anthropic", "ErrorResponse", served.http.post("/v1/messages", json=body).json())
