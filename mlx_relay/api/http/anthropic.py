@@ -323,7 +323,10 @@ class MessageStream:
         if self.started:
             return []
         self.started, self.cached = True, cached()
-        return [("message_start", {"type": "message_start", "message": self.message()})]
+        # (its content is empty, as Anthropic's is: the blocks follow as their own events,
+        # and this event is serialized after the same chunk's blocks were added)
+        message = {**self.message(), "content": []}
+        return [("message_start", {"type": "message_start", "message": message})]
 
     def failed(self, error: HttpError) -> Events:
         return [*self._start(lambda: 0), ("error", error_body(error))]
