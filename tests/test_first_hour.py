@@ -429,6 +429,14 @@ def test_client_and_demo_mistakes_are_one_line(not_models):
     assert took < QUICK_S
 
 
+def _interruptible() -> None:
+    """In the child before it runs: SIGINT neither blocked nor ignored, as in a terminal.
+    (Both are inherited; in the full suite something before this test left the pytest
+    process so, and the chat then ran to its end: exit 0, not 130.)"""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.cluster
 def test_ctrl_c_of_a_chat_ends_quietly_and_cancels_its_request(plain):
     running = plain
@@ -439,6 +447,7 @@ def test_ctrl_c_of_a_chat_ends_quietly_and_cancels_its_request(plain):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=_interruptible,  # (whatever this test process did with SIGINT)
         )
         deadline = time.monotonic() + 60
         while running.client.status().active_requests < 1:
