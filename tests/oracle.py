@@ -84,6 +84,39 @@ def mlx_lm_tokens(
     return tokens
 
 
+def mlx_lm_speculative_tokens(
+    path: Path,
+    draft: Path,
+    prompt_tokens: list[int],
+    max_tokens: int,
+    num_draft_tokens: int,
+    *,
+    seed: int | None = None,
+    sampler: dict | None = None,
+) -> list[int]:
+    """Tokens mlx-lm's own speculative generator produces with `draft` as draft model
+    (`stream_generate(..., draft_model=..., num_draft_tokens=...)`), EOS not included."""
+    model, tokenizer = _load(str(path))
+    draft_model = _load(str(draft))[0]
+    if seed is not None:
+        mx.random.seed(seed)
+    responses = list(
+        stream_generate(
+            model,
+            tokenizer,
+            mx.array(prompt_tokens),
+            max_tokens=max_tokens,
+            sampler=make_sampler(**(sampler or {})),
+            draft_model=draft_model,
+            num_draft_tokens=num_draft_tokens,
+        )
+    )
+    tokens = [r.token for r in responses]
+    if responses and responses[-1].finish_reason == "stop":
+        tokens = tokens[:-1]
+    return tokens
+
+
 def chat_request(text: str, seed: int | None, max_tokens: int) -> pb.GenerateRequest:
     """A one-message chat: greedy, or with `seed` sampled at temperature 0.9, top-p 0.95
     (mlx_lm_tokens' sampler={"temp": 0.9, "top_p": 0.95} is the same)."""

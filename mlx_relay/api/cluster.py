@@ -135,6 +135,25 @@ class Cluster:
         rows = self._engine.snapshot()
         return next((r.get("cached_tokens", 0) for r in rows if r["request_id"] == request_id), 0)
 
+    def speculation(self) -> pb.SpeculationStatus:
+        """Speculative decoding's settings and its rounds so far."""
+        engine = self._engine
+        config, counts = engine.speculation, dict(engine.spec_counts)
+        if config is None:
+            return pb.SpeculationStatus()
+        rounds, proposed, kept = counts["rounds"], counts["proposed"], counts["accepted"]
+        return pb.SpeculationStatus(
+            source=config.source,
+            num_draft_tokens=config.num_draft_tokens,
+            adaptive=config.adaptive,
+            off_reason=engine.scheduler.spec_blocked,
+            rounds=rounds,
+            draft_tokens=proposed,
+            accepted_draft_tokens=kept,
+            acceptance_rate=kept / proposed if proposed else 0.0,
+            tokens_per_round=(rounds + kept) / rounds if rounds else 0.0,
+        )
+
     def steps(self) -> dict[str, Steps]:
         """Forward steps round the ring so far, by kind (prefill, decode ...)."""
         engine = self._engine
@@ -402,6 +421,7 @@ class Cluster:
             out.model_path = loaded.path
             out.num_layers = loaded.num_layers
         out.requests.extend(pb.RequestStatus(**row) for row in self._engine.snapshot())
+        out.speculation.CopyFrom(self.speculation())
         out.ranks.append(_rank0_status(loaded))
         now = time.monotonic()
         for rank, info in sorted(self.workers().items()):

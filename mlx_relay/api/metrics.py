@@ -57,6 +57,23 @@ class _ClusterGauges(Collector):
             value=1 if cluster.state == "serving" and cluster.running else 0,
         )
         yield from _step_timings(cluster)
+        yield from _speculation(cluster)
+
+
+def _speculation(cluster: Cluster) -> Iterator[CounterMetricFamily]:
+    """Speculative decoding's rounds, proposals and those kept (acceptance: the ratio of
+    the last two; tokens per round: (rounds + kept) / rounds)."""
+    spec = cluster.speculation()
+    for name, doc, value in (
+        ("spec_rounds", "Speculative verify steps round the ring.", spec.rounds),
+        ("spec_draft_tokens", "Tokens speculative decoding proposed.", spec.draft_tokens),
+        (
+            "spec_accepted_draft_tokens",
+            "Proposed tokens the model agreed with (emitted).",
+            spec.accepted_draft_tokens,
+        ),
+    ):
+        yield CounterMetricFamily(PREFIX + name, doc, value=value)
 
 
 def _step_timings(cluster: Cluster) -> Iterator[CounterMetricFamily]:

@@ -25,6 +25,7 @@ from mlx_relay.api.cluster import Cluster
 from mlx_relay.api.service import SERVICE_NAME, RelayServicer, add_to_server
 from mlx_relay.coordinator.engine import Engine
 from mlx_relay.coordinator.pipeline import Pipeline, hub_ready
+from mlx_relay.coordinator.speculation import SpecConfig
 from mlx_relay.protocol.exits import EXIT_CLUSTER_FAILED, EXIT_LOAD_FAILED, report_fatal
 from mlx_relay.protocol.rpc import auth_token
 from mlx_relay.transport.hub import ControlHub
@@ -35,6 +36,20 @@ log = logging.getLogger("mlx_relay.server")
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024
 WATCHDOG_INTERVAL_S = 0.1
 LOOPBACK = ("127.0.0.1", "localhost", "[::1]", "unix:")
+
+
+def spec_config(args) -> SpecConfig | None:
+    """Speculative decoding as the serve options ask (None: off)."""
+    source = "model" if args.draft_model and args.draft == "off" else args.draft
+    if source == "off":
+        return None
+    return SpecConfig(
+        source,
+        num_draft_tokens=args.num_draft_tokens,
+        draft_model=args.draft_model,
+        adaptive=not args.draft_fixed,
+        max_streams=args.draft_max_streams,
+    )
 
 
 def run(args, ring: Ring | None, hub: ControlHub | None) -> int:
@@ -53,6 +68,7 @@ def run(args, ring: Ring | None, hub: ControlHub | None) -> int:
         default_max_tokens=args.default_max_tokens,
         prompt_cache=not args.no_prompt_cache,
         prompt_cache_tokens=args.prompt_cache_tokens,
+        speculation=spec_config(args),
     )
     health_servicer = health.HealthServicer()
 

@@ -24,6 +24,7 @@ reasoning, tool calls, logprobs, the finish reason, usage) is the output process
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -39,13 +40,22 @@ from mlx_lm.utils import load_tokenizer
 
 from mlx_relay import timeline
 from mlx_relay.coordinator.admission import MemoryCheck
+from mlx_relay.coordinator.drafting import Drafter, make_drafter
 from mlx_relay.coordinator.markup import ChatMarkup
 from mlx_relay.coordinator.output import OutputProcessor
 from mlx_relay.coordinator.pipeline import ClusterFailure, Pipeline, RankFailure, Step
 from mlx_relay.coordinator.policy import StepOutput
-from mlx_relay.coordinator.sampling import sample_batch
-from mlx_relay.coordinator.scheduler import DecodeGroup, Forward, Park, Scheduler, Update
+from mlx_relay.coordinator.sampling import sample_batch, sample_positions
+from mlx_relay.coordinator.scheduler import (
+    DecodeGroup,
+    Forward,
+    Park,
+    Scheduler,
+    Update,
+    Verify,
+)
 from mlx_relay.coordinator.sequence import EngineError, Request, Sequence
+from mlx_relay.coordinator.speculation import SpecConfig
 from mlx_relay.model import memory, vision
 from mlx_relay.model.step_inputs import PromptInputs
 from mlx_relay.protocol import header as hdr
@@ -61,8 +71,9 @@ class Sampled:
 
     step: Step
     seqs: list[Sequence]
-    tokens: mx.array  # (len(seqs),)
+    tokens: mx.array  # (len(seqs),); a verify step's: one per position (1 + k,)
     logprobs: list[mx.array | None]  # a row's log-probabilities where its request wants them
+    verify: Verify | None = None  # the speculative round the step was
 
 
 class Engine:
@@ -76,6 +87,7 @@ class Engine:
         default_max_tokens: int = 256,
         prompt_cache: bool = True,
         prompt_cache_tokens: int = 0,
+        speculation: SpecConfig | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.max_active = max_active
@@ -95,7 +107,13 @@ class Engine:
             groups=max(pipeline.depth, math.ceil(max_active / hdr.MAX_SEQS)),
             prompt_cache=prompt_cache,
             prompt_cache_tokens=prompt_cache_tokens,
+            speculation=speculation,
         )
+        self.speculation = speculation
+        self.drafter = Drafter()  # the loaded model's proposals (speculation on)
+        # Speculative rounds so far: verify steps, proposals, those kept, tokens emitted
+        # (read by the metrics and status; written by the engine thread only).
+        self.spec_counts: dict[str, int] = {"rounds": 0, "proposed": 0, "accepted": 0}
         self._launched: deque[Step] = deque()
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
         self._cv = threading.Condition()  # held around every call into the scheduler
@@ -225,6 +243,9 @@ class Engine:
         errors to the requests' queues, then its slots' free and park steps, in order."""
         with self._cv:
             update = call(*args)
+        for seq in update.finished:
+            if seq.spec is not None:
+                self.drafter.drop(seq.spec)
         for request, item in update.emit:
             request.out.put(item)
         for action in update.slots:
@@ -256,7 +277,10 @@ class Engine:
             log.exception("rank 0 failed a step: %s", e)
             self._update(self.scheduler.fail, action.seqs, "internal", f"rank 0: {e}")
             return True
-        step.tag = action.seqs
+        if isinstance(action, Verify):
+            action = step.tag  # (with its proposals)
+        else:
+            step.tag = action
         self._launched.append(step)
         self._update(self.scheduler.launched, action)
         return True
@@ -265,6 +289,8 @@ class Engine:
         """One forward step on the pipeline: a decode group's, fed the tokens its members
         sampled last, which may not be computed yet (the step goes out before the host
         has read them); or a sequence's next prompt chunk."""
+        if isinstance(action, Verify):
+            return self._launch_verify(action)
         if isinstance(action, DecodeGroup):
             members = action.members
             return self.pipeline.launch_forward(
@@ -286,6 +312,28 @@ class Engine:
             prompt=self._image_inputs(seq, n),
         )
 
+    def _launch_verify(self, action: Verify) -> Step:
+        """A speculative round: the drafter's proposals after the sequence's input, one
+        step of 1 + k positions from its true position (its own caches, cut back to it),
+        every position's logits wanted. The step's tag is the round with its proposals."""
+        seq = action.seq
+        assert seq.spec is not None
+        proposed = self.drafter.propose(
+            seq.spec, seq.sampler, action.history, action.input, action.k
+        )
+        inputs = mx.concatenate([action.input.astype(mx.int32), proposed])
+        step = self.pipeline.launch_forward(
+            [seq.slot],
+            [seq.position],
+            inputs[None],
+            [inputs.shape[0]],
+            want_logits=True,
+            reuse_from=action.reuse_from,
+            all_positions=True,
+        )
+        step.tag = dataclasses.replace(action, k=proposed.shape[0], proposed=proposed)
+        return step
+
     def _image_inputs(self, seq: Sequence, n: int) -> PromptInputs | None:
         """For an image request, its prompt's merged embeddings (and multimodal rope
         positions) for the next `n` prompt positions (vision tower and projector run
@@ -306,16 +354,19 @@ class Engine:
         header = step.header
         if header.cmd != hdr.CMD_FORWARD:
             return
+        if header.flags & hdr.FLAG_ALL_POSITIONS:  # a speculative round
+            self._count("verify", time.monotonic() - step.launched_at, header.lengths[0])
+            return
         decode = header.group != hdr.NO_GROUP
         seconds = time.monotonic() - step.launched_at
         # (a prompt chunk is paced by what it took from when it could start: chunks in
         # flight together wait for each other, which is not what they cost)
         took = seconds if decode or not step.took else step.took
-        kind = "decode" if decode else "prefill"
-        self.step_counts[kind] = self.step_counts.get(kind, 0) + 1
-        self.step_seconds[kind] = self.step_seconds.get(kind, 0.0) + seconds
-        carried = header.n_seqs if decode else header.lengths[0]
-        self.step_tokens[kind] = self.step_tokens.get(kind, 0) + carried
+        self._count(
+            "decode" if decode else "prefill",
+            seconds,
+            header.n_seqs if decode else header.lengths[0],
+        )
         with self._cv:
             self.scheduler.step_took(
                 StepOutput(
@@ -327,6 +378,12 @@ class Engine:
                 )
             )
 
+    def _count(self, kind: str, seconds: float, tokens: int) -> None:
+        """One forward step of `kind` came back after `seconds`, carrying `tokens`."""
+        self.step_counts[kind] = self.step_counts.get(kind, 0) + 1
+        self.step_seconds[kind] = self.step_seconds.get(kind, 0.0) + seconds
+        self.step_tokens[kind] = self.step_tokens.get(kind, 0) + tokens
+
     # --- completing ----------------------------------------------------------------
     def _complete_oldest(self) -> None:
         """Take the oldest step back, and overlap: its tokens are sampled as a graph, the
@@ -334,7 +391,7 @@ class Engine:
         (as mlx-lm's generator does), so the device and the ring are never idle while
         the host detokenizes, parses and streams."""
         step = self._launched.popleft()
-        seqs: list[Sequence] = step.tag or []
+        seqs: list[Sequence] = step.tag.seqs if step.tag is not None else []
         sampled: Sampled | None = None
         try:
             logits = self.pipeline.complete(step, early=True)
@@ -376,6 +433,13 @@ class Engine:
         mask is for the token after the one read back last, which the scheduler has
         moved the matcher over (a sequence has at most one step that wants logits in
         flight)."""
+        if isinstance(step.tag, Verify):
+            verify: Verify = step.tag
+            assert verify.proposed is not None
+            tokens, wanted = sample_positions(logits, verify.seq, verify.proposed)
+            if start:
+                mx.async_eval(tokens)
+            return Sampled(step, [verify.seq], tokens, wanted, verify)
         if len(rows) < logits.shape[0]:
             logits = logits[mx.array([i for i, _ in rows])]
         seqs = [s for _, s in rows]
@@ -391,7 +455,27 @@ class Engine:
         values = sampled.tokens.tolist()
         timeline.mark("tokens", sampled.step.header.step_id)
         self.pipeline.done(sampled.step)
+        if sampled.verify is not None:
+            self._verified(sampled.verify, values, sampled.logprobs)
+            return
         self._update(self.scheduler.update_from_output, sampled.seqs, values, sampled.logprobs)
+
+    def _verified(self, verify: Verify, tokens: list[int], logprobs: list[mx.array | None]) -> None:
+        """A speculative round read back: the scheduler keeps what agrees, the drafter
+        follows what it kept (or lets go of a sequence that stopped speculating)."""
+        spec = verify.seq.spec
+        with self._cv:
+            update, kept = self.scheduler.verified(verify, tokens, logprobs)
+        counts = self.spec_counts
+        counts["rounds"] += 1
+        counts["proposed"] += verify.k
+        counts["accepted"] += kept
+        if spec is not None and verify.seq.spec is spec and self.scheduler.is_running(verify.seq):
+            proposed = verify.proposed.tolist() if verify.proposed is not None else []
+            self.drafter.rewind(spec, proposed, kept, verify.history[-1])
+        elif spec is not None and verify.seq.spec is None:
+            self.drafter.drop(spec)
+        self._update(lambda: update)
 
     # --- commands (engine thread, nothing in flight) ---------------------------------
     def _load(self, spec: str, layers: list[int] | None) -> Any:
@@ -401,6 +485,7 @@ class Engine:
             loaded = self.pipeline.load(spec, layers)
             self.tokenizer = load_tokenizer(loaded.path)
             self.markup = ChatMarkup.of(self.tokenizer)
+            self.drafter = Drafter()
             shard = self.pipeline.shard
             self.context_length = int(shard.config.get("max_position_embeddings") or 0)
             check = MemoryCheck(
@@ -414,6 +499,8 @@ class Engine:
                     self.pipeline.hidden_size,
                     check,
                 )
+            if self.speculation is not None and not self.scheduler.spec_blocked:
+                self.drafter = make_drafter(self.speculation, self.tokenizer)
         except Exception:
             self._set_state("unloaded")
             raise

@@ -75,6 +75,8 @@ class OutputProcessor:
             "reasoning_tokens": seq.reasoning_tokens,
             "total_tokens": len(request.prompt_tokens) + len(seq.generated),
             "cached_tokens": seq.cached_tokens,
+            "draft_tokens": seq.draft_tokens,
+            "accepted_draft_tokens": seq.accepted_draft_tokens,
         }
         last.timings = timings(seq)
 

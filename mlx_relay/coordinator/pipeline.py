@@ -282,6 +282,7 @@ class Pipeline:
         want_logits: bool,
         reuse_from: int | None = None,
         prompt: PromptInputs | None = None,
+        all_positions: bool = False,
     ) -> Step:
         """Post rank 0's layers for one step and send it round the ring.
 
@@ -294,6 +295,8 @@ class Pipeline:
         (an image request's prompt, with the image features merged in on rank 0), and
         for a multimodal-rope model its positions, sent round as a side array, and its
         sequence's position delta, which every later step of the slot carries.
+        `all_positions`: the step's one sequence wants logits at every position it
+        carries (a speculative verify step), not only at its last.
         """
         if self.shard is None or self.caches is None:
             raise RuntimeError("no model loaded")
@@ -301,7 +304,8 @@ class Pipeline:
         header = hdr.StepHeader(
             cmd=hdr.CMD_FORWARD,
             flags=(hdr.FLAG_WANT_OUTPUT if want_logits else 0)
-            | (hdr.FLAG_REUSE if reuse_from is not None else 0),
+            | (hdr.FLAG_REUSE if reuse_from is not None else 0)
+            | (hdr.FLAG_ALL_POSITIONS if all_positions else 0),
             group=group,
             slots=list(slots),
             offsets=list(offsets),
@@ -338,7 +342,7 @@ class Pipeline:
         step = Step(header, want_logits, sides=sides)
         step.units = step_cost(lengths, offsets, self._hidden)
         if self.world_size == 1:
-            step.hidden = h[:, -1:, :] if want_logits else h
+            step.hidden = h[:, -1:, :] if want_logits and not all_positions else h
             mx.async_eval(tokens)  # (first, apart: see _launch)
             mx.async_eval(step.hidden)
             self._step_id += 1  # (numbered as on a ring, for timeline and logs)
@@ -450,7 +454,7 @@ class Pipeline:
             step.posted = None
             if early and self._returns_early(step):
                 step.hidden = self._mailbox(step)
-                return sharding.head(self.shard, step.hidden)[:, -1, :]
+                return self._logits(step)
             self._settle_early()  # (returns come back in launch order)
             _, step.hidden = self._receive(step)
             if step.header.flags & hdr.FLAG_FIRST_LAP:
@@ -459,6 +463,13 @@ class Pipeline:
             self.settle()
             mx.eval(step.hidden)  # computed on every rank when this returns: it is timed
             return None
+        return self._logits(step)
+
+    def _logits(self, step: Step) -> mx.array:
+        """The LM head on what came back: each row's last position (batch, vocab), or
+        for a verify step (FLAG_ALL_POSITIONS) its one row's every position (tokens, vocab)."""
+        if step.header.flags & hdr.FLAG_ALL_POSITIONS:
+            return sharding.head(self.shard, step.hidden)[0]
         return sharding.head(self.shard, step.hidden)[:, -1, :]
 
     def _returns_early(self, step: Step) -> bool:

@@ -96,7 +96,7 @@ def next_unit(units: Sequence[T], turn: int) -> T:
 class Unit:
     """Work that can go round the ring now: a decode group, or one sequence's prompt."""
 
-    kind: str  # "group" or "prefill"
+    kind: str  # "group", "prefill" or "verify" (a speculating sequence's round)
     key: Any  # the group's index, or the scheduler's sequence
     pending: int = 0  # prompt tokens still to send (a prefill)
     # the prompt goes in one step, its last token in it (gemma4's image prompts: its
@@ -151,7 +151,7 @@ class Policy:
             return None
         unit = next_unit(units, self._turn)
         self._turn += 1
-        if unit.kind == "group":
+        if unit.kind in ("group", "verify"):  # (a verify's proposals: the engine's)
             return Scheduled(unit, 1, True)
         if unit.pending <= 1 or unit.whole:
             return Scheduled(unit, max(1, unit.pending), True)

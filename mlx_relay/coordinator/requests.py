@@ -322,6 +322,8 @@ def sampling_params(
             raise InvalidRequest(f"{name} must be in [-2, 2], got {penalties[name]}")
     if p.repetition_context_size < 0:
         raise InvalidRequest("repetition_context_size must be >= 0")
+    if p.HasField("num_draft_tokens") and p.num_draft_tokens < 0:
+        raise InvalidRequest(f"num_draft_tokens must be >= 0, got {p.num_draft_tokens}")
     if p.HasField("seed") and p.seed < 0:
         raise InvalidRequest(f"seed must be >= 0 (MLX random keys are unsigned), got {p.seed}")
     return SamplingParams(
@@ -339,6 +341,7 @@ def sampling_params(
         stop=list(p.stop),
         logprobs=p.logprobs or p.top_logprobs > 0,
         top_logprobs=p.top_logprobs,
+        num_draft_tokens=p.num_draft_tokens if p.HasField("num_draft_tokens") else None,
         **penalties,
     )
 

@@ -39,6 +39,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     logprobs: bool = False
     top_logprobs: int = 0
+    # Speculative decoding's proposals a round may carry for this request: None as the
+    # server says, 0 none (mlx_lm.server's per-request `num_draft_tokens`).
+    num_draft_tokens: int | None = None
 
 
 class Sampler:
@@ -73,12 +76,24 @@ class Sampler:
         self.key, sub = mx.random.split(self.key)
         return sub
 
-    def process(self, context: list[int], generated: list[int], logits: mx.array) -> mx.array:
+    def process(
+        self,
+        context: list[int],
+        generated: list[int],
+        logits: mx.array,
+        ahead: mx.array | None = None,
+    ) -> mx.array:
+        """The logits processors over the context (and the tokens generated), with
+        `ahead`: proposed tokens after them that a verify step's position follows."""
+        window, own = mx.array(context, mx.int32), mx.array(generated, mx.int32)
+        if ahead is not None and ahead.size:
+            window = mx.concatenate([window, ahead.astype(window.dtype)])
+            own = mx.concatenate([own, ahead.astype(own.dtype)])
         for processor in self.context_processors:
-            logits = processor(mx.array(context), logits)
-        if generated:
+            logits = processor(window, logits)
+        if own.size:
             for processor in self.generated_processors:
-                logits = processor(mx.array(generated), logits)
+                logits = processor(own, logits)
         return logits
 
     def sample(self, logprobs: mx.array) -> mx.array:
@@ -166,4 +181,31 @@ def sample_batch(logits: mx.array, rows: Sequence[Row]) -> tuple[mx.array, list[
     for j, r in enumerate(rows):
         if r.sampler.params.logprobs and wanted[j] is None:
             wanted[j] = logprobs[j]
+    return tokens, wanted
+
+
+def sample_positions(
+    logits: mx.array, row: Row, proposed: mx.array
+) -> tuple[mx.array, list[mx.array | None]]:
+    """A verify step's k+1 positions of one sequence (logits (k+1, vocab); `proposed`:
+    the k tokens it carried after its input), sampled as mlx-lm's speculative generator
+    samples them: without logits processors, one draw over every position (one key);
+    with them, one draw per position, processed over the context and the proposals
+    before it. (A request with a grammar does not speculate: speculation.eligible.)
+    The tokens (k+1,), and each position's log-probabilities where the request wants
+    them."""
+    sampler, count = row.sampler, logits.shape[0]
+    if not sampler.processes:
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        tokens = sampler.sample(logprobs)
+        rows: list[mx.array] = [logprobs[i] for i in range(count)]
+    else:
+        picked, rows = [], []
+        for i in range(count):
+            row_i = sampler.process(row.context, row.generated, logits[i : i + 1], proposed[:i])
+            row_i = row_i - mx.logsumexp(row_i, keepdims=True)
+            picked.append(sampler.sample(row_i))
+            rows.append(row_i[0])
+        tokens = mx.concatenate(picked)
+    wanted: list[mx.array | None] = rows if sampler.params.logprobs else [None] * count
     return tokens, wanted

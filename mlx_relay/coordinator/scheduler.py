@@ -17,6 +17,9 @@ decode groups, and the prompt-cache slot table (slots.py). The calls:
 - `update_from_output(seqs, tokens, logprobs)`: the tokens read back become chunks for
   the clients; those that end a sequence (EOS, a stop string, the length, a grammar's
   end) finish it;
+- `verified(action, tokens, logprobs)`: a speculating sequence's `Verify` step came
+  back (speculation.py): the proposals kept and the token after them become chunks, and
+  its position goes back to what its caches truly hold;
 - `reap_cancelled`, `step_failed`, `fail`, `cancel_all`: the other ways sequences end.
 
 Each call that ends sequences or moves slots returns an `Update`: what to put on the
@@ -46,6 +49,7 @@ from mlx_relay.coordinator.postprocess import OutputParser
 from mlx_relay.coordinator.sampling import Sampler
 from mlx_relay.coordinator.sequence import Chunk, EngineError, Request, Sequence
 from mlx_relay.coordinator.slots import SlotTable, Taken
+from mlx_relay.coordinator.speculation import SpecConfig, SpecState, blocker
 from mlx_relay.model import vision
 from mlx_relay.model.sharding import Shard
 from mlx_relay.protocol import header as hdr
@@ -94,7 +98,25 @@ class Park:
     slot: int
 
 
-Forward = PrefillChunk | DecodeGroup
+@dataclass(frozen=True)
+class Verify:
+    """A speculating sequence's round: its next input and up to `k` proposals after it,
+    in one step of 1 + k positions (the first round's input is the prompt's last token).
+    The engine drafts the proposals at launch (`proposed`)."""
+
+    seq: Sequence
+    input: mx.array  # (1,), maybe not computed yet
+    history: list[int]  # the sequence's every token so far, the input's value last
+    k: int
+    reuse_from: int  # the slot the step starts from: its own, cut back to its position
+    proposed: mx.array | None = None  # (k,) the drafter's tokens, set at launch
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [self.seq]
+
+
+Forward = PrefillChunk | DecodeGroup | Verify
 
 
 @dataclass
@@ -117,6 +139,7 @@ class Scheduler:
         groups: int,
         prompt_cache: bool = True,
         prompt_cache_tokens: int = 0,
+        speculation: SpecConfig | None = None,
     ) -> None:
         self.max_queue = max_queue
         self.prompt_cache = prompt_cache
@@ -133,6 +156,8 @@ class Scheduler:
         self.memory: MemoryCheck | None = None
         self.reuse = False  # prompt_cache, and the model's caches can be cut back
         self.whole_images = False  # an image prompt goes in one step (vision.prefills_whole)
+        self.speculation = speculation
+        self.spec_blocked = ""  # why the loaded model cannot speculate ('' if it can)
 
     # --- the model ---------------------------------------------------------------------
     def load(
@@ -153,6 +178,9 @@ class Scheduler:
         # (quantized KV caches: a prompt alone goes in --prefill-chunk chunks)
         self.policy.reset(hidden, fixed_alone=shard.kv is not None)
         self.slots.usable = shard.usable_prefix
+        self.spec_blocked = blocker(shard) if self.speculation else ""
+        if self.spec_blocked:
+            log.warning("this model decodes without speculation: %s", self.spec_blocked)
 
     def unload(self) -> None:
         """The ranks' caches were dropped: parked slots are empty again."""
@@ -232,7 +260,23 @@ class Scheduler:
             context=list(request.prompt_tokens[:cached]),
             cached_tokens=cached,
             taken=taken,
+            spec=self._speculates(request),
         )
+
+    def _speculates(self, request: Request) -> SpecState | None:
+        """A new sequence's speculation: on where the server has it and the model allows
+        it, unless the request turns it off (num_draft_tokens 0), follows a grammar (its
+        matcher moves one token at a time), carries images, or more than `max_streams`
+        sequences run (alone on its caches it would cost the batched streams more)."""
+        config, wanted = self.speculation, request.params.num_draft_tokens
+        if config is None or self.spec_blocked or wanted == 0:
+            return None
+        if request.constraint is not None or request.pixel_values is not None:
+            return None
+        if len(self.running) >= config.max_streams:
+            return None
+        limit = min(config.num_draft_tokens, wanted or config.num_draft_tokens)
+        return SpecState(k=limit, limit=limit, adaptive=config.adaptive)
 
     # --- what runs next ------------------------------------------------------------------
     def _units(self) -> list[Unit]:
@@ -247,14 +291,24 @@ class Scheduler:
             for s in self.running
             if s.group is None and s.prefilling and not s.request.cancelled.is_set()
         ]
+        units += [
+            Unit("verify", s)
+            for s in self.running
+            if s.spec is not None and s.next_input is not None and not s.request.cancelled.is_set()
+        ]
         return units
 
     def schedule(self) -> Forward | None:
         """The next forward step (its inputs taken from the state), or None if nothing
         can run now."""
-        plan = self.policy.schedule(self._units(), decoding=any(self.groups))
+        decoding = any(self.groups) or any(s.spec and s.first_token_at for s in self.running)
+        plan = self.policy.schedule(self._units(), decoding=decoding)
         if plan is None:
             return None
+        if plan.unit.kind == "verify":
+            seq = plan.unit.key
+            last, seq.next_input = seq.next_input, None
+            return Verify(seq, last, list(seq.context), self._proposals(seq), seq.slot)
         if plan.unit.kind == "group":
             members = list(self.groups[plan.unit.key])
             inputs = [s.next_input for s in members]
@@ -264,7 +318,22 @@ class Scheduler:
         seq: Sequence = plan.unit.key
         tokens, seq.pending = seq.pending[: plan.tokens], seq.pending[plan.tokens :]
         reuse = seq.taken.source if seq.taken and seq.cached_tokens else None
+        if seq.spec is not None and plan.want_logits and len(tokens) == 1:
+            # The prompt's last token goes with the first proposals, as in mlx-lm.
+            source = seq.slot if reuse is None else reuse
+            k = self._proposals(seq)
+            return Verify(seq, mx.array(tokens), seq.context + tokens, k, source)
         return PrefillChunk(seq, tokens, plan.want_logits, reuse)
+
+    def _proposals(self, seq: Sequence) -> int:
+        """How many proposals `seq`'s next round asks for: its adaptive k, at most the
+        tokens it may still generate (as mlx-lm caps them), within the context."""
+        assert seq.spec is not None
+        remaining = seq.request.params.max_tokens - len(seq.generated)
+        context = self.output.context_length if self.output is not None else 0
+        if context:
+            remaining = min(remaining, context - seq.position - 1)
+        return seq.spec.wanted(remaining)
 
     def launched(self, action: Forward) -> Update:
         """`action`'s step is round the ring: its sequences' positions move on."""
@@ -272,6 +341,13 @@ class Scheduler:
         if isinstance(action, DecodeGroup):
             for s in action.members:
                 s.position += 1
+            return update
+        if isinstance(action, Verify):
+            seq = action.seq
+            self._launched_first(seq, update)
+            if len(action.history) > len(seq.context):  # (its first: the prompt's last token)
+                seq.context.append(action.history[-1])
+            seq.position += 1 + action.k
             return update
         seq = action.seq
         self._launched_first(seq, update)
@@ -321,6 +397,43 @@ class Scheduler:
             seq.context.append(token)
             self._emit(seq, token, row, update)
         return update
+
+    def verified(
+        self, action: Verify, tokens: list[int], logprobs: list[mx.array | None]
+    ) -> tuple[Update, int]:
+        """A verify step's tokens read back (one per position, `action.k` proposals
+        `proposed` before): the proposals up to the first that differs from what was
+        sampled are kept, then the sampled token after them, each a chunk; the caches
+        hold the rejected ones too, so the sequence's position goes back to what they
+        truly hold (its next step cuts them out). The update, and how many were kept."""
+        seq, update = action.seq, Update()
+        proposed = action.proposed.tolist() if action.proposed is not None else []
+        kept = 0
+        while kept < len(proposed) and tokens[kept] == proposed[kept]:
+            kept += 1
+        if seq not in self.running or seq.spec is None:
+            return update, kept
+        seq.position -= len(proposed) - kept  # (before any chunk: a park records it)
+        seq.spec.record(len(proposed), kept)
+        seq.draft_tokens += len(proposed)
+        seq.accepted_draft_tokens += kept
+        if seq.first_token_at is None:
+            seq.first_token_at = time.perf_counter()
+        for token, row in zip(tokens[: kept + 1], logprobs[: kept + 1], strict=True):
+            seq.context.append(token)
+            self._emit(seq, token, row, update)
+            if seq not in self.running:
+                return update, kept
+        following = mx.array(tokens[kept : kept + 1])
+        config = self.speculation
+        if config is not None and len(self.running) > config.max_streams:
+            seq.spec.leaving = True  # (streams came: it decodes in a group from now on)
+        if seq.spec.leaving and not proposed:  # its caches hold exactly its position
+            seq.spec = None
+            self.sampled([seq], following)
+        else:
+            seq.next_input = following
+        return update, kept
 
     def _emit(self, seq: Sequence, token: int, logprobs: mx.array | None, update: Update) -> None:
         assert self.output is not None
@@ -482,6 +595,9 @@ class Scheduler:
                 "generated_tokens": generated,
                 "age_s": now - r.created,
             }
+            if seq.draft_tokens:
+                row["draft_tokens"] = seq.draft_tokens
+                row["accepted_draft_tokens"] = seq.accepted_draft_tokens
             if first is not None:
                 row["time_to_first_token_s"] = first - r.created
                 if generated > 1 and now > first:

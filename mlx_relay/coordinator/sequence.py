@@ -22,6 +22,7 @@ from mlx_relay.coordinator.constraints import Constraint
 from mlx_relay.coordinator.postprocess import OutputParser, ToolCall
 from mlx_relay.coordinator.sampling import Sampler, SamplingParams
 from mlx_relay.coordinator.slots import Taken
+from mlx_relay.coordinator.speculation import SpecState
 from mlx_relay.model.step_inputs import PromptInputs
 
 
@@ -127,6 +128,10 @@ class Sequence:
     first_token_at: float | None = None
     # An image request's merged prompt embeddings, from its first prefill chunk on.
     embeddings: PromptInputs | None = None
+    # Speculative decoding (speculation.py): set while it decodes by verify steps.
+    spec: SpecState | None = None
+    draft_tokens: int = 0  # proposals its verify steps carried
+    accepted_draft_tokens: int = 0  # of them kept
 
     @property
     def prefilling(self) -> bool:

@@ -119,6 +119,52 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ),
     ("--prefill-chunk", dict(type=int, default=512, help="prompt tokens per step")),
     (
+        "--draft",
+        dict(
+            default="off",
+            choices=["off", "ngram", "model"],
+            help="speculative decoding: ngram proposes tokens by prompt lookup (the text so "
+            "far repeating itself: edits, summaries, code, RAG); model runs --draft-model on "
+            "rank 0; each round's proposals go through the ranks as one step and rank 0 keeps "
+            "those the model agrees with (the output is the model's own); default off, or "
+            "model when --draft-model is given",
+        ),
+    ),
+    (
+        "--draft-model",
+        dict(
+            default="",
+            help="a small model sharing the served model's tokenizer, held whole on rank 0 "
+            "to propose tokens (mlx_lm.server's flag)",
+        ),
+    ),
+    (
+        "--num-draft-tokens",
+        dict(
+            type=int,
+            default=4,
+            help="the most tokens a speculative round proposes (mlx_lm.server's flag); each "
+            "sequence proposes fewer while its proposals keep failing",
+        ),
+    ),
+    (
+        "--draft-fixed",
+        dict(
+            action="store_true",
+            help="propose --num-draft-tokens every round, whatever the acceptance (the "
+            "tokens then equal mlx-lm's speculative generator's for the same seed)",
+        ),
+    ),
+    (
+        "--draft-max-streams",
+        dict(
+            type=int,
+            default=2,
+            help="with more requests running than this, new ones decode in batched groups "
+            "without speculation (a verify step runs one sequence)",
+        ),
+    ),
+    (
         "--hop-mode",
         dict(
             default="auto",
@@ -384,6 +430,13 @@ def _run_rank0(
 ) -> NoReturn:
     from mlx_relay.api import server
     from mlx_relay.transport.hub import ControlHub
+
+    try:  # (the draft model is rank 0's alone: the other machines need not have it)
+        server.spec_config(args)
+        if args.draft_model:
+            preflight.check_model(args.draft_model)
+    except (UserError, ValueError) as e:
+        _leave(_fatal(0, e))
 
     args.layer_counts = layer_counts  # "auto": by each rank's free memory, once all said hello
     size = ring.size if ring else 1

@@ -53,8 +53,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 # 4: side arrays and deltas; 5: laps, widths that change on the way; 6: token types;
-# 8: CMD_PROBE
-PROTOCOL_VERSION = 8
+# 8: CMD_PROBE; 9: FLAG_ALL_POSITIONS
+PROTOCOL_VERSION = 9
 MAGIC = 0x4D4C5200 | PROTOCOL_VERSION  # "MLR" + version
 
 MAX_SEQS = 16
@@ -104,6 +104,9 @@ FLAG_INLINE = 1 << 7
 # The hop back to rank 0 carries its payload inline, sent by the last rank once computed
 # (ADAPTIVE hops, a step launched beside others: transport/ring.py). Rank 0 decides.
 FLAG_INLINE_BACK = 1 << 8
+# The last rank sends back every position of the step, not only each row's last: a
+# speculative verify step, whose k+1 positions each give logits (rank 0 samples them all).
+FLAG_ALL_POSITIONS = 1 << 9
 
 # Payload kinds.
 PAYLOAD_NONE = 0
@@ -225,13 +228,14 @@ def set_returned_payload(header: StepHeader, width: int | None = None) -> None:
     when it launches a step, so it can post the receive at once. Each rank announces
     the width of what it sends on (a family's layers may widen the state: Kimi K3's
     attention residuals); `width`: the last rank's, where rank 0 has announced its own.
-    A first lap (FLAG_FIRST_LAP) returns every position whole.
+    A first lap (FLAG_FIRST_LAP) and a verify step (FLAG_ALL_POSITIONS) return every
+    position whole.
     """
     header.sides = []  # the last rank sends no side arrays back
     if header.cmd == CMD_FORWARD and header.payload_kind == PAYLOAD_HIDDEN:
         rows, tokens, hidden = header.payload_shape
         hidden = hidden if width is None else width
-        if header.flags & FLAG_FIRST_LAP:
+        if header.flags & (FLAG_FIRST_LAP | FLAG_ALL_POSITIONS):
             header.payload_shape = (rows, tokens, hidden)
         else:
             header.payload_shape = (rows, 1, hidden if header.flags & FLAG_WANT_OUTPUT else 1)

@@ -105,6 +105,7 @@ class SamplingFields(Lenient):
     stream_options: StreamOptions | None = None
     response_format: dict[str, Any] | None = None
     ignore_eos: bool | None = None  # vLLM's extension
+    num_draft_tokens: int | None = None  # mlx_lm.server's: speculative proposals (0: none)
 
     def params(self, max_tokens: int | None, logprobs: bool, top_logprobs: int | None):
         return sampling(
@@ -120,6 +121,7 @@ class SamplingFields(Lenient):
             repetition_penalty=self.repetition_penalty,
             logit_bias=self.logit_bias,
             ignore_eos=self.ignore_eos,
+            num_draft_tokens=self.num_draft_tokens,
             logprobs=logprobs or None,
             top_logprobs=top_logprobs,
         )
@@ -227,7 +229,13 @@ def usage(u: dict[str, int]) -> dict[str, Any]:
         "completion_tokens": u.get("completion_tokens", 0),
         "total_tokens": u.get("total_tokens", 0),
         "prompt_tokens_details": {"cached_tokens": u.get("cached_tokens", 0)},
-        "completion_tokens_details": {"reasoning_tokens": u.get("reasoning_tokens", 0)},
+        # (speculative decoding's proposals, as OpenAI counts Predicted Outputs')
+        "completion_tokens_details": {
+            "reasoning_tokens": u.get("reasoning_tokens", 0),
+            "accepted_prediction_tokens": u.get("accepted_draft_tokens", 0),
+            "rejected_prediction_tokens": u.get("draft_tokens", 0)
+            - u.get("accepted_draft_tokens", 0),
+        },
     }
 
 

@@ -1,0 +1,101 @@
+"""Speculative decoding's rules: which models and requests speculate, and how many
+proposals each round carries. Data in, data out (the drafts themselves: drafting.py).
+
+A pipeline pays one trip through every rank per step. A *verify step* carries a
+sequence's next input and k proposed tokens as one step of k+1 positions; rank 0
+samples every position with the request's own sampler, keeps the proposals up to the
+first that differs from what it sampled, and the sampled token after them: 1 to k+1
+tokens for one trip. The rejected positions stay in the caches and the next step cuts
+them back (it starts at the sequence's true position, FLAG_REUSE on its own slot), so
+no message of its own is needed. This is exactly mlx-lm's speculative generator: the
+emitted tokens are the target's samples, each given the true text before it.
+
+A sequence speculates alone on its own caches (a verify step is one sequence's), so
+speculation pays while few streams run; beyond `max_streams` running sequences new ones
+decode in batched groups, and speculating ones move there (after a round with no
+proposals, which leaves their caches exactly at their position).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_relay.model import sharding
+
+# Consecutive rounds without an accepted proposal after which an adaptive sequence stops
+# speculating and decodes in a batched group (proposals that keep failing only cost).
+MISS_LIMIT = 16
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """The server's speculative decoding settings (`--draft`, `--draft-model`, ...)."""
+
+    source: str  # "ngram" (prompt lookup) or "model" (a draft model on rank 0)
+    num_draft_tokens: int = 4  # K: the most proposals a round carries
+    draft_model: str = ""  # the draft model's path or name (source "model")
+    adaptive: bool = True  # K adapts to each sequence's acceptance
+    max_streams: int = 2  # more running sequences than this decode in groups
+
+    def __post_init__(self) -> None:
+        if self.source not in ("ngram", "model"):
+            raise ValueError(f"unknown draft source {self.source!r} (ngram or model)")
+        if self.source == "model" and not self.draft_model:
+            raise ValueError("a draft model source needs --draft-model")
+        if self.num_draft_tokens < 1:
+            raise ValueError("--num-draft-tokens must be at least 1")
+
+
+@dataclass
+class SpecState:
+    """One speculating sequence's round state and counts."""
+
+    k: int  # proposals the next round asks for
+    limit: int  # the most it may ask for (the server's K, or the request's)
+    adaptive: bool = True
+    drafted: int = 0  # proposals verified so far
+    accepted: int = 0  # of them accepted
+    rounds: int = 0  # verify steps
+    misses: int = 0  # consecutive rounds that accepted nothing
+    leaving: bool = False  # the next round carries no proposals, then it joins a group
+    draft: Any = None  # the drafter's own state of this sequence (a draft model's cache)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """A round came back: `accepted` of its `proposed` tokens were kept. The next
+        round asks for more after a round that kept all, fewer after one that did not
+        (the way Hugging Face's assisted generation adapts)."""
+        self.rounds += 1
+        self.drafted += proposed
+        self.accepted += accepted
+        self.misses = 0 if accepted else self.misses + 1
+        if not self.adaptive or not proposed:
+            return
+        if accepted == proposed:
+            self.k = min(self.limit, self.k + 2)
+        else:
+            self.k = max(1, self.k - 1)
+        if self.misses >= MISS_LIMIT:
+            self.leaving = True
+
+    def wanted(self, remaining: int) -> int:
+        """Proposals for the next round: at most the tokens the request may still
+        generate less the one a round always gives (as mlx-lm caps them), none while
+        leaving."""
+        return 0 if self.leaving else max(0, min(self.k, remaining))
+
+
+def blocker(shard: sharding.Shard) -> str:
+    """Why this model cannot speculate ('' if it can): a verify step's rejected
+    positions must be cut back out of every layer's cache, which plain KV caches allow
+    and recurrent states or wrapped sliding windows do not (mlx-lm refuses those too)."""
+    if shard.passes == 2:
+        return "its steps go round the ring twice"
+    if sharding.embeds_ids(shard):
+        return "its embedding reads each sequence's earlier ids"
+    if shard.kv is not None:
+        return "its KV caches are quantized (--kv-bits)"
+    if not shard.reusable_caches or shard.cut_back_below != math.inf:
+        return "its caches (recurrent state or sliding windows) cannot be cut back"
+    return ""

@@ -1,0 +1,240 @@
+"""Speculative decoding, without rank processes: proposals (prompt lookup, a draft
+model), the adaptive round size, and the engine's verify steps against an in-process
+pipeline (tests/fake_pipeline.py), whose tokens are single-process mlx-lm's. The
+oracle: mlx-lm's own speculative generator for a draft model, plain greedy decoding for
+prompt lookup. tests/test_speculation_cluster.py runs the same over real ranks."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from fake_pipeline import FakePipeline  # noqa: E402
+from oracle import mlx_lm_speculative_tokens, mlx_lm_tokens, tokenizer_for  # noqa: E402
+from tiny_models import make_tiny_model  # noqa: E402
+
+from mlx_relay.coordinator.drafting import lookup  # noqa: E402
+from mlx_relay.coordinator.engine import Engine  # noqa: E402
+from mlx_relay.coordinator.sampling import SamplingParams  # noqa: E402
+from mlx_relay.coordinator.sequence import Chunk, Request  # noqa: E402
+from mlx_relay.coordinator.speculation import MISS_LIMIT, SpecConfig, SpecState  # noqa: E402
+from mlx_relay.model.default_model import resolve_model  # noqa: E402
+from mlx_relay.protocol import header as hdr  # noqa: E402
+
+SEEDED = {"temperature": 0.9, "top_p": 0.95}
+TEXTS = ("The quick brown fox jumps over the lazy dog. The quick brown fox", "hello hello")
+
+
+# --- rules ------------------------------------------------------------------------------
+def test_lookup_proposes_what_followed_the_latest_longest_match():
+    history = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 4, 1, 2, 3]
+    assert lookup(history, 3) == [7, 8, 4]  # (the later of the two [1, 2, 3])
+    assert lookup(history, 1) == [7]
+    assert lookup([5, 6, 5, 6, 5], 4) == [6, 5]  # up to the end of the history
+    assert lookup([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert lookup([1, 2, 1, 2], 0) == []
+
+
+def test_round_size_adapts_to_acceptance():
+    spec = SpecState(k=4, limit=4)
+    spec.record(4, 4)
+    assert spec.k == 4  # (at most the limit)
+    spec.record(4, 1)
+    assert spec.k == 3
+    for _ in range(5):
+        spec.record(spec.k, 0)
+    assert spec.k == 1 and not spec.leaving
+    for _ in range(MISS_LIMIT):
+        spec.record(1, 0)
+    assert spec.leaving and spec.wanted(10) == 0
+    assert (spec.drafted, spec.accepted) == (4 + 4 + 3 + 2 + 1 + 1 + 1 + MISS_LIMIT, 5)
+    fixed = SpecState(k=4, limit=4, adaptive=False)
+    for _ in range(2 * MISS_LIMIT):
+        fixed.record(4, 0)
+    assert fixed.k == 4 and not fixed.leaving
+    assert fixed.wanted(2) == 2  # (never more than may still be generated)
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="draft-model"):
+        SpecConfig("model")
+    with pytest.raises(ValueError, match="at least 1"):
+        SpecConfig("ngram", num_draft_tokens=0)
+    with pytest.raises(ValueError, match="unknown draft source"):
+        SpecConfig("eagle")
+
+
+# --- the engine ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("target"), "llama", num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory) -> Path:
+    """A draft that mostly disagrees with the target: same tokenizer, other weights."""
+    return make_tiny_model(tmp_path_factory.mktemp("draft"), "llama", num_layers=1, seed=7)
+
+
+@pytest.fixture
+def start(model):
+    """start(speculation, **engine_args) -> (engine serving the model, its pipeline)."""
+    running: list[Engine] = []
+
+    def start_engine(speculation: SpecConfig | None, depth: int = 2, **kwargs):
+        pipeline = FakePipeline(depth)
+        engine = Engine(pipeline, speculation=speculation, **kwargs)
+        engine.start()
+        engine.load(str(model)).result(60)
+        running.append(engine)
+        return engine, pipeline
+
+    yield start_engine
+    for engine in running:
+        engine.pipeline.gate.set()
+        if engine.running:
+            engine.free(shutdown=True).result(60)
+        engine.join(10)
+
+
+def request(model: Path, text: str, max_tokens: int = 24, **params) -> Request:
+    tokens = tokenizer_for(model).encode(text)
+    return Request(prompt_tokens=tokens, params=SamplingParams(max_tokens=max_tokens, **params))
+
+
+def read(req: Request) -> tuple[list[int], Chunk]:
+    whole = Chunk()
+    for chunk in req.chunks():
+        whole.add(chunk)
+    return whole.token_ids, whole
+
+
+def verify_steps(pipeline: FakePipeline) -> list[hdr.StepHeader]:
+    return [h for h in pipeline.launched if h.flags & hdr.FLAG_ALL_POSITIONS]
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("draft", ["self", "other"])
+def test_draft_model_tokens_equal_mlx_lms_speculative_generator(
+    model, other_draft, start, seeded, draft
+):
+    """With the same draft model, K and seed, the tokens are mlx-lm's own speculative
+    generator's: high acceptance (the target drafting for itself) and low (another
+    model), so both the kept-all and the cut-back paths run."""
+    draft_path = model if draft == "self" else other_draft
+    engine, pipeline = start(SpecConfig("model", 3, str(draft_path), adaptive=False))
+    for i, text in enumerate(TEXTS):
+        params = SEEDED | {"seed": 11 + i} if seeded else {}
+        req = engine.submit(request(model, text, 20, **params))
+        ids, whole = read(req)
+        expected = mlx_lm_speculative_tokens(
+            model,
+            draft_path,
+            req.prompt_tokens,
+            20,
+            3,
+            seed=params.get("seed"),
+            sampler={"temp": 0.9, "top_p": 0.95} if seeded else None,
+        )
+        assert ids == expected
+        usage = whole.usage
+        assert usage["draft_tokens"] > 0
+        assert 0 <= usage["accepted_draft_tokens"] <= usage["draft_tokens"]
+    assert verify_steps(pipeline)
+    counts = engine.spec_counts
+    if draft == "self" and not seeded:
+        assert counts["accepted"] == counts["proposed"]  # (it agrees with itself)
+
+
+@pytest.mark.default_model
+def test_prompt_lookup_gives_plain_greedy_tokens():
+    """Prompt lookup (greedy) on the default model asked to repeat a text: the tokens of
+    plain greedy decoding, most of them proposals kept, in fewer steps than tokens."""
+    path = resolve_model("default", progress=False)
+    tokenizer = tokenizer_for(path)
+    text = "Repeat exactly: The quick brown fox jumps over the lazy dog, twice over."
+    tokens = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True
+    )
+    pipeline = FakePipeline(2)
+    engine = Engine(pipeline, speculation=SpecConfig("ngram", 4))
+    engine.start()
+    try:
+        engine.load("default").result(120)
+        req = engine.submit(Request(prompt_tokens=tokens, params=SamplingParams(max_tokens=40)))
+        ids, whole = read(req)
+        assert ids == mlx_lm_tokens(path, tokens, 40)
+        assert whole.usage["accepted_draft_tokens"] > len(ids) / 3
+        assert len(verify_steps(pipeline)) < len(ids)
+    finally:
+        engine.free(shutdown=True).result(60)
+        engine.join(10)
+
+
+def test_penalties_logprobs_and_the_length_hold(model, start):
+    """A round's positions are each sampled with the request's logits processors over
+    the text before them; logprobs come for every token; max_tokens ends a round."""
+    engine, _ = start(SpecConfig("model", 4, str(model), adaptive=False))
+    plain, _ = start(None)
+    for max_tokens in (3, 9):
+        settings = {"repetition_penalty": 1.3, "logprobs": True, "top_logprobs": 2}
+        got = read(engine.submit(request(model, TEXTS[0], max_tokens, **settings)))
+        want = read(plain.submit(request(model, TEXTS[0], max_tokens, **settings)))
+        assert got[0] == want[0] and len(got[0]) <= max_tokens
+        assert got[1].finish_reason == want[1].finish_reason
+        assert [e.token_id for e in got[1].logprobs] == got[0]
+        for a, b in zip(got[1].logprobs, want[1].logprobs, strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
+            assert [t[0] for t in a.top] == [t[0] for t in b.top]
+
+
+def test_streams_beyond_the_limit_decode_in_groups(model, start):
+    """With more requests than --draft-max-streams, the later ones decode in batched
+    groups and the speculating ones join them; every stream keeps its greedy tokens,
+    and a speculating stream can be cancelled."""
+    engine, pipeline = start(SpecConfig("ngram", 4, max_streams=1), max_active=4)
+    texts = [TEXTS[0], "a b c a b c a b c", "Once upon a time", TEXTS[1]]
+    reqs = [engine.submit(request(model, t, 30, ignore_eos=True)) for t in texts]
+    for req in reqs:
+        ids, _ = read(req)
+        assert ids == mlx_lm_tokens(model, req.prompt_tokens, 30)
+    assert verify_steps(pipeline)
+    assert any(h.group != hdr.NO_GROUP and len(h.slots) > 1 for h in pipeline.launched)
+    cancelled = engine.submit(request(model, TEXTS[0], 500, ignore_eos=True))
+    chunks = cancelled.chunks()
+    next(chunks)
+    cancelled.cancel()
+    assert list(chunks)[-1].finish_reason == "cancelled"
+    again = engine.submit(request(model, TEXTS[0], 12))  # (its parked cache, cut back)
+    assert read(again)[0] == mlx_lm_tokens(model, again.prompt_tokens, 12)
+    assert engine.counts() == (0, 0)
+
+
+def test_a_request_may_turn_it_off(model, start):
+    engine, pipeline = start(SpecConfig("ngram", 4))
+    req = engine.submit(request(model, TEXTS[0], 8, num_draft_tokens=0))
+    ids, whole = read(req)
+    assert ids == mlx_lm_tokens(model, req.prompt_tokens, 8)
+    assert whole.usage["draft_tokens"] == 0 and not verify_steps(pipeline)
+
+
+def test_a_model_whose_caches_cannot_be_cut_back_decodes_without_it(tmp_path):
+    """A sliding-window model past its window cannot drop rejected positions: it is
+    served without speculation, and says why."""
+    path = make_tiny_model(tmp_path, "gemma3_text", num_layers=2, sliding_window=8)
+    pipeline = FakePipeline(2)
+    engine = Engine(pipeline, speculation=SpecConfig("ngram", 4))
+    engine.start()
+    try:
+        engine.load(str(path)).result(60)
+        assert "cannot be cut back" in engine.scheduler.spec_blocked
+        req = engine.submit(request(path, TEXTS[0], 8))
+        assert read(req)[0] == mlx_lm_tokens(path, req.prompt_tokens, 8)
+        assert not verify_steps(pipeline)
+    finally:
+        engine.free(shutdown=True).result(60)
+        engine.join(10)
