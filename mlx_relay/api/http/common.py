@@ -305,6 +305,8 @@ def total_usage(usages: list[dict[str, int]]) -> dict[str, int]:
         "completion_tokens": completion,
         "reasoning_tokens": sum(u.get("reasoning_tokens", 0) for u in usages),
         "total_tokens": first.get("prompt_tokens", 0) + completion,
+        "draft_tokens": sum(u.get("draft_tokens", 0) for u in usages),
+        "accepted_draft_tokens": sum(u.get("accepted_draft_tokens", 0) for u in usages),
     }
 
 
