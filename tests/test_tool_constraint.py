@@ -18,7 +18,20 @@ import jsonschema
 import llguidance
 import numpy as np
 import pytest
-from mlx_lm.tool_parsers import mistral, pythonic, qwen3_coder
+from mlx_lm.tool_parsers import (
+    function_gemma,
+    gemma4,
+    glm47,
+    kimi_k2,
+    kimi_k3,
+    longcat,
+    minicpm5,
+    minimax_m2,
+    mistral,
+    muse_spark,
+    pythonic,
+    qwen3_coder,
+)
 from oracle import tokenizer_for
 
 from mlx_relay.coordinator import constraints, tool_grammars
@@ -71,6 +84,15 @@ PARSERS = {
     "mistral_args": mistral.parse_tool_call,
     "tool_code": tool_code.parse_tool_call,
     "pythonic": pythonic.parse_tool_call,
+    "glm47": glm47.parse_tool_call,
+    "longcat": longcat.parse_tool_call,
+    "kimi_k2": kimi_k2.parse_tool_call,
+    "kimi_k3": kimi_k3.parse_tool_call,
+    "minimax_m2": minimax_m2.parse_tool_call,
+    "minicpm5": minicpm5.parse_tool_call,
+    "muse_spark": muse_spark.parse_tool_call,
+    "gemma4": gemma4.parse_tool_call,
+    "function_gemma": function_gemma.parse_tool_call,
 }
 ENDS = {"hermes": "</tool_call>", "qwen_xml": "</tool_call>", "tool_code": "```"}
 ENDS["pythonic"] = "<|tool_call_end|>"
@@ -296,3 +318,37 @@ def test_which_constraint_a_request_gets(compiler):
                 tool_constraint(compiler, markup, prompt)
         else:  # a request accepted before is not refused now: its calls are free
             assert tool_constraint(compiler, markup, prompt) is None
+
+
+# Each format's call of get_time(zone="UTC"), as its chat template writes one.
+WRITTEN = {
+    "glm47": "get_time\n<arg_key>zone</arg_key>\n<arg_value>UTC</arg_value>\n",
+    "longcat": "get_time\n<longcat_arg_key>zone</longcat_arg_key>\n"
+    "<longcat_arg_value>UTC</longcat_arg_value>\n",
+    "kimi_k2": '<|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>{"zone": "UTC"}'
+    "<|tool_call_end|>",
+    "kimi_k3": '<|open|>call tool="get_time" index="1"<|sep|><|open|>json type="object"<|sep|>'
+    '{"zone": "UTC"}<|close|>json<|sep|><|close|>call<|sep|>',
+    "minimax_m2": '\n<invoke name="get_time">\n<parameter name="zone">UTC</parameter>\n</invoke>\n',
+    "minicpm5": '"get_time"><param name="zone">UTC</param>',
+    "muse_spark": '<atem:invoke name="get_time"><atem:parameter name="zone">"UTC"'
+    "</atem:parameter></atem:invoke>",
+    "gemma4": 'call:get_time{zone:<|"|>UTC<|"|>}',
+    "function_gemma": "call:get_time{zone:<escape>UTC<escape>}",
+}
+
+
+def _accepts(compiler, grammar: str, text: str) -> bool:
+    matcher = compiler.matcher(grammar, "tools")
+    tokens = compiler.ll_tokenizer.tokenize_bytes(text.encode())
+    return bool(matcher.consume_tokens(tokens)) and not matcher.is_error()
+
+
+@pytest.mark.parametrize("syntax", sorted(WRITTEN))
+def test_a_call_as_the_template_writes_it_parses_and_a_wrong_name_is_refused(compiler, syntax):
+    text = WRITTEN[syntax]
+    assert _calls(PARSERS[syntax](text, TOOLS)) == [("get_time", {"zone": "UTC"})]
+    grammar = tool_grammars.call_grammar(syntax, TOOLS, closes=False, spell=compiler.spell)
+    head = text[: text.index("get_time") + len("get_time") + 1]  # the name and what follows
+    assert _accepts(compiler, grammar, head)
+    assert not _accepts(compiler, grammar, head.replace("get_time", "get_tame"))

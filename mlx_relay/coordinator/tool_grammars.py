@@ -22,7 +22,10 @@ Formats (`ChatMarkup.tool_syntax` names them):
 - ``mistral_args``: ``[TOOL_CALLS]N[ARGS]{...}``, repeatable;
 - ``tool_code``: Gemma's fenced ``N(key=value)``, values as JSON literals (the parser
   reads JSON's true/false/null);
-- ``pythonic``: ``<|tool_call_start|>[N(key=value), ...]<|tool_call_end|>`` (LFM2).
+- ``pythonic``: ``<|tool_call_start|>[N(key=value), ...]<|tool_call_end|>`` (LFM2);
+- the formats of mlx-lm's other parsers, in tool_grammars_more.py: ``glm47`` (GLM 4.7,
+  Laguna), ``longcat``, ``kimi_k2``, ``kimi_k3``, ``minimax_m2``, ``minicpm5``,
+  ``muse_spark``, ``gemma4``, ``function_gemma``.
 
 A `strict` tool's schema must be enforceable in full (else InvalidRequest); other tools'
 schemas are enforced leniently (keywords llguidance does not support are ignored), so a
@@ -47,7 +50,23 @@ Spell = Callable[[str], str]
 NAME, ARGUMENTS = '"name"', '"arguments"'  # the keys of a JSON call, quoted
 # JSON_WHITESPACE as a lexeme (written WS? where it may be absent: a lexeme is never empty).
 WS = r"WS: / |\n{1,2}[ \t]{0,20}/"
-SYNTAXES = ("hermes", "qwen_xml", "mistral_json", "mistral_args", "tool_code", "pythonic")
+SYNTAXES = (
+    "hermes",
+    "qwen_xml",
+    "mistral_json",
+    "mistral_args",
+    "tool_code",
+    "pythonic",
+    "glm47",
+    "longcat",
+    "kimi_k2",
+    "kimi_k3",
+    "minimax_m2",
+    "minicpm5",
+    "muse_spark",
+    "gemma4",
+    "function_gemma",
+)
 # String keywords a raw-text value (Qwen XML) cannot enforce; a strict tool using them
 # is refused there.
 _RAW_STRING_UNSUPPORTED = ("pattern", "format")
@@ -131,6 +150,8 @@ def call_grammar(
         one = _args_calls(parsed, rules, spell)
     elif syntax in ("tool_code", "pythonic"):
         one = _python_calls(parsed, rules)
+    elif syntax in _MORE:
+        one = _MORE[syntax](parsed, rules, spell)
     else:
         raise ValueError(f"no grammar for tool-call syntax {syntax!r}")
     if syntax == "mistral_json":
@@ -152,6 +173,9 @@ def call_grammar(
 
 
 # --- one call, per format ------------------------------------------------------------
+
+# syntax -> its call rule, (tools, rules, spell) -> rule name; filled by tool_grammars_more.
+_MORE: dict[str, Callable[[list[Tool], list[str], Spell], str]] = {}
 
 
 def _one_of(kind: str, tools: list[Tool], rules: list[str], call: Callable[[Tool], str]) -> str:
@@ -256,14 +280,14 @@ def _python_calls(tools: list[Tool], rules: list[str]) -> str:
     return _one_of("py_call", tools, rules, call)
 
 
-def _comma_list(items: list[tuple[str, bool]]) -> str:
-    """Items in order joined by commas, the optional ones left out or not, the required
-    ones always there: one alternative per item that can come first."""
+def _comma_list(items: list[tuple[str, bool]], sep: str = '"," WS?') -> str:
+    """Items in order joined by `sep` (commas), the optional ones left out or not, the
+    required ones always there: one alternative per item that can come first."""
     if not items:
         return ""
     alternatives = []
     for k, (first, required) in enumerate(items):
-        rest = [f'"," WS? {item}' if req else f'("," WS? {item})?' for item, req in items[k + 1 :]]
+        rest = [f"{sep} {item}" if req else f"({sep} {item})?" for item, req in items[k + 1 :]]
         alternatives.append(" ".join([first, *rest]))
         if required:
             break
@@ -281,3 +305,6 @@ def _guided(tool: Tool, schema: Any) -> Any:
 def _lark(text: str) -> str:
     """`text` as a Lark string literal (JSON's escapes are Lark's)."""
     return json.dumps(text, ensure_ascii=False)
+
+
+from mlx_relay.coordinator import tool_grammars_more  # noqa: E402, F401 (fills _MORE)
