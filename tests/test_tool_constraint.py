@@ -96,6 +96,19 @@ PARSERS = {
 }
 ENDS = {"hermes": "</tool_call>", "qwen_xml": "</tool_call>", "tool_code": "```"}
 ENDS["pythonic"] = "<|tool_call_end|>"
+ENDS.update(
+    {
+        "glm47": "</tool_call>",
+        "longcat": "</longcat_tool_call>",
+        "kimi_k2": "<|tool_calls_section_end|>",
+        "kimi_k3": "<|close|>tools<|sep|>",
+        "minimax_m2": "</minimax:tool_call>",
+        "minicpm5": "</function>",
+        "muse_spark": "</atem:function_calls>",
+        "gemma4": "<tool_call|>",
+        "function_gemma": "<end_function_call>",
+    }
+)
 
 
 @pytest.fixture(scope="module")
@@ -322,6 +335,12 @@ def test_which_constraint_a_request_gets(compiler):
 
 # Each format's call of get_time(zone="UTC"), as its chat template writes one.
 WRITTEN = {
+    "hermes": '{"name": "get_time", "arguments": {"zone": "UTC"}}',
+    "qwen_xml": "<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</function>",
+    "mistral_json": '[{"name": "get_time", "arguments": {"zone": "UTC"}}]',
+    "mistral_args": 'get_time[ARGS]{"zone": "UTC"}',
+    "tool_code": 'get_time(zone="UTC")',
+    "pythonic": '[get_time(zone="UTC")]',
     "glm47": "get_time\n<arg_key>zone</arg_key>\n<arg_value>UTC</arg_value>\n",
     "longcat": "get_time\n<longcat_arg_key>zone</longcat_arg_key>\n"
     "<longcat_arg_value>UTC</longcat_arg_value>\n",
@@ -339,16 +358,19 @@ WRITTEN = {
 
 
 def _accepts(compiler, grammar: str, text: str) -> bool:
+    """The grammar takes the whole of `text`, written in the vocabulary's own tokens."""
     matcher = compiler.matcher(grammar, "tools")
     tokens = compiler.ll_tokenizer.tokenize_bytes(text.encode())
     return bool(matcher.consume_tokens(tokens)) and not matcher.is_error()
 
 
 @pytest.mark.parametrize("syntax", sorted(WRITTEN))
-def test_a_call_as_the_template_writes_it_parses_and_a_wrong_name_is_refused(compiler, syntax):
+def test_a_call_as_the_template_writes_it_is_accepted_and_a_wrong_name_refused(compiler, syntax):
     text = WRITTEN[syntax]
-    assert _calls(PARSERS[syntax](text, TOOLS)) == [("get_time", {"zone": "UTC"})]
+    calls = _calls(PARSERS[syntax](text, TOOLS))
+    assert calls and all(call == ("get_time", {"zone": "UTC"}) for call in calls)
+    text = text.rstrip("\n")  # (a forced call's grammar ends with the call)
     grammar = tool_grammars.call_grammar(syntax, TOOLS, closes=False, spell=compiler.spell)
-    head = text[: text.index("get_time") + len("get_time") + 1]  # the name and what follows
-    assert _accepts(compiler, grammar, head)
-    assert not _accepts(compiler, grammar, head.replace("get_time", "get_tame"))
+    assert _accepts(compiler, grammar, text)
+    assert not _accepts(compiler, grammar, text.replace("get_time", "get_tame"))
+    assert not _accepts(compiler, grammar, text.replace("UTC", "UTC_UTC"))  # maxLength 5

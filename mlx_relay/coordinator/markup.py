@@ -27,7 +27,6 @@ _DECLARED_SYNTAX = {
     "mistral": "mistral_json",
     "pythonic": "pythonic",
     "glm47": "glm47",
-    "laguna": "glm47",  # (GLM 4.7's format)
     "longcat": "longcat",
     "kimi_k2": "kimi_k2",
     "kimi_k3": "kimi_k3",
@@ -117,11 +116,13 @@ class ChatMarkup:
     def tool_call_opening(self) -> str:
         """What a prompt ends with to make the model write a call (tool_choice forced).
 
-        Hermes and Gemma put the call on the next line; other formats run on directly.
+        Hermes and Gemma put the call on the next line; other formats (GLM's name after
+        the same ``<tool_call>`` too) run on directly.
         """
         if self.tool_call_start is None:
             return ""
         newline = self.tool_call_start in (hermes.tool_call_start, tool_code.tool_call_start)
+        newline = newline and self.tool_syntax != "glm47"
         return self.tool_call_start + ("\n" if newline else "")
 
 

@@ -36,6 +36,7 @@ the schema's ``properties``; required ones must appear.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -145,7 +146,7 @@ def call_grammar(
     if syntax in ("hermes", "mistral_json"):
         one = _json_calls(parsed, rules)
     elif syntax == "qwen_xml":
-        one = _xml_calls(parsed, rules)
+        one = _xml_calls(parsed, rules, spell)
     elif syntax == "mistral_args":
         one = _args_calls(parsed, rules, spell)
     elif syntax in ("tool_code", "pythonic"):
@@ -205,47 +206,99 @@ def _json_calls(tools: list[Tool], rules: list[str]) -> str:
     return _one_of("json_call", tools, rules, call)
 
 
-def _xml_calls(tools: list[Tool], rules: list[str]) -> str:
+def _xml_calls(tools: list[Tool], rules: list[str], spell: Spell) -> str:
     """`<function=N>` then `<parameter=P>value</parameter>` per argument, `</function>`.
 
     A value is written on its own line; strings are raw text (never holding the closing
     tags the parser looks for), every other type the JSON text the parser converts."""
-    rules.append(r"RAW: /(?s:.*)/ & ~/(?s:.*<\/(parameter|function)>.*)/")
 
     def call(t: Tool) -> str:
         params = []
         for j, (key, schema, required) in enumerate(t.properties):
             value = f"value_{t.index}_{j}"
-            rules.append(f"{value}: {_xml_value(t, key, schema, rules, value)}")
-            param = f'{_lark(f"<parameter={key}>")} {value} "</parameter>" WS?'
+            closed = raw_string(
+                t,
+                key,
+                schema,
+                rules,
+                value,
+                RawText("</parameter>", ("</function>",), newlines=True),
+                spell,
+            )
+            if closed is None:  # numbers, booleans, null, objects and arrays: JSON text
+                json_value = f"%json {json.dumps(_guided(t, schema))}"
+                closed = f'"\\n"? {json_value} "\\n"? "</parameter>"'
+            rules.append(f"{value}: {closed}")
+            param = f"{_lark(f'<parameter={key}>')} {value} WS?"
             params.append(param if required else f"({param})?")
         return f'{_lark(f"<function={t.name}>")} WS? {" ".join(params)} "</function>"'
 
     return _one_of("xml_call", tools, rules, call)
 
 
-def _xml_value(tool: Tool, key: str, schema: Any, rules: list[str], rule: str) -> str:
+@dataclass(frozen=True)
+class RawText:
+    """How a format writes a string as raw text: the marker that ends it (`close`), other
+    markers it may not hold (`avoid`), whether a newline may open and end it (Qwen's),
+    whether its parser strips it (`trimmed`: no whitespace at its edges) and reads the
+    word null as null (`not_null`)."""
+
+    close: str
+    avoid: tuple[str, ...] = ()
+    newlines: bool = False
+    trimmed: bool = False
+    not_null: bool = False
+
+
+def raw_string(
+    tool: Tool,
+    key: str,
+    schema: Any,
+    rules: list[str],
+    rule: str,
+    text: RawText,
+    spell: Spell,
+) -> str | None:
+    """The grammar of a string argument written as raw text *and the marker that closes
+    it*, or None where the argument is not a string (written as JSON instead).
+
+    The text is one lazy lexeme ending at the first closing marker: a greedy lexeme would
+    take the marker's first bytes as text (``Paris</`` is text too) and could then never
+    close. Where the marker is also a special token, the text may end at that token.
+    """
     if not isinstance(schema, dict) or not _takes_string(schema):
-        # Numbers, booleans, null, objects and arrays: their JSON text.
-        return f'"\\n"? %json {json.dumps(_guided(tool, schema))} "\\n"?'
+        return None
+    close = _lark(text.close)
     enum = schema.get("enum")
     if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
         words = " | ".join(_lark(v) for v in enum)
-        return f'"\\n"? ({words}) "\\n"?'
+        pad = '"\\n"? ' if text.newlines else ""
+        return f"{pad}({words}) {pad}{spell(text.close)}"
     if tool.strict and any(k in schema for k in _RAW_STRING_UNSUPPORTED):
         raise InvalidRequest(
             f"tools[{tool.index}] parameter {key!r}: "
             f"{' and '.join(k for k in _RAW_STRING_UNSUPPORTED if k in schema)} cannot be "
-            "enforced on a string this model writes as raw text (its XML tool calls); the "
+            "enforced on a string this model writes as raw text (its tool calls); the "
             "tool is strict"
         )
     low, high = schema.get("minLength"), schema.get("maxLength")
-    if not isinstance(low, int) and not isinstance(high, int):
-        return "RAW"
     bound = f"{low if isinstance(low, int) else 0},{high if isinstance(high, int) else ''}"
+    markers = (text.close, *text.avoid)
+    avoid = "|".join(re.escape(m).replace("/", "\\/") for m in markers)
+    pad = r"\n?" if text.newlines else ""
+    parts = [f"/{pad}(?s:.{{{bound}}}){pad}/", f"~/(?s:.*({avoid}).*)/"]
+    if text.trimmed:
+        parts.append(r"/(\S((?s:.*)\S)?)?/")
+    if text.not_null:
+        parts.append(r"~/(?i:null)/")
     lexeme = rule.upper()
-    rules.append(rf"{lexeme}: /\n?(?s:.{{{bound}}})\n?/ & ~/(?s:.*<\/(parameter|function)>.*)/")
-    return lexeme
+    rules.append(f"{lexeme}: {' & '.join(parts)}")
+    rules.append(f"{rule}_lazy[lazy]: {lexeme} {close}")
+    special = spell(text.close)
+    if special == close:
+        return f"{rule}_lazy"
+    # (the lexeme alone is never empty: an empty string is the lexeme left out)
+    return f"({rule}_lazy | {lexeme}? {special})"
 
 
 def _takes_string(schema: dict) -> bool:

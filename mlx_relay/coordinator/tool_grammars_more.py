@@ -35,6 +35,7 @@ from typing import Any
 from mlx_relay.coordinator.requests import InvalidRequest
 from mlx_relay.coordinator.tool_grammars import (
     _MORE,
+    RawText,
     Spell,
     Tool,
     _arguments,
@@ -42,43 +43,8 @@ from mlx_relay.coordinator.tool_grammars import (
     _guided,
     _lark,
     _one_of,
-    _takes_string,
+    raw_string,
 )
-
-
-def _text(
-    tool: Tool,
-    key: str,
-    schema: Any,
-    rules: list[str],
-    rule: str,
-    closers: tuple[str, ...],
-    *,
-    trimmed: bool,
-    extra: str = "",
-) -> str | None:
-    """A string value written as raw text, never holding `closers`; None where the value
-    is not text. `trimmed`: the parser strips it (so no whitespace at its edges)."""
-    if not isinstance(schema, dict) or not _takes_string(schema):
-        return None
-    enum = schema.get("enum")
-    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
-        return f"({' | '.join(_lark(v) for v in enum)})"
-    if tool.strict and any(k in schema for k in ("pattern", "format")):
-        raise InvalidRequest(
-            f"tools[{tool.index}] parameter {key!r}: pattern and format cannot be enforced "
-            "on a string this model writes as raw text; the tool is strict"
-        )
-    low, high = schema.get("minLength"), schema.get("maxLength")
-    bound = f"{low if isinstance(low, int) else 0},{high if isinstance(high, int) else ''}"
-    avoid = "|".join(re.escape(c).replace("/", "\\/") for c in closers)
-    parts = [f"/(?s:.{{{bound}}})/", f"~/(?s:.*({avoid}).*)/"]
-    if trimmed:
-        parts.append(r"/\S((?s:.*)\S)?/")
-    lexeme = rule.upper()
-    rules.append(f"{lexeme}: {' & '.join(parts)}{extra}")
-    # (a lexeme is never empty: an empty string is the lexeme left out)
-    return lexeme if isinstance(low, int) and low > 0 else f"{lexeme}?"
 
 
 def _json_value(tool: Tool, schema: Any) -> str:
@@ -93,17 +59,17 @@ def _keyed(key_open: str, key_close: str, value_open: str, value_close: str):
             params = []
             for j, (key, schema, required) in enumerate(t.properties):
                 value = f"kv_{t.index}_{j}"
-                typed_string = isinstance(schema, dict) and schema.get("type") == "string"
-                text = (
-                    _text(t, key, schema, rules, value, (value_close,), trimmed=True)
-                    if typed_string
-                    else None
+                closed = None
+                if isinstance(schema, dict) and schema.get("type") == "string":
+                    text = RawText(value_close, trimmed=True)
+                    closed = raw_string(t, key, schema, rules, value, text, spell)
+                rules.append(
+                    f"{value}: {closed or _json_value(t, schema) + ' ' + spell(value_close)}"
                 )
-                rules.append(f"{value}: {text or _json_value(t, schema)}")
                 params.append(
                     (
                         f"{spell(key_open)} {_lark(key)} {spell(key_close)} WS? "
-                        f"{spell(value_open)} {value} {spell(value_close)}",
+                        f"{spell(value_open)} {value}",
                         required,
                     )
                 )
@@ -148,14 +114,16 @@ def _tagged(invoke: str, invoke_end: str, param: str, param_end: str, *, raw: bo
             params = []
             for j, (key, schema, required) in enumerate(t.properties):
                 value = f"tag_{t.index}_{j}"
-                text = None
+                closed = None
                 if raw:
-                    closers = (param_end, invoke_end) if invoke_end else (param_end,)
-                    extra = r" & ~/(?i:null)/"
-                    text = _text(t, key, schema, rules, value, closers, trimmed=True, extra=extra)
-                rules.append(f"{value}: {text or _json_value(t, schema)}")
+                    avoid = (invoke_end,) if invoke_end else ()
+                    text = RawText(param_end, avoid, trimmed=True, not_null=True)
+                    closed = raw_string(t, key, schema, rules, value, text, spell)
+                rules.append(
+                    f"{value}: {closed or _json_value(t, schema) + ' ' + _lark(param_end)}"
+                )
                 tag = _lark(f"{param}{json.dumps(key)}>")
-                params.append((f"{tag} {value} {_lark(param_end)}", required))
+                params.append((f"{tag} {value}", required))
             head = _lark(f"{invoke}{json.dumps(t.name)}>")
             end = f" WS? {_lark(invoke_end)}" if invoke_end else ""
             return f"{head} WS? {_comma_list(params, 'WS?')}{end}"
@@ -175,16 +143,16 @@ def _braced(quote: str, *, scalars_only: bool):
             params = []
             for j, (key, schema, required) in enumerate(t.properties):
                 value = f"br_{t.index}_{j}"
-                closers = (quote, "}") if scalars_only else (quote,)
-                text = _text(t, key, schema, rules, value, closers, trimmed=False)
-                if text is not None:
-                    text = f"{q} {text} {q}"
+                avoid = ("}",) if scalars_only else ()
+                closed = raw_string(t, key, schema, rules, value, RawText(quote, avoid), spell)
+                if closed is not None:
+                    closed = f"{q} {closed}"
                 elif scalars_only and not _scalar(schema):
                     raise InvalidRequest(
                         f"tools[{t.index}] parameter {key!r}: this model's tool calls "
                         "hold strings, numbers, booleans and null only"
                     )
-                rules.append(f"{value}: {text or _json_value(t, schema)}")
+                rules.append(f"{value}: {closed or _json_value(t, schema)}")
                 bare = re.fullmatch(r"\w+", key) and not scalars_only
                 name = key if bare or scalars_only else json.dumps(key)
                 params.append((f"{_lark(name + ':')} {value}", required))

@@ -23,14 +23,16 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from mlx_relay.coordinator.tool_parsers.common import tool_schemas
+
 # Cut-and-close formats: the separators a cut may fall before or after, and the text
 # that closes a call cut there so that the format's parser reads it.
 _CUTS: dict[str, tuple[tuple[str, ...], str]] = {
     "qwen_xml": ((">",), "</function>"),
     "tool_code": (("(", ","), ")"),
     "pythonic": (("(", ","), ")]"),
-    "glm47": (("<arg_key>", "</arg_value>"), ""),
-    "longcat": (("<longcat_arg_key>", "</longcat_arg_value>"), ""),
+    "glm47": (("\n", "<arg_key>", "</arg_value>"), ""),
+    "longcat": (("\n", "<longcat_arg_key>", "</longcat_arg_value>"), ""),
     "minimax_m2": ((">",), "</invoke>"),
     "minicpm5": ((">",), ""),
     "muse_spark": ((">",), ""),
@@ -49,7 +51,7 @@ _NAME_AT = {
     "hermes": re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"'),
     "mistral_json": re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"'),
     "mistral_args": re.compile(r"(?:^|\[TOOL_CALLS\])\s*([^\[\s]+)\s*\[ARGS\]"),
-    "kimi_k2": re.compile(r"(?:functions\.)?([^\s<>]+?):\d+\s*<\|tool_call_argument_begin\|>"),
+    "kimi_k2": re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?([^\s<>]+?):\d+"),
 }
 
 _DECODER = json.JSONDecoder()
@@ -103,16 +105,20 @@ def _cut_partial(
     syntax: str, body: str, parse: Parse, tools: list[dict] | None
 ) -> list[tuple[str, str, bool]]:
     separators, closer = _CUTS[syntax]
-    cuts = {len(body)}
-    for sep in separators:
+    # Just before or after a separator, or after a tool's name; never at the very end
+    # (a value there, `3` of `35`, may be cut short).
+    cuts = set()
+    for sep in (*separators, *tool_schemas(tools)):
         for m in re.finditer(re.escape(sep), body):
-            cuts.update((m.start(), m.end()))
+            cuts.update((m.start(), m.end()) if sep in separators else (m.end(),))
+    cuts.discard(len(body))
+    known = set(tool_schemas(tools))
     for cut in sorted(cuts, reverse=True):
         try:
             calls = parse(body[:cut] + closer, tools)
         except Exception:  # a parser of any origin: any error is "not here"
             continue
-        if not calls:
+        if not calls or (known and calls[-1][0] not in known):  # (a name cut short)
             continue
         *whole, (name, args) = calls
         out = [(n, json.dumps(a, ensure_ascii=False), True) for n, a in whole]
@@ -158,6 +164,6 @@ def _closings(text: str) -> list[str]:
     tail = "".join(reversed(closers))
     out = [text + tail]
     if in_string:
-        out.append(text + ("\\" if escaped else "") + '"' + tail)
+        out.append((text[:-1] if escaped else text) + '"' + tail)
     out.extend(text[:at] + "".join(reversed(open_)) for at, open_ in reversed(safe))
     return out
