@@ -18,7 +18,8 @@ mlx-lm parser when it has one, otherwise ours in tool_parsers/ (hermes JSON and 
 inside ``<tool_call>``, Gemma's ``tool_code`` fence).
 
 Markup that does not parse is passed on as content and flagged as malformed,
-so a bad generation is visible instead of raising or silently vanishing.
+so a bad generation is visible instead of raising or silently vanishing; except a call
+the token limit cut short, which comes back as far as it got (tool_partial.py).
 """
 
 from __future__ import annotations
