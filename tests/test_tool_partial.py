@@ -10,22 +10,10 @@ The cluster test with the real clients is tests/test_clients_e2e.py
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
-from mlx_lm.tool_parsers import (
-    function_gemma,
-    gemma4,
-    glm47,
-    kimi_k2,
-    kimi_k3,
-    longcat,
-    minicpm5,
-    minimax_m2,
-    mistral,
-    muse_spark,
-    pythonic,
-)
 
 from mlx_relay.coordinator.markup import ChatMarkup, _calls
 from mlx_relay.coordinator.postprocess import OutputParser
@@ -40,11 +28,17 @@ SCHEMA = {
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
 ARGS = {"city": "Paris", "days": 3}
 
+
+def _mlx_lm(name: str):
+    """mlx-lm's parser module of that name."""
+    return importlib.import_module(f"mlx_lm.tool_parsers.{name}")
+
+
 # syntax -> (parser, one call of get_weather(city="Paris", days=3) as the format writes it)
 CALLS = {
     "hermes": (hermes, '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'),
     "mistral_json": (
-        mistral,
+        _mlx_lm("mistral"),
         '[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]',
     ),
     "qwen_xml": (
@@ -53,45 +47,48 @@ CALLS = {
         "<parameter=days>\n3\n</parameter>\n</function>",
     ),
     "tool_code": (tool_code, 'get_weather(city="Paris", days=3)'),
-    "pythonic": (pythonic, '[get_weather(city="Paris", days=3)]'),
+    "pythonic": (_mlx_lm("pythonic"), '[get_weather(city="Paris", days=3)]'),
     "glm47": (
-        glm47,
+        _mlx_lm("glm47"),
         "get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
         "<arg_key>days</arg_key>\n<arg_value>3</arg_value>",
     ),
     "longcat": (
-        longcat,
+        _mlx_lm("longcat"),
         "get_weather\n<longcat_arg_key>city</longcat_arg_key>\n"
         "<longcat_arg_value>Paris</longcat_arg_value>\n<longcat_arg_key>days</longcat_arg_key>"
         "\n<longcat_arg_value>3</longcat_arg_value>",
     ),
     "kimi_k2": (
-        kimi_k2,
+        _mlx_lm("kimi_k2"),
         "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
         '{"city": "Paris", "days": 3}<|tool_call_end|>',
     ),
     "kimi_k3": (
-        kimi_k3,
+        _mlx_lm("kimi_k3"),
         '<|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" '
         'type="string"<|sep|>Paris<|close|>argument<|sep|><|open|>argument key="days" '
         'type="integer"<|sep|>3<|close|>argument<|sep|><|close|>call<|sep|>',
     ),
     "minimax_m2": (
-        minimax_m2,
+        _mlx_lm("minimax_m2"),
         '<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
         '<parameter name="days">3</parameter>\n</invoke>',
     ),
     "minicpm5": (
-        minicpm5,
+        _mlx_lm("minicpm5"),
         '"get_weather"><param name="city">Paris</param><param name="days">3</param>',
     ),
     "muse_spark": (
-        muse_spark,
+        _mlx_lm("muse_spark"),
         '<atem:invoke name="get_weather"><atem:parameter name="city">"Paris"</atem:parameter>'
         '<atem:parameter name="days">3</atem:parameter></atem:invoke>',
     ),
-    "gemma4": (gemma4, 'call:get_weather{city:<|"|>Paris<|"|>,days:3}'),
-    "function_gemma": (function_gemma, "call:get_weather{city:<escape>Paris<escape>,days:3}"),
+    "gemma4": (_mlx_lm("gemma4"), 'call:get_weather{city:<|"|>Paris<|"|>,days:3}'),
+    "function_gemma": (
+        _mlx_lm("function_gemma"),
+        "call:get_weather{city:<escape>Paris<escape>,days:3}",
+    ),
 }
 
 

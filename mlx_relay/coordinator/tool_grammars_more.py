@@ -51,6 +51,22 @@ def _json_value(tool: Tool, schema: Any) -> str:
     return f"%json {json.dumps(_guided(tool, schema), ensure_ascii=False)}"
 
 
+def _closed_value(
+    tool: Tool,
+    key: str,
+    schema: Any,
+    rules: list[str],
+    rule: str,
+    spell: Spell,
+    close: str,
+    raw: RawText | None,
+) -> None:
+    """Rule `rule`: an argument's value and the marker `close` after it; a string is raw
+    text as `raw` says (None: every value JSON text)."""
+    closed = raw_string(tool, key, schema, rules, rule, raw, spell) if raw else None
+    rules.append(f"{rule}: {closed or _json_value(tool, schema) + ' ' + spell(close)}")
+
+
 def _keyed(key_open: str, key_close: str, value_open: str, value_close: str):
     """GLM 4.7's and LongCat's `N<arg_key>k</arg_key><arg_value>v</arg_value>`."""
 
@@ -59,13 +75,9 @@ def _keyed(key_open: str, key_close: str, value_open: str, value_close: str):
             params = []
             for j, (key, schema, required) in enumerate(t.properties):
                 value = f"kv_{t.index}_{j}"
-                closed = None
-                if isinstance(schema, dict) and schema.get("type") == "string":
-                    text = RawText(value_close, trimmed=True)
-                    closed = raw_string(t, key, schema, rules, value, text, spell)
-                rules.append(
-                    f"{value}: {closed or _json_value(t, schema) + ' ' + spell(value_close)}"
-                )
+                typed = isinstance(schema, dict) and schema.get("type") == "string"
+                raw = RawText(value_close, trimmed=True) if typed else None
+                _closed_value(t, key, schema, rules, value, spell, value_close, raw)
                 params.append(
                     (
                         f"{spell(key_open)} {_lark(key)} {spell(key_close)} WS? "
@@ -114,14 +126,9 @@ def _tagged(invoke: str, invoke_end: str, param: str, param_end: str, *, raw: bo
             params = []
             for j, (key, schema, required) in enumerate(t.properties):
                 value = f"tag_{t.index}_{j}"
-                closed = None
-                if raw:
-                    avoid = (invoke_end,) if invoke_end else ()
-                    text = RawText(param_end, avoid, trimmed=True, not_null=True)
-                    closed = raw_string(t, key, schema, rules, value, text, spell)
-                rules.append(
-                    f"{value}: {closed or _json_value(t, schema) + ' ' + _lark(param_end)}"
-                )
+                avoid = (invoke_end,) if invoke_end else ()
+                text = RawText(param_end, avoid, trimmed=True, not_null=True) if raw else None
+                _closed_value(t, key, schema, rules, value, spell, param_end, text)
                 tag = _lark(f"{param}{json.dumps(key)}>")
                 params.append((f"{tag} {value}", required))
             head = _lark(f"{invoke}{json.dumps(t.name)}>")
