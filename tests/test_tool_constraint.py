@@ -374,3 +374,33 @@ def test_a_call_as_the_template_writes_it_is_accepted_and_a_wrong_name_refused(c
     assert _accepts(compiler, grammar, text)
     assert not _accepts(compiler, grammar, text.replace("get_time", "get_tame"))
     assert not _accepts(compiler, grammar, text.replace("UTC", "UTC_UTC"))  # maxLength 5
+
+
+def test_a_raw_string_ends_at_its_marker_written_as_text_or_as_its_special_token(compiler):
+    """`</tool_call>` is a special token of the tiny vocabulary (a stand-in for GLM's
+    `</arg_value>` or Gemma 4's `<|"|>`): a raw string may end at that token or at the
+    marker spelled in text, and holds neither."""
+    tool = tool_grammars.tools_of(TOOLS[1:])[0]
+    rules = [tool_grammars.WS]
+    raw = tool_grammars.RawText("</tool_call>", trimmed=True)
+    value = tool_grammars.raw_string(
+        tool, "zone", TIME["properties"]["zone"], rules, "v", raw, compiler.spell
+    )
+    assert "<[" in value  # the special token's alternative
+    grammar = llguidance.grammar_from("lark", "\n".join([f'start: "[" {value} "]"', *rules]))
+    end_id = compiler.tokenizer.convert_tokens_to_ids("</tool_call>")
+    ll = compiler.ll_tokenizer
+
+    def takes(*pieces: bytes | int) -> bool:
+        matcher = compiler.matcher(grammar, "tools")
+        for piece in pieces:
+            tokens = [piece] if isinstance(piece, int) else ll.tokenize_bytes(piece)
+            if not matcher.consume_tokens(tokens) or matcher.is_error():
+                return False
+        return matcher.is_accepting()
+
+    assert takes(b"[UTC</tool_call>]")
+    assert takes(b"[UTC", end_id, b"]")
+    assert takes(b"[</tool_call>]") and takes(b"[", end_id, b"]")  # the empty string
+    assert not takes(b"[ UTC</tool_call>]")  # stripped by the parser: no edge whitespace
+    assert not takes(b"[UTC_UTC</tool_call>]")  # maxLength 5
