@@ -578,3 +578,73 @@ def test_anthropic_shapes(served):
     validate("anthropic", "CountMessageTokensResponse", counted.json())
     for body in (asked, {**asked, "model": "nope", "max_tokens": 4}):
         validate("anthropic", "ErrorResponse", served.http.post("/v1/messages", json=body).json())
+
+
+# --- a forced call cut by max_tokens --------------------------------------------------------
+
+
+def test_forced_call_cut_short(served):
+    """A forced call that runs out of tokens comes back as far as it got, on every door:
+    OpenAI's partial `tool_calls` (arguments the JSON text so far) with finish_reason
+    "length", Anthropic's `tool_use` block (its input what can be read) with stop_reason
+    "max_tokens", never the call's markup as text. Greedy, so the cut call is the start
+    of the whole one, cut a few tokens before its end (inside the arguments)."""
+    client = served.openai
+    asked = [{"role": "user", "content": ASK}]
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    chat = {"model": served.model, "messages": asked, "tools": [OPENAI_TOOL], "temperature": 0}
+    whole = client.chat.completions.create(**chat, tool_choice=forced, max_tokens=FORCED)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    cut = whole.usage.completion_tokens - 3
+    assert cut > 8  # (well past the name)
+
+    short = client.chat.completions.create(**chat, tool_choice=forced, max_tokens=cut)
+    choice = short.choices[0]
+    assert choice.finish_reason == "length" and not choice.message.content
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments.startswith("{")
+    validate(
+        "openai",
+        "CreateChatCompletionResponse",
+        served.http.post(
+            "/v1/chat/completions", json={**chat, "tool_choice": forced, "max_tokens": cut}
+        ).json(),
+    )
+    chunks = list(
+        client.chat.completions.create(**chat, tool_choice="required", max_tokens=cut, stream=True)
+    )
+    assert chunks[-1].choices[0].finish_reason == "length"
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert [d.function.name for d in deltas] == ["get_weather"]
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+
+    tools = [{"name": "get_weather", "input_schema": WEATHER}]
+    greedy = {"extra_body": {"temperature": 0}}  # (the SDK has no such parameter)
+    message = {"model": served.model, "messages": asked, "tools": tools, **greedy}
+    for choice_ in ({"type": "tool", "name": "get_weather"}, {"type": "any"}):
+        short = served.anthropic.messages.create(**message, tool_choice=choice_, max_tokens=cut)
+        assert short.stop_reason == "max_tokens"
+        [use] = short.content
+        assert use.type == "tool_use" and use.name == "get_weather"
+        assert isinstance(use.input, dict)
+    with served.anthropic.messages.stream(
+        **message, tool_choice={"type": "any"}, max_tokens=cut
+    ) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "max_tokens" and [b.type for b in final.content] == ["tool_use"]
+
+    tool = {"type": "function", **OPENAI_TOOL["function"]}
+    reply = served.http.post(
+        "/v1/responses",
+        json={
+            "model": served.model,
+            "input": ASK,
+            "tools": [tool],
+            "tool_choice": "required",
+            "max_output_tokens": cut,
+            "temperature": 0,
+        },
+    ).json()
+    validate("openai", "Response", reply)
+    assert reply["status"] == "incomplete"
+    assert [(i["type"], i["status"]) for i in reply["output"]] == [("function_call", "incomplete")]

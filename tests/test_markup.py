@@ -58,7 +58,51 @@ def test_tiny_tokenizer_thinks_and_uses_mlx_lms_json_tools(tiny_dir):
         ("pythonic", "<|tool_call_start|>", "<|tool_call_end|>", "<|tool_call_start|>", "pythonic"),
         ("mistral", "[TOOL_CALLS]", "", "[TOOL_CALLS]", "mistral_json"),
         ("qwen3_coder", "<tool_call>", "</tool_call>", "<tool_call>\n", "qwen_xml"),
-        ("glm47", "<tool_call>", "</tool_call>", "<tool_call>\n", None),  # no grammar
+        ("glm47", "<tool_call>", "</tool_call>", "<tool_call>", "glm47"),
+        (
+            "longcat",
+            "<longcat_tool_call>",
+            "</longcat_tool_call>",
+            "<longcat_tool_call>",
+            "longcat",
+        ),
+        (
+            "kimi_k2",
+            "<|tool_calls_section_begin|>",
+            "<|tool_calls_section_end|>",
+            "<|tool_calls_section_begin|>",
+            "kimi_k2",
+        ),
+        (
+            "kimi_k3",
+            "<|open|>tools<|sep|>",
+            "<|close|>tools<|sep|>",
+            "<|open|>tools<|sep|>",
+            "kimi_k3",
+        ),
+        (
+            "minimax_m2",
+            "<minimax:tool_call>",
+            "</minimax:tool_call>",
+            "<minimax:tool_call>",
+            "minimax_m2",
+        ),
+        ("minicpm5", "<function name=", "</function>", "<function name=", "minicpm5"),
+        (
+            "muse_spark",
+            "<atem:function_calls>",
+            "</atem:function_calls>",
+            "<atem:function_calls>",
+            "muse_spark",
+        ),
+        ("gemma4", "<|tool_call>", "<tool_call|>", "<|tool_call>", "gemma4"),
+        (
+            "function_gemma",
+            "<start_function_call>",
+            "<end_function_call>",
+            "<start_function_call>",
+            "function_gemma",
+        ),
     ],
 )
 def test_a_declared_mlx_lm_parser_is_the_only_format(

@@ -18,7 +18,20 @@ import jsonschema
 import llguidance
 import numpy as np
 import pytest
-from mlx_lm.tool_parsers import mistral, pythonic, qwen3_coder
+from mlx_lm.tool_parsers import (
+    function_gemma,
+    gemma4,
+    glm47,
+    kimi_k2,
+    kimi_k3,
+    longcat,
+    minicpm5,
+    minimax_m2,
+    mistral,
+    muse_spark,
+    pythonic,
+    qwen3_coder,
+)
 from oracle import tokenizer_for
 
 from mlx_relay.coordinator import constraints, tool_grammars
@@ -71,9 +84,31 @@ PARSERS = {
     "mistral_args": mistral.parse_tool_call,
     "tool_code": tool_code.parse_tool_call,
     "pythonic": pythonic.parse_tool_call,
+    "glm47": glm47.parse_tool_call,
+    "longcat": longcat.parse_tool_call,
+    "kimi_k2": kimi_k2.parse_tool_call,
+    "kimi_k3": kimi_k3.parse_tool_call,
+    "minimax_m2": minimax_m2.parse_tool_call,
+    "minicpm5": minicpm5.parse_tool_call,
+    "muse_spark": muse_spark.parse_tool_call,
+    "gemma4": gemma4.parse_tool_call,
+    "function_gemma": function_gemma.parse_tool_call,
 }
 ENDS = {"hermes": "</tool_call>", "qwen_xml": "</tool_call>", "tool_code": "```"}
 ENDS["pythonic"] = "<|tool_call_end|>"
+ENDS.update(
+    {
+        "glm47": "</tool_call>",
+        "longcat": "</longcat_tool_call>",
+        "kimi_k2": "<|tool_calls_section_end|>",
+        "kimi_k3": "<|close|>tools<|sep|>",
+        "minimax_m2": "</minimax:tool_call>",
+        "minicpm5": "</function>",
+        "muse_spark": "</atem:function_calls>",
+        "gemma4": "<tool_call|>",
+        "function_gemma": "<end_function_call>",
+    }
+)
 
 
 @pytest.fixture(scope="module")
@@ -296,3 +331,76 @@ def test_which_constraint_a_request_gets(compiler):
                 tool_constraint(compiler, markup, prompt)
         else:  # a request accepted before is not refused now: its calls are free
             assert tool_constraint(compiler, markup, prompt) is None
+
+
+# Each format's call of get_time(zone="UTC"), as its chat template writes one.
+WRITTEN = {
+    "hermes": '{"name": "get_time", "arguments": {"zone": "UTC"}}',
+    "qwen_xml": "<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</function>",
+    "mistral_json": '[{"name": "get_time", "arguments": {"zone": "UTC"}}]',
+    "mistral_args": 'get_time[ARGS]{"zone": "UTC"}',
+    "tool_code": 'get_time(zone="UTC")',
+    "pythonic": '[get_time(zone="UTC")]',
+    "glm47": "get_time\n<arg_key>zone</arg_key>\n<arg_value>UTC</arg_value>\n",
+    "longcat": "get_time\n<longcat_arg_key>zone</longcat_arg_key>\n"
+    "<longcat_arg_value>UTC</longcat_arg_value>\n",
+    "kimi_k2": '<|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>{"zone": "UTC"}'
+    "<|tool_call_end|>",
+    "kimi_k3": '<|open|>call tool="get_time" index="1"<|sep|><|open|>json type="object"<|sep|>'
+    '{"zone": "UTC"}<|close|>json<|sep|><|close|>call<|sep|>',
+    "minimax_m2": '\n<invoke name="get_time">\n<parameter name="zone">UTC</parameter>\n</invoke>\n',
+    "minicpm5": '"get_time"><param name="zone">UTC</param>',
+    "muse_spark": '<atem:invoke name="get_time"><atem:parameter name="zone">"UTC"'
+    "</atem:parameter></atem:invoke>",
+    "gemma4": 'call:get_time{zone:<|"|>UTC<|"|>}',
+    "function_gemma": "call:get_time{zone:<escape>UTC<escape>}",
+}
+
+
+def _accepts(compiler, grammar: str, text: str) -> bool:
+    """The grammar takes the whole of `text`, written in the vocabulary's own tokens."""
+    matcher = compiler.matcher(grammar, "tools")
+    tokens = compiler.ll_tokenizer.tokenize_bytes(text.encode())
+    return bool(matcher.consume_tokens(tokens)) and not matcher.is_error()
+
+
+@pytest.mark.parametrize("syntax", sorted(WRITTEN))
+def test_a_call_as_the_template_writes_it_is_accepted_and_a_wrong_name_refused(compiler, syntax):
+    text = WRITTEN[syntax]
+    calls = _calls(PARSERS[syntax](text, TOOLS))
+    assert calls and all(call == ("get_time", {"zone": "UTC"}) for call in calls)
+    text = text.rstrip("\n")  # (a forced call's grammar ends with the call)
+    grammar = tool_grammars.call_grammar(syntax, TOOLS, closes=False, spell=compiler.spell)
+    assert _accepts(compiler, grammar, text)
+    assert not _accepts(compiler, grammar, text.replace("get_time", "get_tame"))
+    assert not _accepts(compiler, grammar, text.replace("UTC", "UTC_UTC"))  # maxLength 5
+
+
+def test_a_raw_string_ends_at_its_marker_written_as_text_or_as_its_special_token(compiler):
+    """`</tool_call>` is a special token of the tiny vocabulary (a stand-in for GLM's
+    `</arg_value>` or Gemma 4's `<|"|>`): a raw string may end at that token or at the
+    marker spelled in text, and holds neither."""
+    tool = tool_grammars.tools_of(TOOLS[1:])[0]
+    rules = [tool_grammars.WS]
+    raw = tool_grammars.RawText("</tool_call>", trimmed=True)
+    value = tool_grammars.raw_string(
+        tool, "zone", TIME["properties"]["zone"], rules, "v", raw, compiler.spell
+    )
+    assert "<[" in value  # the special token's alternative
+    grammar = llguidance.grammar_from("lark", "\n".join([f'start: "[" {value} "]"', *rules]))
+    end_id = compiler.tokenizer.convert_tokens_to_ids("</tool_call>")
+    ll = compiler.ll_tokenizer
+
+    def takes(*pieces: bytes | int) -> bool:
+        matcher = compiler.matcher(grammar, "tools")
+        for piece in pieces:
+            tokens = [piece] if isinstance(piece, int) else ll.tokenize_bytes(piece)
+            if not matcher.consume_tokens(tokens) or matcher.is_error():
+                return False
+        return matcher.is_accepting()
+
+    assert takes(b"[UTC</tool_call>]")
+    assert takes(b"[UTC", end_id, b"]")
+    assert takes(b"[</tool_call>]") and takes(b"[", end_id, b"]")  # the empty string
+    assert not takes(b"[ UTC</tool_call>]")  # stripped by the parser: no edge whitespace
+    assert not takes(b"[UTC_UTC</tool_call>]")  # maxLength 5

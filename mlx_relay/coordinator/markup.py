@@ -26,6 +26,15 @@ _DECLARED_SYNTAX = {
     "qwen3_coder": "qwen_xml",
     "mistral": "mistral_json",
     "pythonic": "pythonic",
+    "glm47": "glm47",
+    "longcat": "longcat",
+    "kimi_k2": "kimi_k2",
+    "kimi_k3": "kimi_k3",
+    "minimax_m2": "minimax_m2",
+    "minicpm5": "minicpm5",
+    "muse_spark": "muse_spark",
+    "gemma4": "gemma4",
+    "function_gemma": "function_gemma",
 }
 
 # Parses the text between a format's markers into (name, arguments) pairs; raises
@@ -45,6 +54,7 @@ class ToolFormat:
     start: str
     end: str
     parse: ParseCalls
+    syntax: str | None = None  # its tool_grammars syntax, where one is known
 
 
 @dataclass(frozen=True)
@@ -72,21 +82,21 @@ class ChatMarkup:
             parser, call_start, call_end = declared
             # Inside <tool_call> ours get a second try (json_tools cannot read Qwen XML).
             second = tool_parsers.parse_tagged if call_start == hermes.tool_call_start else None
-            formats = (ToolFormat(call_start, call_end, _calls(parser, second)),)
             opener: str | None = call_start
             source = getattr(parser, "__module__", "") or "tokenizer"
             syntax = _DECLARED_SYNTAX.get(source.rpartition(".")[2])
             if syntax == "mistral_json" and "[ARGS]" in _template(tokenizer):
                 syntax = "mistral_args"  # newer Mistral templates: name[ARGS]{...}
+            formats = (ToolFormat(call_start, call_end, _calls(parser, second), syntax),)
         else:
-            formats = tuple(ToolFormat(s, e, _calls(p)) for s, e, p in tool_parsers.FALLBACK)
+            tagged = "qwen_xml" if "<function=" in _template(tokenizer) else "hermes"
+            syntaxes = {hermes.tool_call_start: tagged, tool_code.tool_call_start: "tool_code"}
+            formats = tuple(
+                ToolFormat(s, e, _calls(p), syntaxes.get(s)) for s, e, p in tool_parsers.FALLBACK
+            )
             opener = _template_tool_marker(tokenizer, [f.start for f in formats])
             source = "fallback"
-            syntax = None
-            if opener == hermes.tool_call_start:
-                syntax = "qwen_xml" if "<function=" in _template(tokenizer) else "hermes"
-            elif opener == tool_code.tool_call_start:
-                syntax = "tool_code"
+            syntax = syntaxes.get(opener) if opener else None
         return cls(
             think_start=start,
             think_end=end,
@@ -106,11 +116,13 @@ class ChatMarkup:
     def tool_call_opening(self) -> str:
         """What a prompt ends with to make the model write a call (tool_choice forced).
 
-        Hermes and Gemma put the call on the next line; other formats run on directly.
+        Hermes and Gemma put the call on the next line; other formats (GLM's name after
+        the same ``<tool_call>`` too) run on directly.
         """
         if self.tool_call_start is None:
             return ""
         newline = self.tool_call_start in (hermes.tool_call_start, tool_code.tool_call_start)
+        newline = newline and self.tool_syntax != "glm47"
         return self.tool_call_start + ("\n" if newline else "")
 
 

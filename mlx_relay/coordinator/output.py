@@ -58,7 +58,7 @@ class OutputProcessor:
         if reason in ("stop", "length") and not seq.parser.stopped:
             seq.detokenizer.finalize()
             _parse_into(last, seq, seq.detokenizer.last_segment)
-        final = seq.parser.finish()
+        final = seq.parser.finish(cut=reason == "length")
         last.text += final.content
         last.reasoning += final.reasoning
         last.tool_calls += final.tool_calls

@@ -18,7 +18,8 @@ mlx-lm parser when it has one, otherwise ours in tool_parsers/ (hermes JSON and 
 inside ``<tool_call>``, Gemma's ``tool_code`` fence).
 
 Markup that does not parse is passed on as content and flagged as malformed,
-so a bad generation is visible instead of raising or silently vanishing.
+so a bad generation is visible instead of raising or silently vanishing; except a call
+the token limit cut short, which comes back as far as it got (tool_partial.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from mlx_relay.coordinator.markup import ChatMarkup
 from mlx_relay.coordinator.textstream import first_match, held_back
 from mlx_relay.coordinator.tool_parsers.common import tool_schemas
+from mlx_relay.coordinator.tool_partial import partial_calls, syntax_of_body
 
 
 @dataclass
@@ -39,6 +41,9 @@ class ToolCall:
     name: str
     arguments: str  # JSON text of an object
     index: int  # position among this response's tool calls
+    # False: the output ended (max_tokens) inside this call; `arguments` is the JSON text
+    # written so far (tool_partial.py).
+    complete: bool = True
 
 
 @dataclass
@@ -88,11 +93,11 @@ class OutputParser:
         self.tools = tools or None
         self._known = set(tool_schemas(tools)) if tools else None
 
-        # Tool-call blocks: start marker -> (end marker, body parser).
-        self._blocks: dict[str, tuple[str, Callable]] = {}
+        # Tool-call blocks: start marker -> (end marker, body parser, syntax).
+        self._blocks: dict[str, tuple[str, Callable, str | None]] = {}
         if parse_tools:
             for fmt in markup.tool_formats:
-                self._blocks[fmt.start] = (fmt.end, fmt.parse)
+                self._blocks[fmt.start] = (fmt.end, fmt.parse, fmt.syntax)
         self._content_markers = [self.think_start, *self._blocks]
 
         self.content = ""
@@ -111,6 +116,8 @@ class OutputParser:
         self._block_start = ""  # start marker of the open tool-call block
         self._end_search_from = 0  # where to resume looking for its end marker
         self._done = False
+        self._cut = False  # the output was cut by its token limit (`finish`)
+        self._forced = opens_tool_call in self._blocks
         if opens_tool_call in self._blocks:
             self._mode = "tool"
             self._block_start = opens_tool_call
@@ -141,10 +148,13 @@ class OutputParser:
         self._record(delta)
         return delta
 
-    def finish(self) -> Final:
+    def finish(self, cut: bool = False) -> Final:
+        """Flush what was held back. `cut`: the output ended at its token limit, so a
+        tool call still open is returned as far as it got (`ToolCall.complete` False)."""
         final = Final()
         if not self._done:
             self._done = True
+            self._cut = cut
             self._classify(final, final=True)
             if self._ws and not self._ws_after_markup:
                 final.content += self._ws
@@ -217,7 +227,7 @@ class OutputParser:
                 self._mode = "content"
                 self._markup_seen = self._ws_after_markup = True
             else:
-                end, parse = self._blocks[self._block_start]
+                end, parse, _ = self._blocks[self._block_start]
                 # Long calls arrive in many pieces: only search the new text.
                 i = self._buf.find(end, self._end_search_from) if end else -1
                 if i < 0 and not final:
@@ -228,20 +238,27 @@ class OutputParser:
                 raw = self._block_start + body + (end if i >= 0 else "")
                 self._buf = self._buf[i + len(end) :] if i >= 0 else ""
                 self._mode = "content"
-                self._close_block(body, raw, parse, delta)
+                self._close_block(body, raw, parse, delta, closed=i >= 0)
 
-    def _close_block(self, body: str, raw: str, parse: Callable, delta: Delta) -> None:
+    def _close_block(
+        self, body: str, raw: str, parse: Callable, delta: Delta, *, closed: bool
+    ) -> None:
         try:
-            calls = parse(body, self.tools)
-            arguments = [json.dumps(args, ensure_ascii=False) for _, args in calls]
+            calls = [
+                (name, json.dumps(args, ensure_ascii=False), True)
+                for name, args in parse(body, self.tools)
+            ]
         except Exception:
-            # Not a tool call after all (and never an error that ends the response):
-            # the client sees exactly what the model wrote.
-            self.malformed_tool_call = True
-            self._ws = self._ws_before_block
-            self._emit_content(raw, delta)
-            return
-        for (name, _), args in zip(calls, arguments, strict=True):
+            calls = self._partial(body, parse) if self._cut and not closed else []
+            if not calls and not (self._cut and self._forced):
+                # Not a tool call after all (and never an error that ends the response):
+                # the client sees exactly what the model wrote.
+                self.malformed_tool_call = True
+                self._ws = self._ws_before_block
+                self._emit_content(raw, delta)
+                return
+            # (a forced call cut before its name: nothing to show but the finish reason)
+        for name, args, complete in calls:
             if self._known is not None and name not in self._known:
                 self.unknown_tools.append(name)
                 continue
@@ -250,9 +267,16 @@ class OutputParser:
                 name=name,
                 arguments=args,
                 index=len(self.tool_calls) + len(delta.tool_calls),
+                complete=complete,
             )
             delta.tool_calls.append(call)
         self._markup_seen = self._ws_after_markup = True
+
+    def _partial(self, body: str, parse: Callable) -> list[tuple[str, str, bool]]:
+        """The calls of a block cut by the token limit, as far as they got."""
+        _, _, syntax = self._blocks[self._block_start]
+        syntax = syntax_of_body(syntax, self._block_start, body)
+        return partial_calls(syntax, body, parse, self.tools)
 
     def _emit_content(self, text: str, delta: Delta) -> None:
         """Send content, holding trailing whitespace until something follows it.

@@ -22,7 +22,10 @@ Formats (`ChatMarkup.tool_syntax` names them):
 - ``mistral_args``: ``[TOOL_CALLS]N[ARGS]{...}``, repeatable;
 - ``tool_code``: Gemma's fenced ``N(key=value)``, values as JSON literals (the parser
   reads JSON's true/false/null);
-- ``pythonic``: ``<|tool_call_start|>[N(key=value), ...]<|tool_call_end|>`` (LFM2).
+- ``pythonic``: ``<|tool_call_start|>[N(key=value), ...]<|tool_call_end|>`` (LFM2);
+- the formats of mlx-lm's other parsers, in tool_grammars_more.py: ``glm47`` (GLM 4.7,
+  Laguna), ``longcat``, ``kimi_k2``, ``kimi_k3``, ``minimax_m2``, ``minicpm5``,
+  ``muse_spark``, ``gemma4``, ``function_gemma``.
 
 A `strict` tool's schema must be enforceable in full (else InvalidRequest); other tools'
 schemas are enforced leniently (keywords llguidance does not support are ignored), so a
@@ -33,6 +36,7 @@ the schema's ``properties``; required ones must appear.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +51,23 @@ Spell = Callable[[str], str]
 NAME, ARGUMENTS = '"name"', '"arguments"'  # the keys of a JSON call, quoted
 # JSON_WHITESPACE as a lexeme (written WS? where it may be absent: a lexeme is never empty).
 WS = r"WS: / |\n{1,2}[ \t]{0,20}/"
-SYNTAXES = ("hermes", "qwen_xml", "mistral_json", "mistral_args", "tool_code", "pythonic")
+SYNTAXES = (
+    "hermes",
+    "qwen_xml",
+    "mistral_json",
+    "mistral_args",
+    "tool_code",
+    "pythonic",
+    "glm47",
+    "longcat",
+    "kimi_k2",
+    "kimi_k3",
+    "minimax_m2",
+    "minicpm5",
+    "muse_spark",
+    "gemma4",
+    "function_gemma",
+)
 # String keywords a raw-text value (Qwen XML) cannot enforce; a strict tool using them
 # is refused there.
 _RAW_STRING_UNSUPPORTED = ("pattern", "format")
@@ -126,11 +146,13 @@ def call_grammar(
     if syntax in ("hermes", "mistral_json"):
         one = _json_calls(parsed, rules)
     elif syntax == "qwen_xml":
-        one = _xml_calls(parsed, rules)
+        one = _xml_calls(parsed, rules, spell)
     elif syntax == "mistral_args":
         one = _args_calls(parsed, rules, spell)
     elif syntax in ("tool_code", "pythonic"):
         one = _python_calls(parsed, rules)
+    elif syntax in _MORE:
+        one = _MORE[syntax](parsed, rules, spell)
     else:
         raise ValueError(f"no grammar for tool-call syntax {syntax!r}")
     if syntax == "mistral_json":
@@ -152,6 +174,9 @@ def call_grammar(
 
 
 # --- one call, per format ------------------------------------------------------------
+
+# syntax -> its call rule, (tools, rules, spell) -> rule name; filled by tool_grammars_more.
+_MORE: dict[str, Callable[[list[Tool], list[str], Spell], str]] = {}
 
 
 def _one_of(kind: str, tools: list[Tool], rules: list[str], call: Callable[[Tool], str]) -> str:
@@ -181,47 +206,99 @@ def _json_calls(tools: list[Tool], rules: list[str]) -> str:
     return _one_of("json_call", tools, rules, call)
 
 
-def _xml_calls(tools: list[Tool], rules: list[str]) -> str:
+def _xml_calls(tools: list[Tool], rules: list[str], spell: Spell) -> str:
     """`<function=N>` then `<parameter=P>value</parameter>` per argument, `</function>`.
 
     A value is written on its own line; strings are raw text (never holding the closing
     tags the parser looks for), every other type the JSON text the parser converts."""
-    rules.append(r"RAW: /(?s:.*)/ & ~/(?s:.*<\/(parameter|function)>.*)/")
 
     def call(t: Tool) -> str:
         params = []
         for j, (key, schema, required) in enumerate(t.properties):
             value = f"value_{t.index}_{j}"
-            rules.append(f"{value}: {_xml_value(t, key, schema, rules, value)}")
-            param = f'{_lark(f"<parameter={key}>")} {value} "</parameter>" WS?'
+            closed = raw_string(
+                t,
+                key,
+                schema,
+                rules,
+                value,
+                RawText("</parameter>", ("</function>",), newlines=True),
+                spell,
+            )
+            if closed is None:  # numbers, booleans, null, objects and arrays: JSON text
+                json_value = f"%json {json.dumps(_guided(t, schema))}"
+                closed = f'"\\n"? {json_value} "\\n"? "</parameter>"'
+            rules.append(f"{value}: {closed}")
+            param = f"{_lark(f'<parameter={key}>')} {value} WS?"
             params.append(param if required else f"({param})?")
         return f'{_lark(f"<function={t.name}>")} WS? {" ".join(params)} "</function>"'
 
     return _one_of("xml_call", tools, rules, call)
 
 
-def _xml_value(tool: Tool, key: str, schema: Any, rules: list[str], rule: str) -> str:
+@dataclass(frozen=True)
+class RawText:
+    """How a format writes a string as raw text: the marker that ends it (`close`), other
+    markers it may not hold (`avoid`), whether a newline may open and end it (Qwen's),
+    whether its parser strips it (`trimmed`: no whitespace at its edges) and reads the
+    word null as null (`not_null`)."""
+
+    close: str
+    avoid: tuple[str, ...] = ()
+    newlines: bool = False
+    trimmed: bool = False
+    not_null: bool = False
+
+
+def raw_string(
+    tool: Tool,
+    key: str,
+    schema: Any,
+    rules: list[str],
+    rule: str,
+    text: RawText,
+    spell: Spell,
+) -> str | None:
+    """The grammar of a string argument written as raw text *and the marker that closes
+    it*, or None where the argument is not a string (written as JSON instead).
+
+    The text is one lazy lexeme ending at the first closing marker: a greedy lexeme would
+    take the marker's first bytes as text (``Paris</`` is text too) and could then never
+    close. Where the marker is also a special token, the text may end at that token.
+    """
     if not isinstance(schema, dict) or not _takes_string(schema):
-        # Numbers, booleans, null, objects and arrays: their JSON text.
-        return f'"\\n"? %json {json.dumps(_guided(tool, schema))} "\\n"?'
+        return None
+    close = _lark(text.close)
     enum = schema.get("enum")
     if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
         words = " | ".join(_lark(v) for v in enum)
-        return f'"\\n"? ({words}) "\\n"?'
+        pad = '"\\n"? ' if text.newlines else ""
+        return f"{pad}({words}) {pad}{spell(text.close)}"
     if tool.strict and any(k in schema for k in _RAW_STRING_UNSUPPORTED):
         raise InvalidRequest(
             f"tools[{tool.index}] parameter {key!r}: "
             f"{' and '.join(k for k in _RAW_STRING_UNSUPPORTED if k in schema)} cannot be "
-            "enforced on a string this model writes as raw text (its XML tool calls); the "
+            "enforced on a string this model writes as raw text (its tool calls); the "
             "tool is strict"
         )
     low, high = schema.get("minLength"), schema.get("maxLength")
-    if not isinstance(low, int) and not isinstance(high, int):
-        return "RAW"
     bound = f"{low if isinstance(low, int) else 0},{high if isinstance(high, int) else ''}"
+    markers = (text.close, *text.avoid)
+    avoid = "|".join(re.escape(m).replace("/", "\\/") for m in markers)
+    pad = r"\n?" if text.newlines else ""
+    parts = [f"/{pad}(?s:.{{{bound}}}){pad}/", f"~/(?s:.*({avoid}).*)/"]
+    if text.trimmed:
+        parts.append(r"/(\S((?s:.*)\S)?)?/")
+    if text.not_null:
+        parts.append(r"~/(?i:null)/")
     lexeme = rule.upper()
-    rules.append(rf"{lexeme}: /\n?(?s:.{{{bound}}})\n?/ & ~/(?s:.*<\/(parameter|function)>.*)/")
-    return lexeme
+    rules.append(f"{lexeme}: {' & '.join(parts)}")
+    rules.append(f"{rule}_lazy[lazy]: {lexeme} {close}")
+    special = spell(text.close)
+    if special == close:
+        return f"{rule}_lazy"
+    # (the lexeme alone is never empty: an empty string is the lexeme left out)
+    return f"({rule}_lazy | {lexeme}? {special})"
 
 
 def _takes_string(schema: dict) -> bool:
@@ -256,14 +333,14 @@ def _python_calls(tools: list[Tool], rules: list[str]) -> str:
     return _one_of("py_call", tools, rules, call)
 
 
-def _comma_list(items: list[tuple[str, bool]]) -> str:
-    """Items in order joined by commas, the optional ones left out or not, the required
-    ones always there: one alternative per item that can come first."""
+def _comma_list(items: list[tuple[str, bool]], sep: str = '"," WS?') -> str:
+    """Items in order joined by `sep` (commas), the optional ones left out or not, the
+    required ones always there: one alternative per item that can come first."""
     if not items:
         return ""
     alternatives = []
     for k, (first, required) in enumerate(items):
-        rest = [f'"," WS? {item}' if req else f'("," WS? {item})?' for item, req in items[k + 1 :]]
+        rest = [f"{sep} {item}" if req else f"({sep} {item})?" for item, req in items[k + 1 :]]
         alternatives.append(" ".join([first, *rest]))
         if required:
             break
@@ -281,3 +358,6 @@ def _guided(tool: Tool, schema: Any) -> Any:
 def _lark(text: str) -> str:
     """`text` as a Lark string literal (JSON's escapes are Lark's)."""
     return json.dumps(text, ensure_ascii=False)
+
+
+from mlx_relay.coordinator import tool_grammars_more  # noqa: E402, F401 (fills _MORE)

@@ -10,7 +10,6 @@ message that stream builds, its events dropped.
 from __future__ import annotations
 
 import functools
-import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from mlx_relay.api.http.common import (
 )
 from mlx_relay.api.http.schemas import Lenient, dumps
 from mlx_relay.coordinator.output import Chunk
+from mlx_relay.coordinator.tool_partial import json_prefix_object
 from mlx_relay.model import vision
 from mlx_relay.protocol import relay_pb2 as pb
 
@@ -339,10 +339,7 @@ class MessageStream:
             events += self._delta("text", chunk.text)
         for call in chunk.tool_calls:
             events += self._close()
-            try:
-                arguments = json.loads(call.arguments or "{}")
-            except ValueError:
-                arguments = {}
+            arguments = json_prefix_object(call.arguments or "{}")
             index = len(self.blocks)
             # (`caller`: called by the model itself, not from a server tool's code)
             block = {"type": "tool_use", "id": call.id, "name": call.name, "caller": DIRECT}

@@ -32,6 +32,8 @@ from mlx_relay.api.http.common import (
 )
 from mlx_relay.api.http.schemas import Lenient, dumps
 from mlx_relay.coordinator.output import Chunk
+from mlx_relay.coordinator.postprocess import ToolCall as CallOut
+from mlx_relay.coordinator.tool_partial import json_prefix_object
 from mlx_relay.model import checkpoint, vision
 from mlx_relay.protocol import relay_pb2 as pb
 
@@ -188,16 +190,19 @@ def _message(text: str, reasoning: str, calls: list) -> dict[str, Any]:
         message["thinking"] = reasoning
     if calls:
         message["tool_calls"] = [
-            {"function": {"name": c.name, "arguments": _arguments(c.arguments)}} for c in calls
+            {"function": {"name": c.name, "arguments": _arguments(c)}} for c in calls
         ]
     return message
 
 
-def _arguments(raw: str) -> Any:
+def _arguments(call: CallOut) -> Any:
+    """An object, as Ollama sends them: a call cut by the token limit gives what it has."""
+    if not call.complete:
+        return json_prefix_object(call.arguments)
     try:
-        return json.loads(raw or "{}")
+        return json.loads(call.arguments or "{}")
     except ValueError:
-        return raw
+        return call.arguments
 
 
 def _piece(chat: bool, model: str, chunk: Chunk) -> dict[str, Any]:

@@ -328,7 +328,7 @@ class ResponseStream:
                 "call_id": call.id,
                 "name": call.name,
                 "arguments": call.arguments,
-                "status": "completed",
+                "status": "completed" if call.complete else "incomplete",
             }
             index = len(self.items)
             self.items.append(item)
