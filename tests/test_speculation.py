@@ -21,7 +21,13 @@ from mlx_relay.coordinator.drafting import lookup  # noqa: E402
 from mlx_relay.coordinator.engine import Engine  # noqa: E402
 from mlx_relay.coordinator.sampling import SamplingParams  # noqa: E402
 from mlx_relay.coordinator.sequence import Chunk, Request  # noqa: E402
-from mlx_relay.coordinator.speculation import MISS_LIMIT, SpecConfig, SpecState  # noqa: E402
+from mlx_relay.coordinator.speculation import (  # noqa: E402
+    MISS_LIMIT,
+    RoundCost,
+    SpecConfig,
+    SpecState,
+    expected_tokens,
+)
 from mlx_relay.model.default_model import resolve_model  # noqa: E402
 from mlx_relay.protocol import header as hdr  # noqa: E402
 
@@ -57,6 +63,23 @@ def test_round_size_adapts_to_acceptance():
         fixed.record(4, 0)
     assert fixed.k == 4 and not fixed.leaving
     assert fixed.wanted(2) == 2  # (never more than may still be generated)
+
+
+def test_round_size_follows_what_a_width_costs_here():
+    """Where a wider verify step costs almost nothing more (a GPU), every proposal pays;
+    where each position costs compute (a CPU), fewer do at the same acceptance."""
+    assert expected_tokens(0, 0.9) == 1 and expected_tokens(2, 0.5) == pytest.approx(1.75)
+    flat, steep = RoundCost(), RoundCost()
+    assert flat.best(0.8, 4) is None  # (nothing timed yet: the heuristic decides)
+    for width in (1, 3, 5):
+        flat.took(width, 0.020 + 0.0005 * width)
+        steep.took(width, 0.010 + 0.010 * width)
+    assert flat.best(0.8, 4) == 4
+    assert steep.best(0.8, 4) == 2
+    assert steep.best(0.3, 4) == 1
+    spec = SpecState(k=4, limit=4)
+    spec.record(4, 1, steep)
+    assert spec.k == steep.best(spec.acceptance, 4) and spec.acceptance == pytest.approx(0.5)
 
 
 def test_bad_settings_are_refused():

@@ -355,7 +355,10 @@ class Engine:
         if header.cmd != hdr.CMD_FORWARD:
             return
         if header.flags & hdr.FLAG_ALL_POSITIONS:  # a speculative round
-            self._count("verify", time.monotonic() - step.launched_at, header.lengths[0])
+            seconds, width = time.monotonic() - step.launched_at, header.lengths[0]
+            self._count("verify", seconds, width)
+            with self._cv:
+                self.scheduler.step_took(StepOutput(kind="verify", seconds=seconds, tokens=width))
             return
         decode = header.group != hdr.NO_GROUP
         seconds = time.monotonic() - step.launched_at

@@ -119,7 +119,7 @@ class Scheduled:
 class StepOutput:
     """What came back from a forward step, as far as scheduling cares."""
 
-    kind: str  # "group" or "prefill"
+    kind: str  # "group", "prefill" or "verify"
     seconds: float  # a decode step: launch to completion; a prefill: from when it could start
     tokens: int = 0  # prompt tokens a prefill step carried
     units: float = 0.0  # its work (pace.step_cost)

@@ -49,7 +49,7 @@ from mlx_relay.coordinator.postprocess import OutputParser
 from mlx_relay.coordinator.sampling import Sampler
 from mlx_relay.coordinator.sequence import Chunk, EngineError, Request, Sequence
 from mlx_relay.coordinator.slots import SlotTable, Taken
-from mlx_relay.coordinator.speculation import SpecConfig, SpecState, blocker
+from mlx_relay.coordinator.speculation import RoundCost, SpecConfig, SpecState, blocker
 from mlx_relay.model import vision
 from mlx_relay.model.sharding import Shard
 from mlx_relay.protocol import header as hdr
@@ -158,6 +158,7 @@ class Scheduler:
         self.whole_images = False  # an image prompt goes in one step (vision.prefills_whole)
         self.speculation = speculation
         self.spec_blocked = ""  # why the loaded model cannot speculate ('' if it can)
+        self.round_cost = RoundCost()  # what a verify step takes by its width, here
 
     # --- the model ---------------------------------------------------------------------
     def load(
@@ -179,6 +180,7 @@ class Scheduler:
         self.policy.reset(hidden, fixed_alone=shard.kv is not None)
         self.slots.usable = shard.usable_prefix
         self.spec_blocked = blocker(shard) if self.speculation else ""
+        self.round_cost = RoundCost()
         if self.spec_blocked:
             log.warning("this model decodes without speculation: %s", self.spec_blocked)
 
@@ -366,6 +368,9 @@ class Scheduler:
     def step_took(self, out: StepOutput) -> None:
         """A forward step came back: what it took paces the next prompt chunks (a decode
         step counts only with no prompt prefilled beside it)."""
+        if out.kind == "verify":  # (its width's cost: how many proposals pay)
+            self.round_cost.took(out.tokens, out.seconds)
+            return
         if out.kind == "group" and any(s.prefilling for s in self.running):
             out = dataclasses.replace(out, beside_prefill=True)
         self.policy.update_from_output(out)
@@ -414,7 +419,7 @@ class Scheduler:
         if seq not in self.running or seq.spec is None:
             return update, kept
         seq.position -= len(proposed) - kept  # (before any chunk: a park records it)
-        seq.spec.record(len(proposed), kept)
+        seq.spec.record(len(proposed), kept, self.round_cost)
         seq.draft_tokens += len(proposed)
         seq.accepted_draft_tokens += kept
         if seq.first_token_at is None:

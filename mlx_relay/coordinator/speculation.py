@@ -19,6 +19,7 @@ proposals, which leaves their caches exactly at their position).
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,8 @@ from mlx_relay.model import sharding
 # Consecutive rounds without an accepted proposal after which an adaptive sequence stops
 # speculating and decodes in a batched group (proposals that keep failing only cost).
 MISS_LIMIT = 16
+EMA = 0.3  # weight of the newest round in a sequence's acceptance estimate
+COST_SAMPLES = 32  # verify steps the cost line is fitted to
 
 
 @dataclass(frozen=True)
@@ -61,10 +64,22 @@ class SpecState:
     misses: int = 0  # consecutive rounds that accepted nothing
     leaving: bool = False  # the next round carries no proposals, then it joins a group
     draft: Any = None  # the drafter's own state of this sequence (a draft model's cache)
+    # Recent proposals kept and refused (moving averages): a proposal's chance to be kept
+    kept_rate: float = 0.0
+    refused_rate: float = 0.0
 
-    def record(self, proposed: int, accepted: int) -> None:
+    @property
+    def acceptance(self) -> float:
+        """The chance that a proposal is kept, given the ones before it were (each round
+        keeps proposals up to the first refused one)."""
+        seen = self.kept_rate + self.refused_rate
+        return self.kept_rate / seen if seen else 0.5
+
+    def record(self, proposed: int, accepted: int, cost: RoundCost | None = None) -> None:
         """A round came back: `accepted` of its `proposed` tokens were kept. The next
-        round asks for more after a round that kept all, fewer after one that did not
+        round asks for as many as give the most tokens per second by `cost` (what a
+        verify step of each width takes here) and this sequence's acceptance; before
+        `cost` knows, more after a round that kept all and fewer after one that did not
         (the way Hugging Face's assisted generation adapts)."""
         self.rounds += 1
         self.drafted += proposed
@@ -72,7 +87,15 @@ class SpecState:
         self.misses = 0 if accepted else self.misses + 1
         if not self.adaptive or not proposed:
             return
-        if accepted == proposed:
+        refused = 1 if accepted < proposed else 0
+        first = not (self.kept_rate or self.refused_rate)
+        weight = 1.0 if first else EMA
+        self.kept_rate += weight * (accepted - self.kept_rate)
+        self.refused_rate += weight * (refused - self.refused_rate)
+        best = cost.best(self.acceptance, self.limit) if cost is not None else None
+        if best is not None:
+            self.k = best
+        elif accepted == proposed:
             self.k = min(self.limit, self.k + 2)
         else:
             self.k = max(1, self.k - 1)
@@ -84,6 +107,50 @@ class SpecState:
         generate less the one a round always gives (as mlx-lm caps them), none while
         leaving."""
         return 0 if self.leaving else max(0, min(self.k, remaining))
+
+
+def expected_tokens(proposals: int, acceptance: float) -> float:
+    """Tokens a round of `proposals` gives on average: the first always, each proposal
+    while every one before it was kept."""
+    return sum(acceptance**i for i in range(proposals + 1))
+
+
+class RoundCost:
+    """What a verify step costs by its width (positions), as a line a + b x width fitted
+    to the latest steps: on a GPU, or a Mac decoding a large model, a few more positions
+    cost almost nothing (the weights are read once either way) and the line is flat; on
+    a CPU each position costs compute, and fewer proposals give more tokens a second."""
+
+    def __init__(self) -> None:
+        self.samples: deque[tuple[int, float]] = deque(maxlen=COST_SAMPLES)
+
+    def took(self, width: int, seconds: float) -> None:
+        self.samples.append((width, seconds))
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b), or None until steps of two widths were timed."""
+        widths = {w for w, _ in self.samples}
+        if len(widths) < 2:
+            return None
+        n = len(self.samples)
+        mean_w = sum(w for w, _ in self.samples) / n
+        mean_s = sum(s for _, s in self.samples) / n
+        var = sum((w - mean_w) ** 2 for w, _ in self.samples)
+        cov = sum((w - mean_w) * (s - mean_s) for w, s in self.samples)
+        slope = max(0.0, cov / var)
+        return max(mean_s - slope * mean_w, 1e-6), slope
+
+    def best(self, acceptance: float, limit: int) -> int | None:
+        """The proposals (1..limit) giving the most tokens a second at `acceptance`, or
+        None while the cost of a width is not known yet."""
+        line = self.line()
+        if line is None:
+            return None
+        a, b = line
+        return max(
+            range(1, limit + 1),
+            key=lambda k: expected_tokens(k, acceptance) / (a + b * (k + 1)),
+        )
 
 
 def blocker(shard: sharding.Shard) -> str:
