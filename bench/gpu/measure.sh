@@ -2,6 +2,7 @@
 # On a CUDA device machine with two GPUs, as call 2 of bench/gpu/prepare.sh's recipe:
 #     bash bench/gpu/measure.sh [warm] [load] [timeline] [single] [diagnose] [exact] [channels] [trace]
 #                               [nranks] [nprefill] [nexact] [nload] [n70b] [nserver] [nchunk]
+#                               [spec] [specmodel] [specload]
 #     (none: load timeline single; the n* parts need GPUS=4 GPUs or more)
 # (`warm` first: a fresh machine's first cluster spends ~2 minutes compiling kernels.)
 # Installs the carried wheels, builds the random 4-bit Llama-3-8B shape, and runs issue
@@ -155,5 +156,23 @@ fi
 if wants exact; then
   t exact; timeout 400 python3 bench/greedy_under_load.py --shape llama3-8b --gpus 2 --ranks 1,2 \
     --streams 16 --tokens 256 2>&1 | tee "$OUT/exact.log" | tail -4
+fi
+# Speculative decoding (issue 40), one GPU per rank: prompt lookup on a copy prompt at 1
+# and 2 ranks; a random SmolLM2-135M-shaped draft model against mlx-lm's own speculative
+# generator; 16 streams with drafting on against off. Random weights: the logs give the
+# acceptance each figure had.
+if wants spec; then
+  t spec_ngram; timeout 280 python3 bench/bench_speculation.py --shape llama3-8b --gpus "$G" \
+    --ranks "1,$G" --prompt copy --tokens 128 --rounds 3 2>&1 | tee "$OUT/spec_ngram.log" | tail -12
+fi
+if wants specmodel; then
+  t spec_model; timeout 280 python3 bench/bench_speculation.py --shape llama3-8b --gpus "$G" \
+    --ranks "$G" --draft-shape smollm2-135m --prompt copy --tokens 128 --rounds 3 \
+    2>&1 | tee "$OUT/spec_model.log" | tail -12
+fi
+if wants specload; then
+  t spec_load; timeout 400 python3 bench/bench_speculation.py --shape llama3-8b --gpus "$G" \
+    --ranks "$G" --streams 16 --prompt copy --tokens 96 --rounds 3 \
+    2>&1 | tee "$OUT/spec_load.log" | tail -10
 fi
 t done
