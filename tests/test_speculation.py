@@ -65,21 +65,31 @@ def test_round_size_adapts_to_acceptance():
     assert fixed.wanted(2) == 2  # (never more than may still be generated)
 
 
-def test_round_size_follows_what_a_width_costs_here():
-    """Where a wider verify step costs almost nothing more (a GPU), every proposal pays;
-    where each position costs compute (a CPU), fewer do at the same acceptance."""
+def test_round_size_follows_what_each_width_costs_here():
+    """Where a wider verify step costs almost nothing more (a GPU reading its weights),
+    every proposal pays; where each position costs compute (a CPU), fewer do; where a
+    wider step is cheaper than a narrower one (MLX's CUDA quantized matmul: 8 rows
+    cheaper than 5), the narrower is padded to it; where one position alone gives more,
+    the sequence stops speculating."""
     assert expected_tokens(0, 0.9) == 1 and expected_tokens(2, 0.5) == pytest.approx(1.75)
-    flat, steep = RoundCost(), RoundCost()
-    assert flat.best(0.8, 4) is None  # (nothing timed yet: the heuristic decides)
-    for width in (1, 3, 5):
+    flat, steep, cuda = RoundCost(), RoundCost(), RoundCost()
+    assert flat.best(0.8, 4) is None and flat.padded(3) == 3  # (nothing timed yet)
+    for width in (1, 2, 3, 4, 5):
         flat.took(width, 0.020 + 0.0005 * width)
         steep.took(width, 0.010 + 0.010 * width)
     assert flat.best(0.8, 4) == 4
     assert steep.best(0.8, 4) == 2
-    assert steep.best(0.3, 4) == 1
+    assert steep.best(0.3, 4) == 0  # (one position alone is best: stop speculating)
+    for width, ms in ((1, 9.7), (2, 14.0), (3, 18.7), (5, 26.8), (8, 19.0)):
+        cuda.took(width, ms / 1000)
+    assert cuda.padded(5) == 8 and cuda.padded(2) == 2 and cuda.padded(8) == 8
+    assert cuda.cost(4) == cuda.cost(3)  # (unmeasured: as the nearest narrower)
+    assert cuda.best(0.9, 7) == 7  # (8 positions for the price of 2)
     spec = SpecState(k=4, limit=4)
-    spec.record(4, 1, steep)
-    assert spec.k == steep.best(spec.acceptance, 4) and spec.acceptance == pytest.approx(0.5)
+    spec.record(4, 1, flat)
+    assert spec.k == flat.best(spec.acceptance, 4) and spec.acceptance == pytest.approx(0.5)
+    spec.record(4, 0, steep)
+    assert spec.leaving
 
 
 def test_bad_settings_are_refused():

@@ -321,17 +321,22 @@ class Engine:
         proposed = self.drafter.propose(
             seq.spec, seq.sampler, action.history, action.input, action.k
         )
+        k = proposed.shape[0]
+        with self._cv:
+            width = self.scheduler.verify_width(action, k)
         inputs = mx.concatenate([action.input.astype(mx.int32), proposed])
+        if width > 1 + k:  # (positions past the proposals: cut back with the refused)
+            inputs = mx.concatenate([inputs, mx.repeat(inputs[-1:], width - 1 - k)])
         step = self.pipeline.launch_forward(
             [seq.slot],
             [seq.position],
             inputs[None],
-            [inputs.shape[0]],
+            [width],
             want_logits=True,
             reuse_from=action.reuse_from,
             all_positions=True,
         )
-        step.tag = dataclasses.replace(action, k=proposed.shape[0], proposed=proposed)
+        step.tag = dataclasses.replace(action, k=k, proposed=proposed, width=width)
         return step
 
     def _image_inputs(self, seq: Sequence, n: int) -> PromptInputs | None:
@@ -378,6 +383,7 @@ class Engine:
                     tokens=0 if decode else header.lengths[0],
                     units=step.units,
                     want_logits=step.want_logits,
+                    rows=header.n_seqs,
                 )
             )
 
@@ -439,7 +445,8 @@ class Engine:
         if isinstance(step.tag, Verify):
             verify: Verify = step.tag
             assert verify.proposed is not None
-            tokens, wanted = sample_positions(logits, verify.seq, verify.proposed)
+            # (positions past the proposals, where a wider step was cheaper: not sampled)
+            tokens, wanted = sample_positions(logits[: verify.k + 1], verify.seq, verify.proposed)
             if start:
                 mx.async_eval(tokens)
             return Sampled(step, [verify.seq], tokens, wanted, verify)

@@ -110,6 +110,7 @@ class Verify:
     k: int
     reuse_from: int  # the slot the step starts from: its own, cut back to its position
     proposed: mx.array | None = None  # (k,) the drafter's tokens, set at launch
+    width: int = 0  # positions the step carries: 1 + k, or more where wider is cheaper
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -349,7 +350,7 @@ class Scheduler:
             self._launched_first(seq, update)
             if len(action.history) > len(seq.context):  # (its first: the prompt's last token)
                 seq.context.append(action.history[-1])
-            seq.position += 1 + action.k
+            seq.position += action.width
             return update
         seq = action.seq
         self._launched_first(seq, update)
@@ -367,12 +368,15 @@ class Scheduler:
 
     def step_took(self, out: StepOutput) -> None:
         """A forward step came back: what it took paces the next prompt chunks (a decode
-        step counts only with no prompt prefilled beside it)."""
-        if out.kind == "verify":  # (its width's cost: how many proposals pay)
+        step counts only with no prompt prefilled beside it), and a verify step's (or a
+        lone stream's decode step's) tells how many proposals pay (RoundCost)."""
+        if out.kind == "verify":
             self.round_cost.took(out.tokens, out.seconds)
             return
         if out.kind == "group" and any(s.prefilling for s in self.running):
             out = dataclasses.replace(out, beside_prefill=True)
+        elif out.kind == "group" and out.rows == 1 and len(self.running) == 1:
+            self.round_cost.took(1, out.seconds)
         self.policy.update_from_output(out)
 
     # --- results ---------------------------------------------------------------------
@@ -403,6 +407,14 @@ class Scheduler:
             self._emit(seq, token, row, update)
         return update
 
+    def verify_width(self, verify: Verify, proposals: int) -> int:
+        """How many positions a round with `proposals` carries: one more, or a wider
+        step where that costs less here (adaptive rounds: RoundCost.padded)."""
+        spec = verify.seq.spec
+        if spec is None or not spec.adaptive or spec.leaving:  # (leaving: exactly at its
+            return 1 + proposals  # position after the round, to join a group)
+        return self.round_cost.padded(1 + proposals)
+
     def verified(
         self, action: Verify, tokens: list[int], logprobs: list[mx.array | None]
     ) -> tuple[Update, int]:
@@ -418,7 +430,7 @@ class Scheduler:
             kept += 1
         if seq not in self.running or seq.spec is None:
             return update, kept
-        seq.position -= len(proposed) - kept  # (before any chunk: a park records it)
+        seq.position -= action.width - 1 - kept  # (before any chunk: a park records it)
         seq.spec.record(len(proposed), kept, self.round_cost)
         seq.draft_tokens += len(proposed)
         seq.accepted_draft_tokens += kept
@@ -433,7 +445,7 @@ class Scheduler:
         config = self.speculation
         if config is not None and len(self.running) > config.max_streams:
             seq.spec.leaving = True  # (streams came: it decodes in a group from now on)
-        if seq.spec.leaving and not proposed:  # its caches hold exactly its position
+        if seq.spec.leaving and action.width == 1:  # its caches hold exactly its position
             seq.spec = None
             self.sampled([seq], following)
         else:

@@ -19,7 +19,6 @@ proposals, which leaves their caches exactly at their position).
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +28,6 @@ from mlx_relay.model import sharding
 # speculating and decodes in a batched group (proposals that keep failing only cost).
 MISS_LIMIT = 16
 EMA = 0.3  # weight of the newest round in a sequence's acceptance estimate
-COST_SAMPLES = 32  # verify steps the cost line is fitted to
 
 
 @dataclass(frozen=True)
@@ -78,9 +76,9 @@ class SpecState:
     def record(self, proposed: int, accepted: int, cost: RoundCost | None = None) -> None:
         """A round came back: `accepted` of its `proposed` tokens were kept. The next
         round asks for as many as give the most tokens per second by `cost` (what a
-        verify step of each width takes here) and this sequence's acceptance; before
-        `cost` knows, more after a round that kept all and fewer after one that did not
-        (the way Hugging Face's assisted generation adapts)."""
+        verify step of each width takes here) and this sequence's acceptance (none: it
+        stops speculating); before `cost` knows, more after a round that kept all and
+        fewer after one that did not (the way Hugging Face's assisted generation adapts)."""
         self.rounds += 1
         self.drafted += proposed
         self.accepted += accepted
@@ -93,7 +91,9 @@ class SpecState:
         self.kept_rate += weight * (accepted - self.kept_rate)
         self.refused_rate += weight * (refused - self.refused_rate)
         best = cost.best(self.acceptance, self.limit) if cost is not None else None
-        if best is not None:
+        if best == 0:  # one position alone gives more: decode in a group from now on
+            self.leaving = True
+        elif best is not None:
             self.k = best
         elif accepted == proposed:
             self.k = min(self.limit, self.k + 2)
@@ -116,41 +116,53 @@ def expected_tokens(proposals: int, acceptance: float) -> float:
 
 
 class RoundCost:
-    """What a verify step costs by its width (positions), as a line a + b x width fitted
-    to the latest steps: on a GPU, or a Mac decoding a large model, a few more positions
-    cost almost nothing (the weights are read once either way) and the line is flat; on
-    a CPU each position costs compute, and fewer proposals give more tokens a second."""
+    """What a verify step of each width (positions) takes here, measured (a moving
+    average per width), never assumed: on a Mac or a GPU decoding a large model a few
+    more positions cost little (the weights are read once either way); on a CPU each
+    costs compute; MLX's CUDA quantized matmul computes 2 to 7 rows one matrix-vector
+    product each and 8 or more as one matrix product, so there 5 positions cost more
+    than 8 (bench/width_cost.py). A width not measured yet counts as what the nearest
+    measured narrower one costs, so it is tried once where it might pay."""
 
     def __init__(self) -> None:
-        self.samples: deque[tuple[int, float]] = deque(maxlen=COST_SAMPLES)
+        self.seconds: dict[int, float] = {}
 
     def took(self, width: int, seconds: float) -> None:
-        self.samples.append((width, seconds))
+        old = self.seconds.get(width)
+        self.seconds[width] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
-    def line(self) -> tuple[float, float] | None:
-        """(a, b), or None until steps of two widths were timed."""
-        widths = {w for w, _ in self.samples}
-        if len(widths) < 2:
+    def cost(self, width: int) -> float | None:
+        """The width's measured cost, else the nearest measured narrower one's (the
+        narrowest measured where none is narrower); None with nothing measured."""
+        if not self.seconds:
             return None
-        n = len(self.samples)
-        mean_w = sum(w for w, _ in self.samples) / n
-        mean_s = sum(s for _, s in self.samples) / n
-        var = sum((w - mean_w) ** 2 for w, _ in self.samples)
-        cov = sum((w - mean_w) * (s - mean_s) for w, s in self.samples)
-        slope = max(0.0, cov / var)
-        return max(mean_s - slope * mean_w, 1e-6), slope
+        if width in self.seconds:
+            return self.seconds[width]
+        narrower = [w for w in self.seconds if w < width]
+        return self.seconds[max(narrower) if narrower else min(self.seconds)]
+
+    def padded(self, width: int) -> int:
+        """The width a step of `width` positions is cheapest at: itself, or a wider
+        measured one that costs less (the extra positions are cut back like refused
+        proposals, their logits ignored)."""
+        own = self.cost(width)
+        if own is None:
+            return width
+        cheaper = [w for w, s in self.seconds.items() if w > width and s < own]
+        return min(cheaper, key=lambda w: (self.seconds[w], w)) if cheaper else width
 
     def best(self, acceptance: float, limit: int) -> int | None:
-        """The proposals (1..limit) giving the most tokens a second at `acceptance`, or
-        None while the cost of a width is not known yet."""
-        line = self.line()
-        if line is None:
+        """The proposals (0..limit; 0 only where one position was measured) giving the
+        most tokens a second at `acceptance`, each at its cheapest width; None with
+        nothing measured."""
+        if not self.seconds:
             return None
-        a, b = line
-        return max(
-            range(1, limit + 1),
-            key=lambda k: expected_tokens(k, acceptance) / (a + b * (k + 1)),
-        )
+        start = 0 if 1 in self.seconds else 1
+
+        def rate(k: int) -> float:
+            return expected_tokens(k, acceptance) / self.cost(self.padded(k + 1))
+
+        return max(range(start, limit + 1), key=rate)
 
 
 def blocker(shard: sharding.Shard) -> str:
