@@ -74,13 +74,15 @@ def test_round_size_follows_what_each_width_costs_here():
     assert expected_tokens(0, 0.9) == 1 and expected_tokens(2, 0.5) == pytest.approx(1.75)
     flat, steep, cuda = RoundCost(), RoundCost(), RoundCost()
     assert flat.best(0.8, 4) is None and flat.padded(3) == 3  # (nothing timed yet)
-    for width in (1, 2, 3, 4, 5):
+    flat.took(1, 0.0205)
+    assert flat.padded(3) == 8  # (then each probe width once)
+    for width in (1, 2, 3, 4, 5, 8, 16):
         flat.took(width, 0.020 + 0.0005 * width)
         steep.took(width, 0.010 + 0.010 * width)
     assert flat.best(0.8, 4) == 4
     assert steep.best(0.8, 4) == 2
     assert steep.best(0.3, 4) == 0  # (one position alone is best: stop speculating)
-    for width, ms in ((1, 9.7), (2, 14.0), (3, 18.7), (5, 26.8), (8, 19.0)):
+    for width, ms in ((1, 9.7), (2, 14.0), (3, 18.7), (5, 26.8), (8, 19.0), (16, 19.5)):
         cuda.took(width, ms / 1000)
     assert cuda.padded(5) == 8 and cuda.padded(2) == 2 and cuda.padded(8) == 8
     assert cuda.cost(4) == cuda.cost(3)  # (unmeasured: as the nearest narrower)

@@ -28,6 +28,8 @@ from mlx_relay.model import sharding
 # speculating and decodes in a batched group (proposals that keep failing only cost).
 MISS_LIMIT = 16
 EMA = 0.3  # weight of the newest round in a sequence's acceptance estimate
+# Wider steps each timed once after the first round, to find where padding pays.
+PROBE_WIDTHS = (8, 16)
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,8 @@ class RoundCost:
     costs compute; MLX's CUDA quantized matmul computes 2 to 7 rows one matrix-vector
     product each and 8 or more as one matrix product, so there 5 positions cost more
     than 8 (bench/width_cost.py). A width not measured yet counts as what the nearest
-    measured narrower one costs, so it is tried once where it might pay."""
+    measured narrower one costs, so it is tried once where it might pay; PROBE_WIDTHS
+    are each tried once (padded) to find a cheaper wide step."""
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}
@@ -148,6 +151,9 @@ class RoundCost:
         own = self.cost(width)
         if own is None:
             return width
+        unmeasured = [w for w in PROBE_WIDTHS if w > width and w not in self.seconds]
+        if unmeasured:  # (once each: whether a wider step costs less here)
+            return unmeasured[0]
         cheaper = [w for w, s in self.seconds.items() if w > width and s < own]
         return min(cheaper, key=lambda w: (self.seconds[w], w)) if cheaper else width
 
