@@ -196,7 +196,6 @@ def main() -> int:
                 runners["mlx_lm speculative"] = spec.run
         options = ["--draft-model", draft] if draft else ["--draft", "ngram"]
         options += ["--num-draft-tokens", str(args.k), "--no-prompt-cache"]
-        options += ["--draft-max-streams", str(max(2, args.streams))]
         options += ["--draft-fixed"] if args.fixed else []
         for n in sizes:
             address = f"127.0.0.1:{free_ports(1)[0]}"

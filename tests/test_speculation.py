@@ -40,7 +40,8 @@ def test_lookup_proposes_what_followed_the_latest_longest_match():
     history = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 4, 1, 2, 3]
     assert lookup(history, 3) == [7, 8, 4]  # (the later of the two [1, 2, 3])
     assert lookup(history, 1) == [7]
-    assert lookup([5, 6, 5, 6, 5], 4) == [6, 5]  # up to the end of the history
+    assert lookup([5, 6, 5, 6, 5], 4) == [6, 5, 6, 5]  # (a loop goes round again)
+    assert lookup([1, 2, 3, 1, 2], 4) == [3, 1, 2, 3]
     assert lookup([1, 2, 3, 4], 3) == []  # nothing repeats
     assert lookup([1, 2, 1, 2], 0) == []
 

@@ -63,9 +63,9 @@ class Drafter:
 def lookup(
     history: list[int], k: int, longest: int = MAX_NGRAM, shortest: int = MIN_NGRAM
 ) -> list[int]:
-    """Prompt lookup: the (up to) `k` tokens that followed the latest earlier occurrence
-    of the history's last n tokens, for the longest n from `longest` down to
-    `shortest` that occurs; [] when none does."""
+    """Prompt lookup: the `k` tokens that followed the latest earlier occurrence of the
+    history's last n tokens, for the longest n from `longest` down to `shortest` that
+    occurs; [] when none does."""
     if k <= 0 or len(history) < shortest + 1:
         return []
     tokens = np.asarray(history, dtype=np.int64)
@@ -75,8 +75,12 @@ def lookup(
         windows = sliding_window_view(tokens[: end - 1], n)
         hits = np.flatnonzero((windows == tokens[end - n :]).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n
-            return tokens[start : start + k].tolist()
+            # What followed the match, copied on past the history's end as the match
+            # predicts (a loop of period p, matched p back, goes round again).
+            out, start = list(history), int(hits[-1]) + n
+            for i in range(k):
+                out.append(out[start + i])
+            return out[end:]
     return []
 
 
