@@ -383,7 +383,6 @@ class Engine:
                     tokens=0 if decode else header.lengths[0],
                     units=step.units,
                     want_logits=step.want_logits,
-                    rows=header.n_seqs,
                 )
             )
 

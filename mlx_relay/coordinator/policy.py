@@ -125,7 +125,6 @@ class StepOutput:
     units: float = 0.0  # its work (pace.step_cost)
     want_logits: bool = True
     beside_prefill: bool = False  # a prompt was being prefilled while it ran
-    rows: int = 0  # sequences a decode group's step carried
 
 
 class Policy:

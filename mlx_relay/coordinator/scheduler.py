@@ -368,15 +368,14 @@ class Scheduler:
 
     def step_took(self, out: StepOutput) -> None:
         """A forward step came back: what it took paces the next prompt chunks (a decode
-        step counts only with no prompt prefilled beside it), and a verify step's (or a
-        lone stream's decode step's) tells how many proposals pay (RoundCost)."""
+        step counts only with no prompt prefilled beside it), and a verify step's tells
+        how many proposals pay (RoundCost; a decode step's time overlaps the next one's,
+        so it says nothing of a round's)."""
         if out.kind == "verify":
             self.round_cost.took(out.tokens, out.seconds)
             return
         if out.kind == "group" and any(s.prefilling for s in self.running):
             out = dataclasses.replace(out, beside_prefill=True)
-        elif out.kind == "group" and out.rows == 1 and len(self.running) == 1:
-            self.round_cost.took(1, out.seconds)
         self.policy.update_from_output(out)
 
     # --- results ---------------------------------------------------------------------
@@ -411,8 +410,8 @@ class Scheduler:
         """How many positions a round with `proposals` carries: one more, or a wider
         step where that costs less here (adaptive rounds: RoundCost.padded)."""
         spec = verify.seq.spec
-        if spec is None or not spec.adaptive or spec.leaving:  # (leaving: exactly at its
-            return 1 + proposals  # position after the round, to join a group)
+        if spec is None or not spec.adaptive or not proposals:  # (none: exactly at its
+            return 1 + proposals  # position after the round, to time it or join a group)
         return self.round_cost.padded(1 + proposals)
 
     def verified(

@@ -79,28 +79,28 @@ class SpecState:
         """A round came back: `accepted` of its `proposed` tokens were kept. The next
         round asks for as many as give the most tokens per second by `cost` (what a
         verify step of each width takes here) and this sequence's acceptance (none: it
-        stops speculating); before `cost` knows, more after a round that kept all and
-        fewer after one that did not (the way Hugging Face's assisted generation adapts)."""
+        stops speculating); once, a round of none, which times one position alone;
+        before `cost` knows anything, more after a round that kept all and fewer after
+        one that did not (the way Hugging Face's assisted generation adapts)."""
         self.rounds += 1
         self.drafted += proposed
         self.accepted += accepted
         self.misses = 0 if accepted else self.misses + 1
-        if not self.adaptive or not proposed:
+        if not self.adaptive:
             return
-        refused = 1 if accepted < proposed else 0
-        first = not (self.kept_rate or self.refused_rate)
-        weight = 1.0 if first else EMA
-        self.kept_rate += weight * (accepted - self.kept_rate)
-        self.refused_rate += weight * (refused - self.refused_rate)
-        best = cost.best(self.acceptance, self.limit) if cost is not None else None
-        if best == 0:  # one position alone gives more: decode in a group from now on
-            self.leaving = True
-        elif best is not None:
-            self.k = best
-        elif accepted == proposed:
-            self.k = min(self.limit, self.k + 2)
-        else:
-            self.k = max(1, self.k - 1)
+        if proposed:
+            refused = 1 if accepted < proposed else 0
+            weight = EMA if self.kept_rate or self.refused_rate else 1.0
+            self.kept_rate += weight * (accepted - self.kept_rate)
+            self.refused_rate += weight * (refused - self.refused_rate)
+        if cost is not None and cost.seconds and 1 not in cost.seconds:
+            self.k = 0  # (one position alone, timed: what proposing nothing gives)
+        elif cost is not None and cost.seconds:
+            best = cost.best(self.acceptance, self.limit)
+            self.leaving = self.leaving or best == 0  # (alone gives more: a group's)
+            self.k = max(1, best or 0)
+        elif proposed:
+            self.k = min(self.limit, self.k + 2) if accepted == proposed else max(1, self.k - 1)
         if self.misses >= MISS_LIMIT:
             self.leaving = True
 
@@ -152,7 +152,7 @@ class RoundCost:
         if own is None:
             return width
         unmeasured = [w for w in PROBE_WIDTHS if w > width and w not in self.seconds]
-        if unmeasured:  # (once each: whether a wider step costs less here)
+        if unmeasured and width > 1:  # (once each: whether a wider step costs less here)
             return unmeasured[0]
         cheaper = [w for w, s in self.seconds.items() if w > width and s < own]
         return min(cheaper, key=lambda w: (self.seconds[w], w)) if cheaper else width
