@@ -14,11 +14,8 @@ import httpx
 import jsonschema
 import pytest
 from anthropic.types import Message
-from conftest import assert_gone, start_cluster
 from openai.types.chat import ChatCompletion
 from test_http_api import Served
-
-from mlx_relay.launch.local import free_ports
 
 pytestmark = [pytest.mark.cluster, pytest.mark.default_model]
 
@@ -57,16 +54,13 @@ ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    port = free_ports(1)[0]
-    running = start_cluster(
-        "default", 2, tmp_path_factory.mktemp("logs"), "--http-address", f"127.0.0.1:{port}"
-    )
-    served = Served(running, "default", [], port)  # (test_http_api's, on the default model)
+def served(default_cluster):
+    """test_http_api's Served, on the session's default-model cluster (these tests only
+    ask it questions)."""
+    running, port = default_cluster
+    served = Served(running, "default", [], port)
     yield served
     served.http.close()
-    running.stop()
-    assert_gone(running.pids)
 
 
 def _valid_call(name: str, arguments: str | dict) -> dict:
