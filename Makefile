@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser demo test test-fast lint proto bench clean
+.PHONY: install browser demo test test-all test-fast lint proto bench clean
 
 install: $(STAMP)
 
@@ -31,6 +31,11 @@ demo: install
 
 test: install browser
 	$(PY) -m pytest -q -ra tests
+
+# The whole suite plus the tests marked `exhaustive` (the rest of the matrices whose
+# cheapest cases `make test` runs: more rank counts, the SDKs on the default model).
+test-all: install browser
+	$(PY) -m pytest -q -ra --exhaustive tests
 
 # Every test file that starts no rank process (each layer's rules: pacing, scheduling,
 # sampling, markup, parsers, the step header, hostfiles; the engine against an in-process

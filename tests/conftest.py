@@ -135,3 +135,25 @@ def default_cluster(tmp_path_factory):
 
 def pytest_configure(config):
     os.environ.setdefault("MLX_RELAY_LOG", "INFO")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--exhaustive",
+        action="store_true",
+        help="also run the tests marked exhaustive (make test-all)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `exhaustive` (the rest of a matrix whose cheapest cases the default
+    suite runs: each says why its kept cases cover it) run only with --exhaustive, so
+    `make test` stays within its time on 2 cores while `make test-all` runs them all."""
+    if config.getoption("--exhaustive"):
+        return
+    kept, left = [], []
+    for item in items:
+        (left if item.get_closest_marker("exhaustive") else kept).append(item)
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = kept

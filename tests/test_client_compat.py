@@ -1,14 +1,22 @@
 """Issue 38: what a new user's clients meet on the default model, through the real SDKs.
 
-One 2-rank cluster of the embedded default model (SmolLM2, whose chat template ignores
-tools) with its HTTP doors: tools work through the fallback prompt, forced calls are
-held to a grammar (a well-formed call of an allowed tool, arguments valid against its
-schema), and the response objects validate against the SDKs' own types.
+The embedded default model (SmolLM2, whose chat template ignores tools) on 2 ranks with
+its HTTP doors: tools work through the fallback prompt, forced calls are held to a
+grammar (a well-formed call of an allowed tool, arguments valid against its schema), and
+the response objects validate against the SDKs' own types.
+
+The tools tests run on a tiny random llama wearing SmolLM2's own tokenizer and chat
+template (`templated`): what they check (the fallback prompt, the grammar, the
+doors' call shapes) comes from the template and the tokenizer alone, and a tools prompt
+is some 280 tokens, which the default model prefills at a few tokens a second on 2
+cores (minutes for this file; seconds on the tiny one). The rest ask the session's
+default-model cluster itself.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import httpx
 import jsonschema
@@ -17,8 +25,10 @@ from anthropic.types import Message
 from conftest import assert_gone, start_cluster
 from openai.types.chat import ChatCompletion
 from test_http_api import Served
+from tiny_models import make_tiny_model
 
 from mlx_relay.launch.local import free_ports
+from mlx_relay.model.default_model import resolve_model
 
 pytestmark = [pytest.mark.cluster, pytest.mark.default_model]
 
@@ -57,12 +67,36 @@ ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    port = free_ports(1)[0]
-    running = start_cluster(
-        "default", 2, tmp_path_factory.mktemp("logs"), "--http-address", f"127.0.0.1:{port}"
+def served(default_cluster):
+    """test_http_api's Served, on the session's default-model cluster (these tests only
+    ask it questions)."""
+    running, port = default_cluster
+    served = Served(running, "default", [], port)
+    yield served
+    served.http.close()
+
+
+# The default model's tokenizer and template files, and the config keys that go with them.
+SMOL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+SMOL_IDS = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+@pytest.fixture(scope="module")
+def templated(tmp_path_factory):
+    """A tiny random llama with SmolLM2's tokenizer, chat template and special ids, on 2
+    ranks with the HTTP doors: the default model as the tools path meets it."""
+    smol = resolve_model("default")
+    config = json.loads((smol / "config.json").read_text())
+    overrides = tuple((key, config[key]) for key in SMOL_IDS)
+    path = make_tiny_model(
+        tmp_path_factory.mktemp("smol-templated"), "llama", num_layers=4, overrides=overrides
     )
-    served = Served(running, "default", [], port)  # (test_http_api's, on the default model)
+    for name in SMOL_FILES:
+        shutil.copy(smol / name, path / name)
+    port = free_ports(1)[0]
+    logs = tmp_path_factory.mktemp("logs")
+    running = start_cluster(path, 2, logs, "--http-address", f"127.0.0.1:{port}")
+    served = Served(running, path, [], port)
     yield served
     served.http.close()
     running.stop()
@@ -78,18 +112,18 @@ def _valid_call(name: str, arguments: str | dict) -> dict:
 # --- 2: tools on a model whose template ignores them -------------------------------------
 
 
-def test_tools_go_into_the_system_prompt_where_the_template_ignores_them(served):
-    reply = served.openai.chat.completions.create(
-        model="default", messages=ASK, tools=TOOLS, max_tokens=16, temperature=0
+def test_tools_go_into_the_system_prompt_where_the_template_ignores_them(templated):
+    reply = templated.openai.chat.completions.create(
+        model=templated.model, messages=ASK, tools=TOOLS, max_tokens=16, temperature=0
     )
     choice = reply.choices[0]
     assert choice.finish_reason in ("stop", "length", "tool_calls")
     for call in choice.message.tool_calls or []:
         _valid_call(call.function.name, call.function.arguments)
-    shown = served.http.post(
+    shown = templated.http.post(
         "/v1/messages/count_tokens",
         json={
-            "model": "default",
+            "model": templated.model,
             "messages": ASK,
             "tools": [
                 {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
@@ -98,11 +132,11 @@ def test_tools_go_into_the_system_prompt_where_the_template_ignores_them(served)
         },
     )
     assert shown.status_code == 200, shown.text
-    bare = served.anthropic.messages.count_tokens(model="default", messages=ASK)
+    bare = templated.anthropic.messages.count_tokens(model=templated.model, messages=ASK)
     assert shown.json()["input_tokens"] > bare.input_tokens + 50  # the tools are in it
 
 
-def test_a_tool_round_trip_renders(served):
+def test_a_tool_round_trip_renders(templated):
     """The call and its result come back as history the fallback rewrites as text."""
     messages = [
         *ASK,
@@ -122,8 +156,8 @@ def test_a_tool_round_trip_renders(served):
         },
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
     ]
-    reply = served.openai.chat.completions.create(
-        model="default", messages=messages, tools=TOOLS, max_tokens=30, temperature=0
+    reply = templated.openai.chat.completions.create(
+        model=templated.model, messages=messages, tools=TOOLS, max_tokens=30, temperature=0
     )
     assert reply.choices[0].message.content or reply.choices[0].message.tool_calls
 
@@ -131,13 +165,13 @@ def test_a_tool_round_trip_renders(served):
 # --- 3: forced calls are constrained ----------------------------------------------------
 
 
-def test_openai_required_and_named_calls_are_well_formed(served):
+def test_openai_required_and_named_calls_are_well_formed(templated):
     for choice, allowed in [
         ("required", {"get_weather", "get_time"}),
         ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
     ]:
-        reply = served.openai.chat.completions.create(
-            model="default",
+        reply = templated.openai.chat.completions.create(
+            model=templated.model,
             messages=ASK,
             tools=TOOLS,
             tool_choice=choice,
@@ -153,9 +187,9 @@ def test_openai_required_and_named_calls_are_well_formed(served):
         _valid_call(call.function.name, call.function.arguments)
 
 
-def test_openai_forced_call_streams(served):
-    stream = served.openai.chat.completions.create(
-        model="default",
+def test_openai_forced_call_streams(templated):
+    stream = templated.openai.chat.completions.create(
+        model=templated.model,
         messages=ASK,
         tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
@@ -175,7 +209,7 @@ def test_openai_forced_call_streams(served):
     _valid_call("get_weather", calls[0]["arguments"])
 
 
-def test_anthropic_any_and_named_tool_are_well_formed(served):
+def test_anthropic_any_and_named_tool_are_well_formed(templated):
     tools = [
         {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS
     ]
@@ -183,8 +217,8 @@ def test_anthropic_any_and_named_tool_are_well_formed(served):
         ({"type": "any"}, {"get_weather", "get_time"}),
         ({"type": "tool", "name": "get_weather"}, {"get_weather"}),
     ]:
-        message = served.anthropic.messages.create(
-            model="default", max_tokens=120, messages=ASK, tools=tools, tool_choice=choice
+        message = templated.anthropic.messages.create(
+            model=templated.model, max_tokens=120, messages=ASK, tools=tools, tool_choice=choice
         )
         assert message.stop_reason == "tool_use"
         [use] = [b for b in message.content if b.type == "tool_use"]
@@ -192,11 +226,11 @@ def test_anthropic_any_and_named_tool_are_well_formed(served):
         _valid_call(use.name, use.input)
 
 
-def test_ollama_tools_answer(served):
-    reply = served.http.post(
+def test_ollama_tools_answer(templated):
+    reply = templated.http.post(
         "/api/chat",
         json={
-            "model": "default",
+            "model": templated.model,
             "messages": ASK,
             "tools": TOOLS,
             "stream": False,

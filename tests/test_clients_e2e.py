@@ -3,9 +3,12 @@
 Each SDK and framework (openai, anthropic, ollama, langchain-openai, instructor,
 pydantic-ai, openai-agents) makes a plain call, a stream, a structured output and a tool
 round trip (a call of a tool, then its result sent back and answered) against a real
-2-rank cluster over HTTP: once on the default model (SmolLM2, whose chat template ignores
-tools: the server's fallback prompt carries them) and once on a tiny random model whose
-chat template has tools. Tool calls are forced (`tool_choice`, or the framework's
+2-rank cluster over HTTP: on a tiny random model whose chat template has tools, and (the
+exhaustive suite, `make test-all`: minutes of the default model's decoding on 2 cores) on
+the default model (SmolLM2, whose chat template ignores tools: the server's fallback
+prompt carries them). The fallback prompt is the server's, the same whatever the client:
+test_client_compat drives it on the default model through the openai, anthropic and
+ollama clients in every `make test`. Tool calls are forced (`tool_choice`, or the framework's
 structured output, which forces one) and structured outputs are held to their schema
 while sampling, so even a random model answers validly: the tests check the answers'
 shape and validity, never their wisdom. One cluster per model for the whole module.
@@ -102,23 +105,29 @@ RESULT = get_weather("Paris", "celsius")
 
 @pytest.fixture(
     scope="module",
-    params=[pytest.param("default", marks=pytest.mark.default_model), "tiny"],
+    params=[
+        pytest.param("default", marks=[pytest.mark.default_model, pytest.mark.exhaustive]),
+        "tiny",
+    ],
 )
 def served(request, tmp_path_factory):
-    model = (
-        request.param
-        if request.param == "default"
-        else make_tiny_model(tmp_path_factory.mktemp("tools-tiny"), "qwen3", num_layers=4)
-    )
-    port = free_ports(1)[0]
-    logs = tmp_path_factory.mktemp("logs")
-    running = start_cluster(model, 2, logs, "--http-address", f"127.0.0.1:{port}")
+    """The default model: the session's default-model cluster (these tests only ask it
+    questions); the tiny one: a cluster of its own."""
+    if request.param == "default":
+        running, port = request.getfixturevalue("default_cluster")
+        model = "default"
+    else:
+        model = make_tiny_model(tmp_path_factory.mktemp("tools-tiny"), "qwen3", num_layers=4)
+        port = free_ports(1)[0]
+        logs = tmp_path_factory.mktemp("logs")
+        running = start_cluster(model, 2, logs, "--http-address", f"127.0.0.1:{port}")
     served = Served(running, model, [], port)
     served.http.timeout = httpx.Timeout(300)  # (a forced call on a busy machine: minutes)
     yield served
     served.http.close()
-    running.stop()
-    assert_gone(running.pids)
+    if request.param != "default":
+        running.stop()
+        assert_gone(running.pids)
 
 
 def _valid(arguments: str | dict) -> Weather:

@@ -53,12 +53,20 @@ def _collect(client, request, cancel_after: int | None, out: dict, key: int) -> 
 
 @pytest.fixture(
     scope="module",
-    params=[("auto", 0), ("eager", 0), ("eager", 4)],
+    params=[
+        ("auto", 0),
+        pytest.param(("eager", 0), marks=pytest.mark.exhaustive),
+        ("eager", 4),
+    ],
     ids=lambda p: f"{p[0]}-hops" + (f"-{p[1]}-in-flight" if p[1] else ""),
 )
 def busy_cluster(tiny_model, tmp_path_factory, request):
     """Three ranks, many groups in flight; eager hops too (auto is ready on 2 cores), and
-    one step more in flight than there are ranks (--steps-in-flight 4)."""
+    one step more in flight than there are ranks (--steps-in-flight 4). Eager hops with
+    the default steps in flight are `exhaustive` (make test-all): eager hops spin on 2
+    cores (a minute of this module), and the two other clusters cover each setting
+    (ready hops at the default, eager hops with one step more in flight; test_cluster
+    runs eager hops at the default on 2 and 3 ranks)."""
     model = tiny_model("llama", 7)
     hops, in_flight = request.param
     running = start_cluster(

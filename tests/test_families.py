@@ -3,7 +3,8 @@
 Two levels. In process: each family's layers cut into uneven stages (the functions every
 rank runs) give logits bit-identical to the whole mlx-lm model, over a prefill and decode
 steps that pass the sliding windows. Through real clusters: concurrent greedy and seeded
-streams equal single-process mlx-lm token for token at 1, 2 and 3 uneven ranks, and a
+streams equal single-process mlx-lm token for token at 2 and 3 uneven ranks (the
+exhaustive matrix, `make test-all`, adds 1 and 2 ranks for MLA and hybrid attention), and a
 second chat turn reuses the first turn's caches exactly where that is exact (plain KV
 caches only) and gives mlx-lm's tokens either way.
 """
@@ -97,22 +98,34 @@ def test_stages_equal_the_whole_model(tiny_model, family):
 
 
 # (family, ranks, --layers): every family at least once over several ranks; the two
-# that failed before (MLA, hybrid linear attention) at 1, 2 and 3 ranks.
+# that failed before (MLA, hybrid linear attention) at 1, 2 and 3 ranks. Their 1- and
+# 2-rank clusters are `exhaustive` (make test-all): the 3-rank one has every hop a
+# smaller one has (rank 0 sending to a worker, a worker to a worker, the last back to
+# rank 0) with a layer boundary of each kind inside, test_stages_equal_the_whole_model
+# runs the same splits' stages bit-exact in process, and the 1-rank path (no hop) is
+# test_cluster's and test_generation's.
+
+
+def _cluster(family: str, ranks: int, layers: str | None, exhaustive: bool = False):
+    marks = [pytest.mark.exhaustive] if exhaustive else []
+    return pytest.param(family, ranks, layers, id=f"{family}-{ranks}ranks", marks=marks)
+
+
 CLUSTERS = [
-    ("deepseek_v3", 1, None),
-    ("deepseek_v3", 2, "4,2"),
-    ("deepseek_v3", 3, "1,3,2"),
-    ("deepseek_v32", 1, None),
-    ("deepseek_v32", 2, "2,4"),
-    ("deepseek_v32", 3, "2,1,3"),
-    ("qwen3_next", 1, None),
-    ("qwen3_next", 2, "1,5"),
-    ("qwen3_next", 3, "2,1,3"),
-    ("qwen3_moe", 2, "1,5"),
-    ("mixtral", 3, "2,3,1"),
-    ("gpt_oss", 3, "3,2,1"),
-    ("glm4_moe", 2, "2,4"),
-    ("gemma3_text", 3, "1,2,3"),
+    _cluster("deepseek_v3", 1, None, exhaustive=True),
+    _cluster("deepseek_v3", 2, "4,2", exhaustive=True),
+    _cluster("deepseek_v3", 3, "1,3,2"),
+    _cluster("deepseek_v32", 1, None, exhaustive=True),
+    _cluster("deepseek_v32", 2, "2,4", exhaustive=True),
+    _cluster("deepseek_v32", 3, "2,1,3"),
+    _cluster("qwen3_next", 1, None, exhaustive=True),
+    _cluster("qwen3_next", 2, "1,5", exhaustive=True),
+    _cluster("qwen3_next", 3, "2,1,3"),
+    _cluster("qwen3_moe", 2, "1,5"),
+    _cluster("mixtral", 3, "2,3,1"),
+    _cluster("gpt_oss", 3, "3,2,1"),
+    _cluster("glm4_moe", 2, "2,4"),
+    _cluster("gemma3_text", 3, "1,2,3"),
 ]
 PROMPTS = [
     ("Tell me about the sea.", None),
@@ -135,9 +148,7 @@ def _oracle(path, text: str, seed: int | None) -> list[int]:
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize(
-    ("family", "ranks", "layers"), CLUSTERS, ids=[f"{f}-{n}ranks" for f, n, _ in CLUSTERS]
-)
+@pytest.mark.parametrize(("family", "ranks", "layers"), CLUSTERS)
 def test_cluster_equals_mlx_lm(tiny_model, cluster_factory, family, ranks, layers):
     path = tiny_model(family, NUM_LAYERS)
     running = cluster_factory(path, ranks, layers=layers)
