@@ -91,11 +91,20 @@ for line in sys.stdin:  # one run per line, so runs interleave with the clusters
 
 
 class Baseline:
-    """Single-process mlx-lm kept loaded in a subprocess, one run per request."""
+    """Single-process mlx-lm kept loaded in a subprocess, one run per request (`script`:
+    what it runs, given the model, the tokens, the prompt and `extra`)."""
 
-    def __init__(self, path: Path, tokens: int, prompt: str, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        path: Path,
+        tokens: int,
+        prompt: str,
+        env: dict[str, str],
+        script: str = BASELINE,
+        extra: tuple[str, ...] = (),
+    ) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", BASELINE, str(path), str(tokens), prompt],
+            [sys.executable, "-c", script, str(path), str(tokens), prompt, *extra],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -34,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import shapes  # noqa: E402
-from bench_pipeline import gpu_env  # noqa: E402
+from bench_pipeline import Baseline, gpu_env  # noqa: E402
 
 from mlx_relay.client.client import Client  # noqa: E402
 from mlx_relay.launch.local import LocalCluster, free_ports  # noqa: E402
@@ -51,7 +48,7 @@ PROMPTS = {
     "story": "Write a long story about a lighthouse keeper who finds a message in a bottle.",
 }
 
-BASELINE = r"""
+SPECULATIVE = r"""
 import json, os, sys, time
 import mlx.core as mx
 from mlx_lm import load, stream_generate
@@ -75,29 +72,10 @@ for line in sys.stdin:
 """
 
 
-class Baseline:
-    """Single-process mlx-lm (with a draft model: its speculative generator), loaded
-    once in a subprocess, one run per request."""
-
-    def __init__(self, path: Path, args: argparse.Namespace, draft: str, env: dict) -> None:
-        argv = [str(path), str(args.tokens), PROMPTS[args.prompt], draft, str(args.k)]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", BASELINE, *argv],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, **env},
-        )
-        self.prompt_tokens = json.loads(self.proc.stdout.readline())["prompt_tokens"]
-
-    def run(self) -> dict:
-        self.proc.stdin.write("run\n")
-        self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(30)
+def baseline(path: Path, args: argparse.Namespace, draft: str, env: dict) -> Baseline:
+    """Single-process mlx-lm (with a draft model: its speculative generator)."""
+    prompt = PROMPTS[args.prompt]
+    return Baseline(path, args.tokens, prompt, env, SPECULATIVE, (draft, str(args.k)))
 
 
 def _request(args: argparse.Namespace, drafting: bool) -> pb.GenerateRequest:
@@ -186,12 +164,12 @@ def main() -> int:
     )
     runners: dict[str, object] = {}
     with contextlib.ExitStack() as stack:
-        plain = Baseline(path, args, "", gpu_env(0, args.gpus))
+        plain = baseline(path, args, "", gpu_env(0, args.gpus))
         stack.callback(plain.close)
         if args.streams == 1:
             runners["mlx_lm"] = plain.run
             if draft:
-                spec = Baseline(path, args, draft, gpu_env(0, args.gpus))
+                spec = baseline(path, args, draft, gpu_env(0, args.gpus))
                 stack.callback(spec.close)
                 runners["mlx_lm speculative"] = spec.run
         options = ["--draft-model", draft] if draft else ["--draft", "ngram"]

@@ -11,8 +11,11 @@ own stage failing at launch. Nothing of the engine is replaced.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
+from mlx_relay.coordinator.engine import Engine
 from mlx_relay.coordinator.pipeline import ClusterFailure, Pipeline, RankFailure, Step
 from mlx_relay.protocol import header as hdr
 
@@ -81,3 +84,27 @@ def _take(faults: list[tuple[Match, RankFailure]], step: Step) -> RankFailure | 
             del faults[i]
             return fault
     return None
+
+
+@contextmanager
+def engines(model: Path | str) -> Iterator[Callable[..., tuple[Engine, FakePipeline]]]:
+    """start(depth=2, **engine_args) -> (an Engine serving `model` on a FakePipeline of
+    `depth` steps in flight, that pipeline); every engine started is stopped at the end."""
+    running: list[Engine] = []
+
+    def start(depth: int = 2, **kwargs) -> tuple[Engine, FakePipeline]:
+        pipeline = FakePipeline(depth)
+        engine = Engine(pipeline, **kwargs)
+        engine.start()
+        running.append(engine)
+        engine.load(str(model)).result(120)
+        return engine, pipeline
+
+    try:
+        yield start
+    finally:
+        for engine in running:
+            engine.pipeline.gate.set()
+            if engine.running:
+                engine.free(shutdown=True).result(60)
+            engine.join(10)

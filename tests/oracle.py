@@ -62,11 +62,20 @@ def mlx_lm_tokens(
     sampler: dict | None = None,
     processors: dict | None = None,
     prefill_step_size: int = 2048,
+    draft: Path | None = None,
+    num_draft_tokens: int = 2,
 ) -> list[int]:
-    """Tokens `mlx_lm.stream_generate` produces (the EOS token itself not included)."""
+    """Tokens `mlx_lm.stream_generate` produces (the EOS token itself not included);
+    with `draft`, its speculative generator's with that draft model (its own prefill
+    step, 512, as mlx_relay's draft prefill)."""
     model, tokenizer = _load(str(path))
     if seed is not None:
         mx.random.seed(seed)
+    options = (
+        {"draft_model": _load(str(draft))[0], "num_draft_tokens": num_draft_tokens}
+        if draft is not None
+        else {"prefill_step_size": prefill_step_size}
+    )
     responses = list(
         stream_generate(
             model,
@@ -75,40 +84,7 @@ def mlx_lm_tokens(
             max_tokens=max_tokens,
             sampler=make_sampler(**(sampler or {})),
             logits_processors=_processors(processors or {}, len(prompt_tokens), max_tokens),
-            prefill_step_size=prefill_step_size,
-        )
-    )
-    tokens = [r.token for r in responses]
-    if responses and responses[-1].finish_reason == "stop":
-        tokens = tokens[:-1]
-    return tokens
-
-
-def mlx_lm_speculative_tokens(
-    path: Path,
-    draft: Path,
-    prompt_tokens: list[int],
-    max_tokens: int,
-    num_draft_tokens: int,
-    *,
-    seed: int | None = None,
-    sampler: dict | None = None,
-) -> list[int]:
-    """Tokens mlx-lm's own speculative generator produces with `draft` as draft model
-    (`stream_generate(..., draft_model=..., num_draft_tokens=...)`), EOS not included."""
-    model, tokenizer = _load(str(path))
-    draft_model = _load(str(draft))[0]
-    if seed is not None:
-        mx.random.seed(seed)
-    responses = list(
-        stream_generate(
-            model,
-            tokenizer,
-            mx.array(prompt_tokens),
-            max_tokens=max_tokens,
-            sampler=make_sampler(**(sampler or {})),
-            draft_model=draft_model,
-            num_draft_tokens=num_draft_tokens,
+            **options,
         )
     )
     tokens = [r.token for r in responses]

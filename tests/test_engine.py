@@ -12,11 +12,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from fake_pipeline import FakePipeline  # noqa: E402
+from fake_pipeline import engines  # noqa: E402
 from oracle import mlx_lm_tokens, tokenizer_for  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
-from mlx_relay.coordinator.engine import Engine  # noqa: E402
 from mlx_relay.coordinator.sampling import SamplingParams  # noqa: E402
 from mlx_relay.coordinator.sequence import Chunk, EngineError, Request  # noqa: E402
 from mlx_relay.model.memory import MEMORY_LIMIT_ENV  # noqa: E402
@@ -33,22 +32,8 @@ def model(tmp_path_factory) -> Path:
 @pytest.fixture
 def start(model):
     """start(**engine_args) -> (engine serving the model, its FakePipeline); stopped after."""
-    running: list[Engine] = []
-
-    def start_engine(depth: int = 2, **kwargs) -> tuple[Engine, FakePipeline]:
-        pipeline = FakePipeline(depth)
-        engine = Engine(pipeline, **kwargs)
-        engine.start()
-        engine.load(str(model)).result(60)
-        running.append(engine)
-        return engine, pipeline
-
-    yield start_engine
-    for engine in running:
-        engine.pipeline.gate.set()
-        if engine.running:
-            engine.free(shutdown=True).result(60)
-        engine.join(10)
+    with engines(model) as start_engine:
+        yield start_engine
 
 
 def prompt(model: Path, text: str) -> list[int]:

@@ -13,12 +13,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from fake_pipeline import FakePipeline  # noqa: E402
-from oracle import mlx_lm_speculative_tokens, mlx_lm_tokens, tokenizer_for  # noqa: E402
+from fake_pipeline import FakePipeline, engines  # noqa: E402
+from oracle import mlx_lm_tokens, tokenizer_for  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
 from mlx_relay.coordinator.drafting import lookup  # noqa: E402
-from mlx_relay.coordinator.engine import Engine  # noqa: E402
 from mlx_relay.coordinator.sampling import SamplingParams  # noqa: E402
 from mlx_relay.coordinator.sequence import Chunk, Request  # noqa: E402
 from mlx_relay.coordinator.speculation import (  # noqa: E402
@@ -119,22 +118,8 @@ def other_draft(tmp_path_factory) -> Path:
 @pytest.fixture
 def start(model):
     """start(speculation, **engine_args) -> (engine serving the model, its pipeline)."""
-    running: list[Engine] = []
-
-    def start_engine(speculation: SpecConfig | None, depth: int = 2, **kwargs):
-        pipeline = FakePipeline(depth)
-        engine = Engine(pipeline, speculation=speculation, **kwargs)
-        engine.start()
-        engine.load(str(model)).result(60)
-        running.append(engine)
-        return engine, pipeline
-
-    yield start_engine
-    for engine in running:
-        engine.pipeline.gate.set()
-        if engine.running:
-            engine.free(shutdown=True).result(60)
-        engine.join(10)
+    with engines(model) as start_engine:
+        yield lambda speculation, **kwargs: start_engine(speculation=speculation, **kwargs)
 
 
 def request(model: Path, text: str, max_tokens: int = 24, **params) -> Request:
@@ -167,14 +152,14 @@ def test_draft_model_tokens_equal_mlx_lms_speculative_generator(
         params = SEEDED | {"seed": 11 + i} if seeded else {}
         req = engine.submit(request(model, text, 20, **params))
         ids, whole = read(req)
-        expected = mlx_lm_speculative_tokens(
+        expected = mlx_lm_tokens(
             model,
-            draft_path,
             req.prompt_tokens,
             20,
-            3,
             seed=params.get("seed"),
             sampler={"temp": 0.9, "top_p": 0.95} if seeded else None,
+            draft=draft_path,
+            num_draft_tokens=3,
         )
         assert ids == expected
         usage = whole.usage
@@ -196,19 +181,13 @@ def test_prompt_lookup_gives_plain_greedy_tokens():
     tokens = tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True
     )
-    pipeline = FakePipeline(2)
-    engine = Engine(pipeline, speculation=SpecConfig("ngram", 4))
-    engine.start()
-    try:
-        engine.load("default").result(120)
+    with engines("default") as start:
+        engine, pipeline = start(speculation=SpecConfig("ngram", 4))
         req = engine.submit(Request(prompt_tokens=tokens, params=SamplingParams(max_tokens=40)))
         ids, whole = read(req)
         assert ids == mlx_lm_tokens(path, tokens, 40)
         assert whole.usage["accepted_draft_tokens"] > len(ids) / 3
         assert len(verify_steps(pipeline)) < len(ids)
-    finally:
-        engine.free(shutdown=True).result(60)
-        engine.join(10)
 
 
 def test_penalties_logprobs_and_the_length_hold(model, start):
@@ -262,15 +241,9 @@ def test_a_model_whose_caches_cannot_be_cut_back_decodes_without_it(tmp_path):
     """A sliding-window model past its window cannot drop rejected positions: it is
     served without speculation, and says why."""
     path = make_tiny_model(tmp_path, "gemma3_text", num_layers=2, sliding_window=8)
-    pipeline = FakePipeline(2)
-    engine = Engine(pipeline, speculation=SpecConfig("ngram", 4))
-    engine.start()
-    try:
-        engine.load(str(path)).result(60)
+    with engines(path) as start:
+        engine, pipeline = start(speculation=SpecConfig("ngram", 4))
         assert "cannot be cut back" in engine.scheduler.spec_blocked
         req = engine.submit(request(path, TEXTS[0], 8))
         assert read(req)[0] == mlx_lm_tokens(path, req.prompt_tokens, 8)
         assert not verify_steps(pipeline)
-    finally:
-        engine.free(shutdown=True).result(60)
-        engine.join(10)

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 from conftest import free_ports
-from oracle import chat_tokens, mlx_lm_speculative_tokens, mlx_lm_tokens
+from oracle import chat_tokens, mlx_lm_tokens
 from tiny_models import make_tiny_model
 
 from mlx_relay.model.default_model import resolve_model
@@ -67,8 +67,8 @@ def test_draft_model_equals_mlx_lms_speculative_generator(
             response = running.client.generate(_chat(text, seed, 16))
             prompt = chat_tokens(target, [{"role": "user", "content": text}])
             sampler = {"temp": 0.9, "top_p": 0.95} if seed is not None else None
-            expected = mlx_lm_speculative_tokens(
-                target, draft, prompt, 16, K, seed=seed, sampler=sampler
+            expected = mlx_lm_tokens(
+                target, prompt, 16, seed=seed, sampler=sampler, draft=draft, num_draft_tokens=K
             )
             assert list(response.token_ids) == expected, running.logs()
             assert response.usage.draft_tokens >= K
