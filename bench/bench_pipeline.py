@@ -195,6 +195,22 @@ def gpu_env(rank: int, gpus: int) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": str(ids[rank % gpus])}
 
 
+def interleaved(runners: dict[str, Callable[[], dict]], rounds: int) -> dict[str, list[dict]]:
+    """Every runner's results over `rounds` rounds, the runners taking turns in each,
+    after two warm-up rounds: a cluster's first prompt after its load goes in a short
+    probe chunk (coordinator/policy.py), so the second is the first to take the chunk
+    shapes every later round takes, whose kernels (on a GPU) compile then."""
+    for _ in range(2):
+        for run in runners.values():
+            run()
+    results: dict[str, list[dict]] = {label: [] for label in runners}
+    for i in range(rounds):
+        for label, run in runners.items():
+            results[label].append(run())
+        print(f"round {i + 1}/{rounds} done", file=sys.stderr)
+    return results
+
+
 def cluster_run(client: Client, tokens: int, prompt: str) -> dict:
     request = pb.GenerateRequest(
         messages=[pb.ChatMessage(role="user", content=prompt)],
@@ -300,17 +316,7 @@ def main() -> int:
                 print(f"{label}: the client on core(s) {cores}", file=sys.stderr)
                 run = on_cores(cores, run)
             runners[label] = run
-        # Warm-up, twice: a cluster's first prompt after its load goes in a short probe
-        # chunk (coordinator/policy.py), so the second is the first to take the chunk
-        # shapes every later round takes, whose kernels (on a GPU) compile then.
-        for _ in range(2):
-            for run in runners.values():
-                run()
-        results: dict[str, list[dict]] = {label: [] for label in runners}
-        for i in range(args.rounds):
-            for label, run in runners.items():
-                results[label].append(run())
-            print(f"round {i + 1}/{args.rounds} done", file=sys.stderr)
+        results = interleaved(runners, args.rounds)
     print(f"prompt {base.prompt_tokens} tokens; median of {args.rounds} interleaved rounds")
     print(f"{'config':<28}{'decode tok/s':>14}{'ratio':>8}{'TTFT ms':>10}{'ratio':>8}")
     reference = results["mlx_lm (1 process)"]

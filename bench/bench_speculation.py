@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import shapes  # noqa: E402
-from bench_pipeline import Baseline, gpu_env  # noqa: E402
+from bench_pipeline import Baseline, gpu_env, interleaved  # noqa: E402
 
 from mlx_relay.client.client import Client  # noqa: E402
 from mlx_relay.launch.local import LocalCluster, free_ports  # noqa: E402
@@ -192,14 +192,7 @@ def main() -> int:
             for drafting in (False, True):
                 label = f"{n} rank{'s' if n > 1 else ''} drafting {'on' if drafting else 'off'}"
                 runners[label] = lambda c=client, d=drafting: cluster_run(c, args, d)
-        for _ in range(2):  # warm-up: kernels of every shape compiled, caches sized
-            for run in runners.values():
-                run()
-        results: dict[str, list[dict]] = {label: [] for label in runners}
-        for i in range(args.rounds):
-            for label, run in runners.items():
-                results[label].append(run())
-            print(f"round {i + 1}/{args.rounds} done", file=sys.stderr)
+        results = interleaved(runners, args.rounds)
     report(results, sizes, args.streams)
     return 0
 

@@ -359,14 +359,14 @@ class Engine:
         header = step.header
         if header.cmd != hdr.CMD_FORWARD:
             return
+        seconds = time.monotonic() - step.launched_at
         if header.flags & hdr.FLAG_ALL_POSITIONS:  # a speculative round
-            seconds, width = time.monotonic() - step.launched_at, header.lengths[0]
+            width = header.lengths[0]
             self._count("verify", seconds, width)
             with self._cv:
                 self.scheduler.step_took(StepOutput(kind="verify", seconds=seconds, tokens=width))
             return
         decode = header.group != hdr.NO_GROUP
-        seconds = time.monotonic() - step.launched_at
         # (a prompt chunk is paced by what it took from when it could start: chunks in
         # flight together wait for each other, which is not what they cost)
         took = seconds if decode or not step.took else step.took
@@ -473,14 +473,14 @@ class Engine:
         """A speculative round read back: the scheduler keeps what agrees, the drafter
         follows what it kept (or lets go of a sequence that stopped speculating)."""
         spec = verify.seq.spec
+        proposed = verify.proposed.tolist() if verify.proposed is not None else []
         with self._cv:
-            update, kept = self.scheduler.verified(verify, tokens, logprobs)
+            update, kept = self.scheduler.verified(verify, tokens, proposed, logprobs)
         counts = self.spec_counts
         counts["rounds"] += 1
         counts["proposed"] += verify.k
         counts["accepted"] += kept
         if spec is not None and verify.seq.spec is spec and self.scheduler.is_running(verify.seq):
-            proposed = verify.proposed.tolist() if verify.proposed is not None else []
             self.drafter.rewind(spec, proposed, kept, verify.history[-1])
         elif spec is not None and verify.seq.spec is None:
             self.drafter.drop(spec)

@@ -17,7 +17,7 @@ decode groups, and the prompt-cache slot table (slots.py). The calls:
 - `update_from_output(seqs, tokens, logprobs)`: the tokens read back become chunks for
   the clients; those that end a sequence (EOS, a stop string, the length, a grammar's
   end) finish it;
-- `verified(action, tokens, logprobs)`: a speculating sequence's `Verify` step came
+- `verified(action, tokens, proposed, logprobs)`: a speculating sequence's `Verify` step came
   back (speculation.py): the proposals kept and the token after them become chunks, and
   its position goes back to what its caches truly hold;
 - `reap_cancelled`, `step_failed`, `fail`, `cancel_all`: the other ways sequences end.
@@ -415,16 +415,18 @@ class Scheduler:
         return self.round_cost.padded(1 + proposals)
 
     def verified(
-        self, action: Verify, tokens: list[int], logprobs: list[mx.array | None]
+        self,
+        action: Verify,
+        tokens: list[int],
+        proposed: list[int],
+        logprobs: list[mx.array | None],
     ) -> tuple[Update, int]:
-        """A verify step's tokens read back (one per position, `action.k` proposals
-        `proposed` before): the proposals up to the first that differs from what was
+        """A verify step's tokens read back (one per position: its input's, then each of
+        the `proposed` tokens'): the proposals up to the first that differs from what was
         sampled are kept, then the sampled token after them, each a chunk; the caches
         hold the rejected ones too, so the sequence's position goes back to what they
         truly hold (its next step cuts them out). The update, and how many were kept."""
-        seq, update = action.seq, Update()
-        proposed = action.proposed.tolist() if action.proposed is not None else []
-        kept = 0
+        seq, update, kept = action.seq, Update(), 0
         while kept < len(proposed) and tokens[kept] == proposed[kept]:
             kept += 1
         if seq not in self.running or seq.spec is None:
