@@ -230,28 +230,30 @@ def test_live_page_in_a_browser(scripted, tmp_path):
         # Kill rank 1: shown as gone, with the cluster's reason, within a few seconds.
         killed = time.monotonic()
         running.cluster.procs[1].kill()
+        # (each check returns the element's text, read while it is current: the page
+        # redraws the boxes every update, and an element kept past one goes stale)
         gone = _wait(
             "rank 1 shown as gone",
             lambda: (
                 (box := browser.find_element("id", "rank-1")).get_attribute("data-status") == "gone"
-                and box
+                and box.text
             ),
             8,
             browser,
         )
         shown = time.monotonic() - killed
-        assert "rank 1" in gone.text or "gone" in gone.text, gone.text
+        assert "rank 1" in gone or "gone" in gone, gone
         banner = _wait(
             "the failure banner naming rank 1",
             lambda: (
                 (b := browser.find_element("id", "banner")).is_displayed()
-                and "rank 1" in b.text
-                and b
+                and "rank 1" in (text := b.text)
+                and text
             ),
             8,
             browser,
         )
-        assert "failed" in banner.text, banner.text
+        assert "failed" in banner, banner
         # Rank 0 exits (3) after a cluster failure: the page keeps the last state and says so.
         assert running.cluster.procs[0].wait(15) == EXIT_CLUSTER_FAILED
         _wait(
