@@ -17,7 +17,7 @@ step's send (the loop's next wait for a header begins there); rank 0 has the hea
 (`returned`) and the step's sampled `tokens` read. Watcher threads mark when the device
 has finished: on rank 0 the tokens the step reads (`sampled`), its part (`computed`) and
 its part's hop out (`sent`, eager hops; an all-sum ends once its peer has joined it), on
-a worker its input (`received`); the gaps between them are the device's work and the
+a worker its input (`received`) and its output (`output`); the gaps between them are the device's work and the
 hops. `--tokens N` keeps the steps that carry N tokens (rank 0's `build` records it): a
 batch of N streams' decode steps. `--over MS` keeps the steps whose period is longer.
 """

@@ -332,6 +332,10 @@ def _check_timelines(folder, ranks: int, hops: str) -> None:
         assert got and all(
             events[(rank, "received", s)] >= events[(rank, "header", s)] for s in got
         )
+        done = [s for s in built if (rank, "output", s) in events]  # (its part computed)
+        assert done and all(
+            events[(rank, "output", s)] >= events[(rank, "header", s)] for s in done
+        )
     assert any((0, "computed", s) in events for s in built)  # (rank 0's part)
     sent = [s for s in built if (0, "sent", s) in events]
     assert bool(sent) == (hops != READY)

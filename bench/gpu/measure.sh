@@ -2,7 +2,7 @@
 # On a CUDA device machine with two GPUs, as call 2 of bench/gpu/prepare.sh's recipe:
 #     bash bench/gpu/measure.sh [warm] [load] [timeline] [single] [diagnose] [exact] [channels] [trace]
 #                               [nranks] [nprefill] [nexact] [nload] [n70b] [nserver] [nchunk]
-#                               [spec] [specmodel] [specload]
+#                               [ptrace] [vloop] [spec] [specmodel] [specload]
 #     (none: load timeline single; the n* parts need GPUS=4 GPUs or more)
 # (`warm` first: a fresh machine's first cluster spends ~2 minutes compiling kernels.)
 # Installs the carried wheels, builds the random 4-bit Llama-3-8B shape, and runs issue
@@ -120,6 +120,26 @@ if wants nprefill; then
   t nprefill; timeout 500 python3 bench/bench_pipeline.py --shape llama3-8b --gpus "$G" \
     --ranks "$ranks" --hop-modes auto --tokens 16 --rounds 3 --prompt-tokens 4000 2>&1 \
     | tee "$OUT/nprefill.log" | tail -10
+fi
+# Where a ~4,000-token prompt's time goes on GPUS ranks: every rank's timeline and GPU
+# trace during the last of its prefills, read with bench/prefill_report.py (the chunks'
+# flow through the stages: each one's wait for input, compute span and kernel time).
+if wants ptrace; then
+  t ptrace; rm -rf /tmp/ptr /tmp/ptl; mkdir -p /tmp/ptr
+  env CUDA_INJECTION64_PATH=$PWD/.gpu/b/cupti_trace.so CUPTI_TRACE_DIR=/tmp/ptr \
+    MLX_RELAY_TIMELINE=/tmp/ptl timeout 400 python3 bench/bench_pipeline.py --shape llama3-8b \
+    --gpus "$G" --ranks "$G" --hop-modes auto --tokens 16 --rounds 2 --prompt-tokens 4000 \
+    ${PTRACE_ARGS:-} > "$OUT/ptrace.log" 2>&1; tail -4 "$OUT/ptrace.log"
+  python3 bench/prefill_report.py /tmp/ptl --traces /tmp/ptr 2>&1 | tee "$OUT/ptrace.txt"
+fi
+# A verify loop's cost in one process (bench/verify_loop.py): steps of 5 and 8 positions
+# at growing offsets, as is, with keys padded to the cache's buffer (one cuDNN graph per
+# 256 positions instead of one per step), and with MLX's unfused attention.
+if wants vloop; then
+  t vloop; for v in "" --padded; do
+    timeout 200 python3 bench/verify_loop.py /root/bench/llama3-8b $v; done 2>&1 | tee "$OUT/vloop.log"
+  t vloop unfused; MLX_CUDA_USE_CUDNN_SDPA=0 timeout 200 python3 bench/verify_loop.py \
+    /root/bench/llama3-8b 2>&1 | tee -a "$OUT/vloop.log"
 fi
 if wants nexact; then
   t nexact; timeout 400 python3 bench/greedy_under_load.py --shape llama3-8b --gpus "$G" \

@@ -29,6 +29,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from mlx_relay.coordinator.sampling import Sampler
 from mlx_relay.coordinator.speculation import SpecConfig, SpecState
+from mlx_relay.model import attention
 from mlx_relay.model.default_model import resolve_model
 
 log = logging.getLogger("mlx_relay.drafting")
@@ -111,6 +112,7 @@ class ModelDrafter(Drafter):
 
     def __init__(self, model: Any) -> None:
         self.model = model
+        self._unfused = attention.wanted()  # (CUDA: see model/attention.py)
 
     @classmethod
     def load(cls, spec: str, tokenizer: Any) -> ModelDrafter:
@@ -141,10 +143,11 @@ class ModelDrafter(Drafter):
             y = mx.concatenate([mx.array(state.unseen, dtype=mx.uint32), y])
             state.unseen = []
         drafts = []
-        for _ in range(k):
-            y = self._step(state.cache, sampler, y)
-            mx.async_eval(y)
-            drafts.append(y)
+        with attention.unfused(self._unfused):  # (its first step may carry 2 tokens)
+            for _ in range(k):
+                y = self._step(state.cache, sampler, y)
+                mx.async_eval(y)
+                drafts.append(y)
         return mx.concatenate(drafts).astype(mx.int32)
 
     def _prefill(self, cache: list[Any], tokens: list[int]) -> None:

@@ -609,7 +609,12 @@ class Pipeline:
             timeline.mark_when_computed("sampled", step.header.step_id, tokens)
         self.watch.launched(step)
         width = self._returned_width(step.header)
-        self.ring.choose_path(step.header, alone=not self._in_flight, returned_width=width)
+        # (a prompt's chunk before its last wants no logits and its next chunk follows at
+        # once: it is never alone, so its return stays off the GPU streams. With an
+        # all-sum back on two H100s, rank 0's next chunk waited for the first one's whole
+        # trip round the ring: 4 ranks began flowing only after ~80 ms.)
+        alone = not self._in_flight and step.want_logits
+        self.ring.choose_path(step.header, alone=alone, returned_width=width)
         self._in_flight.append(step)
         if not self.ring.eager:
             if payload is not None:

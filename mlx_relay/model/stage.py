@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from mlx_relay.model import sharding
+from mlx_relay.model import attention, sharding
 from mlx_relay.model.kvcache import SlotCaches
 from mlx_relay.model.step_inputs import LayerInputs
 from mlx_relay.protocol import header as hdr
@@ -26,6 +26,18 @@ def forward_stage(
     with an adapter's `layer_inputs` take besides h: multimodal rope positions, per-layer
     inputs from this rank's first layer on).
     """
+    # (a verify step's few positions: on CUDA without a cuDNN graph per key length)
+    with attention.unfused(bool(header.flags & hdr.FLAG_ALL_POSITIONS) and attention.wanted()):
+        return _forward(shard, caches, header, h, sides)
+
+
+def _forward(
+    shard: sharding.Shard,
+    caches: SlotCaches,
+    header: hdr.StepHeader,
+    h: mx.array,
+    sides: Sequence[mx.array],
+) -> mx.array:
     takes_inputs = shard.takes_inputs
     arrays = {side.kind: a for side, a in zip(header.sides, sides, strict=True)} if sides else {}
     again = bool(header.flags & hdr.FLAG_SECOND_LAP)  # (the caches its first lap moved on)

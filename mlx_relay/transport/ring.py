@@ -233,7 +233,8 @@ class Ring:
     def choose_path(
         self, header: hdr.StepHeader, *, alone: bool, returned_width: int | None = None
     ) -> None:
-        """Rank 0, launching a step (`alone`: no other step is in flight;
+        """Rank 0, launching a step (`alone`: no other step is in flight, and none
+        follows it at once as a prompt's next chunk does;
         `returned_width`: hdr.returned's): mark in its header which of its hops are
         all-sums (COLLECTIVE: both; ADAPTIVE: both for a lone step, else the hop out of
         rank 0, whose receiver then launches its part at once, with no wait on its

@@ -93,6 +93,8 @@ class Worker:
                 received = [payload, *sides]
                 out = self.step(header, payload, sides)
                 timeline.mark("built", header.step_id)
+                if out is not None and header.cmd == hdr.CMD_FORWARD:
+                    timeline.mark_when_computed("output", header.step_id, out)
                 if header.sides:  # (what the next ranks need of them)
                     layers = len(self.shard.layers) if self.shard is not None else 0
                     sides = pass_on(header, sides, layers)
