@@ -6,9 +6,11 @@ prompt lookup. tests/test_speculation_cluster.py runs the same over real ranks."
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -27,6 +29,7 @@ from mlx_relay.coordinator.speculation import (  # noqa: E402
     SpecState,
     expected_tokens,
 )
+from mlx_relay.model import memory, sharding  # noqa: E402
 from mlx_relay.model.default_model import resolve_model  # noqa: E402
 from mlx_relay.protocol import header as hdr  # noqa: E402
 
@@ -247,3 +250,20 @@ def test_a_model_whose_caches_cannot_be_cut_back_decodes_without_it(tmp_path):
         req = engine.submit(request(path, TEXTS[0], 8))
         assert read(req)[0] == mlx_lm_tokens(path, req.prompt_tokens, 8)
         assert not verify_steps(pipeline)
+
+
+def test_a_draft_model_that_does_not_fit_beside_rank_0s_shard_is_refused(
+    model, other_draft, start, monkeypatch
+):
+    """Rank 0 holds the draft whole beside its shard: its weights and the caches of
+    `--draft-max-streams` sequences must fit in what rank 0 has left, or the load is
+    refused with the numbers, before any of the draft is read."""
+    layers = sharding.count_layers(json.loads((model / "config.json").read_text()))
+    target = memory.shard_nbytes(model, 0, layers, ends=True)
+    # (room for the target's weights, not for the draft beside them)
+    limit = int(mx.get_active_memory()) + target + 1024
+    monkeypatch.setenv(memory.MEMORY_LIMIT_ENV, str(limit))
+    with pytest.raises(memory.ShardTooBig, match=r"the draft model \S+ needs .* rank 0 has"):
+        start(SpecConfig("model", 3, str(other_draft)))
+    monkeypatch.delenv(memory.MEMORY_LIMIT_ENV)
+    memory.check_draft_fits(other_draft, 2, 2048)  # (no limit: it fits)

@@ -29,7 +29,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from mlx_relay.coordinator.sampling import Sampler
 from mlx_relay.coordinator.speculation import SpecConfig, SpecState
-from mlx_relay.model import attention
+from mlx_relay.model import attention, memory
 from mlx_relay.model.default_model import resolve_model
 
 log = logging.getLogger("mlx_relay.drafting")
@@ -115,9 +115,10 @@ class ModelDrafter(Drafter):
         self._unfused = attention.wanted()  # (CUDA: see model/attention.py)
 
     @classmethod
-    def load(cls, spec: str, tokenizer: Any) -> ModelDrafter:
+    def load(cls, spec: str, tokenizer: Any, streams: int = 1, context: int = 0) -> ModelDrafter:
         """Load the draft model whole; refuse one whose vocabulary differs from the
-        target's (its token ids would mean other tokens)."""
+        target's (its token ids would mean other tokens), or that with the caches of
+        `streams` sequences of `context` tokens does not fit beside rank 0's shard."""
         path = resolve_model(spec)
         draft_tokenizer = load_tokenizer(path)
         if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
@@ -125,6 +126,7 @@ class ModelDrafter(Drafter):
                 f"draft model {spec!r} does not share the served model's tokenizer "
                 "(its vocabulary differs)"
             )
+        memory.check_draft_fits(path, streams, context)
         model, _ = load_model(path)
         log.info("draft model %s loaded on rank 0", path)
         return cls(model)
@@ -174,8 +176,9 @@ class ModelDrafter(Drafter):
             trim_prompt_cache(state.cache, len(proposed) - 1 - accepted)
 
 
-def make_drafter(config: SpecConfig, tokenizer: Any) -> Drafter:
-    """The drafter the server's settings name, for the model just loaded."""
+def make_drafter(config: SpecConfig, tokenizer: Any, context: int = 0) -> Drafter:
+    """The drafter the server's settings name, for the model just loaded (`context`:
+    the most tokens one of its sequences may hold)."""
     if config.source == "model":
-        return ModelDrafter.load(config.draft_model, tokenizer)
+        return ModelDrafter.load(config.draft_model, tokenizer, config.max_streams, context)
     return NgramDrafter()

@@ -509,7 +509,8 @@ class Engine:
                     check,
                 )
             if self.speculation is not None and not self.scheduler.spec_blocked:
-                self.drafter = make_drafter(self.speculation, self.tokenizer)
+                bound = memory.sequence_bound(self.context_length)
+                self.drafter = make_drafter(self.speculation, self.tokenizer, bound)
         except Exception:
             self._set_state("unloaded")
             raise

@@ -434,6 +434,32 @@ def check_fits(path: Path, start: int, end: int, *, ends: bool = False) -> None:
     )
 
 
+def check_draft_fits(path: Path, streams: int, context: int) -> None:
+    """Refuse a draft model whose weights, with the caches of `streams` speculating
+    sequences of `context` tokens and HEADROOM, exceed what rank 0 may still allocate
+    beside its shard of the served model; before loading any of it. (Rank 0 holds the
+    draft whole; its caches grow with each speculating stream, at most
+    `--draft-max-streams` of them.)"""
+    layers = sharding.count_layers(_read_config(str(path)))
+    weights = shard_nbytes(path, 0, layers, ends=True)
+    try:
+        caches = streams * cache_nbytes(path, 0, layers, context) if context else 0
+    except CacheUnknown:
+        caches = 0
+    need = int((weights + caches) * (1 + HEADROOM))
+    room = headroom(stats())
+    if need > room:
+        limit = f" ({MEMORY_LIMIT_ENV}={os.environ[MEMORY_LIMIT_ENV]})" if memory_limit() else ""
+        raise ShardTooBig(
+            f"the draft model {path.name} needs {_size(need)}: {_size(weights)} of weights + "
+            f"{_size(caches)} of caches for --draft-max-streams {streams} sequences of "
+            f"{context:,} tokens + {HEADROOM:.0%} headroom, but rank 0 has {_size(room)} "
+            f"left beside its shard{limit}; use a smaller draft, fewer --draft-max-streams, "
+            "a lower --max-context, or --draft ngram"
+        )
+    log.info("draft model %s: %s fits in rank 0's %s left", path.name, _size(need), _size(room))
+
+
 def admission_shortfall(
     path: Path,
     ranges: list[tuple[int, int]],
