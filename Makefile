@@ -29,13 +29,18 @@ browser:
 demo: install
 	$(VENV)/bin/mlx-relay demo
 
+# Test files run on TEST_WORKERS processes at once (pytest-xdist; each file on one
+# worker, so its module fixtures start once): rank processes wait on each other and on
+# timeouts much of the time, so two workers on 2 cores take ~0.7 of one's time.
+TEST_WORKERS ?= 2
+
 test: install browser
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile tests
 
 # The whole suite plus the tests marked `exhaustive` (the rest of the matrices whose
 # cheapest cases `make test` runs: more rank counts, the SDKs on the default model).
 test-all: install browser
-	$(PY) -m pytest -q -ra --exhaustive tests
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --exhaustive tests
 
 # Every test file that starts no rank process (each layer's rules: pacing, scheduling,
 # sampling, markup, parsers, the step header, hostfiles; the engine against an in-process
