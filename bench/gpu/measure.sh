@@ -3,6 +3,7 @@
 #     bash bench/gpu/measure.sh [warm] [load] [timeline] [single] [diagnose] [exact] [channels] [trace]
 #                               [nranks] [nprefill] [nexact] [nload] [n70b] [nserver] [nchunk]
 #                               [ptrace] [vloop] [spec] [specmodel] [specload]
+#                               [n8decode] [n8load] [n8prefill]
 #     (none: load timeline single; the n* parts need GPUS=4 GPUs or more)
 # (`warm` first: a fresh machine's first cluster spends ~2 minutes compiling kernels.)
 # Installs the carried wheels, builds the random 4-bit Llama-3-8B shape, and runs issue
@@ -172,6 +173,31 @@ if wants nchunk; then
   t nchunk; timeout 500 python3 bench/bench_pipeline.py --shape llama3-8b --gpus "$G" \
     --ranks "2,$G" --hop-modes auto --tokens 16 --rounds 3 --prompt-tokens 4000 \
     --serve-args "--prefill-chunk 1024" 2>&1 | tee "$OUT/nchunk.log" | tail -10
+fi
+# Issue 41's table, written for eight GPUs (GPUS=8, one call per part: each fits the
+# 10-minute limit of a call): the 70B shape single stream at 1, 2, 4 and GPUS ranks; 16
+# and 64 streams at 2, 4 and GPUS ranks; a ~8,000-token prompt's first token at 1, 4 and
+# GPUS ranks. With GPUS=4 the same parts run at 1, 2 and 4 ranks.
+r8() { printf "%s\n" "$@" "$G" | awk -v g="$G" '$1 <= g' | sort -nu | paste -sd,; }
+if wants n8decode || wants n8load || wants n8prefill; then
+  t n8 build; python3 bench/shapes.py llama3-70b /root/bench/llama3-70b > /dev/null
+fi
+if wants n8decode; then
+  t n8decode; timeout 560 python3 bench/bench_pipeline.py --shape llama3-70b --gpus "$G" \
+    --ranks "$(r8 1 2 4)" --hop-modes auto --tokens 64 --rounds 3 2>&1 \
+    | tee "$OUT/n8decode.log" | tail -12
+fi
+if wants n8load; then
+  for streams in 16 64; do
+    t "n8load $streams"; timeout 270 python3 bench/bench_concurrency.py --shape llama3-70b \
+      --gpus "$G" --streams "$streams" --idle-seconds 1 --hop-modes auto --ranks "$(r8 2 4)" \
+      --tokens 64 2>&1 | tee "$OUT/n8load_$streams.log" | grep -v '^$' | tail -8
+  done
+fi
+if wants n8prefill; then
+  t n8prefill; timeout 560 python3 bench/bench_pipeline.py --shape llama3-70b --gpus "$G" \
+    --ranks "$(r8 1 4)" --hop-modes auto --tokens 16 --rounds 3 --prompt-tokens 8000 2>&1 \
+    | tee "$OUT/n8prefill.log" | tail -10
 fi
 if wants exact; then
   t exact; timeout 400 python3 bench/greedy_under_load.py --shape llama3-8b --gpus 2 --ranks 1,2 \
