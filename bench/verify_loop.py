@@ -47,15 +47,8 @@ class Padded:
 
     def update_and_fetch(self, keys, values):
         self.cache.update_and_fetch(keys, values)
-        if keys.shape[2] == 1:
-            return (
-                self.cache.keys_and_values()
-                if hasattr(self.cache, "keys_and_values")
-                else (
-                    self.cache.keys[..., : self.cache.offset, :],
-                    self.cache.values[..., : self.cache.offset, :],
-                )
-            )
+        if keys.shape[2] == 1:  # (one position: mlx-lm's own slice and no mask)
+            return self.cache.keys_and_values()
         return self.cache.keys, self.cache.values
 
 
