@@ -66,12 +66,7 @@ def main() -> int:
     ranks = 1 + max(rank for rank, _, _ in events)
     t0 = events[(0, "build", steps[0])]
     end = events.get((0, "tokens", steps[-1]))
-    traces: dict[int, trace_report.Trace] = {}
-    if args.traces:
-        for f in sorted(args.traces.glob("rank*-*.tsv"), key=lambda f: f.stat().st_size):
-            rank = f.name.split("-")[0].removeprefix("rank")
-            if rank.isdigit() and f.stat().st_size:
-                traces[int(rank)] = trace_report.read_trace(f)
+    traces = trace_report.read_traces(args.traces) if args.traces else {}
 
     def ms(ns: int | None) -> str:
         return "      -" if ns is None else f"{(ns - t0) / 1e6:7.1f}"

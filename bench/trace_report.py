@@ -68,6 +68,17 @@ def read_trace(path: Path) -> Trace:
     return t
 
 
+def read_traces(folder: Path) -> dict[int, Trace]:
+    """Each rank's trace in a CUPTI_TRACE_DIR (`rank<R>-<pid>.tsv`; of several files of
+    one rank, the largest; processes with no rank, such as a baseline, left out)."""
+    traces: dict[int, Trace] = {}
+    for f in sorted(folder.glob("rank*-*.tsv"), key=lambda f: f.stat().st_size):
+        rank = f.name.split("-")[0].removeprefix("rank")
+        if rank.isdigit() and f.stat().st_size:
+            traces[int(rank)] = read_trace(f)
+    return traces
+
+
 def is_nccl(name: str) -> bool:
     return "nccl" in name.lower()
 
@@ -254,11 +265,7 @@ def main() -> int:
         print("no steady steps")
         return 1
     a, b = events[(0, "build", steady[0])], events[(0, "build", steady[-1] + 1)]
-    traces: dict[int, Trace] = {}
-    for f in sorted(args.traces.glob("rank*-*.tsv"), key=lambda f: f.stat().st_size):
-        rank = f.name.split("-")[0].removeprefix("rank")
-        if rank.isdigit() and f.stat().st_size:
-            traces[int(rank)] = read_trace(f)
+    traces = read_traces(args.traces)
     print(f"{len(steady)} steady steps of {args.tokens} tokens, {(b - a) / 1e6:.0f} ms")
     for rank, t in sorted(traces.items()):
         print("\n".join(rank_summary(f"rank {rank}", t, a, b, args.top)))

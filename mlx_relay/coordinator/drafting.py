@@ -112,7 +112,6 @@ class ModelDrafter(Drafter):
 
     def __init__(self, model: Any) -> None:
         self.model = model
-        self._unfused = attention.wanted()  # (CUDA: see model/attention.py)
 
     @classmethod
     def load(cls, spec: str, tokenizer: Any, streams: int = 1, context: int = 0) -> ModelDrafter:
@@ -145,7 +144,8 @@ class ModelDrafter(Drafter):
             y = mx.concatenate([mx.array(state.unseen, dtype=mx.uint32), y])
             state.unseen = []
         drafts = []
-        with attention.unfused(self._unfused):  # (its first step may carry 2 tokens)
+        # (its first step may carry 2 tokens: on CUDA see model/attention.py)
+        with attention.unfused(attention.wanted()):
             for _ in range(k):
                 y = self._step(state.cache, sampler, y)
                 mx.async_eval(y)

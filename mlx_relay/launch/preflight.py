@@ -81,7 +81,8 @@ def check_hop_mode(mode: str, n: int) -> None:
     """Collective (and adaptive) hops are all-sums of the pair a hop joins: off CUDA, where
     the ring group is the only group, a cluster of 2 ranks. (On CUDA every neighbouring
     pair gets an NCCL communicator of its own, so any size; the ranks check it at start.)"""
-    from mlx_relay.transport.collective import check_pair, on_cuda
+    from mlx_relay.device import on_cuda
+    from mlx_relay.transport.collective import check_pair
     from mlx_relay.transport.ring import PAIRED_MODES
 
     if mode in PAIRED_MODES and not on_cuda():

@@ -20,11 +20,14 @@ MLX's own on CUDA too.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
+
+from mlx_relay.device import on_cuda
 
 ENV = "MLX_RELAY_VERIFY_ATTENTION"
 FEW = 32  # (more query positions than this, a prompt's chunk: MLX's own kernel)
@@ -32,11 +35,11 @@ FEW = 32  # (more query positions than this, a prompt's chunk: MLX's own kernel)
 _fused = mx.fast.scaled_dot_product_attention
 
 
+@functools.cache
 def wanted() -> bool:
-    """Whether verify steps swap in the unfused attention here (CUDA, unless told not)."""
-    cuda = getattr(mx, "cuda", None)
-    on_cuda = mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
-    return on_cuda and os.environ.get(ENV, "unfused") != "fused"
+    """Whether verify steps swap in the unfused attention here (CUDA, unless told not;
+    asked once a process)."""
+    return on_cuda() and os.environ.get(ENV, "unfused") != "fused"
 
 
 @contextlib.contextmanager

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlx_relay.device import on_cuda
+
 DEFAULT_NCCL_PORT = 50150  # rank 0's host: where NCCL's bootstrap listens (NCCL_PORT)
 
 
@@ -50,11 +52,6 @@ class PayloadGroups:
     send: mx.distributed.Group
     recv: mx.distributed.Group
     separate_streams: bool  # receives on a GPU stream of their own
-
-
-def on_cuda() -> bool:
-    cuda = getattr(mx, "cuda", None)  # (MLX builds without the module: not CUDA)
-    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
 
 
 def check_pair(ranks: int) -> None:

@@ -16,8 +16,9 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_relay import timeline
+from mlx_relay.device import on_cuda
 from mlx_relay.protocol import header as hdr
-from mlx_relay.transport.collective import PayloadGroups, on_cuda
+from mlx_relay.transport.collective import PayloadGroups
 from mlx_relay.transport.doorbell import MAX_MESSAGE_BYTES, Doorbell
 from mlx_relay.transport.outbox import Outbox
 
