@@ -145,9 +145,9 @@ def pytest_addoption(parser):
     )
 
 
-# The files that take longest (seconds on 2 cores, session 24), collected first: `make
-# test` runs files on two workers at once (pytest-xdist, --dist loadfile), and one of
-# these started last would leave the other worker idle at the end.
+# The files that take longest (seconds on 2 cores, session 24), collected first where
+# files run on two workers at once (`TEST_WORKERS=2 make test`: pytest-xdist, --dist
+# loadfile): one of these started last would leave the other worker idle at the end.
 LONGEST_FIRST = (
     "test_reliability",  # 107 s
     "test_families",  # 89
@@ -170,8 +170,10 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked `exhaustive` (the rest of a matrix whose cheapest cases the default
     suite runs: each says why its kept cases cover it) run only with --exhaustive, so
     `make test` stays within its time on 2 cores while `make test-all` runs them all.
-    The longest files come first (LONGEST_FIRST; each file's tests keep their order)."""
-    items.sort(key=_file_order)
+    On xdist workers the longest files come first (LONGEST_FIRST; each file's tests keep
+    their order); one process at a time keeps the files' own order."""
+    if hasattr(config, "workerinput"):  # (pytest-xdist: TEST_WORKERS=2 make test)
+        items.sort(key=_file_order)
     if config.getoption("--exhaustive"):
         return
     kept, left = [], []
