@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import make_tiny_model  # noqa: E402
 
 from mlx_relay.client.client import Client  # noqa: E402
-from mlx_relay.launch.local import LocalCluster, free_ports  # noqa: E402
+from mlx_relay.launch.local import PORTS_ENV, LocalCluster, free_ports, port_range  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -135,6 +135,20 @@ def default_cluster(tmp_path_factory):
 
 def pytest_configure(config):
     os.environ.setdefault("MLX_RELAY_LOG", "INFO")
+    _share_ports(config)
+
+
+def _share_ports(config) -> None:
+    """On pytest-xdist workers (`TEST_WORKERS=2 make test`) each worker's clusters pick
+    ports from a share of the range of their own: a port one worker's cluster let go
+    (a rank restarting binds it again) is never another worker's free port meanwhile."""
+    worker = getattr(config, "workerinput", None)
+    if worker is None or PORTS_ENV in os.environ:
+        return
+    index, count = int(worker["workerid"].removeprefix("gw")), int(worker["workercount"])
+    low, high = port_range()
+    share = (high - low) // count
+    os.environ[PORTS_ENV] = f"{low + index * share}-{low + (index + 1) * share}"
 
 
 def pytest_addoption(parser):

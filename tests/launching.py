@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 
 from mlx_relay.client.client import wait_serving
-from mlx_relay.launch.local import ephemeral_port_start
+from mlx_relay.launch.local import port_range
 from mlx_relay.protocol import relay_pb2 as pb
 
 MESSAGES = [{"role": "user", "content": "Name three rivers and one café 🙂."}]
@@ -23,9 +23,11 @@ MLX_RELAY = [sys.executable, "-m", "mlx_relay"]
 
 def free_port_range(k: int) -> int:
     """A base port P with P..P+k-1 free on loopback now (ring, side channel, doorbells),
-    below the kernel's ephemeral range so no outgoing connection takes one meanwhile."""
+    below the kernel's ephemeral range so no outgoing connection takes one meanwhile, and
+    in this test worker's own share (`port_range`: MLX_RELAY_PORTS, set in conftest)."""
+    low, high = port_range()
     for _ in range(200):
-        base = random.randrange(20000, max(ephemeral_port_start(), 21000) - k)
+        base = random.randrange(low, max(high, low + 1000) - k)
         socks = []
         try:
             for port in range(base, base + k):

@@ -258,6 +258,21 @@ def test_free_ports_are_distinct_and_outside_the_kernels_own_choices():
     assert all(1024 < p < ephemeral_port_start() for p in picked)
 
 
+def test_ports_come_from_the_range_given(monkeypatch):
+    """MLX_RELAY_PORTS keeps a run's ports inside a range (a firewall's; one test worker's
+    share beside another's), and a malformed range is the user's error, said plainly."""
+    from mlx_relay.errors import UserError
+    from mlx_relay.launch.local import PORTS_ENV, free_ports, port_range
+
+    monkeypatch.setenv(PORTS_ENV, "23000-23100")
+    assert port_range() == (23000, 23100)
+    assert all(23000 <= p < 23100 for p in free_ports(20))
+    for bad in ("23000", "a-b", "900-2000", "24000-23000"):
+        monkeypatch.setenv(PORTS_ENV, bad)
+        with pytest.raises(UserError, match=PORTS_ENV):
+            port_range()
+
+
 def test_local_passes_every_serve_option_on_from_one_table():
     """`local` takes serve's options and gives them back to each rank (serve_argv): what a
     rank parses equals what `local` was given, except what travels another way."""

@@ -57,27 +57,48 @@ def ephemeral_port_start() -> int:
         return 49152
 
 
+PORTS_ENV = "MLX_RELAY_PORTS"
+
+
+def port_range() -> tuple[int, int]:
+    """The ports [low, high) that local clusters pick from: `MLX_RELAY_PORTS=LOW-HIGH`
+    where it is set (a firewall's open range; two runs on one machine that must never
+    pick the same port, as test workers side by side), else 20000 up to where the
+    kernel's ephemeral range begins."""
+    spec = os.environ.get(PORTS_ENV, "").strip()
+    if not spec:
+        return _LOWEST_PORT, ephemeral_port_start()
+    try:
+        low, high = (int(part) for part in spec.split("-"))
+    except ValueError:
+        raise UserError(f"{PORTS_ENV}={spec!r}: expected LOW-HIGH, e.g. 20000-26000") from None
+    if not 1024 < low < high <= 65536:
+        raise UserError(f"{PORTS_ENV}={spec!r}: expected 1024 < LOW < HIGH <= 65536")
+    return low, high
+
+
 def free_ports(n: int) -> list[int]:
     """`n` distinct loopback ports that bind now.
 
     They are chosen below the kernel's ephemeral range: a port the kernel picked (bind to
     port 0) is free only until the next outgoing connection, whose source port comes from
     that same range, and clusters open many (ring, side channel, doorbells, clients); CI
-    once lost a test to exactly that race. No port is handed out twice by one process.
+    once lost a test to exactly that race. No port is handed out twice by one process
+    (processes side by side keep apart with `MLX_RELAY_PORTS`: `port_range`).
     """
-    top = ephemeral_port_start()
-    if top - _LOWEST_PORT < 1000:  # a machine with a wide ephemeral range: let the kernel pick
+    low, high = port_range()
+    if high - low < 1000 and PORTS_ENV not in os.environ:  # a wide ephemeral range
         return _kernel_ports(n)
     ports: list[int] = []
     for _ in range(50 * n):
-        port = _pick.randrange(_LOWEST_PORT, top)
+        port = _pick.randrange(low, high)
         if port in _handed_out or not _binds(port):
             continue
         _handed_out.add(port)
         ports.append(port)
         if len(ports) == n:
             return ports
-    raise OSError(f"no {n} free loopback ports between {_LOWEST_PORT} and {top}")
+    raise OSError(f"no {n} free loopback ports between {low} and {high}")
 
 
 def _binds(port: int) -> bool:
