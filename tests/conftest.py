@@ -133,6 +133,92 @@ def default_cluster(tmp_path_factory):
     assert_gone(running.pids)
 
 
+class ClusterPool:
+    """Clusters kept running between tests and modules, one per shape (rank count and
+    serve options), each loading the model a test asks for (Free, then LoadModel) when
+    it serves another: a test that only asks questions pays a model load (a fraction of
+    a second for a tiny model) instead of starting rank processes (seconds of both cores
+    each). Tests that stop, break or reconfigure a cluster start their own.
+
+    A cluster found not serving, or with a rank gone, is replaced. At most `max_ranks`
+    rank processes stay up (idle ranks cost ~130 MB and no CPU worth the name); the one
+    used longest ago goes first."""
+
+    def __init__(self, log_dir: Path, max_ranks: int = 16) -> None:
+        self.log_dir = log_dir
+        self.max_ranks = max_ranks
+        self._clusters: dict[tuple, RunningCluster] = {}  # in order of last use
+        self._loaded: dict[tuple, tuple[str, str]] = {}
+        self._started = 0
+
+    def serving(
+        self,
+        model: Path | str,
+        n: int,
+        *extra: str,
+        layers: str | None = None,
+        env: dict[str, str] | None = None,
+        fresh: bool = False,
+    ) -> RunningCluster:
+        """A cluster of `n` ranks started with `extra` (and `env`), serving `model` split
+        as `layers`; `fresh` loads the model again even where it is loaded (no prompt
+        cache or parked request left from an earlier test)."""
+        key = (n, extra, tuple(sorted((env or {}).items())))
+        want = (str(model), layers or "")
+        running = self._clusters.pop(key, None)
+        if running is not None and not _healthy(running):
+            self._retire(running)
+            running = None
+        if running is None:
+            self._make_room(n)
+            self._started += 1
+            log_dir = self.log_dir / f"cluster{self._started}"
+            running = start_cluster(model, n, log_dir, *extra, layers=layers, env=env)
+        elif fresh or self._loaded[key] != want:
+            from mlx_relay.protocol import relay_pb2 as pb
+
+            running.client.stub.Free(pb.FreeRequest(), timeout=60)
+            running.client.stub.LoadModel(
+                pb.LoadModelRequest(model=want[0], layers=want[1]), timeout=120
+            )
+        self._clusters[key] = running
+        self._loaded[key] = want
+        return running
+
+    def _make_room(self, n: int) -> None:
+        while self._clusters and sum(len(r.pids) for r in self._clusters.values()) + n > (
+            self.max_ranks
+        ):
+            oldest = next(iter(self._clusters))
+            self._retire(self._clusters.pop(oldest))
+
+    def _retire(self, running: RunningCluster) -> None:
+        running.stop()
+        assert_gone(running.pids)
+
+    def close(self) -> None:
+        while self._clusters:
+            self._retire(self._clusters.popitem()[1])
+
+
+def _healthy(running: RunningCluster) -> bool:
+    if any(p.poll() is not None for p in running.cluster.procs):
+        return False
+    try:
+        status = running.client.status()
+    except Exception:  # noqa: BLE001 - any failure to answer means start afresh
+        return False
+    return status.active_requests == 0 and running.client.serving()
+
+
+@pytest.fixture(scope="session")
+def cluster_pool(tmp_path_factory):
+    """The session's ClusterPool: `cluster_pool.serving(model, n, *serve_args, layers=)`."""
+    pool = ClusterPool(tmp_path_factory.mktemp("pool"))
+    yield pool
+    pool.close()
+
+
 def pytest_configure(config):
     os.environ.setdefault("MLX_RELAY_LOG", "INFO")
     _share_ports(config)

@@ -195,7 +195,7 @@ def test_cross_layer_attention_splits_anywhere(cla, tmp_path, monkeypatch):
         ("iquestloopcoder", "1,2,3", "eager"),
     ],
 )
-def test_in_a_cluster_equals_mlx_lm(family, layers, hops, tmp_path, cluster_factory):
+def test_in_a_cluster_equals_mlx_lm(family, layers, hops, tmp_path, cluster_pool):
     """Two (or three) uneven ranks, a greedy and a seeded chat decoded at once (one
     batch of caches with different offsets), token-exact against mlx-lm. Ministral 3's
     layers take an attention scale that grows past its original context (16 positions
@@ -217,7 +217,7 @@ def test_in_a_cluster_equals_mlx_lm(family, layers, hops, tmp_path, cluster_fact
     n-gram embedding reads its own earlier ids, which rank 0 keeps. iquestloopcoder:
     every step goes round the ring twice."""
     path = write_tokenizer(family_census.write_model(family, tmp_path / family))
-    running = cluster_factory(path, len(layers.split(",")), "--hop-mode", hops, layers=layers)
+    running = cluster_pool.serving(path, len(layers.split(",")), "--hop-mode", hops, layers=layers)
     texts = [("Tell me about the sea and the lighthouse.", None), ("Why is the sky blue?", 7)]
     got = generate_concurrently(running.client, [chat_request(t, s, 12) for t, s in texts])
     for (text, seed), tokens in zip(texts, got, strict=True):
@@ -237,14 +237,14 @@ PARKED_SPLIT = ("2,4", "auto")
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("family", ["deepseek_v41"])
-def test_a_prompt_goes_on_from_a_parked_request(family, tmp_path, cluster_factory):
+def test_a_prompt_goes_on_from_a_parked_request(family, tmp_path, cluster_pool):
     """A raw prompt continuing an earlier prompt and its output starts from that
     request's parked caches: longcat_flash_ngram's n-gram embedding from the ids rank 0
     kept for it, deepseek_v41 from its LayerCaches (windows and compressed groups, reused
     whole only). The tokens are mlx-lm's going on from the same state. (longcat and
     iquestloopcoder: in test_in_a_cluster_equals_mlx_lm, on its cluster.)"""
     path = write_tokenizer(family_census.write_model(family, tmp_path / "m"))
-    running = cluster_factory(path, 2, layers=PARKED_SPLIT[0])
+    running = cluster_pool.serving(path, 2, "--hop-mode", PARKED_SPLIT[1], layers=PARKED_SPLIT[0])
     _goes_on_from_a_parked_request(running, path)
 
 

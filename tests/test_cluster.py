@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from conftest import assert_gone, start_cluster
 from oracle import chat_tokens, mlx_lm_tokens
 
 from mlx_relay.protocol import relay_pb2 as pb
@@ -28,21 +27,18 @@ CONFIGS = [
 
 
 @pytest.fixture(
-    scope="module",
     params=CONFIGS,
     ids=lambda c: f"{c[0]}ranks-{c[1]}-{c[3] or 'even'}-{c[4]}",
 )
-def served(request, tiny_model, tmp_path_factory):
+def served(request, tiny_model, cluster_pool):
+    """(model, cluster, ranks): one of CONFIGS, from the session's pool (each test asks
+    again: a test in between may have loaded another model into the same shape)."""
     n, family, num_layers, layers, hops = request.param
     model = tiny_model(family, num_layers)
-    running = start_cluster(
-        model, n, tmp_path_factory.mktemp("logs"), "--hop-mode", hops, layers=layers
-    )
+    running = cluster_pool.serving(model, n, "--hop-mode", hops, layers=layers)
     if n > 1 and hops != "auto":  # every rank says which hops it took
         assert running.logs().count(f"{hops} hops") == n, running.logs()
-    yield model, running, n
-    running.stop()
-    assert_gone(running.pids)
+    return model, running, n
 
 
 def _chat(**params) -> pb.GenerateRequest:

@@ -149,9 +149,9 @@ def _oracle(path, text: str, seed: int | None) -> list[int]:
 
 @pytest.mark.cluster
 @pytest.mark.parametrize(("family", "ranks", "layers"), CLUSTERS)
-def test_cluster_equals_mlx_lm(tiny_model, cluster_factory, family, ranks, layers):
+def test_cluster_equals_mlx_lm(tiny_model, cluster_pool, family, ranks, layers):
     path = tiny_model(family, NUM_LAYERS)
-    running = cluster_factory(path, ranks, layers=layers)
+    running = cluster_pool.serving(path, ranks, layers=layers)
     results = generate_concurrently(running.client, [_request(*p) for p in PROMPTS])
     for i, (text, seed) in enumerate(PROMPTS):
         assert results[i] == _oracle(path, text, seed), f"request {i} ({seed=})"

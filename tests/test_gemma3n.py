@@ -161,12 +161,12 @@ def test_kv_shared_layers_stay_with_the_layers_they_reuse(model):
 
 
 @pytest.mark.cluster
-def test_cluster_equals_mlx_lm(model, cluster_factory):
+def test_cluster_equals_mlx_lm(model, cluster_pool):
     """Three uneven ranks on the default split, whose last rank holds the KV-shared
     layers: concurrent greedy and seeded streams (one decode group) equal
     mlx-lm's, and so does a raw prompt continuing an earlier one and its output, which
     starts from that one's caches (the layers' position offset comes from them)."""
-    running = cluster_factory(model, 3)
+    running = cluster_pool.serving(model, 3)
     ranks = sorted(running.client.status().ranks, key=lambda r: r.rank)
     assert ranks[-1].layer_start <= NUM_LAYERS - TAIL, ranks
     results = generate_concurrently(running.client, [_request(*p) for p in PROMPTS])

@@ -216,12 +216,12 @@ def test_per_layer_inputs_keep_their_own_dtype(model, tmp_path):
 
 
 @pytest.mark.cluster
-def test_cluster_equals_mlx_lm(model, cluster_factory):
+def test_cluster_equals_mlx_lm(model, cluster_pool):
     """Three uneven ranks with eager hops, whose receivers post each side array's
     receive from the header alone (its shape shrinks at every hop), the default split
     moved so that the last rank holds the KV-shared layers: concurrent greedy and seeded
     streams equal mlx-lm's."""
-    running = cluster_factory(model, 3, "--hop-mode", "eager")
+    running = cluster_pool.serving(model, 3, "--hop-mode", "eager")
     ranks = sorted(running.client.status().ranks, key=lambda r: r.rank)
     assert ranks[-1].layer_start <= NUM_LAYERS - TAIL, ranks
     results = generate_concurrently(running.client, [_request(*p) for p in PROMPTS])
@@ -230,10 +230,10 @@ def test_cluster_equals_mlx_lm(model, cluster_factory):
 
 
 @pytest.mark.cluster
-def test_a_gemma4_checkpoint_in_a_cluster_equals_mlx_lm(wrapped, cluster_factory):
+def test_a_gemma4_checkpoint_in_a_cluster_equals_mlx_lm(wrapped, cluster_pool):
     """Two ranks on the default split of a gemma4 checkpoint: concurrent greedy and
     seeded streams equal mlx-lm's."""
-    running = cluster_factory(wrapped, 2)
+    running = cluster_pool.serving(wrapped, 2)
     results = generate_concurrently(running.client, [_request(*p) for p in PROMPTS])
     for i, (text, seed) in enumerate(PROMPTS):
         assert results[i] == _oracle(wrapped, text, seed), f"request {i} ({seed=})"

@@ -16,7 +16,6 @@ import grpc
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import assert_gone, start_cluster
 from mlx_lm import load
 from mlx_lm.utils import load_tokenizer
 from oracle import chat_tokens, mlx_lm_tokens, tokenizer_for
@@ -50,11 +49,6 @@ def _chat(params: pb.SamplingParams | None = None, **kwargs) -> pb.GenerateReque
     return pb.GenerateRequest(messages=_messages(), params=params, **kwargs)
 
 
-def _stop_cluster(running) -> None:
-    running.stop()
-    assert_gone(running.pids)
-
-
 # --- tiny random model, 1 and 3 ranks -----------------------------------------------
 
 
@@ -63,11 +57,9 @@ def model(tiny_model):
     return tiny_model("llama", 6)
 
 
-@pytest.fixture(scope="module", params=[1, 3], ids=lambda n: f"{n}ranks")
-def served(request, model, tmp_path_factory):
-    running = start_cluster(model, request.param, tmp_path_factory.mktemp("logs"))
-    yield running
-    _stop_cluster(running)
+@pytest.fixture(params=[1, 3], ids=lambda n: f"{n}ranks")
+def served(request, model, cluster_pool):
+    return cluster_pool.serving(model, request.param)
 
 
 @cache
@@ -399,7 +391,7 @@ def script_model(path, scripts: dict[int, list[str]]) -> dict[int, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def scripted(tmp_path_factory):
+def scripted_model(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("scripted"), "llama", num_layers=4)
     tokenizer = load_tokenizer(path)  # not oracle's: that caches the weights too
     chat = tokenizer.apply_chat_template(
@@ -412,9 +404,13 @@ def scripted(tmp_path_factory):
     # Single-process mlx-lm generates the script too, with or without tools.
     for prompt in (chat_tokens(path, MESSAGES, tools=TOOLS), chat_tokens(path, MESSAGES)):
         assert mlx_lm_tokens(path, prompt, 40) == chains[chat_end]
-    running = start_cluster(path, 2, tmp_path_factory.mktemp("logs"))
-    yield running, chains[chat_end], chains[raw_end]
-    _stop_cluster(running)
+    return path, chains[chat_end], chains[raw_end]
+
+
+@pytest.fixture
+def scripted(scripted_model, cluster_pool):
+    path, chat_chain, raw_chain = scripted_model
+    return cluster_pool.serving(path, 2), chat_chain, raw_chain
 
 
 def _tool_request(tools=TOOLS, **kwargs) -> pb.GenerateRequest:
@@ -495,7 +491,7 @@ FORCED_SCRIPT = ['{"name": "get_weather"}', "</tool_call>"]
 
 
 @pytest.fixture(scope="module")
-def forced(tmp_path_factory):
+def forced_model(tmp_path_factory):
     """A scripted model that writes a call once the prompt has opened one."""
     path = make_tiny_model(tmp_path_factory.mktemp("forced"), "llama", num_layers=3)
     tokenizer = load_tokenizer(path)
@@ -504,9 +500,13 @@ def forced(tmp_path_factory):
     )
     end = encode_text(tokenizer, chat + "<tool_call>\n")[-1]
     chains = script_model(path, {end: FORCED_SCRIPT})
-    running = start_cluster(path, 2, tmp_path_factory.mktemp("logs"))
-    yield running, path, chains[end]
-    _stop_cluster(running)
+    return path, chains[end]
+
+
+@pytest.fixture
+def forced(forced_model, cluster_pool):
+    path, script_ids = forced_model
+    return cluster_pool.serving(path, 2), path, script_ids
 
 
 @pytest.mark.parametrize("choice", ["required", "get_weather"])

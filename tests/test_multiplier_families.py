@@ -5,8 +5,8 @@ its layers otherwise than (x, mask, cache) or names its decoder's parts otherwis
 exactly what each model's `__call__` does, so clusters give single-process mlx-lm's
 tokens at 1, 2 and 3 uneven ranks, greedy and seeded.
 
-One cluster per rank count; each family is loaded into it in turn (Free, LoadModel),
-which is much cheaper than starting rank processes per family.
+One cluster per rank count (the session's pool: conftest.ClusterPool); each family is
+loaded into it in turn (Free, LoadModel), much cheaper than starting rank processes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import json
 
 import mlx.core as mx
 import pytest
-from conftest import assert_gone, start_cluster
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from mlx_lm.utils import load_model
@@ -31,7 +30,6 @@ from tiny_models import (
 )
 
 from mlx_relay.model import sharding
-from mlx_relay.protocol import relay_pb2 as pb
 
 NUM_LAYERS = 6
 LAYERS = {1: None, 2: "2,4", 3: "1,3,2"}  # uneven
@@ -46,26 +44,15 @@ def models(tiny_model):
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("ranks", sorted(LAYERS))
-def test_clusters_equal_mlx_lm(models, tmp_path, ranks):
+def test_clusters_equal_mlx_lm(models, cluster_pool, ranks):
     layers = LAYERS[ranks]
-    families = list(models)
-    running = start_cluster(models[families[0]], ranks, tmp_path / "logs", layers=layers)
-    try:
-        client = running.client
-        for i, family in enumerate(families):
-            path = models[family]
-            if i:
-                client.stub.Free(pb.FreeRequest(), timeout=60)
-                load = pb.LoadModelRequest(model=str(path), layers=layers or "")
-                client.stub.LoadModel(load, timeout=120)
-            got = generate_concurrently(client, [_request(*p) for p in PROMPTS])
-            for (text, seed), tokens in zip(PROMPTS, got, strict=True):
-                assert tokens == _oracle(path, text, seed), f"{family} at {ranks} ranks, {seed=}"
+    for family, path in models.items():
+        client = cluster_pool.serving(path, ranks, layers=layers).client
+        got = generate_concurrently(client, [_request(*p) for p in PROMPTS])
+        for (text, seed), tokens in zip(PROMPTS, got, strict=True):
+            assert tokens == _oracle(path, text, seed), f"{family} at {ranks} ranks, {seed=}"
         status = client.status()
         assert status.active_requests == 0 and status.queued_requests == 0
-    finally:
-        running.stop()
-        assert_gone(running.pids)
 
 
 def test_gear_conv_mixer_layers_stage_exact(tmp_path):

@@ -62,9 +62,9 @@ def _chat(messages: list[dict]) -> pb.GenerateRequest:
     )
 
 
-def test_next_turn_of_a_chat_reuses_the_first_turns_caches(tiny_model, cluster_factory):
+def test_next_turn_of_a_chat_reuses_the_first_turns_caches(tiny_model, cluster_pool):
     model = tiny_model("llama", 5)
-    running = cluster_factory(model, 2)
+    running = cluster_pool.serving(model, 2, fresh=True)
     first = running.client.generate(_chat(FIRST))
     assert first.usage.cached_tokens == 0
     prompt = chat_tokens(model, FIRST)
@@ -97,10 +97,10 @@ def test_next_turn_of_a_chat_reuses_the_first_turns_caches(tiny_model, cluster_f
     assert running.client.status().cached_prompts == 0
 
 
-def test_conversations_sharing_a_system_prompt_keep_their_own_caches(tiny_model, cluster_factory):
+def test_conversations_sharing_a_system_prompt_keep_their_own_caches(tiny_model, cluster_pool):
     """The second conversation copies the shared part; the first one's caches stay whole."""
     model = tiny_model("llama", 5)
-    running = cluster_factory(model, 2)
+    running = cluster_pool.serving(model, 2, fresh=True)
     system = {"role": "system", "content": "You are a terse assistant for a ship's crew."}
     a = [system, {"role": "user", "content": "How deep is the harbour?"}]
     b = [system, {"role": "user", "content": "When is high tide?"}]
@@ -128,11 +128,11 @@ def test_conversations_sharing_a_system_prompt_keep_their_own_caches(tiny_model,
     [("auto",), ("eager",), ("eager", "--steps-in-flight", "4")],
     ids=["auto", "eager", "eager-4-in-flight"],
 )
-def test_reuse_survives_concurrent_decoding(tiny_model, cluster_factory, options):
+def test_reuse_survives_concurrent_decoding(tiny_model, cluster_pool, options):
     """Caches parked out of a batched decode group are the sequence's own rows (also with
     a group and a step in flight more than there are ranks)."""
     model = tiny_model("qwen3", 4)
-    running = cluster_factory(model, 3, "--hop-mode", *options)
+    running = cluster_pool.serving(model, 3, "--hop-mode", *options, fresh=True)
     prompts = [
         [{"role": "user", "content": f"Question {i}: why is the sky blue?"}] for i in range(4)
     ]
@@ -146,11 +146,11 @@ def test_reuse_survives_concurrent_decoding(tiny_model, cluster_factory, options
         assert list(reply.token_ids) == tokens
 
 
-def test_prompt_cache_tokens_bounds_what_is_kept(tiny_model, cluster_factory):
+def test_prompt_cache_tokens_bounds_what_is_kept(tiny_model, cluster_pool):
     model = tiny_model("llama", 5)
     prompts = [[{"role": "user", "content": f"Tell me about topic number {i}."}] for i in range(3)]
     budget = len(chat_tokens(model, prompts[0])) + MAX_TOKENS  # room for one finished request
-    running = cluster_factory(model, 2, "--prompt-cache-tokens", str(budget))
+    running = cluster_pool.serving(model, 2, "--prompt-cache-tokens", str(budget), fresh=True)
     replies = [running.client.generate(_chat(p)) for p in prompts]
     status = running.client.status()
     assert (status.cached_prompts, status.cached_prompt_tokens) == (1, _held(replies[-1]))
@@ -167,10 +167,10 @@ def test_prompt_cache_tokens_bounds_what_is_kept(tiny_model, cluster_factory):
     ids=["sliding-window-caches", "turned-off"],
 )
 def test_no_reuse_where_caches_cannot_be_cut_back_or_when_off(
-    tiny_model, cluster_factory, family, extra
+    tiny_model, cluster_pool, family, extra
 ):
     model = tiny_model(family, 4)
-    running = cluster_factory(model, 2, *extra)
+    running = cluster_pool.serving(model, 2, *extra, fresh=True)
     first = running.client.generate(_chat(FIRST))
     again = running.client.generate(_chat(FIRST))
     assert again.usage.cached_tokens == 0
