@@ -29,11 +29,10 @@ browser:
 demo: install
 	$(VENV)/bin/mlx-relay demo
 
-# TEST_WORKERS=2 runs test files on two processes at once (pytest-xdist, each file on one
-# worker): 889 s against 1,175 s on 2 cores, but in one run of three two workers' tests
-# raced (one took the other's free port for its ring: EADDRINUSE on a restart; a page
-# banner read mid-change), so the default stays one file at a time (0: no workers).
-TEST_WORKERS ?= 0
+# Test files run on two processes at once (pytest-xdist, each file on one worker; each
+# worker's clusters pick ports from a range of their own): the suite is CPU-bound, and
+# one file at a time keeps 1.1 of the 2 cores busy. TEST_WORKERS=0 runs one file at a time.
+TEST_WORKERS ?= 2
 
 test: install browser
 	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile tests

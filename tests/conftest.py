@@ -245,19 +245,22 @@ def pytest_addoption(parser):
     )
 
 
-# The files that take longest (seconds on 2 cores, session 24), collected first where
-# files run on two workers at once (`TEST_WORKERS=2 make test`: pytest-xdist, --dist
-# loadfile): one of these started last would leave the other worker idle at the end.
+# The files that take longest (seconds on 2 cores with two workers, session 25),
+# collected first where files run on two workers at once (`make test`: pytest-xdist,
+# --dist loadfile): one of these started last would leave the other worker idle at the end.
 LONGEST_FIRST = (
-    "test_reliability",  # 107 s
-    "test_families",  # 89
-    "test_census_families",  # 86
-    "test_first_hour",  # 74
-    "test_long_prompts",  # 65
-    "test_concurrency",  # 50
-    "test_hops",
-    "test_speculation_cluster",
-    "test_netns",
+    "test_reliability",  # 111 s
+    "test_first_hour",  # 99
+    "test_families",  # 90
+    "test_long_prompts",  # 86
+    "test_concurrency",  # 85
+    "test_census_families",  # 77
+    "test_generation",  # 56
+    "test_hops",  # 50
+    "test_netns",  # 47
+    "test_speculation_cluster",  # 47
+    "test_cluster",  # 44
+    "test_launch",  # 44
 )
 
 
