@@ -17,6 +17,7 @@ from tiny_models import make_tiny_model  # noqa: E402
 
 from mlx_relay.client.client import Client  # noqa: E402
 from mlx_relay.launch.local import PORTS_ENV, LocalCluster, free_ports, port_range  # noqa: E402
+from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -175,8 +176,6 @@ class ClusterPool:
             log_dir = self.log_dir / f"cluster{self._started}"
             running = start_cluster(model, n, log_dir, *extra, layers=layers, env=env)
         elif fresh or self._loaded[key] != want:
-            from mlx_relay.protocol import relay_pb2 as pb
-
             running.client.stub.Free(pb.FreeRequest(), timeout=60)
             running.client.stub.LoadModel(
                 pb.LoadModelRequest(model=want[0], layers=want[1]), timeout=120
@@ -225,7 +224,7 @@ def pytest_configure(config):
 
 
 def _share_ports(config) -> None:
-    """On pytest-xdist workers (`TEST_WORKERS=2 make test`) each worker's clusters pick
+    """On pytest-xdist workers (`make test` runs two) each worker's clusters pick
     ports from a share of the range of their own: a port one worker's cluster let go
     (a rank restarting binds it again) is never another worker's free port meanwhile."""
     worker = getattr(config, "workerinput", None)
