@@ -9,9 +9,11 @@ import sys
 from mlx_relay.errors import add_log_level, run_command
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from mlx_relay.client import cli as client_cli
-    from mlx_relay.launch import demo, hostfile_cli, local, mlx_launch, serve
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every subcommand, or only `serve` where `command` is "serve": that is how every
+    rank starts, and a rank has no use for the client's and the launchers' imports
+    (about 0.2 s of each rank's start, every restart included)."""
+    from mlx_relay.launch import serve
 
     parser = argparse.ArgumentParser(
         prog="mlx-relay",
@@ -19,11 +21,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve.add_parser(sub)
-    local.add_parser(sub)
-    client_cli.add_parsers(sub)
-    hostfile_cli.add_parser(sub)
-    mlx_launch.add_parser(sub)
-    demo.add_parser(sub)
+    if command != "serve":
+        from mlx_relay.client import cli as client_cli
+        from mlx_relay.launch import demo, hostfile_cli, local, mlx_launch
+
+        local.add_parser(sub)
+        client_cli.add_parsers(sub)
+        hostfile_cli.add_parser(sub)
+        mlx_launch.add_parser(sub)
+        demo.add_parser(sub)
     for command in sub.choices.values():
         if command.get_default("log_level") is None:  # serve and local define their own
             add_log_level(command)
@@ -34,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     # gRPC's C core logs failed TLS handshakes and the like on stderr at INFO; the
     # commands say what went wrong themselves. GRPC_VERBOSITY=INFO brings them back.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     return run_command(args.command, args.func, args)
 
 

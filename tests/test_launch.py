@@ -295,3 +295,20 @@ def test_local_passes_every_serve_option_on_from_one_table():
         dest = flag.removeprefix("--").replace("-", "_")
         if flag not in ("--auth-token", "--grpc-address"):
             assert getattr(rank, dest) == getattr(args, dest), flag
+
+
+def test_a_rank_parses_only_the_serve_command():
+    """Every rank starts as `mlx-relay serve`: its parser has serve alone, so a rank
+    never imports the client or the launchers (0.2 s of each start and restart)."""
+    code = (
+        "import sys; from mlx_relay.cli import build_parser; "
+        "p = build_parser('serve'); p.parse_args(['serve', '--model', 'default']); "
+        "print(sorted(m for m in sys.modules if m.startswith(('mlx_relay.client', "
+        "'mlx_relay.launch.local', 'mlx_relay.launch.demo'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    from mlx_relay.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices  # noqa: SLF001
+    assert {"serve", "local", "launch", "chat", "demo"} <= set(commands)
