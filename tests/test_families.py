@@ -11,6 +11,7 @@ caches only) and gives mlx-lm's tokens either way.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import time
 from math import inf
@@ -140,7 +141,10 @@ def _request(text: str, seed: int | None) -> pb.GenerateRequest:
     return chat_request(text, seed, MAX_TOKENS)
 
 
+@functools.cache
 def _oracle(path, text: str, seed: int | None) -> list[int]:
+    """mlx-lm's tokens, once per model and request (multiplier families ask at 3 rank
+    counts)."""
     prompt = chat_tokens(path, [{"role": "user", "content": text}])
     if seed is None:
         return mlx_lm_tokens(path, prompt, MAX_TOKENS)

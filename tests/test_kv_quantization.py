@@ -10,6 +10,8 @@ uneven ranks, every rank quantizing as rank 0's load document says.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import pytest
 from conftest import assert_gone, start_cluster
@@ -34,8 +36,10 @@ PROMPTS = [
 ]
 
 
+@functools.cache
 def _oracle(path, text: str, seed: int | None, kv_bits: int | None = BITS) -> list[int]:
-    """mlx-lm's tokens with the same KV quantization (kv_bits None: plain caches)."""
+    """mlx-lm's tokens with the same KV quantization (kv_bits None: plain caches), once
+    per model and request (the cluster test asks at 3 rank counts)."""
     model, tokenizer = _load(str(path))
     prompt = chat_tokens(path, [{"role": "user", "content": text}])
     sampler = make_sampler(0.9, 0.95) if seed is not None else make_sampler()
