@@ -30,9 +30,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         hostfile_cli.add_parser(sub)
         mlx_launch.add_parser(sub)
         demo.add_parser(sub)
-    for command in sub.choices.values():
-        if command.get_default("log_level") is None:  # serve and local define their own
-            add_log_level(command)
+    for subcommand in sub.choices.values():
+        if subcommand.get_default("log_level") is None:  # serve and local define their own
+            add_log_level(subcommand)
     return parser
 
 

@@ -104,6 +104,12 @@ def assert_gone(pids: list[int]) -> None:
     assert not alive, f"rank processes left behind: {alive}"
 
 
+def stop_cluster(running: RunningCluster) -> None:
+    """Stop a test's cluster and check that none of its rank processes is left."""
+    running.stop()
+    assert_gone(running.pids)
+
+
 @pytest.fixture
 def cluster_factory(tmp_path):
     """start(model, n, *serve_args, layers=None) -> RunningCluster; all stopped afterwards."""
@@ -116,8 +122,7 @@ def cluster_factory(tmp_path):
 
     yield start
     for running in started:
-        running.stop()
-        assert_gone(running.pids)
+        stop_cluster(running)
 
 
 @pytest.fixture(scope="session")
@@ -130,8 +135,7 @@ def default_cluster(tmp_path_factory):
     logs = tmp_path_factory.mktemp("default-cluster")
     running = start_cluster("default", 2, logs, "--http-address", f"127.0.0.1:{port}")
     yield running, port
-    running.stop()
-    assert_gone(running.pids)
+    stop_cluster(running)
 
 
 class ClusterPool:
@@ -148,8 +152,8 @@ class ClusterPool:
     def __init__(self, log_dir: Path, max_ranks: int = 16) -> None:
         self.log_dir = log_dir
         self.max_ranks = max_ranks
-        self._clusters: dict[tuple, RunningCluster] = {}  # in order of last use
-        self._loaded: dict[tuple, tuple[str, str]] = {}
+        # shape -> (the cluster, the model and layers it serves), in order of last use
+        self._clusters: dict[tuple, tuple[RunningCluster, tuple[str, str]]] = {}
         self._started = 0
 
     def serving(
@@ -166,38 +170,33 @@ class ClusterPool:
         cache or parked request left from an earlier test)."""
         key = (n, extra, tuple(sorted((env or {}).items())))
         want = (str(model), layers or "")
-        running = self._clusters.pop(key, None)
+        running, loaded = self._clusters.pop(key, (None, None))
         if running is not None and not _healthy(running):
-            self._retire(running)
+            stop_cluster(running)
             running = None
         if running is None:
             self._make_room(n)
             self._started += 1
             log_dir = self.log_dir / f"cluster{self._started}"
             running = start_cluster(model, n, log_dir, *extra, layers=layers, env=env)
-        elif fresh or self._loaded[key] != want:
+        elif fresh or loaded != want:
             running.client.stub.Free(pb.FreeRequest(), timeout=60)
             running.client.stub.LoadModel(
                 pb.LoadModelRequest(model=want[0], layers=want[1]), timeout=120
             )
-        self._clusters[key] = running
-        self._loaded[key] = want
+        self._clusters[key] = (running, want)
         return running
 
     def _make_room(self, n: int) -> None:
-        while self._clusters and sum(len(r.pids) for r in self._clusters.values()) + n > (
+        while self._clusters and sum(len(r.pids) for r, _ in self._clusters.values()) + n > (
             self.max_ranks
         ):
             oldest = next(iter(self._clusters))
-            self._retire(self._clusters.pop(oldest))
-
-    def _retire(self, running: RunningCluster) -> None:
-        running.stop()
-        assert_gone(running.pids)
+            stop_cluster(self._clusters.pop(oldest)[0])
 
     def close(self) -> None:
         while self._clusters:
-            self._retire(self._clusters.popitem()[1])
+            stop_cluster(self._clusters.popitem()[1][0])
 
 
 def _healthy(running: RunningCluster) -> bool:

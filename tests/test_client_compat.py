@@ -22,7 +22,7 @@ import httpx
 import jsonschema
 import pytest
 from anthropic.types import Message
-from conftest import assert_gone, start_cluster
+from conftest import start_cluster, stop_cluster
 from openai.types.chat import ChatCompletion
 from test_http_api import Served
 from tiny_models import make_tiny_model
@@ -99,8 +99,7 @@ def templated(tmp_path_factory):
     served = Served(running, path, [], port)
     yield served
     served.http.close()
-    running.stop()
-    assert_gone(running.pids)
+    stop_cluster(running)
 
 
 def _valid_call(name: str, arguments: str | dict) -> dict:

@@ -40,7 +40,7 @@ from agents import (
     set_tracing_disabled,
 )
 from api_schemas import check_sse, validate
-from conftest import assert_gone, start_cluster
+from conftest import start_cluster, stop_cluster
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import StructuredTool
 from langchain_openai import ChatOpenAI
@@ -126,8 +126,7 @@ def served(request, tmp_path_factory):
     yield served
     served.http.close()
     if request.param != "default":
-        running.stop()
-        assert_gone(running.pids)
+        stop_cluster(running)
 
 
 def _valid(arguments: str | dict) -> Weather:

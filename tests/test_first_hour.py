@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import assert_gone, self_signed_cert, start_cluster
+from conftest import assert_gone, self_signed_cert, start_cluster, stop_cluster
 from launching import MLX_RELAY, free_port_range, localhost_hostfile
 from tiny_models import make_tiny_model
 
@@ -178,8 +178,7 @@ def plain(model, tmp_path_factory):
     client asking it for TLS. The split is named so a reload can name it back."""
     running = start_cluster(model, 2, tmp_path_factory.mktemp("plain"), layers="2,3")
     yield running
-    running.stop()
-    assert_gone(running.pids)
+    stop_cluster(running)
 
 
 # --- checks before any rank starts (unit) ------------------------------------------

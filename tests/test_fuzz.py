@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import RunningCluster, assert_gone, self_signed_cert, start_cluster
+from conftest import RunningCluster, self_signed_cert, start_cluster, stop_cluster
 from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -74,8 +74,7 @@ def secured(tmp_path_factory):
     out = Secured(model, running, token, cert)
     yield out
     out.client.close()
-    running.stop()
-    assert_gone(running.pids)
+    stop_cluster(running)
 
 
 def _code(call) -> tuple[grpc.StatusCode, str]:

@@ -14,7 +14,7 @@ import grpc
 import httpx
 import openai
 import pytest
-from conftest import assert_gone, start_cluster
+from conftest import start_cluster, stop_cluster
 from mlx_lm.utils import load_tokenizer
 from prometheus_client.parser import text_string_to_metric_families
 from test_generation import CHAT_SCRIPT, MESSAGES, RAW_PROMPT, RAW_SCRIPT, TOOLS, script_model
@@ -54,8 +54,7 @@ def served(tmp_path_factory):
     served = Served(running, path, chains[chat_end], port)
     yield served
     served.http.close()
-    running.stop()
-    assert_gone(running.pids)
+    stop_cluster(running)
 
 
 def _grpc(served, **kwargs) -> pb.GenerateResponse:

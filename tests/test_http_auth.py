@@ -10,7 +10,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from conftest import self_signed_cert
+from conftest import self_signed_cert, stop_cluster
 
 from mlx_relay.api.http.server import HttpServer, ListenError
 from mlx_relay.client.client import Client
@@ -29,7 +29,7 @@ def _trust(cert: str) -> ssl.SSLContext:
 
 @pytest.fixture(scope="module")
 def secured(tiny_model, tmp_path_factory):
-    from conftest import assert_gone, start_cluster
+    from conftest import start_cluster
 
     model = tiny_model("llama", 3)
     cert, key = self_signed_cert(tmp_path_factory.mktemp("tls"))
@@ -48,8 +48,7 @@ def secured(tiny_model, tmp_path_factory):
         tls_ca=str(cert),
     )
     yield running, f"https://127.0.0.1:{port}", str(cert), str(model)
-    running.stop()
-    assert_gone(running.pids)
+    stop_cluster(running)
 
 
 def test_token_required_over_tls(secured):

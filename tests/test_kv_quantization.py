@@ -14,7 +14,7 @@ import functools
 
 import mlx.core as mx
 import pytest
-from conftest import assert_gone, start_cluster
+from conftest import start_cluster, stop_cluster
 from mlx_lm.generate import maybe_quantize_kv_cache, stream_generate
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
@@ -180,5 +180,4 @@ def test_clusters_with_kv_bits_equal_mlx_lm(tiny_model, tmp_path, ranks, layers)
             again = running.client.generate(_request(*PROMPTS[2]))
             assert list(again.token_ids) == expected[2]
     finally:
-        running.stop()
-        assert_gone(running.pids)
+        stop_cluster(running)

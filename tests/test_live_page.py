@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import assert_gone, start_cluster
+from conftest import start_cluster, stop_cluster
 from mlx_lm.utils import load_tokenizer
 from test_generation import script_model
 from tiny_models import make_tiny_model
@@ -272,8 +272,7 @@ def test_live_page_in_a_browser(scripted, tmp_path):
         print(f"\nkill -9 of rank 1 -> shown as gone on the page in {shown:.2f} s")
     finally:
         browser.quit()
-        running.stop()
-        assert_gone(running.pids)
+        stop_cluster(running)
 
 
 def _long_request(base: str, auth: dict[str, str]) -> None:

@@ -21,7 +21,7 @@ import grpc
 import psutil
 import pytest
 import zmq
-from conftest import RunningCluster, assert_gone, start_cluster
+from conftest import RunningCluster, start_cluster, stop_cluster
 from oracle import mlx_lm_tokens, tokenizer_for
 from tiny_models import make_tiny_model
 
@@ -58,8 +58,7 @@ def clusters(tmp_path):
         for p in running.cluster.procs:  # a test may leave a rank stopped on purpose
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGCONT)
-        running.stop()
-        assert_gone(running.pids)
+        stop_cluster(running)
 
 
 @pytest.fixture(scope="module")
@@ -540,11 +539,10 @@ def _alive(launcher: subprocess.Popen, log_path: Path) -> None:
 # found all the same (auto gives ready hops on a 2-core machine). Every hop mode meets
 # each kind of loss in `make test-all`; `make test` gives each mode at least one of them
 # (kill -9: eager; SIGSTOP: ready and collective; an overdue step: ready).
-EXHAUSTIVE = pytest.mark.exhaustive
 
 
 def _hops(*modes: str, exhaustive: tuple[str, ...]):
-    cases = [*modes, *(pytest.param(m, marks=EXHAUSTIVE) for m in exhaustive)]
+    cases = [*modes, *(pytest.param(m, marks=pytest.mark.exhaustive) for m in exhaustive)]
     return pytest.mark.parametrize("hops", cases)
 
 

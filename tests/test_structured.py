@@ -18,7 +18,7 @@ import jsonschema
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import assert_gone, start_cluster
+from conftest import start_cluster, stop_cluster
 from oracle import chat_tokens, mlx_lm_tokens, tokenizer_for
 
 from mlx_relay import cli
@@ -205,8 +205,7 @@ def test_compiled_grammars_are_cached_and_each_request_gets_its_own_matcher(comp
 def served(model, tmp_path_factory):
     running = start_cluster(model, 2, tmp_path_factory.mktemp("logs"))
     yield running
-    running.stop()
-    assert_gone(running.pids)
+    stop_cluster(running)
 
 
 @pytest.mark.cluster

@@ -14,7 +14,7 @@ import json
 
 import jsonschema
 import pytest
-from conftest import assert_gone, start_cluster
+from conftest import start_cluster, stop_cluster
 from mlx_lm.utils import load_tokenizer
 from oracle import chat_tokens, mlx_lm_tokens
 from test_generation import MESSAGES, _messages, script_model
@@ -60,8 +60,7 @@ def served(tmp_path_factory):
     served = Served(running, path, script, port)
     yield served
     served.http.close()
-    running.stop()
-    assert_gone(running.pids)
+    stop_cluster(running)
 
 
 def _request(**kwargs) -> pb.GenerateRequest:
