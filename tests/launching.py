@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -54,6 +55,20 @@ def localhost_hostfile(tmp_path: Path, n: int, backend: str = "ring") -> Path:
 def cpu_seconds(pid: int) -> float:
     t = psutil.Process(pid).cpu_times()
     return t.user + t.system
+
+
+def rank_processes(launcher: int) -> dict[int, psutil.Process]:
+    """A launcher's running rank processes by rank: the descendants `serve` named
+    mlx-relay-rN (`local`'s ranks are its zygote's children on Linux, elsewhere its own)."""
+    ranks = {}
+    for p in psutil.Process(launcher).children(recursive=True):
+        try:
+            named = re.fullmatch(r"mlx-relay-r(\d+)", p.name())
+            if named and p.status() != psutil.STATUS_ZOMBIE:
+                ranks[int(named.group(1))] = p
+        except psutil.NoSuchProcess:
+            continue
+    return ranks
 
 
 def rank_pids(launcher: int) -> list[int]:

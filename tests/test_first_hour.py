@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import assert_gone, self_signed_cert, start_cluster, stop_cluster
-from launching import MLX_RELAY, free_port_range, localhost_hostfile
+from launching import MLX_RELAY, free_port_range, localhost_hostfile, rank_processes
 from tiny_models import make_tiny_model
 
 from mlx_relay.client.client import Client, wait_serving
@@ -88,7 +88,7 @@ class Local:
             assert self.proc.poll() is None, self.log.read_text()
 
         wait_serving(self.address, 120, check=alive)
-        self.ranks = [c.pid for c in psutil.Process(self.proc.pid).children()]
+        self.ranks = [p.pid for p in rank_processes(self.proc.pid).values()]
         assert len(self.ranks) >= 1
 
     def leftovers(self, wait: float = 5.0) -> list[str]:

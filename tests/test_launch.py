@@ -21,6 +21,7 @@ from launching import (
     cpu_seconds,
     free_port_range,
     localhost_hostfile,
+    rank_processes,
 )
 from oracle import chat_tokens, mlx_lm_tokens
 
@@ -219,7 +220,7 @@ def test_mlx_launch_itself_with_a_localhost_hostfile(tiny_model, tmp_path):
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.PIPE, start_new_session=True
         )
-    ranks: list[int] = []
+    ranks: dict[int, psutil.Process] = {}
     try:
 
         def check() -> None:
@@ -227,16 +228,13 @@ def test_mlx_launch_itself_with_a_localhost_hostfile(tiny_model, tmp_path):
                 raise AssertionError(f"mlx.launch exited\n{log.read_text()[-5000:]}")
 
         wait_serving(grpc, 120, check=check)
-        ranks = [
-            p.pid for p in psutil.Process(proc.pid).children(recursive=True) if "python" in p.name()
-        ]
+        ranks = rank_processes(proc.pid)  # (mlx.launch's children, named by serve)
         with Client(grpc, timeout=120) as client:
             expected = mlx_lm_tokens(model, chat_tokens(model, MESSAGES), 30)
             assert list(client.generate(chat_request(30)).token_ids) == expected
             assert client.status().world_size == 3
         # SIGTERM to mlx.launch alone would orphan the ranks: stop them through rank 0.
-        rank0 = next(p for p in ranks if psutil.Process(p).environ().get("MLX_RANK") == "0")
-        os.kill(rank0, signal.SIGTERM)
+        os.kill(ranks[0].pid, signal.SIGTERM)
         proc.wait(60)
     finally:
         try:
@@ -244,7 +242,7 @@ def test_mlx_launch_itself_with_a_localhost_hostfile(tiny_model, tmp_path):
         except ProcessLookupError:
             pass
         proc.wait()
-    assert_gone(ranks)
+    assert_gone([p.pid for p in ranks.values()])
 
 
 def test_free_ports_are_distinct_and_outside_the_kernels_own_choices():

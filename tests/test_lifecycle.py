@@ -12,6 +12,7 @@ import grpc
 import psutil
 import pytest
 from conftest import assert_gone
+from launching import rank_processes
 from oracle import mlx_lm_tokens, tokenizer_for
 
 from mlx_relay.client.client import Client, wait_serving
@@ -142,7 +143,7 @@ def test_local_launcher_stops_cleanly_on_sigterm(tiny_model, tmp_path):
                 ).usage.completion_tokens
                 >= 0
             )
-        ranks = [c.pid for c in psutil.Process(launcher.pid).children()]
+        ranks = [p.pid for p in rank_processes(launcher.pid).values()]
         assert len(ranks) == 2
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(60) == 0, (tmp_path / "local.log").read_text()

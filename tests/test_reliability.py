@@ -22,6 +22,7 @@ import psutil
 import pytest
 import zmq
 from conftest import RunningCluster, start_cluster, stop_cluster
+from launching import rank_processes
 from oracle import mlx_lm_tokens, tokenizer_for
 from tiny_models import make_tiny_model
 
@@ -385,13 +386,7 @@ def _ranks_of(launcher: subprocess.Popen, n: int, timeout: float = 60) -> dict[i
     """The launcher's current rank processes by rank (from their MLX_RANK)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        ranks = {}
-        for child in psutil.Process(launcher.pid).children():
-            try:
-                if child.status() != psutil.STATUS_ZOMBIE:
-                    ranks[int(child.environ().get("MLX_RANK", "-1"))] = child
-            except psutil.NoSuchProcess:
-                continue
+        ranks = rank_processes(launcher.pid)
         if sorted(ranks) == list(range(n)):
             return ranks
         time.sleep(0.1)

@@ -31,8 +31,9 @@ LIFELINE_ENV = "MLX_RELAY_LIFELINE_FD"
 _PR_SET_PDEATHSIG = 1
 
 
-def _set_pdeathsig(parent: int) -> None:
-    """In the child, before exec: SIGTERM when the parent dies (Linux only)."""
+def set_parent_death_signal(parent: int) -> None:
+    """In a child (before exec, or forked by the zygote): SIGTERM when `parent`, the
+    thread that started it, ends (Linux only)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
     if os.getppid() != parent:  # the parent died before prctl took effect
@@ -48,7 +49,7 @@ def child_setup(*, new_session: bool = True) -> Callable[[], None]:
         if new_session:
             os.setsid()  # Ctrl-C in the terminal reaches the launcher only
         if pdeathsig:
-            _set_pdeathsig(parent)
+            set_parent_death_signal(parent)
 
     return setup
 

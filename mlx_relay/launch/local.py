@@ -28,11 +28,12 @@ from pathlib import Path
 from typing import IO
 
 from mlx_relay.errors import UserError, add_log_level
-from mlx_relay.launch import preflight
+from mlx_relay.launch import preflight, zygote
 from mlx_relay.launch.lifeline import Lifeline, child_setup
 from mlx_relay.launch.serve import add_serve_options, serve_argv
 from mlx_relay.launch.supervise import (
     LastWords,
+    RankChild,
     RankFailed,
     Supervisor,
     add_restarts,
@@ -148,7 +149,7 @@ class LocalCluster:
     rank_env: dict[int, dict[str, str]] = field(default_factory=dict)
     auth_token: str = ""
     tls_ca: str | None = None
-    procs: list[subprocess.Popen] = field(default_factory=list)
+    procs: list[RankChild] = field(default_factory=list)
     control_endpoint: str = ""
     doorbell_endpoints: list[str] = field(default_factory=list)
 
@@ -205,20 +206,32 @@ class LocalCluster:
         cmd += ["--grpc-address", self.grpc_address]
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
+        forks = zygote.shared()  # (on Linux: ranks forked with transformers imported)
         for rank in range(self.n):
             env = {**base_env, **self.rank_env.get(rank, {})}
             if self.n > 1:
                 env["MLX_RANK"] = str(rank)
-            proc = subprocess.Popen(
-                cmd,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                preexec_fn=self._child_setup(rank),
-                pass_fds=self._lifeline.pass_fds,
-            )
+            proc: subprocess.Popen | zygote.ForkedProcess
+            if forks is not None:
+                proc = forks.spawn(
+                    "mlx_relay",
+                    cmd[3:],
+                    env=env,
+                    pass_fds=self._lifeline.pass_fds,
+                    cpu=_core_of(rank) if self.pin else None,
+                )
+            else:
+                proc = subprocess.Popen(
+                    cmd,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    preexec_fn=self._child_setup(rank),
+                    pass_fds=self._lifeline.pass_fds,
+                )
             self.procs.append(proc)
+            assert proc.stdout is not None
             self._pump(rank, proc.stdout)
 
     def _child_setup(self, rank: int) -> Callable[[], None]:
@@ -331,11 +344,17 @@ class LocalCluster:
         self.stop()
 
 
-def _pin_to_core(rank: int):
+def _core_of(rank: int) -> int:
+    """With --pin: the core rank `rank` runs on (round robin over this process's cores)."""
     cores = sorted(os.sched_getaffinity(0))
+    return cores[rank % len(cores)]
+
+
+def _pin_to_core(rank: int):
+    core = _core_of(rank)
 
     def pin() -> None:
-        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+        os.sched_setaffinity(0, {core})
 
     return pin
 
@@ -368,6 +387,8 @@ def preflight_checks(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # The zygote imports while the checks run (they import much the same).
+    threading.Thread(target=zygote.shared, name="zygote-start", daemon=True).start()
     preflight_checks(args)
     token = auth_token(args.auth_token)
     cluster = LocalCluster(

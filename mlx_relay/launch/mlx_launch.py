@@ -296,6 +296,8 @@ class MpiRunProcess(subprocess.Popen):
     def local_rank_pids(self) -> dict[int, int]:
         import psutil
 
+        from mlx_relay.launch.serve import RANK_NAME_PREFIX
+
         found = {}
         try:
             for child in psutil.Process(self.pid).children(recursive=True):
@@ -303,7 +305,7 @@ class MpiRunProcess(subprocess.Popen):
                     rank = child.environ().get("OMPI_COMM_WORLD_RANK")
                 except (psutil.Error, OSError):
                     continue
-                if rank is not None and child.name().startswith("python"):
+                if rank is not None and child.name().startswith(("python", RANK_NAME_PREFIX)):
                     found[int(rank)] = child.pid
         except psutil.Error:
             pass

@@ -1,10 +1,11 @@
 """Supervision of a cluster's rank processes, for every launcher.
 
-A launcher hands over one `Popen` per rank. The supervisor notices the first rank
-that ends abnormally, says which one and how ("rank 1 (127.0.0.1) killed by SIGKILL"),
-and stops the rest: SIGTERM to rank 0 first (it drains and shuts the ring down with
-CMD_SHUTDOWN), then SIGTERM to whatever remains, then SIGKILL. `run_with_restarts`
-starts the cluster again after a failure, up to N times.
+A launcher hands over one process per rank (a `Popen`, or a rank the zygote forked).
+The supervisor notices the first rank that ends abnormally, says which one and how
+("rank 1 (127.0.0.1) killed by SIGKILL"), and stops the rest: SIGTERM to rank 0 first
+(it drains and shuts the ring down with CMD_SHUTDOWN), then SIGTERM to whatever
+remains, then SIGKILL. `run_with_restarts` starts the cluster again after a failure,
+up to N times.
 
 When one rank dies, others follow on purpose (rank 0 exits EXIT_CLUSTER_FAILED after
 answering its clients, workers exit EXIT_RANK0_SILENT when rank 0 goes quiet), so the
@@ -28,9 +29,23 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from mlx_relay.errors import CommandFailed
 from mlx_relay.protocol import exits
+
+
+class RankChild(Protocol):
+    """What supervising a rank takes of its process: a `subprocess.Popen`, or a
+    `zygote.ForkedProcess` (a rank `local` forked from its zygote)."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def kill(self) -> None: ...
 
 
 class LastWords:
@@ -173,7 +188,7 @@ class Supervisor:
 
     def __init__(
         self,
-        procs: list[subprocess.Popen],
+        procs: list[RankChild],
         hosts: list[str] | None = None,
         last_words: LastWords | None = None,
     ) -> None:
@@ -238,14 +253,14 @@ class Supervisor:
         return [p.returncode for p in self.procs]
 
 
-def _signal(p: subprocess.Popen, sig: signal.Signals) -> None:
+def _signal(p: RankChild, sig: signal.Signals) -> None:
     try:
         p.send_signal(sig)
     except ProcessLookupError:
         pass
 
 
-def _wait_all(procs: list[subprocess.Popen], deadline: float) -> None:
+def _wait_all(procs: list[RankChild], deadline: float) -> None:
     for p in procs:
         try:
             p.wait(max(0.0, deadline - time.monotonic()))
