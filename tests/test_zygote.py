@@ -105,3 +105,24 @@ def test_children_end_with_the_zygotes_launcher(tmp_path):
     while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, "the child outlived its launcher"
         time.sleep(0.05)
+
+
+def test_a_closed_zygote_says_so_and_local_spawns_instead(tmp_path):
+    """`spawn` on a zygote that has ended raises ZygoteError, which `local` answers by
+    starting that rank with Popen (`LocalCluster._forked` returns None)."""
+    from mlx_relay.launch.lifeline import Lifeline
+    from mlx_relay.launch.local import LocalCluster
+
+    z = zygote.Zygote()
+    z.close()
+    deadline = time.monotonic() + 10
+    while z.alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(zygote.ZygoteError):
+        z.spawn("json.tool", [], env={})
+    cluster = LocalCluster(1, [])
+    cluster._lifeline = Lifeline()
+    try:
+        assert cluster._forked(z, 0, [sys.executable, "-m", "mlx_relay", "serve"], {}) is None
+    finally:
+        cluster._lifeline.close()

@@ -211,16 +211,10 @@ class LocalCluster:
             env = {**base_env, **self.rank_env.get(rank, {})}
             if self.n > 1:
                 env["MLX_RANK"] = str(rank)
-            proc: subprocess.Popen | zygote.ForkedProcess
+            proc: subprocess.Popen | zygote.ForkedProcess | None = None
             if forks is not None:
-                proc = forks.spawn(
-                    "mlx_relay",
-                    cmd[3:],
-                    env=env,
-                    pass_fds=self._lifeline.pass_fds,
-                    cpu=_core_of(rank) if self.pin else None,
-                )
-            else:
+                proc = self._forked(forks, rank, cmd, env)
+            if proc is None:
                 proc = subprocess.Popen(
                     cmd,
                     env=env,
@@ -233,6 +227,23 @@ class LocalCluster:
             self.procs.append(proc)
             assert proc.stdout is not None
             self._pump(rank, proc.stdout)
+
+    def _forked(
+        self, forks: zygote.Zygote, rank: int, cmd: list[str], env: dict[str, str]
+    ) -> zygote.ForkedProcess | None:
+        """`cmd` (`python -m mlx_relay serve ...`) forked by the zygote; None if it cannot."""
+        assert self._lifeline is not None
+        try:
+            return forks.spawn(
+                "mlx_relay",
+                cmd[3:],
+                env=env,
+                pass_fds=self._lifeline.pass_fds,
+                cpu=_core_of(rank) if self.pin else None,
+            )
+        except zygote.ZygoteError as e:
+            print(f"mlx-relay local: rank {rank} starts without the zygote: {e}", file=sys.stderr)
+            return None
 
     def _child_setup(self, rank: int) -> Callable[[], None]:
         """Own session (Ctrl-C reaches the launcher, which stops ranks in order), death
