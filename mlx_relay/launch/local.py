@@ -398,8 +398,6 @@ def preflight_checks(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # The zygote imports while the checks run (they import much the same).
-    threading.Thread(target=zygote.shared, name="zygote-start", daemon=True).start()
     preflight_checks(args)
     token = auth_token(args.auth_token)
     cluster = LocalCluster(
