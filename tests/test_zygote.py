@@ -126,3 +126,12 @@ def test_a_closed_zygote_says_so_and_local_spawns_instead(tmp_path):
         assert cluster._forked(z, 0, [sys.executable, "-m", "mlx_relay", "serve"], {}) is None
     finally:
         cluster._lifeline.close()
+
+
+def test_a_pinned_child_runs_on_its_core(forks, tmp_path):
+    """`local --pin`: the core goes with the request and the child sets it first."""
+    (tmp_path / "cores.py").write_text("import os\nprint(sorted(os.sched_getaffinity(0)))\n")
+    core = max(os.sched_getaffinity(0))
+    child = forks.spawn("cores", [], env={"PYTHONPATH": str(tmp_path)}, cpu=core)
+    assert child.wait(30) == 0
+    assert child.stdout.read().decode().strip() == f"[{core}]"
