@@ -383,7 +383,7 @@ def test_every_listening_socket_is_on_the_hostfile_address_not_0_0_0_0(model, cl
 
 
 def _ranks_of(launcher: subprocess.Popen, n: int, timeout: float = 60) -> dict[int, psutil.Process]:
-    """The launcher's current rank processes by rank (from their MLX_RANK)."""
+    """The launcher's current rank processes by rank (by the names `serve` gives them)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         ranks = rank_processes(launcher.pid)
