@@ -32,15 +32,17 @@ demo: install
 # Test files run on two processes at once (pytest-xdist, each file on one worker; each
 # worker's clusters pick ports from a range of their own): the suite is CPU-bound, and
 # one file at a time keeps 1.1 of the 2 cores busy. TEST_WORKERS=0 runs one file at a time.
+# --no-loadscope-reorder hands files out in the order tests/conftest.py gives them (the
+# longest first), not by their number of tests.
 TEST_WORKERS ?= 2
 
 test: install browser
-	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The whole suite plus the tests marked `exhaustive` (the rest of the matrices whose
 # cheapest cases `make test` runs: more rank counts, the SDKs on the default model).
 test-all: install browser
-	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --exhaustive tests
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --exhaustive tests
 
 # Every test file that starts no rank process (each layer's rules: pacing, scheduling,
 # sampling, markup, parsers, the step header, hostfiles; the engine against an in-process

@@ -13,7 +13,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from mlx_relay.client.client import wait_serving
 from mlx_relay.launch.local import free_ports
 
-LATE_S = 6.0  # gRPC's own tries: about 1, 2.6, 5.2 and 9.3 s after the first
+LATE_S = 4.0  # gRPC's own tries: about 1, 2.6, 5.2 and 9.3 s after the first (between
+# its second and third)
 NOTICED_S = 1.5  # ours tries every 0.1-0.25 s, and wait_serving asks every 0.2 s
 
 

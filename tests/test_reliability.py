@@ -35,6 +35,7 @@ from mlx_relay.protocol import control
 from mlx_relay.protocol import relay_pb2 as pb
 from mlx_relay.protocol.exits import EXIT_CLUSTER_FAILED, EXIT_RANK_FAILED
 from mlx_relay.transport.doorbell import Doorbell, DoorbellError, DoorbellTimeout, NeighbourGone
+from mlx_relay.transport.droplog import WINDOW_ENV, window_s
 from mlx_relay.transport.hub import ControlHub
 
 pytestmark = pytest.mark.cluster
@@ -196,6 +197,12 @@ def test_every_launcher_spells_the_restart_option_restarts(launcher, capsys):
 # --- the side channel ----------------------------------------------------------------
 
 
+def test_the_drop_summary_window_comes_from_the_environment(monkeypatch):
+    for value, seconds in (("2", 2.0), ("0.5", 0.5), ("", 10.0), ("-1", 10.0), ("x", 10.0)):
+        monkeypatch.setenv(WINDOW_ENV, value)
+        assert window_s() == seconds, value
+
+
 def test_side_channel_drops_and_logs_a_message_with_a_wrong_secret(caplog):
     port = free_ports(1)[0]
     hub = ControlHub(f"tcp://127.0.0.1:{port}", world_size=2, secret=b"right")
@@ -309,7 +316,8 @@ def test_junk_on_every_port_is_dropped_quietly_and_the_cluster_serves(model, clu
     included): a handful of log lines, no rank hurt, tokens unchanged. The doorbells take
     no connection at all once the ring is up."""
     http = f"127.0.0.1:{free_ports(1)[0]}"
-    running = clusters(model, 2, "--http-address", http)
+    # (summaries every 2 s instead of 10, so that the counts below come sooner)
+    running = clusters(model, 2, "--http-address", http, env={WINDOW_ENV: "2"})
     client = running.client
     request = pb.GenerateRequest(prompt="Once upon a time", params=pb.SamplingParams(max_tokens=12))
     before = client.generate(request).token_ids

@@ -38,12 +38,15 @@ def check_model(spec: str) -> ModelFacts:
     'default' is converted here, once, if it has not been yet (before any rank starts,
     so that ranks do not queue for the conversion lock).
     """
-    from mlx_relay.model import sharding
     from mlx_relay.model.default_model import resolve_model
 
     path = resolve_model(spec)  # ModelNotFoundError (a UserError) says what is missing
     config = _read_config(path)
     _check_weights(path)
+    # Only now mlx-lm (and transformers through it: a second of CPU), so that a wrong
+    # path, an empty directory or a cut-short copy is refused at once.
+    from mlx_relay.model import sharding
+
     model_type = _check_family(path, config)
     try:
         num_layers = sharding.count_layers(config)

@@ -14,11 +14,25 @@ its owner (a worker asleep until the next step) calls nothing.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
 
-WINDOW_S = 10.0
+WINDOW_ENV = "MLX_RELAY_DROP_LOG_S"  # seconds between one source's summary lines
+
+
+def window_s() -> float:
+    """The summary window: WINDOW_ENV's seconds, 10 when unset or not a positive number
+    (a shorter one lets a test see the summary without waiting 10 s)."""
+    try:
+        value = float(os.environ.get(WINDOW_ENV, ""))
+    except ValueError:
+        return 10.0
+    return value if value > 0 else 10.0
+
+
+WINDOW_S = window_s()
 MAX_SOURCES = 64  # beyond this many distinct sources, the rest share one entry
 OTHER = "other sources"
 

@@ -311,6 +311,13 @@ class ControlHub:
             else:
                 log.warning("side channel: could not reach %s: %s", identity.decode(), e)
 
+    def _reject(self, first: zmq.Frame, reason: object) -> None:
+        """Drop a message not from the cluster; count it where `wait_for` sees it."""
+        self.dropped.drop(peer_of(first), reason)
+        with self._cond:
+            self.rejected += 1
+            self._cond.notify_all()
+
     def _receive(self, zframes: list[zmq.Frame]) -> None:
         frames = [f.bytes for f in zframes]
         sender = control.parse_identity(frames[0]) if frames else None
@@ -319,13 +326,11 @@ class ControlHub:
                 raise control.BadMessage(f"unknown sender identity {frames[0][:16]!r}")
             message = control.decode(frames[1:], self.secret)
         except control.BadMessage as e:
-            self.rejected += 1
-            self.dropped.drop(peer_of(zframes[0]), e)
+            self._reject(zframes[0], e)
             return
         rank, role = sender
         if not 0 < rank < self.world_size or message.get("rank") != rank:
-            self.rejected += 1
-            self.dropped.drop(peer_of(zframes[0]), f"claims rank {message.get('rank')!r}")
+            self._reject(zframes[0], f"claims rank {message.get('rank')!r}")
             return
         kind = message["kind"]
         with self._cond:
