@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from oracle import CACHE_ENV  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
 from mlx_relay.client.client import Client  # noqa: E402
@@ -220,6 +223,18 @@ def cluster_pool(tmp_path_factory):
 def pytest_configure(config):
     os.environ.setdefault("MLX_RELAY_LOG", "INFO")
     _share_ports(config)
+    _share_oracle_answers(config)
+
+
+def _share_oracle_answers(config) -> None:
+    """One directory for the session's mlx-lm answers (tests/oracle.py), made by the
+    process that starts the session: pytest-xdist's workers inherit it, so a default-model
+    answer one test file computed is not computed again by another on the other worker."""
+    if getattr(config, "workerinput", None) is not None or CACHE_ENV in os.environ:
+        return
+    root = tempfile.mkdtemp(prefix="mlx-relay-oracle-")
+    os.environ[CACHE_ENV] = root
+    config.add_cleanup(lambda: shutil.rmtree(root, ignore_errors=True))
 
 
 def _share_ports(config) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import threading
 from functools import lru_cache
 from pathlib import Path
@@ -12,6 +15,54 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from mlx_relay.coordinator.requests import encode_text
 from mlx_relay.protocol import relay_pb2 as pb
+
+# The question the tests of the default model ask it (greedy, at most 24 tokens: its
+# answer names Paris in 7), the same everywhere so that mlx-lm answers it once.
+PARIS_QUESTION = "What is the capital of France? Answer in one sentence."
+PARIS_TOKENS = 24
+
+# A directory the test session's processes share (conftest.py sets it): mlx-lm's tokens
+# for one model, prompt and settings are computed once, not once per test file or worker
+# (the default model takes ~0.14 s a token on the 2-core machine, prompt tokens included).
+CACHE_ENV = "MLX_RELAY_TEST_ORACLE_CACHE"
+
+
+def _model_key(path: Path) -> list:
+    """A model by its directory and its weight files' sizes and times (tiny models of
+    different seeds share their config and sizes, never their directory)."""
+    path = Path(path).resolve()
+    files = sorted(path.glob("*.safetensors"))
+    return [str(path)] + [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def _cache_file(path: Path, prompt_tokens: list[int], settings: dict) -> Path | None:
+    """Where this call's answer is kept, keyed by everything but max_tokens (a greedy or
+    seeded answer for N tokens is the first N of a longer one); None without a cache."""
+    root = os.environ.get(CACHE_ENV)
+    if not root:
+        return None
+    key = json.dumps([_model_key(path), prompt_tokens, settings], sort_keys=True)
+    return Path(root) / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+
+
+def _cached(file: Path | None, max_tokens: int) -> list[int] | None:
+    """The first `max_tokens` of a kept answer computed for at least as many."""
+    try:
+        kept = json.loads(file.read_text()) if file else None
+    except (OSError, ValueError):
+        return None
+    if kept is None or kept["max_tokens"] < max_tokens:
+        return None
+    return kept["tokens"][:max_tokens]
+
+
+def _keep(file: Path | None, max_tokens: int, tokens: list[int]) -> None:
+    if file is None:
+        return
+    file.parent.mkdir(parents=True, exist_ok=True)
+    part = file.with_suffix(f".{os.getpid()}.{threading.get_ident()}")
+    part.write_text(json.dumps({"max_tokens": max_tokens, "tokens": tokens}))
+    os.replace(part, file)  # (whole or not at all, for a process reading it meanwhile)
 
 
 @lru_cache(maxsize=8)
@@ -68,6 +119,36 @@ def mlx_lm_tokens(
     """Tokens `mlx_lm.stream_generate` produces (the EOS token itself not included);
     with `draft`, its speculative generator's with that draft model (its own prefill
     step, 512, as mlx_relay's draft prefill)."""
+    settings = {
+        "seed": seed,
+        "sampler": sampler,
+        "processors": processors,
+        "prefill_step_size": prefill_step_size,
+        # (a speculative run's last round depends on max_tokens: kept per max_tokens)
+        "draft": [_model_key(draft), num_draft_tokens, max_tokens] if draft else None,
+    }
+    file = _cache_file(path, prompt_tokens, settings)
+    if (tokens := _cached(file, max_tokens)) is not None:
+        return tokens
+    tokens = _generate(
+        path, prompt_tokens, max_tokens, seed, sampler, processors, prefill_step_size,
+        draft, num_draft_tokens,
+    )  # fmt: skip
+    _keep(file, max_tokens, tokens)
+    return tokens
+
+
+def _generate(
+    path: Path,
+    prompt_tokens: list[int],
+    max_tokens: int,
+    seed: int | None,
+    sampler: dict | None,
+    processors: dict | None,
+    prefill_step_size: int,
+    draft: Path | None,
+    num_draft_tokens: int,
+) -> list[int]:
     model, tokenizer = _load(str(path))
     if seed is not None:
         mx.random.seed(seed)

@@ -12,12 +12,11 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from oracle import PARIS_QUESTION, PARIS_TOKENS, chat_tokens, mlx_lm_tokens, tokenizer_for
 
 from mlx_relay.model import default_model as dm
 
 pytestmark = pytest.mark.default_model
-
-QUESTION = "What is the capital of France? Answer in one sentence."
 
 # Plain English prose, written for this test. The correct conversion scores about 2.8
 # nats/token; without the q/k un-permutation it scores about 4.3.
@@ -83,14 +82,10 @@ def test_weights_keep_gguf_quantization(model_dir):
     assert weights["model.embed_tokens.weight"].shape == (49152, 576 * 8 // 32)
 
 
-def test_greedy_answer_mentions_paris(loaded):
-    from mlx_lm import generate
-
-    model, tokenizer = loaded
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": QUESTION}], add_generation_prompt=True
-    )
-    text = generate(model, tokenizer, prompt, max_tokens=20)
+def test_greedy_answer_mentions_paris(model_dir):
+    """mlx-lm's own greedy answer (the oracle's, which the cluster tests compare with)."""
+    prompt = chat_tokens(model_dir, [{"role": "user", "content": PARIS_QUESTION}])
+    text = tokenizer_for(model_dir).decode(mlx_lm_tokens(model_dir, prompt, PARIS_TOKENS))
     assert "Paris" in text, text
 
 

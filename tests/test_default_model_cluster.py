@@ -7,16 +7,16 @@ import anthropic
 import httpx
 import openai
 import pytest
-from oracle import chat_tokens, mlx_lm_tokens, tokenizer_for
+from oracle import PARIS_QUESTION, PARIS_TOKENS, chat_tokens, mlx_lm_tokens, tokenizer_for
 
 from mlx_relay.model.default_model import resolve_model
 from mlx_relay.protocol import relay_pb2 as pb
 
 pytestmark = [pytest.mark.cluster, pytest.mark.default_model]
 
-QUESTION = "What is the capital of France? Answer in one sentence."
+QUESTION = PARIS_QUESTION
 MESSAGES = [{"role": "user", "content": QUESTION}]
-MAX_TOKENS = 24
+MAX_TOKENS = PARIS_TOKENS
 
 
 @pytest.fixture(scope="module")

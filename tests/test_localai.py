@@ -21,7 +21,7 @@ import grpc
 import pytest
 from conftest import assert_gone, start_cluster
 from mlx_lm.utils import load_tokenizer
-from oracle import chat_tokens, mlx_lm_tokens
+from oracle import PARIS_QUESTION, PARIS_TOKENS, chat_tokens, mlx_lm_tokens
 from test_generation import CHAT_SCRIPT, MESSAGES, TOOLS, script_model
 from tiny_models import make_tiny_model
 
@@ -511,23 +511,25 @@ def test_tool_calls_come_back_as_tool_call_deltas(script_backend, scripted):
 def test_default_model_greedy_equals_native_and_mlx_lm(tmp_path):
     served = _door("default", 1, tmp_path)
     try:
-        question = [{"role": "user", "content": "What is the capital of France?"}]
+        question = [{"role": "user", "content": PARIS_QUESTION}]
         options = lpb.PredictOptions(
             Messages=[lpb.Message(**m) for m in question],
             UseTokenizerTemplate=True,
-            Tokens=16,
+            Tokens=PARIS_TOKENS,
             Temperature=0.0,
         )
         reply = served.stub.Predict(options, timeout=TIMEOUT)
         native = served.running.client.generate(
             pb.GenerateRequest(
                 messages=[pb.ChatMessage(**m) for m in question],
-                params=pb.SamplingParams(max_tokens=16),
+                params=pb.SamplingParams(max_tokens=PARIS_TOKENS),
             )
         )
         assert reply.message.decode() == native.text and "Paris" in native.text
         assert reply.tokens == native.usage.completion_tokens
         path = resolve_model("default")
-        assert list(native.token_ids) == mlx_lm_tokens(path, chat_tokens(path, question), 16)
+        assert list(native.token_ids) == mlx_lm_tokens(
+            path, chat_tokens(path, question), PARIS_TOKENS
+        )
     finally:
         served.close()

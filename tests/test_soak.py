@@ -1,4 +1,4 @@
-"""The soak benchmark, short: mixed concurrent load on a tiny model for ~15 s (bench/bench_soak.py
+"""The soak benchmark, short: mixed concurrent load on a tiny model for ~10 s (bench/bench_soak.py
 runs it for as long as asked and says what it checks)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import bench_soak  # noqa: E402
 @pytest.mark.cluster
 def test_a_short_soak_is_exact_leaks_nothing_and_keeps_memory_flat():
     args = bench_soak.parse(
-        ["--seconds", "15", "--clients", "8", "--warmup", "5", "--pool", "22", "--seed", "1"]
+        ["--seconds", "10", "--clients", "8", "--warmup", "4", "--pool", "22", "--seed", "1"]
     )
     report = bench_soak.soak(args)
     print(f"\nshort soak: {report}")

@@ -340,15 +340,12 @@ def test_the_default_model_answers_in_a_json_object_and_a_schema(default_cluster
         "required": ["country", "capital"],
         "additionalProperties": False,
     }
-    for seed in (0, 1):
-        seeded = pb.SamplingParams(max_tokens=96, temperature=1.0, seed=seed)
-        response = running.client.generate(
-            pb.GenerateRequest(
-                messages=messages, params=seeded, response_format_json=_format(schema)
-            )
-        )
-        assert response.finish_reason == "stop", response.text
-        jsonschema.validate(json.loads(response.text), schema)
+    seeded = pb.SamplingParams(max_tokens=96, temperature=1.0, seed=0)
+    response = running.client.generate(
+        pb.GenerateRequest(messages=messages, params=seeded, response_format_json=_format(schema))
+    )
+    assert response.finish_reason == "stop", response.text
+    jsonschema.validate(json.loads(response.text), schema)
 
 
 # llama.cpp's grammars/json.gbnf, the kind of grammar LocalAI sends.
