@@ -67,13 +67,21 @@ ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
 @pytest.fixture(scope="module")
-def served(default_cluster):
+def default_served(default_cluster):
     """test_http_api's Served, on the session's default-model cluster (these tests only
     ask it questions)."""
     running, port = default_cluster
     served = Served(running, "default", [], port)
     yield served
     served.http.close()
+
+
+@pytest.fixture(scope="module")
+def served(templated):
+    """The cluster of the shape tests: the default model's tokenizer and template on a
+    tiny model (a shape does not depend on the weights; each token of the default model
+    costs ~0.14 s of this 2-core machine, a prompt's as much as an answer's)."""
+    return templated
 
 
 # The default model's tokenizer and template files, and the config keys that go with them.
@@ -245,7 +253,7 @@ def test_ollama_tools_answer(templated):
 
 
 def test_json_without_content_type_and_unknown_urls(served):
-    body = json.dumps({"model": "default", "messages": ASK, "stream": False,
+    body = json.dumps({"model": served.model, "messages": ASK, "stream": False,
                        "options": {"num_predict": 2}})  # fmt: skip
     for headers in ({}, {"Content-Type": "application/x-www-form-urlencoded"}):
         reply = httpx.post(served.base + "/api/chat", content=body, headers=headers, timeout=60)
@@ -258,16 +266,17 @@ def test_json_without_content_type_and_unknown_urls(served):
 
 def test_completions_take_a_list_of_prompts(served):
     reply = served.openai.completions.create(
-        model="default", prompt=["Once upon a time", "The sky is"], max_tokens=3
+        model=served.model, prompt=["Once upon a time", "The sky is"], max_tokens=3
     )
     assert [c.index for c in reply.choices] == [0, 1]
     assert all(c.text for c in reply.choices)
-    one = served.openai.completions.create(model="default", prompt="The sky is", max_tokens=3)
+    one = served.openai.completions.create(model=served.model, prompt="The sky is", max_tokens=3)
     assert reply.choices[1].text == one.choices[0].text
     assert reply.usage.prompt_tokens > one.usage.prompt_tokens
 
 
-def test_ollama_load_ping_ps_and_tags(served):
+def test_ollama_load_ping_ps_and_tags(default_served):
+    served = default_served
     ping = served.http.post("/api/chat", json={"model": "default", "messages": []})
     assert ping.status_code == 200 and ping.json()["done_reason"] == "load"
     [tag] = served.http.get("/api/tags").json()["models"]
@@ -293,7 +302,7 @@ def _has(raw: dict, *keys: str) -> None:
 def test_chat_completion_shape(served):
     raw = served.http.post(
         "/v1/chat/completions",
-        json={"model": "default", "messages": ASK, "max_tokens": 4},
+        json={"model": served.model, "messages": ASK, "max_tokens": 4},
     ).json()
     ChatCompletion.model_validate(raw)
     _has(raw, "id", "object", "created", "model", "choices", "usage")
@@ -304,7 +313,7 @@ def test_chat_completion_shape(served):
 
 
 def test_anthropic_message_shape_and_cache_counts(served):
-    request = {"model": "default", "max_tokens": 4, "messages": ASK}
+    request = {"model": served.model, "max_tokens": 4, "messages": ASK}
     served.http.post("/v1/messages", json=request)  # the prompt is kept for the next
     raw = served.http.post("/v1/messages", json=request).json()
     Message.model_validate(raw)
@@ -313,7 +322,7 @@ def test_anthropic_message_shape_and_cache_counts(served):
     usage = raw["usage"]
     _has(usage, "input_tokens", "output_tokens", "cache_creation_input_tokens",
          "cache_read_input_tokens", "cache_creation", "server_tool_use", "service_tier")  # fmt: skip
-    prompt = served.anthropic.messages.count_tokens(model="default", messages=ASK).input_tokens
+    prompt = served.anthropic.messages.count_tokens(model=served.model, messages=ASK).input_tokens
     assert usage["cache_read_input_tokens"] > 0  # the second time, the prompt is cached
     assert usage["input_tokens"] + usage["cache_read_input_tokens"] == prompt
     with served.anthropic.messages.stream(**request) as stream:
@@ -333,7 +342,7 @@ def test_anthropic_output_config_format_is_enforced(served):
     raw = served.http.post(
         "/v1/messages",
         json={
-            "model": "default",
+            "model": served.model,
             "max_tokens": 40,
             "messages": [{"role": "user", "content": "What is the capital of France?"}],
             "output_config": {"format": {"type": "json_schema", "schema": schema}},
@@ -351,7 +360,7 @@ def test_responses_object_carries_its_required_fields(served):
     raw = served.http.post(
         "/v1/responses",
         json={
-            "model": "default",
+            "model": served.model,
             "input": "Hi",
             "instructions": "Be brief.",
             "max_output_tokens": 4,
@@ -360,7 +369,7 @@ def test_responses_object_carries_its_required_fields(served):
     Response.model_validate(raw)
     _has(raw, *required)
     assert raw["instructions"] == "Be brief."
-    with served.openai.responses.stream(model="default", input="Hi", max_output_tokens=4) as s:
+    with served.openai.responses.stream(model=served.model, input="Hi", max_output_tokens=4) as s:
         events = list(s)
     assert events[0].type == "response.created"
     for event in (events[0], events[-1]):  # created, and completed or incomplete
