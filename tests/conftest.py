@@ -258,22 +258,23 @@ def pytest_addoption(parser):
     )
 
 
-# The files that take longest (seconds on 2 cores with two workers, session 25),
-# collected first where files run on two workers at once (`make test`: pytest-xdist,
-# --dist loadfile): one of these started last would leave the other worker idle at the end.
+# The files that take longest (seconds on 2 cores with two workers, session 27), handed
+# out first where files run on two workers at once (`make test`: pytest-xdist, --dist
+# loadfile --no-loadscope-reorder): one of these started last would leave the other
+# worker idle at the end.
 LONGEST_FIRST = (
-    "test_reliability",  # 111 s
-    "test_first_hour",  # 99
-    "test_families",  # 90
-    "test_long_prompts",  # 86
-    "test_concurrency",  # 85
-    "test_census_families",  # 77
-    "test_generation",  # 56
-    "test_hops",  # 50
-    "test_netns",  # 47
-    "test_speculation_cluster",  # 47
-    "test_cluster",  # 44
-    "test_launch",  # 44
+    "test_reliability",  # 60 s
+    "test_families",  # 51
+    "test_census_families",  # 46
+    "test_long_prompts",  # 46
+    "test_launch",  # 41
+    "test_first_hour",  # 40
+    "test_netns",  # 38
+    "test_concurrency",  # 37
+    "test_speculation_cluster",  # 35
+    "test_generation",  # 32
+    "test_memory_guard",  # 27
+    "test_localai",  # 22
 )
 
 

@@ -18,13 +18,13 @@ from mlx_relay.model import default_model as dm
 
 pytestmark = pytest.mark.default_model
 
-# Plain English prose, written for this test. The correct conversion scores about 2.8
-# nats/token; without the q/k un-permutation it scores about 4.3.
+# Plain English prose, written for this test (43 tokens: each costs the default model
+# ~0.14 s here). The correct conversion scores about 2.9 nats/token; without the q/k
+# un-permutation about 4.3.
 PARAGRAPH = (
     "The river flows through the old town and past the cathedral before it reaches the sea. "
     "In the nineteenth century the town grew quickly as factories were built along its banks, "
-    "and a railway line connected it to the capital. Today most of the factories have closed, "
-    "and the town is known for its museums, its university and its annual music festival."
+    "and a railway line connected it to the capital."
 )
 
 
