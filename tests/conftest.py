@@ -44,6 +44,7 @@ class RunningCluster:
         self.log_dir = log_dir
         self.address = cluster.grpc_address
         self.client = Client(self.address, timeout=120)
+        self.localai_address: str | None = None  # (where it serves LocalAI's backend)
 
     @property
     def pids(self) -> list[int]:
@@ -131,12 +132,17 @@ def cluster_factory(tmp_path):
 @pytest.fixture(scope="session")
 def default_cluster(tmp_path_factory):
     """(RunningCluster, HTTP port): the embedded default model on 2 ranks with the HTTP
-    doors, started once for every module that only asks it questions (a default-model
-    cluster takes seconds of both cores to start; tests that stop, reload or break a
+    doors and LocalAI's (at `.localai_address`), started once for every module that only
+    asks it questions (a default-model cluster takes seconds of both cores to start, and
+    a prompt it has seen is not computed again; tests that stop, reload or break a
     cluster start their own)."""
-    port = free_ports(1)[0]
+    port, localai = free_ports(2)
     logs = tmp_path_factory.mktemp("default-cluster")
-    running = start_cluster("default", 2, logs, "--http-address", f"127.0.0.1:{port}")
+    running = start_cluster(
+        "default", 2, logs, "--http-address", f"127.0.0.1:{port}",
+        "--localai-address", f"127.0.0.1:{localai}",
+    )  # fmt: skip
+    running.localai_address = f"127.0.0.1:{localai}"
     yield running, port
     stop_cluster(running)
 

@@ -508,9 +508,11 @@ def test_tool_calls_come_back_as_tool_call_deltas(script_backend, scripted):
 
 
 @pytest.mark.default_model
-def test_default_model_greedy_equals_native_and_mlx_lm(tmp_path):
-    served = _door("default", 1, tmp_path)
-    try:
+def test_default_model_greedy_equals_native_and_mlx_lm(default_cluster):
+    """The session's default-model cluster, through its LocalAI door and natively."""
+    running, _ = default_cluster
+    with grpc.insecure_channel(running.localai_address) as channel:
+        stub = lpb_grpc.BackendStub(channel)
         question = [{"role": "user", "content": PARIS_QUESTION}]
         options = lpb.PredictOptions(
             Messages=[lpb.Message(**m) for m in question],
@@ -518,18 +520,14 @@ def test_default_model_greedy_equals_native_and_mlx_lm(tmp_path):
             Tokens=PARIS_TOKENS,
             Temperature=0.0,
         )
-        reply = served.stub.Predict(options, timeout=TIMEOUT)
-        native = served.running.client.generate(
-            pb.GenerateRequest(
-                messages=[pb.ChatMessage(**m) for m in question],
-                params=pb.SamplingParams(max_tokens=PARIS_TOKENS),
-            )
+        reply = stub.Predict(options, timeout=TIMEOUT)
+    native = running.client.generate(
+        pb.GenerateRequest(
+            messages=[pb.ChatMessage(**m) for m in question],
+            params=pb.SamplingParams(max_tokens=PARIS_TOKENS),
         )
-        assert reply.message.decode() == native.text and "Paris" in native.text
-        assert reply.tokens == native.usage.completion_tokens
-        path = resolve_model("default")
-        assert list(native.token_ids) == mlx_lm_tokens(
-            path, chat_tokens(path, question), PARIS_TOKENS
-        )
-    finally:
-        served.close()
+    )
+    assert reply.message.decode() == native.text and "Paris" in native.text
+    assert reply.tokens == native.usage.completion_tokens
+    path = resolve_model("default")
+    assert list(native.token_ids) == mlx_lm_tokens(path, chat_tokens(path, question), PARIS_TOKENS)
