@@ -12,11 +12,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from mlx_lm.utils import load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from fake_pipeline import FakePipeline, engines  # noqa: E402
 from oracle import mlx_lm_tokens, tokenizer_for  # noqa: E402
+from test_generation import script_model  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
 from mlx_relay.coordinator.drafting import lookup  # noqa: E402
@@ -30,7 +32,6 @@ from mlx_relay.coordinator.speculation import (  # noqa: E402
     expected_tokens,
 )
 from mlx_relay.model import memory, sharding  # noqa: E402
-from mlx_relay.model.default_model import resolve_model  # noqa: E402
 from mlx_relay.protocol import header as hdr  # noqa: E402
 
 SEEDED = {"temperature": 0.9, "top_p": 0.95}
@@ -174,21 +175,21 @@ def test_draft_model_tokens_equal_mlx_lms_speculative_generator(
         assert counts["accepted"] == counts["proposed"]  # (it agrees with itself)
 
 
-@pytest.mark.default_model
-def test_prompt_lookup_gives_plain_greedy_tokens():
-    """Prompt lookup (greedy) on the default model asked to repeat a text: the tokens of
-    plain greedy decoding, most of them proposals kept, in fewer steps than tokens."""
-    path = resolve_model("default", progress=False)
-    tokenizer = tokenizer_for(path)
-    text = "Repeat exactly: The quick brown fox jumps over the lazy dog, twice over."
-    tokens = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True
-    )
-    with engines("default") as start:
-        engine, pipeline = start(speculation=SpecConfig("ngram", 4))
+def test_prompt_lookup_gives_plain_greedy_tokens(tmp_path):
+    """Prompt lookup (greedy) on a model that repeats a text its prompt holds (a tiny
+    model scripted to say it: test_generation.script_model; a random one never repeats
+    itself, and the default model costs ~0.14 s a token here: the cluster test asks it):
+    the tokens of plain greedy decoding, most of them proposals kept, in fewer steps than
+    tokens."""
+    path = make_tiny_model(tmp_path, "llama", num_layers=2)
+    start = load_tokenizer(path).encode("Repeat:")[-1]  # (not the oracle's: it keeps weights)
+    chain = script_model(path, {start: ["the quick brown fox jumps over the lazy dog"]})[start]
+    tokens = [*chain, start]  # (the text, then the token after which the model says it)
+    with engines(path) as start_engine:
+        engine, pipeline = start_engine(speculation=SpecConfig("ngram", 4))
         req = engine.submit(Request(prompt_tokens=tokens, params=SamplingParams(max_tokens=40)))
         ids, whole = read(req)
-        assert ids == mlx_lm_tokens(path, tokens, 40)
+        assert ids == mlx_lm_tokens(path, tokens, 40) == chain
         assert whole.usage["accepted_draft_tokens"] > len(ids) / 3
         assert len(verify_steps(pipeline)) < len(ids)
 
