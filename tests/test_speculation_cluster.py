@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 from conftest import free_ports
-from oracle import chat_tokens, mlx_lm_tokens, tokenizer_for
+from oracle import chat_tokens, mlx_lm_tokens
 from tiny_models import make_tiny_model
 
 from mlx_relay.model.default_model import resolve_model
@@ -83,9 +83,11 @@ def test_prompt_lookup_on_the_default_model_through_the_openai_door(cluster_fact
         "default", 2, "--draft", "ngram", "--http-address", f"127.0.0.1:{port}"
     )
     text = "Repeat exactly: The quick brown fox jumps over the lazy dog, twice over."
+    response = running.client.generate(_chat(text, None, 40))
     path = resolve_model("default", progress=False)
     prompt = chat_tokens(path, [{"role": "user", "content": text}])
-    expected = tokenizer_for(path).decode(mlx_lm_tokens(path, prompt, 40))
+    assert list(response.token_ids) == mlx_lm_tokens(path, prompt, 40), running.logs()
+    assert response.usage.accepted_draft_tokens > len(response.token_ids) / 3
 
     base = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
@@ -93,9 +95,9 @@ def test_prompt_lookup_on_the_default_model_through_the_openai_door(cluster_fact
     answer = client.chat.completions.create(
         model="default", messages=messages, max_tokens=40, temperature=0
     )
-    assert answer.choices[0].message.content == expected, running.logs()
-    details = answer.usage.completion_tokens_details
-    assert details.accepted_prediction_tokens > answer.usage.completion_tokens / 3
+    assert answer.choices[0].message.content == response.text
+    details = answer.usage.completion_tokens_details  # (its rounds sized by what the
+    assert details.accepted_prediction_tokens > 0  # first request measured: other counts)
     assert details.rejected_prediction_tokens >= 0
     off = client.chat.completions.create(
         model="default",
@@ -104,7 +106,7 @@ def test_prompt_lookup_on_the_default_model_through_the_openai_door(cluster_fact
         temperature=0,
         extra_body={"num_draft_tokens": 0},
     )
-    assert off.choices[0].message.content == expected
+    assert off.choices[0].message.content == response.text
     assert off.usage.completion_tokens_details.accepted_prediction_tokens == 0
     status = httpx.get(f"{base}/v1/status").json()["speculation"]
     assert status["source"] == "ngram" and status["acceptance_rate"] > 0.3, status
