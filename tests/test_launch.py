@@ -154,6 +154,17 @@ def test_launch_three_ranks_equals_mlx_lm_idles_and_stops_cleanly(tiny_model, tm
             status = client.status()
             counts = [r.layer_end - r.layer_start for r in status.ranks]
             assert sum(counts) == 7 and min(counts) >= 1, counts  # Status shows the auto split
+            # Each rank names itself in ps: its number, its layers, rank 0 its gRPC port.
+            port = launched.grpc.rsplit(":", 1)[1]
+            titles = {
+                r: " ".join(p.cmdline()).strip()
+                for r, p in rank_processes(launched.proc.pid).items()
+            }
+            assert titles == {
+                r.rank: f"mlx-relay rank {r.rank}/3 layers {r.layer_start}-{r.layer_end - 1}"
+                + (f" :{port}" if r.rank == 0 else "")
+                for r in status.ranks
+            }
         # The launcher leaves the cores to the ranks: idle, it sleeps.
         before, t0 = cpu_seconds(launched.proc.pid), time.monotonic()
         time.sleep(1.5)

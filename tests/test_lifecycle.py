@@ -143,8 +143,16 @@ def test_local_launcher_stops_cleanly_on_sigterm(tiny_model, tmp_path):
                 ).usage.completion_tokens
                 >= 0
             )
-        ranks = [p.pid for p in rank_processes(launcher.pid).values()]
-        assert len(ranks) == 2
+            ranges = {r.rank: (r.layer_start, r.layer_end - 1) for r in client.status().ranks}
+        processes = rank_processes(launcher.pid)
+        # Ranks forked from the zygote share its command line; each names itself in ps.
+        port = address.rsplit(":", 1)[1]
+        titles = {r: " ".join(p.cmdline()).strip() for r, p in processes.items()}
+        assert titles == {
+            0: "mlx-relay rank 0/2 layers {}-{} :".format(*ranges[0]) + port,
+            1: "mlx-relay rank 1/2 layers {}-{}".format(*ranges[1]),
+        }
+        ranks = [p.pid for p in processes.values()]
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(60) == 0, (tmp_path / "local.log").read_text()
         _wait_gone(ranks)

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_relay import proctitle
 from mlx_relay.api import budget
 from mlx_relay.api.budget import Limit
 from mlx_relay.api.metrics import Metrics
@@ -387,7 +388,7 @@ class Cluster:
     def _load(self, spec: str, counts: Any) -> None:
         """The engine's load, its failures as the doors report them."""
         try:
-            self._engine.load(spec, counts).result()
+            loaded = self._engine.load(spec, counts).result()
         except ClusterFailure:
             raise
         except RankFailure as e:  # a worker refused its shard; the cluster still serves
@@ -396,10 +397,13 @@ class Cluster:
             raise
         except Exception as e:  # noqa: BLE001 - the load failed; say why, keep serving
             raise EngineError("invalid" if isinstance(e, ValueError) else "internal", str(e)) from e
+        proctitle.show_layers(*loaded.ranges[0])
 
     def free(self, shutdown: bool = False) -> str:
         """Free the model on every rank (CMD_SHUTDOWN stops them too); a message saying so."""
-        return self._engine.free(shutdown=shutdown).result()
+        message = self._engine.free(shutdown=shutdown).result()
+        proctitle.show_layers(None)
+        return message
 
     def status(self) -> pb.StatusResponse:
         """The cluster as the Status RPC (and `/v1/status`) shows it."""

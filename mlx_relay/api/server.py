@@ -20,6 +20,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from mlx_relay import proctitle
 from mlx_relay.api.auth import TokenAuth, server_credentials
 from mlx_relay.api.cluster import Cluster
 from mlx_relay.api.service import SERVICE_NAME, RelayServicer, add_to_server
@@ -150,6 +151,7 @@ def _load_at_start(engine: Engine, spec: str, layers: list[int] | str | None) ->
         report_fatal(0, engine.error)
         return False
     log.info("serving %s: layers %s", loaded.path, loaded.ranges)
+    proctitle.show_layers(*loaded.ranges[0])
     return True
 
 

@@ -296,7 +296,7 @@ class MpiRunProcess(subprocess.Popen):
     def local_rank_pids(self) -> dict[int, int]:
         import psutil
 
-        from mlx_relay.launch.serve import RANK_NAME_PREFIX
+        from mlx_relay.proctitle import SHORT_NAME_PREFIX
 
         found = {}
         try:
@@ -305,7 +305,7 @@ class MpiRunProcess(subprocess.Popen):
                     rank = child.environ().get("OMPI_COMM_WORLD_RANK")
                 except (psutil.Error, OSError):
                     continue
-                if rank is not None and child.name().startswith(("python", RANK_NAME_PREFIX)):
+                if rank is not None and child.name().startswith(("python", SHORT_NAME_PREFIX)):
                     found[int(rank)] = child.pid
         except psutil.Error:
             pass

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import mlx.core as mx
 
-from mlx_relay import timeline
+from mlx_relay import proctitle, timeline
 from mlx_relay.errors import UserError, add_log_level, debugging
 from mlx_relay.launch import preflight
 from mlx_relay.launch.lifeline import watch_launcher
@@ -30,9 +30,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("mlx_relay.serve")
 
 DEFAULT_CONTROL_PORT = 50151
-# What each rank calls itself on Linux (`_name_this_process`): mlx-relay-r0, -r1, ...
-RANK_NAME_PREFIX = "mlx-relay-r"
-_PR_SET_NAME = 15
 
 
 # The options of every rank's `serve` that the launchers take and pass on: `local` takes
@@ -336,7 +333,7 @@ def control_endpoint(args: argparse.Namespace, hosts: list[str]) -> str:
 def run(args: argparse.Namespace) -> int:
     """One rank, from start to exit; anything unexpected is its last line, not a traceback."""
     watch_launcher()  # a rank never outlives the launcher that started it
-    _name_this_process(f"{RANK_NAME_PREFIX}{_rank_before_init()}")
+    proctitle.name_rank(_rank_before_init())
     try:
         return _serve(args)
     except Exception as e:  # noqa: BLE001 - a rank's last words, for its launcher
@@ -364,6 +361,7 @@ def _serve(args: argparse.Namespace) -> int:
         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    proctitle.name_rank(rank, size, address=args.grpc_address if rank == 0 else "")
     timeline.start(rank)  # (MLX_RELAY_TIMELINE: each rank's hot-path events, for profiling)
     from mlx_relay.model import memory
 
@@ -499,15 +497,6 @@ def _fatal(rank: int | str, error: Exception) -> int:
     """Stop before serving for a reason the user can fix: one line, the launcher's to repeat."""
     report_fatal(rank, str(error))
     return EXIT_USAGE
-
-
-def _name_this_process(name: str) -> None:
-    """What `top`, `ps -o comm` and psutil call this rank (Linux: 15 characters at most).
-    Ranks forked by the zygote share its command line, so this is how they are told apart."""
-    if sys.platform == "linux":
-        import ctypes
-
-        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 def _rank_before_init() -> int | str:

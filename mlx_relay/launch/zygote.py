@@ -300,6 +300,12 @@ def _become(job: dict[str, Any], fds: list[int], parent: int) -> None:
         os.dup2(f, number)  # inheritable, as Popen's pass_fds
     for f in high:
         os.close(f)
+    # setproctitle finds the command line's room beside the environment block the process
+    # started with: let it find that before the environment is replaced, so that the rank
+    # can name itself in ps later (mlx_relay/proctitle.py).
+    import setproctitle
+
+    setproctitle.setproctitle(setproctitle.getproctitle())
     os.environ.clear()
     os.environ.update(job["env"])
     # The search path a fresh `python -m` would have here: its directory, then PYTHONPATH.

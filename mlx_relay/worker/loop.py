@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 import zmq
 
-from mlx_relay import timeline
+from mlx_relay import proctitle, timeline
 from mlx_relay.model import memory, sharding, speed
 from mlx_relay.model.default_model import resolve_model
 from mlx_relay.model.kvcache import CacheError, SlotCaches
@@ -218,6 +218,7 @@ class Worker:
         except Exception as e:
             raise StepError(hdr.ERR_LOAD, str(e)) from e
         log.info("rank %d: loaded layers [%d, %d) of %s", self.rank, start, end, path)
+        proctitle.show_layers(start, end)
         # (the layout of caches measured here, for rank 0's admission check: always
         # sent, so a reload's replaces an earlier model's)
         measured = (
@@ -233,6 +234,7 @@ class Worker:
         )
 
     def _unload(self) -> None:
+        proctitle.show_layers(None)
         self.shard = None
         self.caches = None
         gc.collect()
