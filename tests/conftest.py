@@ -246,9 +246,11 @@ def _share_oracle_answers(config) -> None:
 def _share_ports(config) -> None:
     """On pytest-xdist workers (`make test` runs two) each worker's clusters pick
     ports from a share of the range of their own: a port one worker's cluster let go
-    (a rank restarting binds it again) is never another worker's free port meanwhile."""
+    (a rank restarting binds it again) is never another worker's free port meanwhile.
+    The range shared is `MLX_RELAY_PORTS` where the run was given one (two runs side by
+    side on one machine), else the default range."""
     worker = getattr(config, "workerinput", None)
-    if worker is None or PORTS_ENV in os.environ:
+    if worker is None:
         return
     index, count = int(worker["workerid"].removeprefix("gw")), int(worker["workercount"])
     low, high = port_range()
