@@ -29,6 +29,7 @@ from mlx_relay.api.http.app import create_app
 from mlx_relay.api.localai import LocalAIServicer
 from mlx_relay.api.service import RelayServicer, add_to_server
 from mlx_relay.coordinator.engine import Engine
+from mlx_relay.coordinator.generation import GenerationRequest
 from mlx_relay.coordinator.output import Chunk
 from mlx_relay.coordinator.pipeline import Pipeline
 from mlx_relay.coordinator.requests import InvalidRequest, json_field, logit_bias
@@ -176,7 +177,7 @@ def test_max_tokens_over_max_context_ends_at_max_context(served, door):
 
 
 def test_localai_context_size_caps_like_the_cluster_limits(served):
-    prompt = len(served.cluster.render(pb.TokenizeRequest(text=_xs(10))).token_ids)
+    prompt = len(served.cluster.render(GenerationRequest(prompt=_xs(10))).token_ids)
     try:
         served.localai.LoadModel(lpb.ModelOptions(Model=served.model, ContextSize=prompt + 3))
         assert _localai(served, OVER)[1] == 3

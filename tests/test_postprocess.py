@@ -14,7 +14,7 @@ import random
 import re
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import make_tiny_model  # noqa: E402
 
+from mlx_relay.coordinator.generation import GenerationRequest, Message  # noqa: E402
+from mlx_relay.coordinator.generation import tools as tools_of  # noqa: E402
 from mlx_relay.coordinator.markup import ChatMarkup  # noqa: E402
 from mlx_relay.coordinator.postprocess import (  # noqa: E402
     Delta,
@@ -32,7 +34,6 @@ from mlx_relay.coordinator.postprocess import (  # noqa: E402
     ToolCall,
 )
 from mlx_relay.coordinator.requests import render_prompt  # noqa: E402
-from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
 
 ID_RE = re.compile(r"call_[0-9a-f]{12}")
 
@@ -654,10 +655,11 @@ def test_forced_call_closes_a_think_block_the_template_opened(tiny_dir, tmp_path
     config["chat_template"] += "{%- if add_generation_prompt %}<think>\n{% endif %}"
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     tokenizer = load_tokenizer(tmp_path)
-    messages = [pb.ChatMessage(role="user", content="Weather in Paris?")]
-    tools = json.dumps(TOOLS)
-    free = render_prompt(tokenizer, messages=messages, tools_json=tools, tool_choice="auto")
+    asked = GenerationRequest(
+        messages=(Message(role="user", content="Weather in Paris?"),), tools=tools_of(TOOLS)
+    )
+    free = render_prompt(tokenizer, replace(asked, tool_choice="auto"))
     assert free.text.endswith("assistant\n<think>\n") and not free.opens_tool_call
-    forced = render_prompt(tokenizer, messages=messages, tools_json=tools, tool_choice="required")
+    forced = render_prompt(tokenizer, replace(asked, tool_choice="required"))
     assert forced.text == free.text + "</think>\n\n<tool_call>\n"
     assert forced.opens_tool_call == "<tool_call>"

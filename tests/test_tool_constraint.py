@@ -11,7 +11,6 @@ tests/test_tool_auto.py.
 
 from __future__ import annotations
 
-import json
 import logging
 
 import jsonschema
@@ -35,11 +34,12 @@ from mlx_lm.tool_parsers import (
 from oracle import tokenizer_for
 
 from mlx_relay.coordinator import constraints, tool_grammars
+from mlx_relay.coordinator.generation import GenerationRequest, Message
+from mlx_relay.coordinator.generation import tools as tools_of
 from mlx_relay.coordinator.markup import ChatMarkup
 from mlx_relay.coordinator.requests import InvalidRequest, render_prompt
 from mlx_relay.coordinator.tool_constraint import ToolCallWatch, marker_guards, tool_constraint
 from mlx_relay.coordinator.tool_parsers import hermes, qwen_xml, tool_code
-from mlx_relay.protocol import relay_pb2 as pb
 
 WEATHER = {
     "type": "object",
@@ -302,12 +302,10 @@ def test_strict_schemas_a_raw_text_value_cannot_enforce_are_refused(compiler):
 
 
 def _prompt(tokenizer, tool_choice: str, tools=TOOLS):
-    messages = [pb.ChatMessage(role="user", content="Weather in Paris?")]
+    messages = (Message(role="user", content="Weather in Paris?"),)
     return render_prompt(
         tokenizer,
-        messages=messages,
-        tools_json=json.dumps(tools) if tools else "",
-        tool_choice=tool_choice,
+        GenerationRequest(messages=messages, tools=tools_of(tools), tool_choice=tool_choice),
     )
 
 

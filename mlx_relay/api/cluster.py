@@ -1,8 +1,9 @@
 """What every front door asks of the cluster, in one place.
 
-gRPC, HTTP and LocalAI's backend service all translate their wire messages into a
-`pb.GenerateRequest` and hand it to `Cluster.submit`: one way from a request to the
-engine, so the doors differ only in how they spell things. Errors come out as
+gRPC, HTTP and LocalAI's backend service all translate their wire messages into the
+typed `generation.GenerationRequest` (each with an adapter of its own) and hand it to
+`Cluster.submit`: one way from a request to the engine, checked the same way for every
+door, so the doors differ only in how they spell things. Errors come out as
 `requests.InvalidRequest`, `EngineError` (with a `kind`) or `RankFailure` (`REFUSALS`);
 each door maps those to its own status codes.
 
@@ -27,8 +28,9 @@ from mlx_relay import proctitle
 from mlx_relay.api import budget
 from mlx_relay.api.budget import Limit
 from mlx_relay.api.metrics import Metrics
-from mlx_relay.coordinator import constraints, load_checks, requests
+from mlx_relay.coordinator import constraints, generation, load_checks, requests
 from mlx_relay.coordinator.engine import Engine
+from mlx_relay.coordinator.generation import GenerationRequest
 from mlx_relay.coordinator.markup import ChatMarkup
 from mlx_relay.coordinator.output import Chunk
 from mlx_relay.coordinator.pipeline import ClusterFailure, LoadedModel, RankFailure
@@ -199,13 +201,13 @@ class Cluster:
                 return f"a rank is down: {failure}"
         return ""
 
-    def build(self, request: pb.GenerateRequest, limit: Limit | None = None) -> Request:
+    def build(self, request: GenerationRequest, limit: Limit | None = None) -> Request:
         """Check and render a request; nothing reaches the engine yet. `limit`: a door's
         own cap on prompt + output (LocalAI's ContextSize), besides the cluster's."""
         tokenizer = self.tokenizer()
         prompt = self.render(request)
-        params = requests.sampling_params(
-            request.params,
+        params = generation.check_sampling(
+            request,
             vocab_size=len(tokenizer),
             default_max_tokens=self._engine.default_max_tokens,
         )
@@ -239,7 +241,7 @@ class Cluster:
     def _constraint(
         self,
         tokenizer: Any,
-        request: pb.GenerateRequest,
+        request: GenerationRequest,
         prompt: requests.Prompt,
         in_reasoning: bool,
         request_id: str,
@@ -248,7 +250,7 @@ class Cluster:
         calls (tool_constraint: a forced call from its first token, a call the model
         opens under `auto` from its start marker), compiled; or None (free text). A
         forced call wins over a response format; a response format over `auto` calls."""
-        wanted = constraints.request_grammar(request.response_format_json, request.grammar)
+        wanted = constraints.request_grammar(request.response_format, request.grammar)
         if wanted is None and not prompt.tools:
             return None
         try:
@@ -270,19 +272,11 @@ class Cluster:
                 self._compiler = constraints.Compiler(tokenizer, self.markup())
             return self._compiler
 
-    def render(self, request: pb.GenerateRequest | pb.TokenizeRequest) -> requests.Prompt:
+    def render(self, request: GenerationRequest) -> requests.Prompt:
         """The prompt's text and tokens, as the model will see them."""
-        if isinstance(request, pb.TokenizeRequest):
-            prompt: str | bytes = request.text
-        else:
-            prompt = request.prompt_bytes if request.prompt_bytes else request.prompt
         rendered = requests.render_prompt(
             self.tokenizer(),
-            prompt=prompt,
-            messages=list(request.messages),
-            tools_json=request.tools_json,
-            chat_template_kwargs_json=request.chat_template_kwargs_json,
-            tool_choice=request.tool_choice,
+            request,
             markup=self.markup(),
             tool_fallback=self.tool_fallback,
         )
@@ -295,7 +289,7 @@ class Cluster:
         return rendered
 
     def submit(
-        self, request: pb.GenerateRequest, api: str = "grpc", limit: Limit | None = None
+        self, request: GenerationRequest, api: str = "grpc", limit: Limit | None = None
     ) -> Request:
         """Start generating; iterate `.chunks()` (or `observed`), and `.cancel()` when the
         caller goes. A refusal is counted in the metrics under `api`, then raised."""

@@ -1,8 +1,8 @@
 """LocalAI's `backend.Backend` gRPC service over the shared `Cluster`: a drop-in external
 backend, so LocalAI's own API (chat, streaming, tools, reasoning) runs on the cluster.
 
-A thin translation, like the native servicer: `PredictOptions` become a
-`pb.GenerateRequest`, the engine's chunks become `Reply` messages, and `Predict` is the
+A thin translation, like the native servicer: `PredictOptions` become the typed
+`generation.GenerationRequest` (this module's adapter), the engine's chunks become `Reply` messages, and `Predict` is the
 aggregate of `PredictStream`. What LocalAI expects of a backend is taken from its
 repository: `Health` answers exactly "OK" while the backend can take `LoadModel` (the
 loader polls for that), a model-identity mismatch is NOT_FOUND with the words "model
@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +32,12 @@ from mlx_relay.api.auth import TokenAuth
 from mlx_relay.api.budget import Limit
 from mlx_relay.api.cluster import REFUSALS, Cluster, not_serving
 from mlx_relay.api.service import grpc_status
-from mlx_relay.coordinator import requests
+from mlx_relay.coordinator import generation, requests
+from mlx_relay.coordinator.generation import GenerationRequest, Message, ToolCall
 from mlx_relay.coordinator.output import Chunk, TokenLogprob
+from mlx_relay.coordinator.sampling import SamplingParams
 from mlx_relay.coordinator.sequence import EngineError
 from mlx_relay.model import vision
-from mlx_relay.protocol import relay_pb2 as pb
 from mlx_relay.protocol.localai import backend_pb2 as lpb
 from mlx_relay.protocol.localai import backend_pb2_grpc as lpb_grpc
 
@@ -77,19 +79,13 @@ def _map_errors(fn: Callable) -> Callable:
     return stream if inspect.isgeneratorfunction(fn) else unary
 
 
-# --- PredictOptions -> GenerateRequest -------------------------------------------------
+# --- PredictOptions -> GenerationRequest ----------------------------------------------
 
 
-def _messages(options: lpb.PredictOptions) -> list[pb.ChatMessage]:
+def _messages(options: lpb.PredictOptions) -> list[Message]:
     out = []
     for i, m in enumerate(options.Messages):
-        message = pb.ChatMessage(
-            role=m.role,
-            content=m.content,
-            name=m.name,
-            tool_call_id=m.tool_call_id,
-            reasoning=m.reasoning_content,
-        )
+        calls = []
         for call in requests.json_field(m.tool_calls, f"Messages[{i}].tool_calls", list) or []:
             function = call.get("function") if isinstance(call, dict) else None
             if not isinstance(function, dict):
@@ -98,19 +94,24 @@ def _messages(options: lpb.PredictOptions) -> list[pb.ChatMessage]:
                     '{"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}'
                 )
             arguments = function.get("arguments", "")
-            message.tool_calls.append(
-                pb.ToolCall(
+            calls.append(
+                ToolCall(
+                    name=str(function.get("name", "")),
+                    arguments=arguments if isinstance(arguments, str) else json.dumps(arguments),
                     id=str(call.get("id", "")),
                     type=str(call.get("type") or "function"),
-                    function=pb.ToolCallFunction(
-                        name=str(function.get("name", "")),
-                        arguments=arguments
-                        if isinstance(arguments, str)
-                        else json.dumps(arguments),
-                    ),
                 )
             )
-        out.append(message)
+        out.append(
+            Message(
+                role=m.role,
+                content=m.content,
+                name=m.name,
+                tool_call_id=m.tool_call_id,
+                reasoning=m.reasoning_content,
+                tool_calls=tuple(calls),
+            )
+        )
     return out
 
 
@@ -119,10 +120,10 @@ def _tool_choice(raw: str) -> str:
     raw = raw.strip()
     if raw.startswith('"'):
         return requests.json_field(raw, "ToolChoice", str)
-    return raw  # 'auto' unquoted, or an object the engine's parser reads
+    return raw  # 'auto' unquoted, or an object (JSON text) the engine's parser reads
 
 
-def _template_kwargs(metadata: dict[str, str]) -> str:
+def _template_kwargs(metadata: dict[str, str]) -> dict[str, Any]:
     """Metadata's reasoning levers as chat-template kwargs (its JSON blob wins, as in LocalAI)."""
     kwargs: dict[str, Any] = {}
     thinking = metadata.get("enable_thinking", "").strip().lower()
@@ -136,13 +137,14 @@ def _template_kwargs(metadata: dict[str, str]) -> str:
         kwargs["reasoning_effort"] = metadata["reasoning_effort"]
     blob = metadata.get("chat_template_kwargs", "")
     kwargs.update(requests.json_field(blob, "Metadata chat_template_kwargs", dict) or {})
-    return json.dumps(kwargs) if kwargs else ""
+    return kwargs
 
 
-def _params(options: lpb.PredictOptions, vocab_size: int) -> pb.SamplingParams:
+def _params(options: lpb.PredictOptions, vocab_size: int) -> SamplingParams:
     """LocalAI's sampling fields as the engine's; proto3 zero means "not set" except for
     Temperature, where 0 means greedy (never rewritten)."""
-    params = pb.SamplingParams(
+    bias = requests.json_field(options.LogitBias, "LogitBias", dict)
+    return generation.sampling(
         temperature=options.Temperature,
         top_p=options.TopP,
         # top_k as large as the vocabulary keeps every token: the same as no top_k.
@@ -152,61 +154,61 @@ def _params(options: lpb.PredictOptions, vocab_size: int) -> pb.SamplingParams:
         stop=[s for s in options.StopPrompts if s],
         logprobs=options.Logprobs > 0 or options.TopLogprobs > 0,
         top_logprobs=max(options.TopLogprobs, 0),
-        repetition_context_size=max(options.Repeat, 0),
+        repetition_context_size=max(options.Repeat, 0) or None,
+        seed=options.Seed if options.Seed > 0 else None,  # LocalAI sends a random one unasked
+        repetition_penalty=options.Penalty or None,
+        frequency_penalty=options.FrequencyPenalty or None,
+        presence_penalty=options.PresencePenalty or None,
+        logit_bias=requests.logit_bias(bias or {}, "LogitBias"),
     )
-    if options.Tokens > 0:
-        params.max_tokens = options.Tokens
-    if options.Seed > 0:  # LocalAI sends a random seed when none is configured
-        params.seed = options.Seed
-    if options.Penalty:
-        params.repetition_penalty = options.Penalty
-    if options.FrequencyPenalty:
-        params.frequency_penalty = options.FrequencyPenalty
-    if options.PresencePenalty:
-        params.presence_penalty = options.PresencePenalty
-    bias = requests.json_field(options.LogitBias, "LogitBias", dict)
-    params.logit_bias.update(requests.logit_bias(bias or {}, "LogitBias"))
-    return params
 
 
-def generate_request(options: lpb.PredictOptions, vocab_size: int) -> pb.GenerateRequest:
-    """The engine's request for LocalAI's PredictOptions (validation is the engine's)."""
+def generate_request(options: lpb.PredictOptions, vocab_size: int) -> GenerationRequest:
+    """The typed request for LocalAI's PredictOptions (the checks are the coordinator's)."""
     for field in ("Videos", "Audios"):
         if getattr(options, field):
             raise requests.InvalidRequest(
                 f"{field}: mlx-relay serves language and vision-language models; use an "
                 "audio or video backend for these"
             )
-    request = pb.GenerateRequest(
-        params=_params(options, vocab_size),
-        tools_json=options.Tools,
+    prompt, messages = "", []
+    if options.Messages and (options.UseTokenizerTemplate or not options.Prompt):
+        messages = _messages(options)
+    elif options.Images:  # as LocalAI's mlx-vlm backend does: the prompt as a user message
+        messages = [Message(role="user", content=options.Prompt)]
+    else:
+        prompt = options.Prompt
+    if options.Images:
+        messages = _with_images(messages, options.Images)
+    return GenerationRequest(
+        prompt=prompt,
+        messages=tuple(messages),
+        max_tokens=options.Tokens if options.Tokens > 0 else None,
+        sampling=_params(options, vocab_size),
+        tools=generation.tools(requests.json_field(options.Tools, "tools", list)),
         tool_choice=_tool_choice(options.ToolChoice),
-        chat_template_kwargs_json=_template_kwargs(dict(options.Metadata)),
+        chat_template_kwargs=_template_kwargs(dict(options.Metadata)),
         request_id=options.CorrelationId[:64],
         grammar=options.Grammar,
     )
-    if options.Messages and (options.UseTokenizerTemplate or not options.Prompt):
-        request.messages.extend(_messages(options))
-    elif options.Images:  # as LocalAI's mlx-vlm backend does: the prompt as a user message
-        request.messages.append(pb.ChatMessage(role="user", content=options.Prompt))
-    else:
-        request.prompt = options.Prompt
-    if options.Images:
-        _attach_images(request.messages, options.Images)
-    return request
 
 
-def _attach_images(messages: Iterable[pb.ChatMessage], images: Iterable[str]) -> None:
+def _with_images(messages: list[Message], images: Iterable[str]) -> list[Message]:
     """LocalAI sends a request's images (base64) apart from its messages; like its mlx-vlm
     backend, show them with the last user message, before its text."""
-    users = [m for m in messages if m.role == "user"]
+    users = [i for i, m in enumerate(messages) if m.role == "user"]
     if not users:
         raise requests.InvalidRequest("Images: the request has no user message to show them in")
+    files = []
     for i, data in enumerate(images):
         try:
-            users[-1].images.append(vision.b64decode_image(data, f"Images[{i}]"))
+            files.append(vision.b64decode_image(data, f"Images[{i}]"))
         except vision.VisionError as e:
             raise requests.InvalidRequest(str(e)) from None
+    last = messages[users[-1]]
+    out = list(messages)
+    out[users[-1]] = replace(last, images=(*last.images, *files))
+    return out
 
 
 # --- chunks -> Reply ---------------------------------------------------------------------
@@ -372,7 +374,7 @@ class LocalAIServicer(lpb_grpc.BackendServicer):
         if wanted and self.identity and wanted != self.identity:
             raise NotFound(f"{MISMATCH}: loaded {self.identity!r}, requested {wanted!r}")
 
-    def _request(self, options: lpb.PredictOptions) -> pb.GenerateRequest:
+    def _request(self, options: lpb.PredictOptions) -> GenerationRequest:
         self._check_identity(options)
         return generate_request(options, len(self.cluster.tokenizer()))
 
@@ -453,9 +455,9 @@ class LocalAIServicer(lpb_grpc.BackendServicer):
             out.tool_format.section_start = tokenizer.tool_call_start or ""
             out.tool_format.section_end = tokenizer.tool_call_end or ""
         if getattr(tokenizer, "chat_template", None):
-            sample = pb.GenerateRequest(
-                messages=[pb.ChatMessage(role="user", content="Hello")],
-                chat_template_kwargs_json='{"enable_thinking": true}',
+            sample = GenerationRequest(
+                messages=(Message(role="user", content="Hello"),),
+                chat_template_kwargs={"enable_thinking": True},
             )
             out.rendered_template = self.cluster.render(sample).text
         return out

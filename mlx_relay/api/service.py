@@ -1,5 +1,8 @@
 """The gRPC servicer: translate messages to engine calls and back, nothing more.
 
+A request becomes the typed request by this door's adapter (`grpc_adapter`); the
+proto goes no further.
+
 Generation logic lives in the engine; `Generate` is the aggregate of `GenerateStream`.
 Requests are deserialized leniently so that malformed bytes get INVALID_ARGUMENT with
 a reason instead of gRPC's generic INTERNAL.
@@ -16,6 +19,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from mlx_relay.api import grpc_adapter
 from mlx_relay.api.cluster import REFUSALS, Cluster, error_kind
 from mlx_relay.coordinator.output import Chunk
 from mlx_relay.protocol import relay_pb2 as pb
@@ -131,7 +135,7 @@ class RelayServicer:
     def _stream(
         self, request: pb.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GenerateChunk]:
-        req = self.cluster.submit(request, "grpc")
+        req = self.cluster.submit(grpc_adapter.generate_request(request), "grpc")
         context.add_callback(req.cancel)
         for chunk in self.cluster.observed(req, "grpc"):
             yield chunk_to_proto(chunk, req.request_id)
@@ -146,7 +150,7 @@ class RelayServicer:
 
     @_rpc
     def Tokenize(self, request, context):  # noqa: N802
-        prompt = self.cluster.render(request)
+        prompt = self.cluster.render(grpc_adapter.tokenize_request(request))
         return pb.TokenizeResponse(token_ids=prompt.token_ids, prompt=prompt.text)
 
     @_rpc

@@ -52,9 +52,10 @@ def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
     )
 
 
-def request_grammar(response_format_json: str, grammar: str) -> tuple[str, str] | None:
-    """The llguidance grammar a request asks for and the field it came from, or None."""
-    response_format = response_format_grammar(response_format_json)
+def request_grammar(response_format: Any, grammar: str) -> tuple[str, str] | None:
+    """The llguidance grammar a request asks for and the field it came from, or None.
+    `response_format`: OpenAI's object (or None)."""
+    response_format = response_format_grammar(response_format)
     if grammar.strip() and response_format is not None:
         raise InvalidRequest("give either grammar or response_format, not both")
     if grammar.strip():
@@ -64,11 +65,16 @@ def request_grammar(response_format_json: str, grammar: str) -> tuple[str, str] 
     return None
 
 
-def response_format_grammar(raw: str) -> str | None:
-    """The grammar of OpenAI's `response_format` (JSON text), None for plain text."""
-    value = json_field(raw, "response_format", dict, "a JSON object with a 'type'")
-    if value is None:
+def response_format_grammar(raw: Any) -> str | None:
+    """The grammar of OpenAI's `response_format` (an object, or JSON text), None for
+    plain text."""
+    if isinstance(raw, str):
+        raw = json_field(raw, "response_format", dict, "a JSON object with a 'type'")
+    if raw is None:
         return None
+    if not isinstance(raw, dict):
+        raise InvalidRequest("response_format must be a JSON object with a 'type'")
+    value = raw
     kind = value.get("type")
     if kind not in RESPONSE_FORMATS:
         raise InvalidRequest(

@@ -1,32 +1,30 @@
-"""From a gRPC request to token ids and sampling parameters, or a clear refusal.
+"""From a typed request to token ids, or a clear refusal.
 
-Everything a client can get wrong is checked here, before the request reaches the
-engine, and reported as `InvalidRequest` naming the field; the servicer turns that
-into INVALID_ARGUMENT. Prompts are rendered and encoded exactly as mlx-lm does, so a
-request here and `mlx_lm.stream_generate` on the same text see the same tokens.
+Everything a client can get wrong in its prompt (messages, tools, tool_choice, template
+kwargs, images) is checked here, as `generation.check_sampling` checks its sampling
+options, before the request reaches the engine, and reported as `InvalidRequest`
+naming the field; each door maps that to its own error shape. Prompts are rendered
+and encoded exactly as mlx-lm does, so a request here and `mlx_lm.stream_generate`
+on the same text see the same tokens. `json_field` and `logit_bias` are the helpers
+the doors' adapters share for what their wire formats spell as JSON text.
 """
 
 from __future__ import annotations
 
 import json
-import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_relay.coordinator import tool_prompt
+from mlx_relay.coordinator.generation import GenerationRequest, InvalidRequest, Message
 from mlx_relay.coordinator.markup import ChatMarkup
-from mlx_relay.coordinator.sampling import SamplingParams
 from mlx_relay.coordinator.tool_parsers import hermes
 from mlx_relay.model import vision
-from mlx_relay.protocol import relay_pb2 as pb
+
+__all__ = ["InvalidRequest", "Prompt", "encode_images", "json_field", "logit_bias"]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-MAX_STOP_STRINGS = 16
-MAX_TOP_LOGPROBS = 20
-
-
-class InvalidRequest(ValueError):
-    """A request the server refuses; the message names the field and says why."""
 
 
 @dataclass
@@ -74,7 +72,7 @@ def logit_bias(value: dict[Any, Any], name: str = "logit_bias") -> dict[int, flo
     return out
 
 
-def _message_dict(i: int, m: pb.ChatMessage) -> dict[str, Any]:
+def _message_dict(i: int, m: Message) -> dict[str, Any]:
     if m.role not in ROLES:
         raise InvalidRequest(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}")
     out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
@@ -89,10 +87,7 @@ def _message_dict(i: int, m: pb.ChatMessage) -> dict[str, Any]:
             {
                 "id": c.id,
                 "type": c.type or "function",
-                "function": {
-                    "name": c.function.name,
-                    "arguments": _tool_arguments(i, c.function.arguments),
-                },
+                "function": {"name": c.name, "arguments": _tool_arguments(i, c.arguments)},
             }
             for c in m.tool_calls
         ]
@@ -111,7 +106,7 @@ def _tool_arguments(i: int, raw: str) -> Any:
         raise InvalidRequest(f"messages[{i}].tool_calls arguments are not valid JSON: {e}") from e
 
 
-def chat_messages(messages: list[pb.ChatMessage]) -> list[dict[str, Any]]:
+def chat_messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
     return [_message_dict(i, m) for i, m in enumerate(messages)]
 
 
@@ -124,12 +119,8 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
 
 def render_prompt(
     tokenizer: Any,
+    request: GenerationRequest,
     *,
-    prompt: str | bytes = "",
-    messages: list[pb.ChatMessage] = (),
-    tools_json: str = "",
-    chat_template_kwargs_json: str = "",
-    tool_choice: str = "",
     markup: ChatMarkup | None = None,
     tool_fallback: bool = True,
 ) -> Prompt:
@@ -142,6 +133,7 @@ def render_prompt(
     ``tool_fallback``: where the chat template ignores tools, write them into the system
     prompt (`tool_prompt`) instead of refusing the request.
     """
+    prompt, messages = request.prompt, request.messages
     if isinstance(prompt, bytes):
         try:
             prompt = prompt.decode("utf-8")
@@ -150,12 +142,12 @@ def render_prompt(
     if prompt and messages:
         raise InvalidRequest("give either prompt or messages, not both")
     # Checked for raw prompts too: there the tools still name what the parser accepts.
-    tools = json_field(tools_json, "tools", list)
-    for i, tool in enumerate(tools or []):
-        if not isinstance(tool, dict) or not _tool_name(tool):
+    for i, tool in enumerate(request.tools):
+        if not tool.name:
             raise InvalidRequest(f"tools[{i}] has no function name")
-    kwargs = json_field(chat_template_kwargs_json, "chat_template_kwargs", dict) or {}
-    choice = parse_tool_choice(tool_choice, tools)
+    tools = [dict(t.definition) for t in request.tools] or None
+    kwargs = dict(request.chat_template_kwargs)
+    choice = parse_tool_choice(request.tool_choice, tools)
     forced = choice not in ("auto", "none")
     named = forced and choice != "required"
     opens_tool_call = ""
@@ -251,12 +243,15 @@ def merge_same_roles(messages: list[dict]) -> list[dict]:
     return out
 
 
-def parse_tool_choice(raw: str, tools: list[dict] | None) -> str:
-    """'auto', 'none', 'required', or the name of one of the request's tools."""
-    choice = raw.strip()
+def parse_tool_choice(raw: str | Mapping[str, Any], tools: list[dict] | None) -> str:
+    """'auto', 'none', 'required', or the name of one of the request's tools (`raw` may
+    be OpenAI's object naming one, or that object as JSON text)."""
+    value = raw if isinstance(raw, Mapping) else None
+    choice = raw.strip() if isinstance(raw, str) else ""
     if choice.startswith("{"):
         value = json_field(choice, "tool_choice", dict)
-        choice = _tool_name(value) if value.get("type", "function") == "function" else ""
+    if value is not None:
+        choice = _tool_name(dict(value)) if value.get("type", "function") == "function" else ""
         if not choice:
             raise InvalidRequest("tool_choice object must name a function")
     if choice in ("", "auto", "none"):
@@ -272,78 +267,6 @@ def parse_tool_choice(raw: str, tools: list[dict] | None) -> str:
             f"given ({', '.join(names) or 'none given'})"
         )
     return choice
-
-
-def _finite(value: float, name: str) -> float:
-    if not math.isfinite(value):
-        raise InvalidRequest(f"{name} must be a finite number, got {value}")
-    return value
-
-
-def sampling_params(
-    p: pb.SamplingParams, *, vocab_size: int, default_max_tokens: int
-) -> SamplingParams:
-    if p.HasField("max_tokens") and p.max_tokens < 1:
-        raise InvalidRequest(f"max_tokens must be at least 1, got {p.max_tokens}")
-    temperature = _finite(p.temperature, "temperature") if p.HasField("temperature") else 0.0
-    if temperature < 0:
-        raise InvalidRequest(f"temperature must be >= 0, got {temperature}")
-    if not 0 <= _finite(p.top_p, "top_p") <= 1:
-        raise InvalidRequest(f"top_p must be in [0, 1], got {p.top_p}")
-    if not 0 <= _finite(p.min_p, "min_p") <= 1:
-        raise InvalidRequest(f"min_p must be in [0, 1], got {p.min_p}")
-    if not 0 <= p.top_k < vocab_size:
-        raise InvalidRequest(f"top_k must be in [0, {vocab_size}), got {p.top_k}")
-    if not 0 <= _finite(p.xtc_probability, "xtc_probability") <= 1:
-        raise InvalidRequest(f"xtc_probability must be in [0, 1], got {p.xtc_probability}")
-    xtc_threshold = p.xtc_threshold if p.xtc_threshold else 0.1
-    if not 0 <= _finite(xtc_threshold, "xtc_threshold") <= 0.5:
-        raise InvalidRequest(f"xtc_threshold must be in [0, 0.5], got {p.xtc_threshold}")
-    if len(p.stop) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"stop has {len(p.stop)} strings, at most {MAX_STOP_STRINGS}")
-    if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidRequest(
-            f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}"
-        )
-    for token_id, bias in p.logit_bias.items():
-        if not 0 <= token_id < vocab_size:
-            raise InvalidRequest(
-                f"logit_bias token id {token_id} is outside the vocabulary (0..{vocab_size - 1})"
-            )
-        _finite(bias, f"logit_bias[{token_id}]")
-    penalties = {}
-    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
-        if p.HasField(name):
-            penalties[name] = _finite(getattr(p, name), name)
-    if penalties.get("repetition_penalty", 1.0) < 0:
-        raise InvalidRequest("repetition_penalty must be >= 0")
-    for name in ("presence_penalty", "frequency_penalty"):  # OpenAI's range
-        if not -2 <= penalties.get(name, 0.0) <= 2:
-            raise InvalidRequest(f"{name} must be in [-2, 2], got {penalties[name]}")
-    if p.repetition_context_size < 0:
-        raise InvalidRequest("repetition_context_size must be >= 0")
-    if p.HasField("num_draft_tokens") and p.num_draft_tokens < 0:
-        raise InvalidRequest(f"num_draft_tokens must be >= 0, got {p.num_draft_tokens}")
-    if p.HasField("seed") and p.seed < 0:
-        raise InvalidRequest(f"seed must be >= 0 (MLX random keys are unsigned), got {p.seed}")
-    return SamplingParams(
-        max_tokens=p.max_tokens if p.HasField("max_tokens") else default_max_tokens,
-        temperature=temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        min_p=p.min_p,
-        seed=p.seed if p.HasField("seed") else None,
-        ignore_eos=p.ignore_eos,
-        xtc_probability=p.xtc_probability,
-        xtc_threshold=xtc_threshold,
-        repetition_context_size=p.repetition_context_size or 20,
-        logit_bias={int(k): float(v) for k, v in p.logit_bias.items()},
-        stop=list(p.stop),
-        logprobs=p.logprobs or p.top_logprobs > 0,
-        top_logprobs=p.top_logprobs,
-        num_draft_tokens=p.num_draft_tokens if p.HasField("num_draft_tokens") else None,
-        **penalties,
-    )
 
 
 def encode_images(prompt: Prompt, model_path: str | None, config: dict[str, Any]) -> None:

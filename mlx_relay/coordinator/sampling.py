@@ -10,6 +10,7 @@ The deterministic filters (top-p, min-p, top-k) are mlx-lm's own functions.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,21 @@ class SamplingParams:
     # Speculative decoding's proposals a round may carry for this request: None as the
     # server says, 0 none (mlx_lm.server's per-request `num_draft_tokens`).
     num_draft_tokens: int | None = None
+
+
+# Each float option's range, as `generation.check_sampling` holds every door's requests
+# to it (inf: no upper bound). An option whose range needs the model (top_k, logit_bias
+# against the vocabulary) is checked there by name.
+RANGES: dict[str, tuple[float, float]] = {
+    "temperature": (0, math.inf),
+    "top_p": (0, 1),
+    "min_p": (0, 1),
+    "xtc_probability": (0, 1),
+    "xtc_threshold": (0, 0.5),
+    "repetition_penalty": (0, math.inf),
+    "presence_penalty": (-2, 2),  # OpenAI's range
+    "frequency_penalty": (-2, 2),
+}
 
 
 class Sampler:

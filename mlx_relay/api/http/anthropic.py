@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -28,10 +28,11 @@ from mlx_relay.api.http.common import (
     tool_call,
 )
 from mlx_relay.api.http.schemas import Lenient, dumps
+from mlx_relay.coordinator import generation
+from mlx_relay.coordinator.generation import GenerationRequest
 from mlx_relay.coordinator.output import Chunk
 from mlx_relay.coordinator.tool_partial import json_prefix_object
 from mlx_relay.model import vision
-from mlx_relay.protocol import relay_pb2 as pb
 
 API = "anthropic"
 ERROR_TYPES = {
@@ -107,16 +108,12 @@ class MessagesRequest(CountRequest):
     top_k: int | None = None
     stream: bool = False
 
-    def generate_request(self) -> pb.GenerateRequest:
-        prompt = prompt_request(self)
-        return pb.GenerateRequest(
-            messages=prompt.messages,
-            tools_json=prompt.tools_json,
-            tool_choice=prompt.tool_choice,
-            chat_template_kwargs_json=template_kwargs(self.thinking),
-            response_format_json=self.response_format(),
-            params=sampling(
-                max_tokens=self.max_tokens,
+    def generate_request(self) -> GenerationRequest:
+        return replace(
+            prompt_request(self),
+            max_tokens=self.max_tokens,
+            response_format=self.response_format(),
+            sampling=sampling(
                 temperature=self.temperature,
                 top_p=self.top_p,
                 top_k=self.top_k,
@@ -124,18 +121,18 @@ class MessagesRequest(CountRequest):
             ),
         )
 
-    def response_format(self) -> str:
-        """`output_config.format` as OpenAI's response_format ('' for free text)."""
+    def response_format(self) -> dict[str, Any] | None:
+        """`output_config.format` as OpenAI's response_format (None for free text)."""
         fmt = (self.output_config or {}).get("format") or self.output_format
         where = "output_config.format" if self.output_config else "output_format"
         if not fmt:
-            return ""
+            return None
         if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
             raise HttpError("invalid", f"{where}.type must be 'json_schema'", where)
         schema = fmt.get("schema")
         if not isinstance(schema, dict):
             raise HttpError("invalid", f"{where}.schema must be a JSON Schema object", where)
-        return dumps({"type": "json_schema", "json_schema": {"name": "output", "schema": schema}})
+        return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
 
 
 def _text(blocks: str | list[Block] | None, where: str) -> str:
@@ -153,11 +150,11 @@ def _text(blocks: str | list[Block] | None, where: str) -> str:
     return "\n".join(out)
 
 
-def chat_messages(body: CountRequest) -> list[pb.ChatMessage]:
-    out: list[pb.ChatMessage] = []
+def chat_messages(body: CountRequest) -> tuple[generation.Message, ...]:
+    out: list[generation.Message] = []
     system = _text(body.system, "system")
     if system:
-        out.append(pb.ChatMessage(role="system", content=system))
+        out.append(generation.Message(role="system", content=system))
     for i, m in enumerate(body.messages):
         if m.role not in ("user", "assistant"):
             raise HttpError(
@@ -177,7 +174,7 @@ def chat_messages(body: CountRequest) -> list[pb.ChatMessage]:
                 calls.append(tool_call(b.name or "", dumps(b.input or {}), b.id or ""))
             elif b.type == "tool_result" and m.role == "user":
                 out.append(
-                    pb.ChatMessage(
+                    generation.Message(
                         role="tool",
                         tool_call_id=b.tool_use_id or "",
                         content=_text(b.content, where),
@@ -193,14 +190,14 @@ def chat_messages(body: CountRequest) -> list[pb.ChatMessage]:
                 )
         if parts.texts or parts.images or reasoning or calls:
             out.append(
-                pb.ChatMessage(
+                generation.Message(
                     role=m.role,
                     **parts.fields(),
                     reasoning="".join(reasoning),
-                    tool_calls=calls,
+                    tool_calls=tuple(calls),
                 )
             )
-    return out
+    return tuple(out)
 
 
 def _image(block: Block, where: str) -> bytes:
@@ -220,16 +217,9 @@ def _image(block: Block, where: str) -> bytes:
         raise HttpError("invalid", str(e), where) from None
 
 
-@dataclass
-class _Prompt:
-    """What a Messages request says about the prompt, in the engine's terms."""
-
-    messages: list[pb.ChatMessage]
-    tools_json: str
-    tool_choice: str
-
-
-def prompt_request(body: CountRequest) -> _Prompt:
+def prompt_request(body: CountRequest) -> GenerationRequest:
+    """What a Messages request says about the prompt (messages, tools, tool_choice,
+    thinking), as the typed request; count_tokens renders just this."""
     tools = [
         {
             "type": "function",
@@ -250,13 +240,18 @@ def prompt_request(body: CountRequest) -> _Prompt:
         raise HttpError(
             "invalid", f"tool_choice.type {kind!r} is not auto, any, tool or none", "tool_choice"
         )
-    return _Prompt(chat_messages(body), dumps(tools) if tools else "", tool_choice)
+    return GenerationRequest(
+        messages=chat_messages(body),
+        tools=generation.tools(tools),
+        tool_choice=tool_choice,
+        chat_template_kwargs=template_kwargs(body.thinking),
+    )
 
 
-def template_kwargs(thinking: dict[str, Any] | None) -> str:
+def template_kwargs(thinking: dict[str, Any] | None) -> dict[str, Any]:
     if not thinking:
-        return ""
-    return dumps({"enable_thinking": thinking.get("type") == "enabled"})
+        return {}
+    return {"enable_thinking": thinking.get("type") == "enabled"}
 
 
 class MessageStream:
@@ -450,15 +445,7 @@ def router(door: Door) -> APIRouter:
     @r.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountRequest) -> dict[str, int]:
         door.check_model(body.model)
-        prompt = prompt_request(body)
-        rendered = await door.render(
-            pb.TokenizeRequest(
-                messages=prompt.messages,
-                tools_json=prompt.tools_json,
-                tool_choice=prompt.tool_choice,
-                chat_template_kwargs_json=template_kwargs(body.thinking),
-            )
-        )
+        rendered = await door.render(prompt_request(body))
         return {"input_tokens": len(rendered.token_ids)}
 
     return r

@@ -1,6 +1,9 @@
 """What every HTTP door shares: one way to run a request, one error type, model names.
 
-`generate` submits a `pb.GenerateRequest` to the `Cluster` and returns an async stream
+Each door's handler is its adapter: it turns the API's JSON into the typed
+`generation.GenerationRequest` (with `sampling`, `tool_call` and `stop_list` here) and
+nothing more; the checks are the coordinator's, for every door the same.
+`generate` submits that request to the `Cluster` and returns an async stream
 of the engine's chunks; a door streams them in its own format, or folds them with
 `collect` for a non-streaming answer, so the two never diverge. The stream cancels
 its request when the consumer goes away (a client that disconnects mid-stream).
@@ -9,7 +12,6 @@ its request when the consumer goes away (a client that disconnects mid-stream).
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,10 +26,11 @@ from starlette.responses import StreamingResponse
 from mlx_relay.api.cluster import Cluster, error_kind
 from mlx_relay.api.http.schemas import dumps, sse
 from mlx_relay.api.metrics import Metrics, Observer
-from mlx_relay.coordinator import requests
+from mlx_relay.coordinator import generation, requests
+from mlx_relay.coordinator.generation import GenerationRequest, ToolCall
 from mlx_relay.coordinator.output import Chunk
+from mlx_relay.coordinator.sampling import SamplingParams
 from mlx_relay.coordinator.sequence import Request
-from mlx_relay.protocol import relay_pb2 as pb
 
 # The HTTP status matching the gRPC status each error kind gets from the gRPC door
 # (Google's mapping: INVALID_ARGUMENT and FAILED_PRECONDITION 400, UNAVAILABLE 503 ...).
@@ -64,11 +67,11 @@ class HttpError(Exception):
         return STATUS.get(self.kind, 500)
 
 
-def tool_call(name: str, arguments: Any, id: str = "", type: str = "function") -> pb.ToolCall:
-    """An earlier assistant turn's call as the wire carries it; the APIs send arguments as
-    JSON text (OpenAI), an object (Ollama, Anthropic's input), or either."""
+def tool_call(name: str, arguments: Any, id: str = "", type: str = "function") -> ToolCall:
+    """An earlier assistant turn's call as the typed request holds it; the APIs send
+    arguments as JSON text (OpenAI), an object (Ollama, Anthropic's input), or either."""
     text = arguments if isinstance(arguments, str) else dumps(arguments)
-    return pb.ToolCall(id=id, type=type, function=pb.ToolCallFunction(name=name, arguments=text))
+    return ToolCall(name=name, arguments=text, id=id, type=type)
 
 
 def as_http_error(e: BaseException) -> HttpError:
@@ -104,13 +107,13 @@ class Door:
             "not_found", f"model {name!r} is not served here; this cluster serves {served!r}"
         )
 
-    async def render(self, request: pb.GenerateRequest | pb.TokenizeRequest) -> requests.Prompt:
+    async def render(self, request: GenerationRequest) -> requests.Prompt:
         try:
             return await run_in_threadpool(self.cluster.render, request)
         except Exception as e:  # noqa: BLE001 - mapped to the API's error
             raise as_http_error(e) from e
 
-    async def generate(self, request: pb.GenerateRequest, api: str) -> Output:
+    async def generate(self, request: GenerationRequest, api: str) -> Output:
         """Submit now (errors come out here, before any response is sent); stream later."""
         try:
             req = await run_in_threadpool(self.cluster.submit, request, api)
@@ -119,7 +122,7 @@ class Door:
         return Output(req, self.metrics.observe(req, api))
 
     async def generate_n(
-        self, request: pb.GenerateRequest | list[pb.GenerateRequest], api: str, n: int
+        self, request: GenerationRequest | list[GenerationRequest], api: str, n: int
     ) -> Choices:
         """OpenAI's `n`: n requests, a seeded one seeded seed, seed+1, ... so they differ.
         Several requests (a list of prompts, /v1/completions): n choices each, in order,
@@ -136,11 +139,9 @@ class Door:
         outputs: list[Output] = []
         try:
             for each in requests_:
+                seed = each.sampling.seed
                 for i in range(n):
-                    one = pb.GenerateRequest()
-                    one.CopyFrom(each)
-                    if i and each.params.HasField("seed"):
-                        one.params.seed = each.params.seed + i
+                    one = each.with_seed(seed + i) if i and seed is not None else each
                     outputs.append(await self.generate(one, api))
         except BaseException:
             for output in outputs:
@@ -353,11 +354,11 @@ async def fold(output: Output, http: HttpRequest, source: EventSource) -> None:
         source.feed(chunk)
 
 
-def response_format_json(fmt: dict[str, Any] | None) -> str:
-    """OpenAI's response_format as the engine takes it ('' for plain text)."""
+def response_format(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI's response_format as the typed request takes it (None for plain text)."""
     if not fmt or fmt.get("type") == "text":
-        return ""
-    return json.dumps(fmt)
+        return None
+    return fmt
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
@@ -366,22 +367,20 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-def sampling(**fields: Any) -> pb.SamplingParams:
-    """pb.SamplingParams from the fields a request set (None: left to the server)."""
-    params = pb.SamplingParams()
+def sampling(**fields: Any) -> SamplingParams:
+    """The engine's sampling options from the fields a request set (None: left to the
+    server), by the engine's names; `stop` may be one string, `logit_bias` has OpenAI's
+    string keys. Ranges are checked with every door's (generation.check_sampling)."""
+    options: dict[str, Any] = {}
     for name, value in fields.items():
         if value is None:
             continue
         if name == "stop":
-            params.stop.extend(stop_list(value))
+            value = stop_list(value)
         elif name == "logit_bias":
             try:
-                params.logit_bias.update(requests.logit_bias(value))
+                value = requests.logit_bias(value)
             except requests.InvalidRequest as e:
                 raise HttpError("invalid", str(e), name) from e
-        else:
-            try:
-                setattr(params, name, value)
-            except (TypeError, ValueError) as e:
-                raise HttpError("invalid", f"{name}: {e}", name) from e
-    return params
+        options[name] = value
+    return generation.sampling(**options)

@@ -3,8 +3,9 @@
 A chat without messages (or a generate without a prompt) is Ollama's load ping: it
 answers at once, done_reason "load".
 
-`options` map onto `pb.SamplingParams` (`num_predict` is max_tokens, `repeat_penalty`
-repetition_penalty); the non-streaming answer is the stream's chunks folded.
+`options` map onto the engine's `SamplingParams` (`num_predict` is the request's max_tokens,
+`repeat_penalty` repetition_penalty) in the typed `GenerationRequest`; the non-streaming
+answer is the stream's chunks folded.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -31,11 +33,13 @@ from mlx_relay.api.http.common import (
     tool_call,
 )
 from mlx_relay.api.http.schemas import Lenient, dumps
+from mlx_relay.coordinator import generation
+from mlx_relay.coordinator.generation import GenerationRequest
 from mlx_relay.coordinator.output import Chunk
 from mlx_relay.coordinator.postprocess import ToolCall as CallOut
+from mlx_relay.coordinator.sampling import SamplingParams
 from mlx_relay.coordinator.tool_partial import json_prefix_object
 from mlx_relay.model import checkpoint, vision
-from mlx_relay.protocol import relay_pb2 as pb
 
 API = "ollama"
 
@@ -57,14 +61,17 @@ class Options(Lenient):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
 
-    def params(self) -> pb.SamplingParams:
+    def max_tokens(self) -> int | None:
+        """num_predict; -1 (Ollama's "no limit") or 0 leave it to the server."""
+        return self.num_predict if self.num_predict and self.num_predict > 0 else None
+
+    def params(self) -> SamplingParams:
         return sampling(
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
             min_p=self.min_p,
             seed=self.seed,
-            max_tokens=self.num_predict if self.num_predict and self.num_predict > 0 else None,
             stop=self.stop,
             repetition_penalty=self.repeat_penalty,
             repetition_context_size=self.repeat_last_n
@@ -100,19 +107,29 @@ class Common(Lenient):
     options: Options | None = None
     think: bool | None = None
 
-    def response_format(self) -> str:
+    def response_format(self) -> dict[str, Any] | None:
         if not self.format:
-            return ""
+            return None
         if self.format == "json":
-            return dumps({"type": "json_object"})
+            return {"type": "json_object"}
         if isinstance(self.format, dict):
-            return dumps(
-                {"type": "json_schema", "json_schema": {"name": "output", "schema": self.format}}
-            )
+            return {"type": "json_schema", "json_schema": {"name": "output", "schema": self.format}}
         raise HttpError("invalid", f"format {self.format!r} is not 'json' or a JSON schema")
 
-    def kwargs(self) -> str:
-        return dumps({"enable_thinking": self.think}) if self.think is not None else ""
+    def kwargs(self) -> dict[str, Any]:
+        return {"enable_thinking": self.think} if self.think is not None else {}
+
+    def request(self, **fields: Any) -> GenerationRequest:
+        """The typed request: `fields` (the prompt or messages, tools) with the options,
+        format and think every Ollama request shares."""
+        options = self.options or Options()
+        return GenerationRequest(
+            max_tokens=options.max_tokens(),
+            sampling=options.params(),
+            chat_template_kwargs=self.kwargs(),
+            response_format=self.response_format(),
+            **fields,
+        )
 
 
 class ChatRequest(Common):
@@ -144,22 +161,22 @@ def _images(images: list[str] | None, where: str) -> list[bytes]:
     return out
 
 
-def chat_messages(messages: list[Message]) -> list[pb.ChatMessage]:
+def chat_messages(messages: list[Message]) -> tuple[generation.Message, ...]:
     out = []
     for i, m in enumerate(messages):
         out.append(
-            pb.ChatMessage(
+            generation.Message(
                 role=m.role,
                 content=m.content,
                 images=_images(m.images, f"messages[{i}].images"),
                 reasoning=m.thinking or "",
                 name=m.tool_name or "",
-                tool_calls=[
+                tool_calls=tuple(
                     tool_call(c.function.name, c.function.arguments) for c in m.tool_calls or []
-                ],
+                ),
             )
         )
-    return out
+    return tuple(out)
 
 
 def _now() -> str:
@@ -335,12 +352,8 @@ def router(door: Door) -> APIRouter:
                 "done": True,
                 "done_reason": "load",
             }
-        req = pb.GenerateRequest(
-            messages=chat_messages(body.messages),
-            params=body.options.params() if body.options else pb.SamplingParams(),
-            tools_json=dumps(body.tools) if body.tools else "",
-            chat_template_kwargs_json=body.kwargs(),
-            response_format_json=body.response_format(),
+        req = body.request(
+            messages=chat_messages(body.messages), tools=generation.tools(body.tools)
         )
         output = await door.generate(req, API)
         return await _answer(True, body.model or model, output, body.stream, started, request)
@@ -364,16 +377,12 @@ def router(door: Door) -> APIRouter:
                 "done": True,
                 "done_reason": "load",
             }
-        params = body.options.params() if body.options else pb.SamplingParams()
-        if body.raw:
-            req = pb.GenerateRequest(prompt=body.prompt, params=params)
+        if body.raw:  # (the template's kwargs are the template's: none for a raw prompt)
+            req = replace(body.request(prompt=body.prompt), chat_template_kwargs={})
         else:
-            messages = [pb.ChatMessage(role="system", content=body.system)] if body.system else []
-            messages.append(pb.ChatMessage(role="user", content=body.prompt, images=images))
-            req = pb.GenerateRequest(
-                messages=messages, params=params, chat_template_kwargs_json=body.kwargs()
-            )
-        req.response_format_json = body.response_format()
+            system = [generation.Message("system", body.system)] if body.system else []
+            user = generation.Message("user", body.prompt, images=tuple(images))
+            req = body.request(messages=(*system, user))
         output = await door.generate(req, API)
         return await _answer(False, body.model or model, output, body.stream, started, request)
 

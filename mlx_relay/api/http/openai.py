@@ -1,7 +1,8 @@
 """OpenAI's API: chat completions, completions, models, tokenize/detokenize.
 
-Fields map one to one onto `pb.GenerateRequest` (sampling onto `pb.SamplingParams`, so
-`coordinator.requests` does every check); a non-streaming answer is the stream folded
+Fields map one to one onto the typed `GenerationRequest` (sampling onto the engine's
+`SamplingParams` by name, so the coordinator does every check); a non-streaming answer
+is the stream folded
 by `common.collect`. The Responses API is in `responses.py`.
 """
 
@@ -18,14 +19,16 @@ from mlx_relay.api.http.common import (
     Choices,
     Door,
     HttpError,
-    response_format_json,
+    response_format,
     sampling,
     tool_call,
 )
-from mlx_relay.api.http.schemas import Lenient, dumps, sse
+from mlx_relay.api.http.schemas import Lenient, sse
+from mlx_relay.coordinator import generation
+from mlx_relay.coordinator.generation import GenerationRequest, Message
 from mlx_relay.coordinator.output import Chunk, TokenLogprob
+from mlx_relay.coordinator.sampling import SamplingParams
 from mlx_relay.model import vision
-from mlx_relay.protocol import relay_pb2 as pb
 
 API = "openai"
 ERROR_TYPES = {
@@ -107,9 +110,8 @@ class SamplingFields(Lenient):
     ignore_eos: bool | None = None  # vLLM's extension
     num_draft_tokens: int | None = None  # mlx_lm.server's: speculative proposals (0: none)
 
-    def params(self, max_tokens: int | None, logprobs: bool, top_logprobs: int | None):
+    def params(self, logprobs: bool, top_logprobs: int | None) -> SamplingParams:
         return sampling(
-            max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -126,8 +128,8 @@ class SamplingFields(Lenient):
             top_logprobs=top_logprobs,
         )
 
-    def response_format_json(self) -> str:
-        return response_format_json(self.response_format)
+    def format(self) -> dict[str, Any] | None:
+        return response_format(self.response_format)
 
 
 class ChatRequest(SamplingFields):
@@ -161,7 +163,7 @@ class DetokenizeRequest(Lenient):
 # --- translation ----------------------------------------------------------------------
 def message_content(content: str | list[ContentPart] | None, where: str) -> dict[str, Any]:
     """A message's text and its images where they are among the text (`image_url` parts
-    with base64 data: URLs; the server fetches nothing), as `pb.ChatMessage` fields. A
+    with base64 data: URLs; the server fetches nothing), as `Message` fields. A
     text-only model refuses the images (Cluster.build)."""
     parts = vision.MessageParts()
     if content is None or isinstance(content, str):
@@ -198,29 +200,23 @@ def image_bytes(image: ImageUrl | str, where: str) -> bytes:
         raise HttpError("invalid", str(e), where) from None
 
 
-def chat_messages(messages: list[MessageIn]) -> list[pb.ChatMessage]:
+def chat_messages(messages: list[MessageIn]) -> tuple[Message, ...]:
     out = []
     for i, m in enumerate(messages):
         out.append(
-            pb.ChatMessage(
+            Message(
                 role=m.role,
                 **message_content(m.content, f"messages[{i}]"),
                 name=m.name or "",
                 tool_call_id=m.tool_call_id or "",
                 reasoning=m.reasoning_content or m.reasoning or "",
-                tool_calls=[
+                tool_calls=tuple(
                     tool_call(c.function.name, c.function.arguments, c.id, c.type)
                     for c in m.tool_calls or []
-                ],
+                ),
             )
         )
-    return out
-
-
-def tool_choice_text(choice: str | dict[str, Any] | None) -> str:
-    if choice is None:
-        return ""
-    return choice if isinstance(choice, str) else dumps(choice)
+    return tuple(out)
 
 
 def usage(u: dict[str, int]) -> dict[str, Any]:
@@ -338,19 +334,14 @@ def router(door: Door) -> APIRouter:
         name = door.check_model(body.model)
         if not body.messages:
             raise HttpError("invalid", "messages must not be empty", "messages")
-        req = pb.GenerateRequest(
+        req = GenerationRequest(
             messages=chat_messages(body.messages),
-            params=body.params(
-                body.max_completion_tokens or body.max_tokens,
-                bool(body.logprobs),
-                body.top_logprobs,
-            ),
-            tools_json=dumps(body.tools) if body.tools else "",
-            tool_choice=tool_choice_text(body.tool_choice),
-            chat_template_kwargs_json=dumps(body.chat_template_kwargs)
-            if body.chat_template_kwargs
-            else "",
-            response_format_json=body.response_format_json(),
+            max_tokens=body.max_completion_tokens or body.max_tokens,
+            sampling=body.params(bool(body.logprobs), body.top_logprobs),
+            tools=generation.tools(body.tools),
+            tool_choice=body.tool_choice or "",
+            chat_template_kwargs=body.chat_template_kwargs or {},
+            response_format=body.format(),
         )
         choices = await door.generate_n(req, API, body.n or 1)
         head = Head(f"chatcmpl-{choices.request_id}", "chat.completion.chunk", name)
@@ -382,10 +373,11 @@ def router(door: Door) -> APIRouter:
             raise HttpError("invalid", "echo is not supported", "echo")
         top = body.logprobs
         reqs = [
-            pb.GenerateRequest(
+            GenerationRequest(
                 prompt=prompt,
-                params=body.params(body.max_tokens, top is not None, top),
-                response_format_json=body.response_format_json(),
+                max_tokens=body.max_tokens,
+                sampling=body.params(top is not None, top),
+                response_format=body.format(),
             )
             for prompt in prompts
         ]
@@ -415,12 +407,11 @@ def router(door: Door) -> APIRouter:
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         door.check_model(body.model)
         if body.messages is not None:
-            req = pb.TokenizeRequest(
-                messages=chat_messages(body.messages),
-                tools_json=dumps(body.tools) if body.tools else "",
+            req = GenerationRequest(
+                messages=chat_messages(body.messages), tools=generation.tools(body.tools)
             )
         else:
-            req = pb.TokenizeRequest(text=body.prompt or "")
+            req = GenerationRequest(prompt=body.prompt or "")
         prompt = await door.render(req)
         return {
             "tokens": prompt.token_ids,

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -26,16 +26,17 @@ from mlx_relay.api.http.common import (
     HttpError,
     Output,
     fold,
-    response_format_json,
+    response_format,
     sampling,
     sse_events,
     tool_call,
 )
 from mlx_relay.api.http.openai import error_body, image_bytes
-from mlx_relay.api.http.schemas import Lenient, dumps
+from mlx_relay.api.http.schemas import Lenient
+from mlx_relay.coordinator import generation
+from mlx_relay.coordinator.generation import GenerationRequest, Message
 from mlx_relay.coordinator.output import Chunk
 from mlx_relay.model import vision
-from mlx_relay.protocol import relay_pb2 as pb
 
 API = "responses"
 STORED = 256  # finished responses kept for previous_response_id, the least recent dropped
@@ -73,7 +74,7 @@ class ResponsesRequest(Lenient):
     store: bool = True
     text: dict[str, Any] | None = None
 
-    def generate_request(self, before: list[pb.ChatMessage] = ()) -> pb.GenerateRequest:
+    def generate_request(self, before: list[Message] = ()) -> GenerationRequest:
         """The engine's request; `before` is the stored conversation that
         `previous_response_id` names (its instructions not among it: this request's apply)."""
         tools = [_function_tool(i, t) for i, t in enumerate(self.tools or [])]
@@ -84,23 +85,17 @@ class ResponsesRequest(Lenient):
         if fmt and fmt.get("type") == "json_schema":
             schema = {k: v for k, v in fmt.items() if k != "type"}
             fmt = {"type": "json_schema", "json_schema": schema}
-        return pb.GenerateRequest(
-            messages=self.messages(before),
-            params=sampling(
-                max_tokens=self.max_output_tokens,
-                temperature=self.temperature,
-                top_p=self.top_p,
-                seed=self.seed,
-            ),
-            tools_json=dumps(tools) if tools else "",
+        return GenerationRequest(
+            messages=tuple(self.messages(before)),
+            max_tokens=self.max_output_tokens,
+            sampling=sampling(temperature=self.temperature, top_p=self.top_p, seed=self.seed),
+            tools=generation.tools(tools),
             tool_choice=choice or "",
-            response_format_json=response_format_json(fmt),
+            response_format=response_format(fmt),
         )
 
-    def messages(self, before: list[pb.ChatMessage] = ()) -> list[pb.ChatMessage]:
-        out = (
-            [pb.ChatMessage(role="system", content=self.instructions)] if self.instructions else []
-        )
+    def messages(self, before: list[Message] = ()) -> list[Message]:
+        out = [Message(role="system", content=self.instructions)] if self.instructions else []
         return out + conversation(self.items(), list(before))
 
     def items(self) -> list[Item]:
@@ -109,26 +104,21 @@ class ResponsesRequest(Lenient):
         )
 
 
-def conversation(items: list[Item], out: list[pb.ChatMessage]) -> list[pb.ChatMessage]:
+def conversation(items: list[Item], out: list[Message]) -> list[Message]:
     """`items` as chat messages, appended to `out` (a conversation so far); reasoning items
     are dropped, as chat templates drop an earlier turn's reasoning."""
     for i, item in enumerate(items):
         if item.type == "message":
-            out.append(pb.ChatMessage(role=item.role or "user", **_content(item, i)))
+            out.append(Message(role=item.role or "user", **_content(item, i)))
         elif item.type == "function_call":
             call = tool_call(item.name or "", item.arguments or "{}", item.call_id or "")
             if out and out[-1].role == "assistant" and not out[-1].content:
-                last = pb.ChatMessage()
-                last.CopyFrom(out[-1])  # (out[-1] may be a stored conversation's: keep it)
-                last.tool_calls.append(call)
-                out[-1] = last
+                out[-1] = replace(out[-1], tool_calls=(*out[-1].tool_calls, call))
             else:
-                out.append(pb.ChatMessage(role="assistant", tool_calls=[call]))
+                out.append(Message(role="assistant", tool_calls=(call,)))
         elif item.type == "function_call_output":
             out.append(
-                pb.ChatMessage(
-                    role="tool", tool_call_id=item.call_id or "", content=item.output or ""
-                )
+                Message(role="tool", tool_call_id=item.call_id or "", content=item.output or "")
             )
         elif item.type != "reasoning":
             raise HttpError(
@@ -139,7 +129,7 @@ def conversation(items: list[Item], out: list[pb.ChatMessage]) -> list[pb.ChatMe
 
 def _content(item: Item, i: int) -> dict[str, Any]:
     """A message item's text and its images where they stand among the text, as
-    `pb.ChatMessage` fields. A text-only model refuses the images (Cluster.build)."""
+    `Message` fields. A text-only model refuses the images (Cluster.build)."""
     parts = vision.MessageParts()
     if item.content is None or isinstance(item.content, str):
         parts.text(item.content or "")
@@ -170,7 +160,7 @@ def _content(item: Item, i: int) -> dict[str, Any]:
 
 @dataclass
 class Stored:
-    messages: list[pb.ChatMessage]  # the conversation, its output included; no instructions
+    messages: list[Message]  # the conversation, its output included; no instructions
     response: dict[str, Any]
 
 
@@ -471,7 +461,7 @@ def router(door: Door) -> APIRouter:
             if body.store:
                 asked = generate.messages[1:] if body.instructions else generate.messages
                 answer = [Item.model_validate(item) for item in stream.items]
-                messages = conversation(answer, list(pb.GenerateRequest(messages=asked).messages))
+                messages = conversation(answer, list(asked))
                 store.put(stream.id, Stored(messages, stream.response()))
 
         stream = ResponseStream(output, model, body, finished)
