@@ -208,3 +208,13 @@ def test_an_http_adapters_own_refusal_names_its_param():
     with pytest.raises(HttpError, match="logit_bias must map token ids") as info:
         openai.ChatRequest(messages=[], logit_bias={"x": 1}).params(False, None)
     assert info.value.param == "logit_bias" and info.value.status == 400
+
+
+def test_every_door_samples_with_the_wires_32_bit_floats():
+    http = sampling(top_p=0.9, repetition_penalty=1.1, logit_bias={5: 0.1})
+    wire = grpc_adapter.sampling(
+        pb.SamplingParams(top_p=0.9, repetition_penalty=1.1, logit_bias={5: 0.1})
+    )
+    assert http == wire and http.top_p != 0.9  # (0.9 is not a 32-bit float)
+    with pytest.raises(InvalidRequest, match="^temperature must be a finite number"):
+        _check(temperature=1e300)

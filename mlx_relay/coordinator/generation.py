@@ -15,6 +15,7 @@ there, its use in the sampler, and its spelling on the doors that expose it.
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -122,8 +123,27 @@ class GenerationRequest:
 
 def sampling(**options: Any) -> SamplingParams:
     """`SamplingParams` from the options a client set (None: left at the default), by
-    the engine's names; a name it does not have is the door's bug, not the client's."""
-    return SamplingParams(**{k: v for k, v in options.items() if v is not None})
+    the engine's names; a name it does not have is the door's bug, not the client's.
+    Numbers are 32-bit floats on every door, as the gRPC wire carries them, so the same
+    ask samples the same tokens whichever door it came through."""
+    out = {}
+    for name, value in options.items():
+        if value is None:
+            continue
+        if isinstance(value, float):
+            value = float32(value)
+        elif name == "logit_bias":
+            value = {token: float32(float(bias)) for token, bias in value.items()}
+        out[name] = value
+    return SamplingParams(**out)
+
+
+def float32(value: float) -> float:
+    """`value` rounded to a 32-bit float (beyond its range: infinite, refused later)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
@@ -135,8 +155,10 @@ def check_sampling(
     """The request's sampling options, checked, with its `max_tokens` (or the default)
     in; InvalidRequest naming the first field out of range."""
     p = request.sampling
-    if request.max_tokens is not None and not 1 <= request.max_tokens < INT32:
+    if request.max_tokens is not None and request.max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be at least 1, got {request.max_tokens}")
+    if request.max_tokens is not None and request.max_tokens >= INT32:
+        raise InvalidRequest(f"max_tokens must be a 32-bit integer, got {request.max_tokens}")
     for f in fields(p):
         value = getattr(p, f.name)
         if isinstance(value, float):
