@@ -258,10 +258,11 @@ def _str_or_none(value: Any) -> str | None:
 
 def _tool_echo(tool: dict[str, Any]) -> dict[str, Any]:
     """A request's tool as the response repeats it: a function tool with the fields
-    OpenAI's schema requires of it (`strict` and `parameters` null where not given)."""
+    OpenAI's schema and the Open Responses specification require of it (`strict`,
+    `parameters` and `description` null where not given)."""
     if tool.get("type") != "function":
         return tool
-    return {"strict": None, "parameters": None, **tool}
+    return {"strict": None, "parameters": None, "description": None, **tool}
 
 
 class ResponseStream:
