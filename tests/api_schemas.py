@@ -1,10 +1,18 @@
 """Response objects and stream events checked against the API owners' published schemas.
 
-`tests/schemas/` keeps the parts of OpenAI's and Anthropic's OpenAPI documents that describe
-what this server answers (see its NOTICE for where they came from and extract.py for how
-they were cut); `validate(api, name, value)` checks one object or event against one named
-schema with an OpenAPI 3.1 validator, and raises with every error found, each at its path.
-`check_sse` does the same for a whole server-sent event stream, event by event.
+`tests/schemas/` keeps the parts of the OpenAPI documents of OpenAI, Anthropic, the Open
+Responses specification and Ollama that describe what this server answers (see its NOTICE
+for where they came from and extract.py for how they were cut); `validate(api, name,
+value)` checks one object or event against one named schema with an OpenAPI 3.1
+validator, and raises with every error found, each at its path. `check_sse` does the same
+for a whole server-sent event stream, event by event, `check_ndjson` for Ollama's streams.
+
+Anthropic's published document is older than its current SDK (anthropic 2.14 has, e.g.,
+`Usage.output_tokens_details`): `validate_sdk` also checks Messages answers against the
+installed SDK's own types, as strictly as Anthropic's document reads its own: there every
+property of every response object is required (null where there is nothing to say) and
+the SDK's types list every field the API sends, so each SDK field must be present and no
+other key may be.
 """
 
 from __future__ import annotations
@@ -17,14 +25,21 @@ from typing import Any
 from jsonschema import validators
 from jsonschema.exceptions import ValidationError, best_match
 from openapi_schema_validator import OAS31Validator
+from pydantic import TypeAdapter
 
 SCHEMAS = Path(__file__).parent / "schemas"
-# Each stream's events by the schema that describes them.
+# Each stream's events by the schema that describes them (besides, the Responses stream's
+# against the Open Responses specification and Anthropic's against the SDK's types).
 STREAM_EVENTS = {
     "chat": ("openai", "CreateChatCompletionStreamResponse"),
     "completions": ("openai", "CreateCompletionResponse"),
     "responses": ("openai", "ResponseStreamEvent"),
     "anthropic": ("anthropic", "MessageStreamEvent"),
+}
+# Ollama's newline-delimited JSON streams: (each line's schema, the final answer's schema).
+NDJSON_EVENTS = {
+    "chat": ("ChatStreamEvent", "ChatResponse"),
+    "generate": ("GenerateStreamEvent", "GenerateResponse"),
 }
 
 
@@ -97,10 +112,102 @@ def errors(api: str, name: str, value: Any) -> list[str]:
     return found
 
 
+def _openai_gaps(api: str, value: Any) -> Any:
+    """`value` as OpenAI's document can read it. A gap in that document: a Response's
+    `usage` is not nullable there, but OpenAI's API sends `usage: null` in a response not
+    yet finished (response.created, response.in_progress) and its SDK's type is
+    Optional; the Open Responses specification requires the key and allows null. So a
+    null usage is checked against the specification only."""
+    if api != "openai" or not isinstance(value, dict):
+        return value
+    response = value.get("response", value)
+    if not isinstance(response, dict) or "usage" not in response or response["usage"]:
+        return value
+    response = {k: v for k, v in response.items() if k != "usage"}
+    return {**value, "response": response} if "response" in value else response
+
+
+# Answers that more than one published document describes: a Responses object is OpenAI's
+# `Response` and the Open Responses specification's `ResponseResource`; a Messages answer
+# is Anthropic's document's and its current SDK's type (validate_sdk).
+ALSO = {("openai", "Response"): ("openresponses", "ResponseResource")}
+
+
 def validate(api: str, name: str, value: Any) -> Any:
-    """`value`, if it is valid against schema `name`; an AssertionError saying how not."""
-    found = errors(api, name, value)
+    """`value`, if it is valid against schema `name` (and what ALSO and validate_sdk add
+    to it); an AssertionError saying how not."""
+    found = errors(api, name, _openai_gaps(api, value))
     assert not found, f"not a valid {api} {name}:\n  " + "\n  ".join(found) + f"\n{value}"
+    if (api, name) in ALSO:
+        validate(*ALSO[api, name], value)
+    if api == "anthropic" and name in ("Message", "CountMessageTokensResponse"):
+        validate_sdk(name, value)
+    return value
+
+
+def open_responses_event(data: dict[str, Any]) -> str | None:
+    """The Open Responses schema of a stream event of `data`'s type; None for a type the
+    specification does not define (OpenAI's `response.reasoning_text.*`: the specification
+    names its reasoning events `response.reasoning.*`)."""
+    doc = _document("openresponses")
+    by_type = {
+        doc["components"]["schemas"][name]["properties"]["type"]["enum"][0]: name
+        for name in doc["x-stream-events"]
+    }
+    return by_type.get(data.get("type"))
+
+
+def validate_open_responses_event(data: dict[str, Any]) -> dict[str, Any]:
+    """A Responses stream event checked against the Open Responses specification."""
+    name = open_responses_event(data)
+    if name is not None:
+        validate("openresponses", name, data)
+    return data
+
+
+def _sdk_type(name: str) -> Any:
+    import anthropic.types
+
+    return {
+        "Message": anthropic.types.Message,
+        "MessageStreamEvent": anthropic.types.RawMessageStreamEvent,
+        "CountMessageTokensResponse": anthropic.types.MessageTokensCount,
+    }[name]
+
+
+def _all_required(node: Any) -> Any:
+    """A pydantic JSON schema read as Anthropic's document reads its response objects:
+    every property required, no other key allowed."""
+    if isinstance(node, dict):
+        node = {k: _all_required(v) for k, v in node.items()}
+        if node.get("type") == "object" and "properties" in node:
+            node["required"] = sorted(node["properties"])
+            node["additionalProperties"] = False
+        return node
+    if isinstance(node, list):
+        return [_all_required(v) for v in node]
+    return node
+
+
+@functools.cache
+def _sdk_validator(name: str):
+    schema = TypeAdapter(_sdk_type(name)).json_schema(mode="serialization")
+    return validators.validator_for(schema)(_all_required(schema))
+
+
+def validate_sdk(name: str, value: Any) -> Any:
+    """`value` checked against the installed anthropic SDK's type for schema `name` of
+    anthropic.json (Message, MessageStreamEvent, CountMessageTokensResponse), strictly
+    (see the module's docstring); the SDK's pydantic validation too."""
+    if name == "MessageStreamEvent" and value.get("type") == "ping":
+        return value  # (in Anthropic's streams and document, not among the SDK's types)
+    found = []
+    for error in _sdk_validator(name).iter_errors(value):
+        for leaf in _branch_errors(error):
+            path = "/".join(str(p) for p in leaf.absolute_path) or "(top)"
+            found.append(f"{path}: {leaf.message[:300]}")
+    assert not found, f"not a valid anthropic SDK {name}:\n  " + "\n  ".join(found) + f"\n{value}"
+    TypeAdapter(_sdk_type(name)).validate_python(value)
     return value
 
 
@@ -143,5 +250,23 @@ def check_sse(kind: str, body: str) -> list[Any]:
                             for c in data["choices"]],
             }  # fmt: skip
         validate(api, name, checked)
+        if kind == "responses":
+            validate_open_responses_event(data)
+        if kind == "anthropic":
+            validate_sdk(name, data)
         out.append(data)
     return out
+
+
+def check_ndjson(kind: str, body: str) -> list[Any]:
+    """Every line of an Ollama `kind` stream ("chat" or "generate") validated against
+    Ollama's document, the last (`done: true`) also as the final answer; their data."""
+    each, final = NDJSON_EVENTS[kind]
+    lines = [json.loads(line) for line in body.splitlines() if line.strip()]
+    assert lines, "an empty stream"
+    for data in lines:
+        assert "error" not in data, f"the stream carried an error: {data}"
+        validate("ollama", each, data)
+    assert [d["done"] for d in lines] == [False] * (len(lines) - 1) + [True], lines
+    validate("ollama", final, lines[-1])
+    return lines

@@ -11,7 +11,7 @@ import typing
 
 import openai
 import pytest
-from api_schemas import validate
+from api_schemas import validate, validate_open_responses_event
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 from test_generation import MESSAGES, TOOLS
@@ -35,6 +35,7 @@ EVENT_TYPES = {
 
 def _event(data: dict):
     validate("openai", "ResponseStreamEvent", data)  # OpenAI's published schema
+    validate_open_responses_event(data)  # and the Open Responses specification's
     EVENT_TYPES[data["type"]].model_validate(data)
     return EVENTS.validate_python(data)
 

@@ -8,6 +8,8 @@ texts are dropped, which validation does not read), plus where they came from:
 
     python tests/schemas/extract.py openai FULL.json SOURCE > tests/schemas/openai.json
     python tests/schemas/extract.py anthropic FULL.json SOURCE > tests/schemas/anthropic.json
+    python tests/schemas/extract.py openresponses FULL.json SOURCE > tests/schemas/openresponses.json
+    python tests/schemas/extract.py ollama FULL.json SOURCE > tests/schemas/ollama.json
 
 FULL.json is the whole document (YAML converted to JSON if need be), SOURCE a line
 saying where it came from (repository and commit); see NOTICE beside this file.
@@ -36,7 +38,23 @@ ROOTS = {
         "CountMessageTokensResponse",
         "ErrorResponse",
     ],
+    # The Open Responses document names no union of its stream events: they are the
+    # `text/event-stream` oneOf of POST /responses (STREAMS), added to these.
+    "openresponses": ["ResponseResource", "Error"],
+    "ollama": [
+        "GenerateResponse",
+        "GenerateStreamEvent",
+        "ChatResponse",
+        "ChatStreamEvent",
+        "ListResponse",
+        "PsResponse",
+        "ShowResponse",
+        "VersionResponse",
+        "ErrorResponse",
+    ],
 }
+# Where a document lists its stream's events: (path, method) of the streaming operation.
+STREAMS = {"openresponses": ("/responses", "post")}
 PREFIX = "#/components/schemas/"
 DROPPED = ("description", "example", "examples", "x-oaiMeta", "x-stainless-naming")
 
@@ -80,14 +98,25 @@ def extract(doc: dict[str, Any], roots: list[str]) -> dict[str, dict[str, Any]]:
     return {name: _strip(kept[name]) for name in sorted(kept)}
 
 
+def stream_events(doc: dict[str, Any], api: str) -> list[str]:
+    """The schemas of the events the document's streaming operation sends, in its order."""
+    if api not in STREAMS:
+        return []
+    path, method = STREAMS[api]
+    content = doc["paths"][path][method]["responses"]["200"]["content"]
+    return [ref["$ref"][len(PREFIX) :] for ref in content["text/event-stream"]["schema"]["oneOf"]]
+
+
 def main() -> None:
     api, path, source = sys.argv[1:4]
     doc = json.load(open(path))
+    events = stream_events(doc, api)
     out = {
         "openapi": doc["openapi"],
         "info": {"title": doc["info"].get("title", api), "x-source": source},
-        "x-roots": ROOTS[api],
-        "components": {"schemas": extract(doc, ROOTS[api])},
+        "x-roots": ROOTS[api] + events,
+        **({"x-stream-events": events} if events else {}),
+        "components": {"schemas": extract(doc, ROOTS[api] + events)},
     }
     json.dump(out, sys.stdout, indent=1, sort_keys=True, ensure_ascii=False)
     sys.stdout.write("\n")

@@ -280,13 +280,23 @@ class MessageStream:
             **self.stop(),
             "usage": {
                 **self.input_usage(),
-                "output_tokens": self.usage.get("completion_tokens", 0),
+                **self.output_usage(),
                 "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
                 "server_tool_use": None,
                 "service_tier": "standard",
                 "inference_geo": None,
+                "speed": None,  # (one speed here: no mode to name)
             },
             "container": None,
+            "diagnostics": None,  # (null when the request asked for none, as here)
+        }
+
+    def output_usage(self) -> dict[str, Any]:
+        """The answer's tokens, and (anthropic 2.14's `output_tokens_details`) how many of
+        them were reasoning: the think block's, delimiters included, as the SDK counts."""
+        return {
+            "output_tokens": self.usage.get("completion_tokens", 0),
+            "output_tokens_details": {"thinking_tokens": self.usage.get("reasoning_tokens", 0)},
         }
 
     def stop(self) -> dict[str, Any]:
@@ -337,7 +347,14 @@ class MessageStream:
             arguments = json_prefix_object(call.arguments or "{}")
             index = len(self.blocks)
             # (`caller`: called by the model itself, not from a server tool's code)
-            block = {"type": "tool_use", "id": call.id, "name": call.name, "caller": DIRECT}
+            # (`toolset_name`: null, the tool is no toolset's member)
+            block = {
+                "type": "tool_use",
+                "id": call.id,
+                "name": call.name,
+                "caller": DIRECT,
+                "toolset_name": None,
+            }
             self.blocks.append({**block, "input": arguments})
             start = {**block, "input": {}}
             events.append(
@@ -368,7 +385,7 @@ class MessageStream:
                         "delta": {**self.stop(), "container": None},
                         "usage": {
                             **self.input_usage(),
-                            "output_tokens": self.usage.get("completion_tokens", 0),
+                            **self.output_usage(),
                             "server_tool_use": None,
                         },
                     },

@@ -66,6 +66,8 @@ class ResponsesRequest(Lenient):
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     seed: int | None = None  # not OpenAI's, as vLLM takes it: repeatable sampling
     stream: bool = False
     tools: list[dict[str, Any]] | None = None
@@ -88,7 +90,13 @@ class ResponsesRequest(Lenient):
         return GenerationRequest(
             messages=tuple(self.messages(before)),
             max_tokens=self.max_output_tokens,
-            sampling=sampling(temperature=self.temperature, top_p=self.top_p, seed=self.seed),
+            sampling=sampling(
+                temperature=self.temperature,
+                top_p=self.top_p,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                seed=self.seed,
+            ),
             tools=generation.tools(tools),
             tool_choice=choice or "",
             response_format=response_format(fmt),
@@ -207,10 +215,19 @@ def _function_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def _echo(body: ResponsesRequest | None) -> dict[str, Any]:
-    """What the Responses object repeats of its request (every field OpenAI's schema
-    requires, the defaults where the request left one out)."""
+    """What the Responses object repeats of its request: every field OpenAI's schema and
+    the Open Responses specification require, as this server applied it (the defaults
+    where the request left one out; null where the specification allows it for what this
+    server does not do: no cap on tool calls, no safety or cache keys of its own)."""
     body = body or ResponsesRequest(input="")
+    extra = body.model_extra or {}
     return {
+        "presence_penalty": float(body.presence_penalty or 0.0),
+        "frequency_penalty": float(body.frequency_penalty or 0.0),
+        "top_logprobs": 0,  # (this door returns no log probabilities)
+        "max_tool_calls": None,
+        "safety_identifier": _str_or_none(extra.get("safety_identifier")),
+        "prompt_cache_key": _str_or_none(extra.get("prompt_cache_key")),
         "instructions": body.instructions,
         "previous_response_id": body.previous_response_id,
         "metadata": {},
@@ -229,12 +246,17 @@ def _echo(body: ResponsesRequest | None) -> dict[str, Any]:
     }
 
 
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
 def _tool_echo(tool: dict[str, Any]) -> dict[str, Any]:
     """A request's tool as the response repeats it: a function tool with the fields
-    OpenAI's schema requires of it (`strict` and `parameters` null where not given)."""
+    OpenAI's schema and the Open Responses specification require of it (`strict`,
+    `parameters` and `description` null where not given)."""
     if tool.get("type") != "function":
         return tool
-    return {"strict": None, "parameters": None, **tool}
+    return {"strict": None, "parameters": None, "description": None, **tool}
 
 
 class ResponseStream:
@@ -284,8 +306,8 @@ class ResponseStream:
                 "total_tokens": u.get("total_tokens", 0),
             },
         }
-        if not u:  # (not known until the end: left out, as the schema has it not nullable)
-            del response["usage"]
+        if not u:  # (not known until the end: null, as OpenAI's API and Open Responses send it)
+            response["usage"] = None
         return response
 
     def _event(self, kind: str, **fields: Any) -> tuple[str, dict[str, Any]]:
