@@ -10,10 +10,12 @@ stderr and returns a non-zero code; tracebacks are shown only with
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 EXIT_USER_ERROR = 2  # as argparse: the command line (or what it names) is wrong
 EXIT_FAILED = 1  # the command could not do its job (an RPC failed, a cluster is unreachable)
@@ -24,6 +26,30 @@ class UserError(Exception):
     """Something the user can fix, said in one line that names what and how."""
 
     exit_code = EXIT_USER_ERROR
+
+
+class InvalidRequest(ValueError):
+    """A request the server refuses; the message names the field and says why.
+
+    Raised wherever a request is checked before it reaches the engine (the request's own
+    fields in coordinator/requests.py, its grammars and tools in the text layer); every
+    door answers it as the client's error. It lives here, below both, so that either
+    can raise it."""
+
+
+def json_field(raw: str, name: str, kind: type, shape: str = "") -> Any:
+    """A request field that carries JSON text, parsed: None when blank, InvalidRequest
+    naming `name` when it is not JSON or not a `kind` (`shape`: how to say what it must
+    be, "a JSON <kind>" when not given). Every door's JSON-in-a-string field goes here."""
+    if not raw.strip():
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError as e:
+        raise InvalidRequest(f"{name} is not valid JSON: {e}") from e
+    if not isinstance(value, kind):
+        raise InvalidRequest(f"{name} must be {shape or 'a JSON ' + kind.__name__}")
+    return value
 
 
 class ModelError(UserError, ValueError):

@@ -28,19 +28,20 @@ from mlx_relay import proctitle
 from mlx_relay.api import budget
 from mlx_relay.api.budget import Limit
 from mlx_relay.api.metrics import Metrics
-from mlx_relay.coordinator import constraints, generation, load_checks, requests
+from mlx_relay.coordinator import generation, load_checks, requests
 from mlx_relay.coordinator.engine import Engine
 from mlx_relay.coordinator.generation import GenerationRequest
-from mlx_relay.coordinator.markup import ChatMarkup
 from mlx_relay.coordinator.output import Chunk
 from mlx_relay.coordinator.pipeline import ClusterFailure, LoadedModel, RankFailure
 from mlx_relay.coordinator.sequence import EngineError, Request
-from mlx_relay.coordinator.tool_constraint import tool_constraint
 from mlx_relay.model import memory
 from mlx_relay.model.default_model import ModelError
 from mlx_relay.model.split import model_layers
 from mlx_relay.protocol import control
 from mlx_relay.protocol import relay_pb2 as pb
+from mlx_relay.text import constraints
+from mlx_relay.text.markup import ChatMarkup
+from mlx_relay.text.tool_constraint import tool_constraint
 from mlx_relay.transport.hub import LinkFailure, RankInfo
 
 log = logging.getLogger("mlx_relay.cluster")
@@ -65,7 +66,7 @@ class Cluster:
     ) -> None:
         self._engine = engine
         # Tools for a model whose template ignores them go into the system prompt
-        # (coordinator/tool_prompt.py); False (--no-tool-fallback) refuses such requests.
+        # (text/tool_prompt.py); False (--no-tool-fallback) refuses such requests.
         self.tool_fallback = tool_fallback
         self.backend = backend
         self.last_model = model

@@ -41,7 +41,6 @@ from mlx_lm.utils import load_tokenizer
 from mlx_relay import timeline
 from mlx_relay.coordinator.admission import MemoryCheck
 from mlx_relay.coordinator.drafting import Drafter, make_drafter
-from mlx_relay.coordinator.markup import ChatMarkup
 from mlx_relay.coordinator.output import OutputProcessor
 from mlx_relay.coordinator.pipeline import ClusterFailure, Pipeline, RankFailure, Step
 from mlx_relay.coordinator.policy import StepOutput
@@ -59,6 +58,7 @@ from mlx_relay.coordinator.speculation import SpecConfig
 from mlx_relay.model import memory, vision
 from mlx_relay.model.step_inputs import PromptInputs
 from mlx_relay.protocol import header as hdr
+from mlx_relay.text.markup import ChatMarkup
 
 __all__ = ["Engine"]  # (the request model is sequence.py's)
 

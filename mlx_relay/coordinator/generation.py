@@ -21,15 +21,12 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from mlx_relay.coordinator.sampling import RANGES, SamplingParams
+from mlx_relay.errors import InvalidRequest
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 INT32 = 2**31  # the integer options are 32-bit on the gRPC wire; every door holds to that
 SEED_LIMIT = 2**63  # MLX random keys are unsigned; the wire's seed is an int64
-
-
-class InvalidRequest(ValueError):
-    """A request the server refuses; the message names the field and says why."""
 
 
 @dataclass(frozen=True)

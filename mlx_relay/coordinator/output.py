@@ -4,6 +4,8 @@ reasoning, tool calls and logprobs, and the last chunk's finish reason, usage an
 The engine decides what runs, samples, and reads tokens back; it hands every token to
 the `OutputProcessor` of the loaded model and only acts on the answer (stream the chunk,
 or end the sequence), so output rules change here without touching the engine's loop.
+The text itself is the text layer's: each sequence's `TextStream` (text/stream.py)
+turns its token ids into text, reasoning and tool calls and finds its stop strings.
 `Chunk` and `TokenLogprob` are the request model's (sequence.py); the doors import
 them from here.
 """
@@ -15,7 +17,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_relay.coordinator.sequence import Chunk, Sequence, TokenLogprob
+from mlx_relay.coordinator.sequence import Chunk, Request, Sequence, TokenLogprob
+from mlx_relay.text.markup import ChatMarkup
+from mlx_relay.text.postprocess import Delta, OutputParser
+from mlx_relay.text.stream import TextStream
 
 
 class OutputProcessor:
@@ -25,6 +30,20 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.special_ids: set[int] = set(tokenizer.all_special_ids or [])
+
+    def stream(self, request: Request, markup: ChatMarkup | None) -> TextStream:
+        """A new sequence's text stream: its detokenizer, and its parser set up by what
+        the request asked for (tools, stop strings, a prompt that opened a think block
+        or a tool call)."""
+        parser = OutputParser(
+            markup,
+            tools=request.tools,
+            parse_tools=request.parse_tools,
+            starts_in_reasoning=request.starts_in_reasoning,
+            opens_tool_call=request.opens_tool_call,
+            stop=request.params.stop,
+        )
+        return TextStream(self.tokenizer.detokenizer, parser, self.special_ids)
 
     def token(self, seq: Sequence, token: int, logprobs: mx.array | None) -> tuple[Chunk, str]:
         """The chunk for one token read back, and why it ends the sequence ('' if not).
@@ -38,13 +57,11 @@ class OutputProcessor:
         chunk = Chunk(token_ids=[token])
         if params.logprobs and logprobs is not None:
             chunk.logprobs.append(self._logprob_entry(token, logprobs, params.top_logprobs))
-        was_reasoning = seq.parser.in_reasoning
-        if token not in self.special_ids:
-            seq.detokenizer.add_token(token)
-            _parse_into(chunk, seq, seq.detokenizer.last_segment)
-        if was_reasoning or seq.parser.in_reasoning:
+        was_reasoning = seq.text.in_reasoning
+        _add(chunk, seq.text.add(token))
+        if was_reasoning or seq.text.in_reasoning:
             seq.reasoning_tokens += 1
-        if seq.parser.stopped:
+        if seq.text.stopped:
             return chunk, "stop"
         if len(seq.generated) >= params.max_tokens:
             return chunk, "length"
@@ -55,19 +72,14 @@ class OutputProcessor:
     def finish(self, seq: Sequence, last: Chunk, reason: str | None) -> None:
         """Make `last` the sequence's last chunk: the text held back (a possible stop
         string's start, an open tool call), the finish reason, usage and timings."""
-        if reason in ("stop", "length") and not seq.parser.stopped:
-            seq.detokenizer.finalize()
-            _parse_into(last, seq, seq.detokenizer.last_segment)
-        final = seq.parser.finish(cut=reason == "length")
-        last.text += final.content
-        last.reasoning += final.reasoning
-        last.tool_calls += final.tool_calls
+        final = seq.text.finish(flush=reason in ("stop", "length"), cut=reason == "length")
+        _add(last, final)
         last.malformed_tool_call = final.malformed_tool_call
         last.unknown_tools = list(final.unknown_tools)
-        if reason == "stop" and seq.parser.saw_tool_calls:
+        if reason == "stop" and seq.text.saw_tool_calls:
             reason = "tool_calls"
         last.finish_reason = reason
-        last.stop_sequence = seq.parser.stop_string
+        last.stop_sequence = seq.text.stop_string
         request = seq.request
         last.usage = {
             "prompt_tokens": len(request.prompt_tokens),
@@ -92,10 +104,7 @@ class OutputProcessor:
         return entry
 
 
-def _parse_into(chunk: Chunk, seq: Sequence, text: str) -> None:
-    if not text:
-        return
-    delta = seq.parser.feed(text)
+def _add(chunk: Chunk, delta: Delta) -> None:
     chunk.text += delta.content
     chunk.reasoning += delta.reasoning
     chunk.tool_calls += delta.tool_calls

@@ -16,11 +16,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_relay.coordinator import tool_prompt
-from mlx_relay.coordinator.generation import GenerationRequest, InvalidRequest, Message
-from mlx_relay.coordinator.markup import ChatMarkup
-from mlx_relay.coordinator.tool_parsers import hermes
+from mlx_relay.coordinator.generation import GenerationRequest, Message
+from mlx_relay.errors import InvalidRequest, json_field
 from mlx_relay.model import vision
+from mlx_relay.text import tool_prompt
+from mlx_relay.text.markup import ChatMarkup
+from mlx_relay.text.tool_calls import hermes
 
 __all__ = ["InvalidRequest", "Prompt", "encode_images", "json_field", "logit_bias"]
 
@@ -39,21 +40,6 @@ class Prompt:
     tool_fallback: bool = False
     images: list[bytes] = field(default_factory=list)  # image files, in the order shown
     pixel_values: Any = None  # the images preprocessed (encode_images), for rank 0
-
-
-def json_field(raw: str, name: str, kind: type, shape: str = "") -> Any:
-    """A request field that carries JSON text, parsed: None when blank, InvalidRequest
-    naming `name` when it is not JSON or not a `kind` (`shape`: how to say what it must
-    be, "a JSON <kind>" when not given). Every door's JSON-in-a-string field goes here."""
-    if not raw.strip():
-        return None
-    try:
-        value = json.loads(raw)
-    except ValueError as e:
-        raise InvalidRequest(f"{name} is not valid JSON: {e}") from e
-    if not isinstance(value, kind):
-        raise InvalidRequest(f"{name} must be {shape or 'a JSON ' + kind.__name__}")
-    return value
 
 
 def logit_bias(value: dict[Any, Any], name: str = "logit_bias") -> dict[int, float]:

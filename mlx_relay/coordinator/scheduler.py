@@ -42,10 +42,8 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_relay.coordinator.admission import MemoryCheck
-from mlx_relay.coordinator.markup import ChatMarkup
 from mlx_relay.coordinator.output import OutputProcessor
 from mlx_relay.coordinator.policy import Policy, StepOutput, Unit, pick_group
-from mlx_relay.coordinator.postprocess import OutputParser
 from mlx_relay.coordinator.sampling import Sampler
 from mlx_relay.coordinator.sequence import Chunk, EngineError, Request, Sequence
 from mlx_relay.coordinator.slots import SlotTable, Taken
@@ -53,6 +51,7 @@ from mlx_relay.coordinator.speculation import RoundCost, SpecConfig, SpecState, 
 from mlx_relay.model import vision
 from mlx_relay.model.sharding import Shard
 from mlx_relay.protocol import header as hdr
+from mlx_relay.text.markup import ChatMarkup
 
 log = logging.getLogger("mlx_relay.scheduler")
 
@@ -249,15 +248,7 @@ class Scheduler:
             request=request,
             slot=taken.slot,
             sampler=Sampler(request.params),
-            detokenizer=self.output.tokenizer.detokenizer,
-            parser=OutputParser(
-                self.markup,
-                tools=request.tools,
-                parse_tools=request.parse_tools,
-                starts_in_reasoning=request.starts_in_reasoning,
-                opens_tool_call=request.opens_tool_call,
-                stop=request.params.stop,
-            ),
+            text=self.output.stream(request, self.markup),
             pending=list(request.prompt_tokens[cached:]),
             position=cached,
             context=list(request.prompt_tokens[:cached]),

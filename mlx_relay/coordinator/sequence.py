@@ -18,12 +18,13 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_relay.coordinator.constraints import Constraint
-from mlx_relay.coordinator.postprocess import OutputParser, ToolCall
 from mlx_relay.coordinator.sampling import Sampler, SamplingParams
 from mlx_relay.coordinator.slots import Taken
 from mlx_relay.coordinator.speculation import SpecState
 from mlx_relay.model.step_inputs import PromptInputs
+from mlx_relay.text.constraints import Constraint
+from mlx_relay.text.postprocess import ToolCall
+from mlx_relay.text.stream import TextStream
 
 
 class EngineError(Exception):
@@ -113,8 +114,7 @@ class Sequence:
     request: Request
     slot: int
     sampler: Sampler
-    detokenizer: Any
-    parser: OutputParser  # also cuts the stop strings
+    text: TextStream  # its stop matcher: token ids to text, stop strings cut
     pending: list[int]  # prompt tokens still to prefill
     position: int = 0  # tokens fed to the KV caches (sent round the ring)
     context: list[int] = field(default_factory=list)  # prompt + sampled tokens read so far

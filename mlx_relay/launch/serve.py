@@ -198,7 +198,7 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
             action="store_true",
             help="refuse requests with tools for a model whose chat template ignores them "
             "(by default the tools are written into the system prompt, Hermes style, and "
-            "<tool_call> answers parsed back: see coordinator/tool_prompt.py)",
+            "<tool_call> answers parsed back: see text/tool_prompt.py)",
         ),
     ),
     (

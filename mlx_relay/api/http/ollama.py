@@ -36,10 +36,10 @@ from mlx_relay.api.http.schemas import Lenient, dumps
 from mlx_relay.coordinator import generation
 from mlx_relay.coordinator.generation import GenerationRequest
 from mlx_relay.coordinator.output import Chunk
-from mlx_relay.coordinator.postprocess import ToolCall as CallOut
 from mlx_relay.coordinator.sampling import SamplingParams
-from mlx_relay.coordinator.tool_partial import json_prefix_object
 from mlx_relay.model import checkpoint, vision
+from mlx_relay.text.postprocess import ToolCall as CallOut
+from mlx_relay.text.tool_partial import json_prefix_object
 
 API = "ollama"
 

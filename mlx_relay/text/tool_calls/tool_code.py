@@ -1,7 +1,9 @@
 """Gemma tool calls: a fenced block opened by three backticks and ``tool_code``, holding
 Python calls like ``func(a=1, b="x")``, read with ``ast`` and never evaluated.
 
-mlx-lm's parser contract (see hermes.py).
+mlx-lm's parser contract (see hermes.py). The grammar writes keyword arguments whose
+values are JSON literals (the parser reads JSON's true/false/null); a cut call is cut
+at a ``(`` or ``,`` and closed with ``)``.
 """
 
 from __future__ import annotations
@@ -9,7 +11,9 @@ from __future__ import annotations
 import ast
 import textwrap
 
-from mlx_relay.coordinator.tool_parsers.common import literal, properties, tool_schemas
+from mlx_relay.text.tool_calls.base import Cuts, ToolSyntax
+from mlx_relay.text.tool_calls.common import literal, properties, tool_schemas
+from mlx_relay.text.tool_calls.shapes import keyword_calls
 
 tool_call_start = "```tool_code"
 tool_call_end = "```"
@@ -72,3 +76,6 @@ def parse_tool_call(text: str, tools: list[dict] | None = None) -> list[dict]:
     if not calls:
         raise ValueError("empty tool_code")
     return calls
+
+
+SYNTAXES = (ToolSyntax("tool_code", keyword_calls, partial=Cuts(("(", ","), ")")),)

@@ -15,28 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_relay.coordinator import tool_parsers
-from mlx_relay.coordinator.tool_parsers import hermes, tool_code
-from mlx_relay.coordinator.tool_parsers.common import name_and_arguments
+from mlx_relay.text import tool_calls
+from mlx_relay.text.tool_calls import hermes, tool_code
+from mlx_relay.text.tool_calls.common import name_and_arguments
 
 DEFAULT_THINK_MARKERS = ("<think>", "</think>")
-# mlx-lm's tool parsers (by module) whose format tool_grammars can hold to a grammar.
-_DECLARED_SYNTAX = {
-    "json_tools": "hermes",
-    "qwen3_coder": "qwen_xml",
-    "mistral": "mistral_json",
-    "pythonic": "pythonic",
-    "glm47": "glm47",
-    "longcat": "longcat",
-    "kimi_k2": "kimi_k2",
-    "kimi_k3": "kimi_k3",
-    "minimax_m2": "minimax_m2",
-    "minicpm5": "minicpm5",
-    "muse_spark": "muse_spark",
-    "gemma4": "gemma4",
-    "function_gemma": "function_gemma",
-}
-
 # Parses the text between a format's markers into (name, arguments) pairs; raises
 # ValueError (or anything else) when the text is not a call in that format.
 Calls = list[tuple[str, dict]]
@@ -54,7 +37,7 @@ class ToolFormat:
     start: str
     end: str
     parse: ParseCalls
-    syntax: str | None = None  # its tool_grammars syntax, where one is known
+    syntax: str | None = None  # its tool_calls syntax, where one is known
 
 
 @dataclass(frozen=True)
@@ -69,7 +52,7 @@ class ChatMarkup:
     # The marker that opens a call this model writes (forcing tool_choice), or None.
     tool_call_start: str | None = None
     tool_parser: str = ""  # where the parser comes from, for logs and tests
-    # How a call is held to a grammar (tool_grammars.SYNTAXES), None where no grammar
+    # How a call is held to a grammar (tool_calls.SYNTAXES), None where no grammar
     # of this model's format is known: its calls are then parsed but not constrained.
     tool_syntax: str | None = None
 
@@ -81,18 +64,17 @@ class ChatMarkup:
         if declared is not None:
             parser, call_start, call_end = declared
             # Inside <tool_call> ours get a second try (json_tools cannot read Qwen XML).
-            second = tool_parsers.parse_tagged if call_start == hermes.tool_call_start else None
+            second = tool_calls.parse_tagged if call_start == hermes.tool_call_start else None
             opener: str | None = call_start
             source = getattr(parser, "__module__", "") or "tokenizer"
-            syntax = _DECLARED_SYNTAX.get(source.rpartition(".")[2])
-            if syntax == "mistral_json" and "[ARGS]" in _template(tokenizer):
-                syntax = "mistral_args"  # newer Mistral templates: name[ARGS]{...}
+            # (the format whose module declares this parser, which can hold it to a grammar)
+            syntax = tool_calls.declared_syntax(source.rpartition(".")[2], _template(tokenizer))
             formats = (ToolFormat(call_start, call_end, _calls(parser, second), syntax),)
         else:
             tagged = "qwen_xml" if "<function=" in _template(tokenizer) else "hermes"
             syntaxes = {hermes.tool_call_start: tagged, tool_code.tool_call_start: "tool_code"}
             formats = tuple(
-                ToolFormat(s, e, _calls(p), syntaxes.get(s)) for s, e, p in tool_parsers.FALLBACK
+                ToolFormat(s, e, _calls(p), syntaxes.get(s)) for s, e, p in tool_calls.FALLBACK
             )
             opener = _template_tool_marker(tokenizer, [f.start for f in formats])
             source = "fallback"

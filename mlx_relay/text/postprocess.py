@@ -14,7 +14,7 @@ calls) is dropped, so trailing whitespace of content waits for the next
 non-whitespace character to show whether it separates text or precedes markup.
 
 Tool-call formats come from the model's `ChatMarkup` (markup.py): the tokenizer's own
-mlx-lm parser when it has one, otherwise ours in tool_parsers/ (hermes JSON and Qwen XML
+mlx-lm parser when it has one, otherwise ours in tool_calls/ (hermes JSON and Qwen XML
 inside ``<tool_call>``, Gemma's ``tool_code`` fence).
 
 Markup that does not parse is passed on as content and flagged as malformed,
@@ -29,10 +29,10 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mlx_relay.coordinator.markup import ChatMarkup
-from mlx_relay.coordinator.textstream import first_match, held_back
-from mlx_relay.coordinator.tool_parsers.common import tool_schemas
-from mlx_relay.coordinator.tool_partial import partial_calls, syntax_of_body
+from mlx_relay.text.markup import ChatMarkup
+from mlx_relay.text.textstream import first_match, held_back
+from mlx_relay.text.tool_calls.common import tool_schemas
+from mlx_relay.text.tool_partial import partial_calls, syntax_of_body
 
 
 @dataclass

@@ -14,6 +14,9 @@ first, then the arguments in the format's order. `partial_calls` reads it back:
 
 `json_prefix_object` reads such a prefix as the object it starts (Anthropic's `input`,
 Ollama's `arguments` are objects), closing what is open.
+
+Which of the two a format is, and its separators or markers, its module says
+(`ToolSyntax.partial`); this module only applies them.
 """
 
 from __future__ import annotations
@@ -23,36 +26,9 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from mlx_relay.coordinator.tool_parsers.common import tool_schemas
-
-# Cut-and-close formats: the separators a cut may fall before or after, and the text
-# that closes a call cut there so that the format's parser reads it.
-_CUTS: dict[str, tuple[tuple[str, ...], str]] = {
-    "qwen_xml": ((">",), "</function>"),
-    "tool_code": (("(", ","), ")"),
-    "pythonic": (("(", ","), ")]"),
-    "glm47": (("\n", "<arg_key>", "</arg_value>"), ""),
-    "longcat": (("\n", "<longcat_arg_key>", "</longcat_arg_value>"), ""),
-    "minimax_m2": ((">",), "</invoke>"),
-    "minicpm5": ((">",), ""),
-    "muse_spark": ((">",), ""),
-    "kimi_k3": (("<|sep|>",), "<|close|>call<|sep|>"),
-    "gemma4": (("{", ","), "}"),
-    "function_gemma": (("{", ","), "}"),
-}
-# JSON formats: what comes just before the arguments object of the last call.
-_ARGUMENTS_AT = {
-    "hermes": re.compile(r'"(?:arguments|parameters)"\s*:\s*'),
-    "mistral_json": re.compile(r'"(?:arguments|parameters)"\s*:\s*'),
-    "mistral_args": re.compile(r"\[ARGS\]"),
-    "kimi_k2": re.compile(r"<\|tool_call_argument_begin\|>\s*"),
-}
-_NAME_AT = {
-    "hermes": re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"'),
-    "mistral_json": re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"'),
-    "mistral_args": re.compile(r"(?:^|\[TOOL_CALLS\])\s*([^\[\s]+)\s*\[ARGS\]"),
-    "kimi_k2": re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?([^\s<>]+?):\d+"),
-}
+from mlx_relay.text import tool_calls
+from mlx_relay.text.tool_calls.base import Cuts, JsonArguments
+from mlx_relay.text.tool_calls.common import tool_schemas
 
 _DECODER = json.JSONDecoder()
 Parse = Callable[[str, "list[dict] | None"], list[tuple[str, dict]]]
@@ -76,21 +52,23 @@ def partial_calls(
     """(name, arguments text, complete) of each call in a block cut short; [] where the
     name of the last call was not written yet (or the format is unknown). Earlier
     calls of the block that are whole come first, complete."""
-    if syntax in _ARGUMENTS_AT:
-        return _json_partial(syntax, body)
-    if syntax in _CUTS:
-        return _cut_partial(syntax, body, parse, tools)
+    known = tool_calls.find(syntax)
+    how = known.partial if known is not None else None
+    if isinstance(how, JsonArguments):
+        return _json_partial(how, body)
+    if isinstance(how, Cuts):
+        return _cut_partial(how, body, parse, tools)
     return []
 
 
-def _json_partial(syntax: str, body: str) -> list[tuple[str, str, bool]]:
+def _json_partial(json_call: JsonArguments, body: str) -> list[tuple[str, str, bool]]:
     out = []
-    for found in _NAME_AT[syntax].finditer(body):
+    for found in json_call.name_at.finditer(body):
         try:
             name = json.loads(f'"{found.group(1)}"')
         except ValueError:
             return []
-        at = _ARGUMENTS_AT[syntax].search(body, found.end())
+        at = json_call.arguments_at.search(body, found.end())
         text = body[at.end() :].rstrip() if at else ""
         try:
             whole, _ = _DECODER.raw_decode(text)
@@ -102,9 +80,9 @@ def _json_partial(syntax: str, body: str) -> list[tuple[str, str, bool]]:
 
 
 def _cut_partial(
-    syntax: str, body: str, parse: Parse, tools: list[dict] | None
+    cut_at: Cuts, body: str, parse: Parse, tools: list[dict] | None
 ) -> list[tuple[str, str, bool]]:
-    separators, closer = _CUTS[syntax]
+    separators, closer = cut_at.separators, cut_at.closer
     # Just before or after a separator, or after a tool's name; never at the very end
     # (a value there, `3` of `35`, may be cut short).
     cuts = set()

@@ -10,7 +10,8 @@ models), and the model is asked to answer a call as
     {"name": "<function name>", "arguments": <arguments as a JSON object>}
     </tool_call>
 
-which the output parser already reads (`tool_parsers.hermes`). Earlier turns are
+which the output parser already reads (`tool_calls.hermes`, which also holds these
+instructions). Earlier turns are
 rewritten the same way: an assistant's tool calls become that markup in its content and a
 tool's result a user turn in `<tool_response>` tags, since such templates know no `tool`
 role or `tool_calls`. A forced `tool_choice` opens the `<tool_call>` block in the prompt;
@@ -24,28 +25,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mlx_relay.coordinator.tool_parsers import hermes
-
-INSTRUCTIONS = """# Tools
-
-You may call one or more functions to assist with the user query.
-
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>
-{tools}
-</tools>
-
-For each function call, return a json object with function name and arguments within \
-<tool_call></tool_call> XML tags:
-<tool_call>
-{{"name": <function-name>, "arguments": <args-json-object>}}
-</tool_call>"""
+from mlx_relay.text.tool_calls import hermes
 
 
 def system_text(tools: list[dict]) -> str:
     """The tools and how to call them, as a system prompt section."""
     listed = "\n".join(json.dumps(_as_function(t), ensure_ascii=False) for t in tools)
-    return INSTRUCTIONS.format(tools=listed)
+    return hermes.INSTRUCTIONS.format(tools=listed)
 
 
 def with_tools(messages: list[dict[str, Any]], tools: list[dict]) -> list[dict[str, Any]]:
@@ -86,10 +72,7 @@ def _as_function(tool: dict) -> dict:
 
 def _call_text(call: dict) -> str:
     function = call.get("function") or {}
-    body = {"name": function.get("name", ""), "arguments": function.get("arguments") or {}}
-    return (
-        f"{hermes.tool_call_start}\n{json.dumps(body, ensure_ascii=False)}\n{hermes.tool_call_end}"
-    )
+    return hermes.call_text(function.get("name", ""), function.get("arguments") or {})
 
 
 def _text(content: Any) -> str:

@@ -24,17 +24,27 @@ not be held: it is logged and left to the output parser, which flags it malforme
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import llguidance
 import numpy as np
 
-from mlx_relay.coordinator.constraints import Compiler, Constraint
-from mlx_relay.coordinator.markup import ChatMarkup
-from mlx_relay.coordinator.requests import InvalidRequest, Prompt
-from mlx_relay.coordinator.tool_grammars import any_strict, call_grammar
-from mlx_relay.coordinator.tool_parsers import hermes
+from mlx_relay.errors import InvalidRequest
+from mlx_relay.text.constraints import Compiler, Constraint
+from mlx_relay.text.markup import ChatMarkup
+from mlx_relay.text.tool_calls import hermes
+from mlx_relay.text.tool_grammars import any_strict, call_grammar
 
 log = logging.getLogger("mlx_relay.constraints")
+
+
+class ToolPrompt(Protocol):
+    """What the tool constraint reads of a rendered prompt (coordinator.requests.Prompt)."""
+
+    tools: list[dict] | None
+    tool_choice: str  # "auto", "none", "required" or a tool's name
+    opens_tool_call: str  # the tool-call marker the prompt ends with, if forced
+    tool_fallback: bool  # the tools went into the system prompt (tool_prompt.py)
 
 
 class ToolCallWatch(Constraint):
@@ -203,7 +213,7 @@ def _tail(text: bytes, n: int) -> bytes:
 def tool_constraint(
     compiler: Compiler,
     markup: ChatMarkup,
-    prompt: Prompt,
+    prompt: ToolPrompt,
     *,
     in_reasoning: bool = False,
     request_id: str = "",

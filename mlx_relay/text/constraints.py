@@ -2,13 +2,13 @@
 
 A request may carry OpenAI's `response_format` (`json_object`, `json_schema`) or a GBNF
 grammar (llama.cpp's syntax, as LocalAI sends it); its tools make grammars of their own
-(tool_grammars.py, tool_constraint.py). `Compiler` turns any of them into an
-llguidance grammar once per text (compiling is the costly part; a request gets a copy
-of a compiled matcher) and refuses what cannot be enforced with `InvalidRequest`, before
-the request reaches the engine. `Constraint` is one request's matcher, used only on the
-engine thread: `mask()` gives the next step's allowed tokens as an MLX boolean row (None
-while unconstrained), `advance(token)` moves the matcher over the token really sampled
-and says whether the grammar is complete.
+(tool_grammars.py, tool_constraint.py); JSON Schema's part is json_schema.py. `Compiler`
+turns any of them into an llguidance grammar once per text (compiling is the costly
+part; a request gets a copy of a compiled matcher) and refuses what cannot be enforced
+with `InvalidRequest`, before the request reaches the engine. `Constraint` is one
+request's matcher, used only on the engine thread: `mask()` gives the next step's
+allowed tokens as an MLX boolean row (None while unconstrained), `advance(token)` moves
+the matcher over the token really sampled and says whether the grammar is complete.
 
 The mask is computed on the host as soon as a token is read back, while the device runs
 the next step, and applied with MLX ops (`mx.where`), so it works on every MLX backend.
@@ -31,25 +31,13 @@ import llguidance
 import llguidance.hf
 import mlx.core as mx
 import numpy as np
-from jsonschema import exceptions as schema_errors
-from jsonschema import validators
 
-from mlx_relay.coordinator.markup import ChatMarkup
-from mlx_relay.coordinator.requests import InvalidRequest, json_field
+from mlx_relay.errors import InvalidRequest, json_field
+from mlx_relay.text.json_schema import check_schema, json_schema_grammar
+from mlx_relay.text.markup import ChatMarkup
 
-# Between JSON tokens: nothing, one space, or one or two newlines and an indent of at
-# most 20, as llama.cpp's JSON-schema grammars allow. Unbounded whitespace lets a model
-# (a small one especially) emit blank lines until max_tokens and never close the JSON.
-JSON_WHITESPACE = r"( |\n{1,2}[ \t]{0,20})?"
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 CACHED_GRAMMARS = 64
-
-
-def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
-    """An llguidance grammar for JSON that `schema` accepts (its own x-guidance wins)."""
-    return llguidance.LLMatcher.grammar_from_json_schema(
-        json.dumps(schema), defaults={"whitespace_pattern": JSON_WHITESPACE}
-    )
 
 
 def request_grammar(response_format: Any, grammar: str) -> tuple[str, str] | None:
@@ -92,19 +80,6 @@ def response_format_grammar(raw: Any) -> str | None:
         raise InvalidRequest("response_format.json_schema.schema must be a JSON Schema object")
     check_schema(schema)
     return json_schema_grammar(schema)
-
-
-def check_schema(
-    schema: dict[str, Any] | bool, field: str = "response_format.json_schema.schema"
-) -> None:
-    """Refuse a schema that is not valid JSON Schema (by its own $schema, else 2020-12)."""
-    cls = validators.validator_for(schema, default=validators.Draft202012Validator)
-    try:
-        cls.check_schema(schema)
-    except schema_errors.SchemaError as e:
-        where = "/".join(str(p) for p in e.absolute_path)
-        at = f" at schema/{where}" if where else ""
-        raise InvalidRequest(f"{field} is not a valid JSON Schema{at}: {e.message}") from e
 
 
 def gbnf_grammar(text: str) -> str:

@@ -1,8 +1,11 @@
-"""Qwen XML tool calls:
+"""Qwen XML tool calls (Qwen3-Coder):
 ``<tool_call><function=NAME><parameter=P>value</parameter></function></tool_call>``.
 
 Values are written as text; each is converted by the JSON-schema type the request's
-tool declares for it. mlx-lm's parser contract (see hermes.py).
+tool declares for it. mlx-lm's parser contract (see hermes.py). Our parser reads the
+fallback's ``<tool_call>`` blocks that hold XML; a tokenizer that declares mlx-lm's
+``qwen3_coder`` parser keeps that one. The grammar holds strings as raw text and every
+other value as JSON text; a cut call is cut after a ``>`` and closed.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from mlx_relay.coordinator.tool_parsers.common import literal, properties, tool_schemas
+from mlx_relay.text.tool_calls.base import Cuts, ToolSyntax
+from mlx_relay.text.tool_calls.common import literal, properties, tool_schemas
+from mlx_relay.text.tool_calls.rules import RawText, Spell, Tool, guided, lark, one_of, raw_string
 
 tool_call_start = "<tool_call>"
 tool_call_end = "</tool_call>"
@@ -129,3 +134,45 @@ def parse_tool_call(text: str, tools: list[dict] | None = None) -> list[dict]:
     if not calls or _FUNCTION_RE.sub("", text).strip():
         raise ValueError("not a sequence of <function=...> blocks")
     return calls
+
+
+def _xml_calls(tools: list[Tool], rules: list[str], spell: Spell) -> str:
+    """`<function=N>` then `<parameter=P>value</parameter>` per argument, `</function>`.
+
+    A value is written on its own line; strings are raw text (never holding the closing
+    tags the parser looks for), every other type the JSON text the parser converts."""
+
+    def call(t: Tool) -> str:
+        params = []
+        for j, (key, schema, required) in enumerate(t.properties):
+            value = f"value_{t.index}_{j}"
+            closed = raw_string(
+                t,
+                key,
+                schema,
+                rules,
+                value,
+                RawText("</parameter>", ("</function>",), newlines=True),
+                spell,
+            )
+            if closed is None:  # numbers, booleans, null, objects and arrays: JSON text
+                json_value = f"%json {json.dumps(guided(t, schema))}"
+                closed = f'"\\n"? {json_value} "\\n"? "</parameter>"'
+            rules.append(f"{value}: {closed}")
+            param = f"{lark(f'<parameter={key}>')} {value} WS?"
+            params.append(param if required else f"({param})?")
+        return f'{lark(f"<function={t.name}>")} WS? {" ".join(params)} "</function>"'
+
+    return one_of("xml_call", tools, rules, call)
+
+
+SYNTAXES = (
+    ToolSyntax(
+        "qwen_xml",
+        _xml_calls,
+        # mlx-lm's Qwen3-Coder parser wants </function> last, but for one newline.
+        end_gap='"\\n"?',
+        declared_by=("qwen3_coder",),
+        partial=Cuts((">",), "</function>"),
+    ),
+)
