@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import CHAT_TEMPLATE, write_tokenizer  # noqa: E402
 
-from mlx_relay.coordinator.markup import ChatMarkup  # noqa: E402
-from mlx_relay.coordinator.postprocess import OutputParser  # noqa: E402
+from mlx_relay.text.markup import ChatMarkup  # noqa: E402
+from mlx_relay.text.postprocess import OutputParser  # noqa: E402
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 

@@ -15,11 +15,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import make_tiny_model  # noqa: E402
 
-from mlx_relay.coordinator.markup import ChatMarkup  # noqa: E402
 from mlx_relay.coordinator.output import Chunk, OutputProcessor  # noqa: E402
-from mlx_relay.coordinator.postprocess import OutputParser  # noqa: E402
 from mlx_relay.coordinator.sampling import Sampler, SamplingParams  # noqa: E402
 from mlx_relay.coordinator.sequence import Request, Sequence  # noqa: E402
+from mlx_relay.text.markup import ChatMarkup  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +32,7 @@ def sequence(tokenizer, prompt: list[int], **params) -> Sequence:
         request=request,
         slot=0,
         sampler=Sampler(request.params),
-        detokenizer=tokenizer.detokenizer,
-        parser=OutputParser(ChatMarkup.of(tokenizer), stop=request.params.stop),
+        text=OutputProcessor(tokenizer, 0).stream(request, ChatMarkup.of(tokenizer)),
         pending=[],
         context=list(prompt),
     )

@@ -26,14 +26,14 @@ from tiny_models import make_tiny_model  # noqa: E402
 
 from mlx_relay.coordinator.generation import GenerationRequest, Message  # noqa: E402
 from mlx_relay.coordinator.generation import tools as tools_of  # noqa: E402
-from mlx_relay.coordinator.markup import ChatMarkup  # noqa: E402
-from mlx_relay.coordinator.postprocess import (  # noqa: E402
+from mlx_relay.coordinator.requests import render_prompt  # noqa: E402
+from mlx_relay.text.markup import ChatMarkup  # noqa: E402
+from mlx_relay.text.postprocess import (  # noqa: E402
     Delta,
     Final,
     OutputParser,
     ToolCall,
 )
-from mlx_relay.coordinator.requests import render_prompt  # noqa: E402
 
 ID_RE = re.compile(r"call_[0-9a-f]{12}")
 

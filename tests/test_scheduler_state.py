@@ -15,7 +15,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import make_tiny_model  # noqa: E402
 
-from mlx_relay.coordinator.markup import ChatMarkup  # noqa: E402
 from mlx_relay.coordinator.output import OutputProcessor  # noqa: E402
 from mlx_relay.coordinator.policy import PROBE_CHUNK  # noqa: E402
 from mlx_relay.coordinator.sampling import SamplingParams  # noqa: E402
@@ -28,6 +27,7 @@ from mlx_relay.coordinator.scheduler import (  # noqa: E402
 )
 from mlx_relay.coordinator.sequence import Chunk, EngineError, Request  # noqa: E402
 from mlx_relay.model import sharding  # noqa: E402
+from mlx_relay.text.markup import ChatMarkup  # noqa: E402
 
 
 @pytest.fixture(scope="module")

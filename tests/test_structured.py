@@ -22,9 +22,9 @@ from conftest import start_cluster, stop_cluster
 from oracle import chat_tokens, mlx_lm_tokens, tokenizer_for
 
 from mlx_relay import cli
-from mlx_relay.coordinator import constraints
 from mlx_relay.coordinator.requests import InvalidRequest
 from mlx_relay.protocol import relay_pb2 as pb
+from mlx_relay.text import constraints
 
 SCHEMAS = {
     "person": {

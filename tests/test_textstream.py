@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import itertools
 
-from mlx_relay.coordinator.postprocess import OutputParser
-from mlx_relay.coordinator.textstream import first_match, held_back
+from mlx_relay.text.postprocess import OutputParser
+from mlx_relay.text.textstream import first_match, held_back
 
 
 def _run(stops, pieces, **kwargs):

@@ -33,13 +33,14 @@ from mlx_lm.tool_parsers import (
 )
 from oracle import tokenizer_for
 
-from mlx_relay.coordinator import constraints, tool_grammars
 from mlx_relay.coordinator.generation import GenerationRequest, Message
 from mlx_relay.coordinator.generation import tools as tools_of
-from mlx_relay.coordinator.markup import ChatMarkup
 from mlx_relay.coordinator.requests import InvalidRequest, render_prompt
-from mlx_relay.coordinator.tool_constraint import ToolCallWatch, marker_guards, tool_constraint
-from mlx_relay.coordinator.tool_parsers import hermes, qwen_xml, tool_code
+from mlx_relay.text import constraints, tool_grammars
+from mlx_relay.text.markup import ChatMarkup
+from mlx_relay.text.tool_calls import hermes, qwen_xml, tool_code
+from mlx_relay.text.tool_calls import rules as grammar_rules
+from mlx_relay.text.tool_constraint import ToolCallWatch, marker_guards, tool_constraint
 
 WEATHER = {
     "type": "object",
@@ -378,10 +379,10 @@ def test_a_raw_string_ends_at_its_marker_written_as_text_or_as_its_special_token
     """`</tool_call>` is a special token of the tiny vocabulary (a stand-in for GLM's
     `</arg_value>` or Gemma 4's `<|"|>`): a raw string may end at that token or at the
     marker spelled in text, and holds neither."""
-    tool = tool_grammars.tools_of(TOOLS[1:])[0]
-    rules = [tool_grammars.WS]
-    raw = tool_grammars.RawText("</tool_call>", trimmed=True)
-    value = tool_grammars.raw_string(
+    tool = grammar_rules.tools_of(TOOLS[1:])[0]
+    rules = [grammar_rules.WS]
+    raw = grammar_rules.RawText("</tool_call>", trimmed=True)
+    value = grammar_rules.raw_string(
         tool, "zone", TIME["properties"]["zone"], rules, "v", raw, compiler.spell
     )
     assert "<[" in value  # the special token's alternative

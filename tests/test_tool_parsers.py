@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from mlx_relay.coordinator import tool_parsers
-from mlx_relay.coordinator.tool_parsers import hermes, qwen_xml, tool_code
+from mlx_relay.text import tool_calls
+from mlx_relay.text.tool_calls import hermes, qwen_xml, tool_code
 
 TOOLS = [
     {
@@ -74,10 +74,10 @@ def test_hermes_decodes_string_arguments_once():
 
 def test_tagged_picks_the_format_by_what_follows_the_marker():
     for name in ("hermes", "qwen_xml"):
-        assert tool_parsers.parse_tagged(FORMATS[name][1], TOOLS) == [PARIS]
+        assert tool_calls.parse_tagged(FORMATS[name][1], TOOLS) == [PARIS]
     with pytest.raises(ValueError, match="unknown <tool_call> format"):
-        tool_parsers.parse_tagged("get_weather(Paris)", TOOLS)
-    assert [(s, e) for s, e, _ in tool_parsers.FALLBACK] == [
+        tool_calls.parse_tagged("get_weather(Paris)", TOOLS)
+    assert [(s, e) for s, e, _ in tool_calls.FALLBACK] == [
         ("<tool_call>", "</tool_call>"),
         ("```tool_code", "```"),
     ]

@@ -15,10 +15,10 @@ import json
 
 import pytest
 
-from mlx_relay.coordinator.markup import ChatMarkup, _calls
-from mlx_relay.coordinator.postprocess import OutputParser
-from mlx_relay.coordinator.tool_parsers import hermes, qwen_xml, tool_code
-from mlx_relay.coordinator.tool_partial import json_prefix_object, partial_calls
+from mlx_relay.text.markup import ChatMarkup, _calls
+from mlx_relay.text.postprocess import OutputParser
+from mlx_relay.text.tool_calls import hermes, qwen_xml, tool_code
+from mlx_relay.text.tool_partial import json_prefix_object, partial_calls
 
 SCHEMA = {
     "type": "object",
