@@ -22,9 +22,8 @@ from mlx_relay.coordinator.sampling import Sampler, SamplingParams
 from mlx_relay.coordinator.slots import Taken
 from mlx_relay.coordinator.speculation import SpecState
 from mlx_relay.model.step_inputs import PromptInputs
-from mlx_relay.text.constraints import Constraint
+from mlx_relay.text.matchers import GrammarMatcher, StopMatcher
 from mlx_relay.text.postprocess import ToolCall
-from mlx_relay.text.stream import TextStream
 
 
 class EngineError(Exception):
@@ -84,7 +83,7 @@ class Request:
     parse_tools: bool = True
     starts_in_reasoning: bool = False
     opens_tool_call: str = ""  # tool_choice forced a call: the prompt ends in its marker
-    constraint: Constraint | None = None  # a grammar the output must follow
+    constraint: GrammarMatcher | None = None  # a grammar the output must follow
     # A vision-language request's preprocessed images (prompt_tokens then hold one image
     # token per image feature): rank 0 merges them into the prompt's embeddings.
     pixel_values: Any = None
@@ -114,7 +113,7 @@ class Sequence:
     request: Request
     slot: int
     sampler: Sampler
-    text: TextStream  # its stop matcher: token ids to text, stop strings cut
+    text: StopMatcher  # token ids to text, stop strings cut (text/stream.py)
     pending: list[int]  # prompt tokens still to prefill
     position: int = 0  # tokens fed to the KV caches (sent round the ring)
     context: list[int] = field(default_factory=list)  # prompt + sampled tokens read so far
@@ -143,5 +142,5 @@ class Sequence:
         return self.request.pixel_values is not None
 
     @property
-    def constraint(self) -> Constraint | None:
+    def constraint(self) -> GrammarMatcher | None:
         return self.request.constraint

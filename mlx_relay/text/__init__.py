@@ -6,7 +6,7 @@ module of `tool_calls` (its parser, grammar, partial-call reading), the grammars
 request can hold its output to (constraints.py, json_schema.py, tool_grammars.py,
 tool_constraint.py), the tool fallback's prompt (tool_prompt.py), and one sequence's
 text as the engine sees it (stream.py). The engine hands token ids in and gets text
-out, through two matchers: a sequence's `TextStream` (detokenizes, parses, finds stop
-strings) and its grammar `Constraint`. Nothing here knows the ring, the scheduler or a
-door; the coordinator and the api use it.
+out, through two matchers (matchers.py): a sequence's `TextStream` (detokenizes, parses,
+finds stop strings) and its grammar `Constraint`. Nothing here knows the ring, the
+scheduler or a door; the coordinator and the api use it.
 """
