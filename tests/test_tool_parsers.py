@@ -1,7 +1,8 @@
 """The fallback tool parsers keep mlx-lm's per-format contract: one module per format with
 ``tool_call_start``, ``tool_call_end`` and ``parse_tool_call(text, tools)`` returning
-``{"name", "arguments"}`` (or a list of them) and raising on bad input. Their streaming
-behaviour is tested through the output parser in test_postprocess.py."""
+``{"name", "arguments"}`` (or a list of them) and raising on bad input; the registry
+(text/tool_calls) finds every format module. Their streaming behaviour is tested through
+the output parser in test_postprocess.py."""
 
 from __future__ import annotations
 
@@ -81,3 +82,41 @@ def test_tagged_picks_the_format_by_what_follows_the_marker():
         ("<tool_call>", "</tool_call>"),
         ("```tool_code", "```"),
     ]
+
+
+# The mlx-lm parser modules a tokenizer may declare, and the syntax each is held to (as
+# ChatMarkup resolved them before the formats moved into one module each).
+DECLARED = {
+    "json_tools": "hermes",
+    "qwen3_coder": "qwen_xml",
+    "mistral": "mistral_json",
+    "pythonic": "pythonic",
+    "glm47": "glm47",
+    "longcat": "longcat",
+    "kimi_k2": "kimi_k2",
+    "kimi_k3": "kimi_k3",
+    "minimax_m2": "minimax_m2",
+    "minicpm5": "minicpm5",
+    "muse_spark": "muse_spark",
+    "gemma4": "gemma4",
+    "function_gemma": "function_gemma",
+}
+
+
+def test_the_registry_finds_every_format_module_and_what_each_declares():
+    assert sorted(tool_calls.SYNTAXES) == sorted({*DECLARED.values(), "mistral_args", "tool_code"})
+    for module, syntax in DECLARED.items():
+        assert tool_calls.declared_syntax(module, "") == syntax
+    # newer Mistral templates write name[ARGS]{...}: the same parser, the other syntax
+    assert tool_calls.declared_syntax("mistral", "{{ '[ARGS]' }}") == "mistral_args"
+    assert tool_calls.declared_syntax("no_such_parser", "") is None
+    assert all(tool_calls.syntax(s).partial is not None for s in tool_calls.SYNTAXES)
+    assert tool_calls.find(None) is None and tool_calls.find("nope") is None
+    with pytest.raises(ValueError, match="no grammar for tool-call syntax"):
+        tool_calls.syntax("nope")
+
+
+def test_two_formats_may_not_claim_one_syntax():
+    one = tool_calls.syntax("hermes")
+    with pytest.raises(ValueError, match="declared twice"):
+        tool_calls.index([one, one])
