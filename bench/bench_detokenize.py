@@ -42,19 +42,9 @@ PROSE = (
     "wheel turn, and some of them ask how old it is. Nobody in the village knows for "
     "certain, but the oldest records speak of a mill on this spot four hundred years ago. "
 )
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
+# The one tool the tool-call stream calls, in the OpenAI shape.
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
 
 
 def streams(tokenizer, n: int) -> dict[str, tuple[list[int], dict]]:
@@ -66,7 +56,7 @@ def streams(tokenizer, n: int) -> dict[str, tuple[list[int], dict]]:
             out += tokenizer.encode(text, add_special_tokens=False)
         return out[:n]
 
-    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
     half = ids(PROSE)[: n // 2]
     return {
         "prose": (ids(PROSE), {}),
