@@ -136,7 +136,7 @@ def test_rank_0_sends_positions_with_the_prompt_and_the_delta_with_every_step(mo
     ids = mx.array([encoded.token_ids])
     step = pipeline.launch_forward([5], [0], ids, [n], want_logits=True, prompt=prompt)
     assert step.header.sides == [hdr.SideArray(hdr.SIDE_POSITIONS, "int32", (3, 1, n))]
-    token = mx.argmax(pipeline.complete(step), axis=-1)[:, None]
+    token = mx.argmax(pipeline.complete(step).logits, axis=-1)[:, None]
     step = pipeline.launch_forward([5], [n], token, [1], group=0, want_logits=True)
     assert step.header.sides == [] and step.header.deltas == [prompt.delta]
     pipeline.complete(step)

@@ -402,20 +402,19 @@ class Engine:
         seqs: list[Sequence] = step.tag.seqs if step.tag is not None else []
         sampled: Sampled | None = None
         try:
-            logits = self.pipeline.complete(step, early=True)
+            back = self.pipeline.complete(step, early=True)
             self._update(self.scheduler.reap_cancelled, seqs)
             rows = [(i, s) for i, s in enumerate(seqs) if self.scheduler.is_running(s)]
-            if logits is not None and rows:
-                # On CUDA the return is settled only once the next steps are built on
-                # the sampled tokens, right before their launch (Pipeline.settle).
-                settling = self.pipeline.unsettled
-                sampled = self._sample(step, rows, logits, start=not settling)
+            if back.logits is not None and rows:
+                # Where the return is not usable yet (returns.py), it is made so only
+                # once the next steps are built on the sampled tokens, right before
+                # their launch; a rank's failure of the step raises there (what was
+                # built on its return is ignored).
+                settling = not back.ready
+                sampled = self._sample(step, rows, back.logits, start=not settling)
                 self._launch_ready()
                 if settling:
-                    self.pipeline.settle()
-                    failure = self.pipeline.failure_of(step)
-                    if failure is not None:  # (what was built on its return is ignored)
-                        raise failure
+                    back.settle()
                     mx.async_eval(sampled.tokens)
         except ClusterFailure:
             raise

@@ -1,4 +1,4 @@
-"""The byte arrays that returns handed out early are written into (Pipeline.complete).
+"""The byte arrays that returns handed out early are written into (returns.py).
 
 Rank 0 builds a step's head, sampling and next step on a mailbox before the step has
 come back, and writes what returns into it right before launching them. The boxes are

@@ -1,7 +1,7 @@
 """The ring's health, as rank 0 sees it: which steps are out, how long each should take,
 and which rank to name when one is late or the ring breaks.
 
-`Pipeline` launches and completes steps; it tells a `RingWatch` when each forward step
+The ring driver (ring_driver.py) launches and completes steps; it tells a `RingWatch` when each forward step
 went out and when it was done with, and asks it whether anything is wrong. The watch
 learns the ring's pace from finished steps (pace.py), times each step from when it
 could start (launched, and the step before it done with: a chunk queued behind others
@@ -21,7 +21,7 @@ from mlx_relay.protocol import header as hdr
 from mlx_relay.transport.hub import ControlHub, LinkFailure
 
 if TYPE_CHECKING:
-    from mlx_relay.coordinator.pipeline import Step
+    from mlx_relay.coordinator.ring_driver import Step
 
 RING_BROKEN_WAIT_S = 2.0  # for the side channel to tell which rank broke the ring
 

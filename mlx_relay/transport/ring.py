@@ -20,6 +20,16 @@ from mlx_relay.device import on_cuda
 from mlx_relay.protocol import header as hdr
 from mlx_relay.transport.collective import PayloadGroups
 from mlx_relay.transport.doorbell import MAX_MESSAGE_BYTES, Doorbell
+from mlx_relay.transport.hops import (  # noqa: F401 - the modes' names, as callers know them
+    ADAPTIVE,
+    COLLECTIVE,
+    EAGER,
+    HOP_MODES,
+    INLINE_BACK_MAX_BYTES,
+    PAIRED_MODES,
+    READY,
+    hops_for,
+)
 from mlx_relay.transport.outbox import Outbox
 
 _MX_DTYPES = {
@@ -42,31 +52,8 @@ def dtype_name(dtype: mx.Dtype) -> str:
     raise ValueError(f"dtype {dtype} cannot travel on the ring")
 
 
-# How a hop is timed (`--hop-mode`). EAGER: a step is announced when it is decided, and
-# every receive is posted at once, so each rank builds and queues its part of the step
-# while the ranks before it still compute; a busy rank keeps one core spinning on its
-# posted receive (MLX's ring backend polls its socket). READY: a step is announced once
-# its payload is computed and a receive is posted only when its data is there: nothing
-# spins, but every hop adds a wake-up and the next rank's graph building to the token.
-# COLLECTIVE (two ranks): timed as EAGER, and each payload is an all-sum of the pair
-# (collective.py), on CUDA over NCCL on the GPU's streams: nothing is settled, and a
-# rank's kernels wait for their input on the device. ADAPTIVE (two ranks): timed as
-# EAGER; a step launched while no other is in flight (single-stream decode) hops
-# collectively both ways, one launched beside others (load, a long prompt's chunks)
-# collectively out of rank 0 and back inline: the last rank sends its output in the
-# header's message once computed, from its outbox's thread (outbox.py says why not over
-# the ring; a return larger than INLINE_BACK_MAX_BYTES still takes it). Two collective
-# steps in flight did not overlap on CUDA, and with collective returns under load a run
-# stalled (bench/RESULTS.md, sessions 12 and 13). The header says which hops are
-# all-sums (FLAGS_COLLECTIVE) and which return inline (FLAG_INLINE_BACK), so every rank
-# does alike, and each transport keeps its own order.
-EAGER = "eager"
-READY = "ready"
-COLLECTIVE = "collective"
-ADAPTIVE = "adaptive"
+# How a hop is timed (`--hop-mode`): hops.py, one class a mode.
 AUTO = "auto"
-HOP_MODES = (EAGER, READY, COLLECTIVE, ADAPTIVE)
-PAIRED_MODES = (COLLECTIVE, ADAPTIVE)  # the modes whose payloads may be all-sums of a pair
 # Cores a rank needs for eager hops to pay: its compute, plus one spinning on a receive.
 EAGER_CORES_PER_RANK = 4
 # READY hops send a payload up to this size in the header's message (FLAG_INLINE): it is
@@ -80,9 +67,6 @@ EAGER_CORES_PER_RANK = 4
 INLINE_MAX_BYTES = 1 << 14
 INLINE_ENV = "MLX_RELAY_INLINE_MAX_BYTES"
 _HEADER_BYTES = hdr.HEADER_LEN * 4  # (int32s: what comes before an inline payload)
-# ADAPTIVE returns up to this size inline (a batch of 32 rows of hidden 4,096 in 16 bits):
-# with a step or two in flight, what rank 0 has not read yet fits the socket's buffer.
-INLINE_BACK_MAX_BYTES = 1 << 18
 # The last rank reads each inline return on the host. On CUDA, MLX first moves a device
 # buffer the host reads into managed memory, with a copy that waits for the work queued
 # on the GPU: under load the next step's half, ~10 ms, in about one step of seven (two
@@ -208,22 +192,21 @@ class Ring:
         payloads: PayloadGroups | None = None,
         fences: bool = False,
     ) -> None:
-        if mode not in HOP_MODES:
-            raise ValueError(f"hop mode {mode!r}: expected one of {', '.join(HOP_MODES)}")
-        if (mode in PAIRED_MODES) != (payloads is not None):
+        self.hops = hops_for(mode)
+        if self.hops.paired != (payloads is not None):
             raise ValueError("collective and adaptive hops, and only they, take payload groups")
         self.group = group
         self.doorbell = doorbell
         self.mode = mode
         self.payloads = payloads
-        self.eager = mode != READY
-        self.settles = mode != COLLECTIVE and (settles_here() if settles is None else settles)
+        self.eager = self.hops.eager
+        self.settles = self.hops.settles(settles_here() if settles is None else settles)
         self.rank = group.rank()
         self.size = group.size()
         self.next = (self.rank + 1) % self.size
         self.prev = (self.rank - 1) % self.size
         self._streams = threading.local()
-        self.inline_max = inline_max_bytes() if mode == READY else 0
+        self.inline_max = inline_max_bytes() if self.hops.carries_inline else 0
         # (every header leaves through it; the doorbell is looked up when one does)
         self.outbox = Outbox(lambda message: self.doorbell.ring(message), f"outbox-{self.rank}")
         self._inline: tuple[int, bytes] | None = None  # (step id, payload) of the last header
@@ -241,21 +224,39 @@ class Ring:
         rank 0, whose receiver then launches its part at once, with no wait on its
         host) and whether the return comes inline (ADAPTIVE, a step beside others, if
         it fits)."""
-        # (a second lap's header is its first's copy)
-        header.flags &= ~(hdr.FLAGS_COLLECTIVE | hdr.FLAG_INLINE_BACK)
-        if self.mode == COLLECTIVE or (self.mode == ADAPTIVE and alone):
-            header.flags |= hdr.FLAGS_COLLECTIVE
-            timeline.mark("collective", header.step_id)
-        elif self.mode == ADAPTIVE:
-            header.flags |= hdr.FLAG_COLLECTIVE_OUT
-            back = hdr.returned(header, returned_width)
-            if payload_nbytes(back) <= INLINE_BACK_MAX_BYTES and not header.sides:
-                header.flags |= hdr.FLAG_INLINE_BACK
-                timeline.mark("inline_back", header.step_id)
+        self.hops.choose_path(
+            header,
+            alone=alone,
+            returned_bytes=lambda: payload_nbytes(hdr.returned(header, returned_width)),
+        )
 
     def returns_inline(self, header: hdr.StepHeader) -> bool:
         """Whether the hop of the step back to rank 0 carries its payload inline."""
         return bool(header.flags & hdr.FLAG_INLINE_BACK)
+
+    # (rank 0's questions about a step it launched: its ring driver asks these, never
+    # which mode runs)
+    def announces_at_launch(self) -> bool:
+        """Whether a step goes on as soon as it is launched (else once computed)."""
+        return self.hops.eager
+
+    def posts_return_at_launch(self, header: hdr.StepHeader) -> bool:
+        """Whether the receive of the step's return is posted when it is launched."""
+        return self.hops.posts_return_at_launch(header)
+
+    def returns_early(self, header: hdr.StepHeader) -> bool:
+        """Whether rank 0 may build on the step's return before it came (hops.py)."""
+        return self.hops.returns_early(header)
+
+    def settles_return(self, header: hdr.StepHeader, back: hdr.StepHeader) -> bool:
+        """Whether the receive of the step's return (its header `back`) is to be waited
+        for before what reads it launches: with `settles`, unless it is an all-sum
+        (waited for on the device) or its bytes came with the header."""
+        return (
+            self.settles
+            and not self.receives_collectively(header)
+            and not back.flags & hdr.FLAG_INLINE
+        )
 
     def sends_collectively(self, header: hdr.StepHeader) -> bool:
         """Whether this rank's hop of the step is an all-sum (its header says so)."""
@@ -342,16 +343,16 @@ class Ring:
             self._return_inline(header, payload)
             timeline.mark("posted", header.step_id)
             return None
-        if payload is not None and not self.eager:
-            self.settle(*reads)
-            mx.eval(payload, *sides)
-            timeline.mark("computed", header.step_id)
+        self.hops.before_header(header, payload, list(sides), list(reads), self.settle)
         inline = self._inline_bytes(header, payload)
         self.send_header(header, inline)
         timeline.mark("header_sent", header.step_id)
-        if self.eager and not self.receives_collectively(header):
-            self.settle(*reads)
-            timeline.mark("settled", header.step_id)
+        self.hops.after_header(
+            header,
+            list(reads),
+            self.settle,
+            received_collectively=self.eager and self.receives_collectively(header),
+        )
         posted = None if header.flags & hdr.FLAG_INLINE else self.send_payload(header, payload)
         timeline.mark("posted", header.step_id)
         if pairs:
@@ -390,7 +391,7 @@ class Ring:
         (the header's FLAG_INLINE says so); b"" where it takes the ring."""
         header.flags &= ~hdr.FLAG_INLINE  # (a forwarded header carries the last hop's)
         if (
-            not self.inline_max  # (0 unless READY)
+            not self.inline_max  # (0 unless the hops carry payloads inline: READY)
             or payload is None
             or payload.nbytes > self.inline_max
             or header.sides
