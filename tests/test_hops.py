@@ -217,6 +217,40 @@ def test_rank_0_marks_which_hops_of_a_step_are_all_sums(mode, alone, returned, e
             ring.sends_collectively(header)
 
 
+@pytest.mark.parametrize(
+    ("mode", "at_launch", "settles", "early"),
+    [
+        (EAGER, True, True, False),
+        (READY, False, True, True),  # (on the CPU: returns come computed, host-writable)
+        (COLLECTIVE, True, False, False),  # (all-sums are waited for on the device)
+        (ADAPTIVE, True, True, False),
+    ],
+)
+def test_each_hop_mode_answers_rank_0s_questions(mode, at_launch, settles, early):
+    """Rank 0's ring driver asks the ring about a step, never which mode runs
+    (transport/hops.py): when it goes on, when its return's receive is posted, whether
+    that receive is settled, whether rank 0 may build on the return before it came."""
+    group = mx.distributed.init()
+    payloads = PayloadGroups(group, group, separate_streams=False) if mode in PAIRED_MODES else None
+    ring = Ring(group, doorbell=None, mode=mode, payloads=payloads, settles=True)
+    header = hdr.StepHeader(
+        cmd=hdr.CMD_FORWARD,
+        flags=hdr.FLAG_WANT_OUTPUT,
+        payload_kind=hdr.PAYLOAD_HIDDEN,
+        payload_dtype="bfloat16",
+        payload_shape=(1, 5, 8),
+    )
+    ring.choose_path(header, alone=True)  # (a lone step: adaptive hops collectively)
+    assert ring.announces_at_launch() == ring.eager == at_launch
+    assert ring.posts_return_at_launch(header) == at_launch
+    assert ring.settles == settles
+    assert ring.settles_return(header, header) == (settles and mode != ADAPTIVE)
+    assert ring.returns_early(header) == early
+    if mode == ADAPTIVE:  # beside others: back inline, so built on before it came
+        ring.choose_path(header, alone=False)
+        assert ring.returns_early(header) and not ring.posts_return_at_launch(header)
+
+
 @pytest.mark.parametrize("mode", [COLLECTIVE, ADAPTIVE])
 def test_collective_hops_join_two_ranks_only(mode):
     preflight.check_hop_mode(mode, 2)
