@@ -2,6 +2,10 @@
 
 Every rank receives from its left neighbour and sends to its right one, which is all
 the ring backend allows. Nothing here decides anything: the header says what follows.
+When a hop goes, and what rank 0 may do before its return came, is the ring's `Hops`
+(hops.py, one class per `--hop-mode`); the Ring moves the bytes and answers rank 0's
+questions about a step from it. A transport of another kind (JACCL RDMA) plugs in as
+a Hops of its own plus its byte moving in `_post_send` and `_post_recv`.
 """
 
 from __future__ import annotations
