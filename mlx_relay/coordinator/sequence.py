@@ -90,9 +90,14 @@ class Request:
     created: float = field(default_factory=time.perf_counter)
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # The scheduler's cancellation queue, once submitted: it reads them once a step.
+    cancels: queue.SimpleQueue | None = field(default=None, repr=False, compare=False)
 
     def cancel(self) -> None:
+        """From any thread; a no-op once finished (the scheduler no longer runs it)."""
         self.cancelled.set()
+        if self.cancels is not None:
+            self.cancels.put(self)
 
     def chunks(self) -> Iterator[Chunk]:
         """Blocking iterator over the stream; raises EngineError if the request failed."""
@@ -131,6 +136,7 @@ class Sequence:
     spec: SpecState | None = None
     draft_tokens: int = 0  # proposals its verify steps carried
     accepted_draft_tokens: int = 0  # of them kept
+    finished: bool = False  # it ended: what its steps still in flight return is ignored
 
     @property
     def prefilling(self) -> bool:
