@@ -9,7 +9,6 @@ sequences may still add and plus what parked caches give back when their slot is
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +20,7 @@ from mlx_relay.model import memory, vision
 
 if TYPE_CHECKING:
     from mlx_relay.coordinator.model_context import ModelContext
+    from mlx_relay.transport.hub import ControlHub
 
 RECHECK_S = 0.05  # a request that waits is rechecked at most this often
 
@@ -29,19 +29,15 @@ class MemoryCheck:
     """The check for one loaded model (its files, each rank's layers, its context)."""
 
     def __init__(
-        self,
-        path: str,
-        ranges: list[tuple[int, int]],
-        fingerprint: str,
-        context_length: int,
-        max_context: int,
-        figures: Callable[[], dict[int, dict[str, Any]]],
+        self, loaded: Any, context_length: int, max_context: int, hub: ControlHub | None
     ) -> None:
-        self.path = Path(path)
-        self.ranges = ranges
-        self.fingerprint = fingerprint
+        """`loaded`: the pipeline's LoadedModel (its path, layer ranges, fingerprint);
+        `hub`: the workers' heartbeats, which carry their memory figures."""
+        self.path = Path(loaded.path)
+        self.ranges: list[tuple[int, int]] = loaded.ranges
+        self.fingerprint: str = loaded.fingerprint
         self.bound = memory.sequence_bound(context_length, max_context) or 1 << 30
-        self.figures = figures  # each rank's latest memory.stats()
+        self.hub = hub
         self._last: tuple[float, Request | None, str] = (0.0, None, "")
 
     def most(self, request: Request) -> int:
@@ -66,6 +62,13 @@ class MemoryCheck:
         )
         self._last = (now, request, short)
         return short
+
+    def figures(self) -> dict[int, dict[str, Any]]:
+        """Each rank's latest memory figures: rank 0's now, the workers' last heartbeat's."""
+        figures = {0: memory.stats()}
+        if self.hub is not None:
+            figures.update({r: i.stats for r, i in self.hub.snapshot().items()})
+        return figures
 
 
 def new_sequence(

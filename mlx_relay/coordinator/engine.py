@@ -5,25 +5,17 @@ a queue; commands (load, free, shutdown) run on the engine thread once no step i
 flight, so every rank always sees one well-ordered sequence of steps.
 
 The engine core is a loop around the scheduler (scheduler.py), which owns every
-request's state and decides. They meet at two calls with typed values (plan.py): the
-engine asks `schedule()` for a `StepPlan`, carries it out (slot steps, then the
-forward step on the pipeline), samples what comes back, and hands the tokens read and
-what the step took to `update_from_output(StepResult)`, then carries out the
-`Outputs` it answers (chunks for the clients, frees and parks of slots). The model's
-context (tokenizer, markup, output rules) is made once at load (model_context.py);
-the counters are one `EngineStats` (stats.py). Scheduling, in short: a new
-sequence is prefilled one chunk per step, the way mlx-lm prefills: all prompt tokens
-but the last in chunks sized by measured time (policy.py), then the last one in the
-step that yields the first token. Its chunks are known in advance, so several are in
-flight at once, each on the next rank while the one before it runs on this one. It
-then joins one of several decode groups, each decoded as one batch per step. Units of
-work (a group's next token, a sequence's next prefill chunk) take turns, so a long
-prompt never stalls running streams, and up to one step per rank is in flight at once:
-while rank 1 runs one group's layers, rank 0 runs the next group's. Everything that
-decides (sampling, stop strings, EOS, cancellation) happens here, between steps, so a
-worker never has anything to decide. What a client sees of each token read back (text,
-reasoning, tool calls, logprobs, the finish reason, usage) is the output processor's
-(output.py).
+request's state and decides what runs (how: its docstring). They meet at two calls
+with typed values (plan.py): the engine asks `schedule()` for a `StepPlan` and carries
+it out (slot steps, then the forward step on the pipeline), samples what comes back
+(step_sampling.py), launches the next steps on those tokens before reading them (the
+device and the ring are never idle while the host streams), then hands the tokens
+read and what the step took to `update_from_output(StepResult)` and carries out the
+`Outputs` it answers (chunks for the clients, frees and parks of slots). Up to one
+step per rank is in flight at once: while rank 1 runs one group's layers, rank 0 runs
+the next group's. Everything that decides happens on rank 0 between steps, so a worker
+never has anything to decide. The model's context is made once at load
+(model_context.py); the counters are one `EngineStats` (stats.py).
 """
 
 from __future__ import annotations
@@ -36,7 +28,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -49,28 +40,15 @@ from mlx_relay.coordinator.model_context import ModelContext
 from mlx_relay.coordinator.pipeline import ClusterFailure, Pipeline, RankFailure, Step
 from mlx_relay.coordinator.plan import DecodeGroup, Forward, Outputs, Park, StepResult, Verify
 from mlx_relay.coordinator.policy import StepOutput
-from mlx_relay.coordinator.sampling import sample_batch, sample_positions
 from mlx_relay.coordinator.scheduler import Scheduler
 from mlx_relay.coordinator.sequence import EngineError, Request, Sequence
 from mlx_relay.coordinator.stats import EngineStats
-from mlx_relay.model import memory, vision
-from mlx_relay.model.step_inputs import PromptInputs
+from mlx_relay.coordinator.step_sampling import Sampled, sample_step
 from mlx_relay.protocol import header as hdr
 
 __all__ = ["Engine"]  # (the request model is sequence.py's)
 
 log = logging.getLogger("mlx_relay.engine")
-
-
-@dataclass
-class Sampled:
-    """One step's sampled tokens, computed or not yet, for the sequences it served."""
-
-    step: Step
-    seqs: list[Sequence]
-    tokens: mx.array  # (len(seqs),); a verify step's: one per position (1 + k,)
-    logprobs: list[mx.array | None]  # a row's log-probabilities where its request wants them
-    verify: Verify | None = None  # the speculative round the step was
 
 
 class Engine:
@@ -236,7 +214,9 @@ class Engine:
                 raise broken from e
             log.exception("rank 0 failed a step: %s", e)
             self._launch_slots(plan.after)
-            self._carry_out(self.scheduler.update_from_output(StepResult(action, failed=f"rank 0: {e}")))
+            self._carry_out(
+                self.scheduler.update_from_output(StepResult(action, failed=f"rank 0: {e}"))
+            )
             return True
         step.tag = action
         self._launched.append(step)
@@ -267,7 +247,7 @@ class Engine:
             [n],
             want_logits=action.want_logits,
             reuse_from=action.reuse_from,
-            prompt=self._image_inputs(seq, action.position, n),
+            prompt=seq.image_inputs(self.pipeline.shard.model, action.position, n),
         )
 
     def _launch_verify(self, action: Verify) -> Step:
@@ -289,21 +269,6 @@ class Engine:
             all_positions=True,
         )
         return step
-
-    def _image_inputs(self, seq: Sequence, position: int, n: int) -> PromptInputs | None:
-        """For an image request, its prompt's merged embeddings (and multimodal rope
-        positions) for the `n` prompt positions from `position` (vision tower and
-        projector run once, at the first chunk); else None."""
-        if seq.request.pixel_values is None:
-            return None
-        if seq.embeddings is None:
-            seq.embeddings = vision.prompt_inputs(
-                self.pipeline.shard.model, seq.request.prompt_tokens, seq.request.pixel_values
-            )
-        out = seq.embeddings.chunk(position, n)
-        if position + n >= len(seq.request.prompt_tokens):
-            seq.embeddings = None  # the prompt is all sent; decode embeds tokens
-        return out
 
     def _timed(self, step: Step) -> StepOutput | None:
         """Count a finished forward step; what it took, for the scheduler."""
@@ -373,29 +338,8 @@ class Engine:
     def _sample(
         self, step: Step, rows: list[tuple[int, Sequence]], logits: mx.array, start: bool = True
     ) -> Sampled:
-        """mlx-lm's step for each row (sampling.sample_batch), built as one graph and
-        started (unless not `start`: the caller starts it once the return it reads is
-        settled), not waited for; each sequence's next input is its row. A grammar's
-        mask is for the token after the one read back last, which the scheduler has
-        moved the matcher over (a sequence has at most one step that wants logits in
-        flight)."""
-        if isinstance(step.tag, Verify):
-            verify: Verify = step.tag
-            assert verify.proposed is not None
-            # (positions past the proposals, where a wider step was cheaper: not sampled)
-            tokens, wanted = sample_positions(logits[: verify.k + 1], verify.seq, verify.proposed)
-            if start:
-                mx.async_eval(tokens)
-            return Sampled(step, [verify.seq], tokens, wanted, verify)
-        if len(rows) < logits.shape[0]:
-            logits = logits[mx.array([i for i, _ in rows])]
-        seqs = [s for _, s in rows]
-        tokens, wanted = sample_batch(logits, seqs)
-        for j, seq in enumerate(seqs):  # (the next decode inputs, still on the device)
-            seq.next_input = tokens[j : j + 1]
-        if start:
-            mx.async_eval(tokens)
-        return Sampled(step, seqs, tokens, wanted)
+        """The step's rows sampled on the device, not waited for (step_sampling.py)."""
+        return sample_step(step.tag, rows, logits, start)
 
     def _report(self, step: Step, sampled: Sampled | None) -> None:
         """The step's result for the scheduler: its tokens, read back here (the one wait
@@ -418,18 +362,11 @@ class Engine:
         self._set_state("loading")
         try:
             loaded = self.pipeline.load(spec, layers)
-            shard = self.pipeline.shard
+            pipeline, max_context = self.pipeline, self.config.memory.max_context
             model = ModelContext.of(
-                load_tokenizer(loaded.path), shard, self.pipeline.hidden_size
+                load_tokenizer(loaded.path), pipeline.shard, pipeline.hidden_size
             )
-            check = MemoryCheck(
-                loaded.path,
-                loaded.ranges,
-                loaded.fingerprint,
-                model.context_length,
-                self.config.memory.max_context,
-                self._figures,
-            )
+            check = MemoryCheck(loaded, model.context_length, max_context, pipeline.hub)
             model = dataclasses.replace(model, memory=check)
             self.scheduler.load(model)
             self.model = model
@@ -439,13 +376,6 @@ class Engine:
         self.error = ""
         self._set_state("serving")
         return loaded
-
-    def _figures(self) -> dict[int, dict[str, Any]]:
-        """Each rank's latest memory figures: rank 0's now, the workers' last heartbeat's."""
-        figures = {0: memory.stats()}
-        if self.pipeline.hub is not None:
-            figures.update({r: i.stats for r, i in self.pipeline.hub.snapshot().items()})
-        return figures
 
     def _free(self, shutdown: bool) -> str:
         self._cancel_all("the model was freed")

@@ -175,7 +175,9 @@ class Scheduler:
                 seq = new_sequence(request, taken, self.model, spec)
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the engine
                 log.exception("request %s cannot start: %s", request.request_id, e)
-                out.emit.append((request, EngineError("internal", f"the request cannot start: {e}")))
+                out.emit.append(
+                    (request, EngineError("internal", f"the request cannot start: {e}"))
+                )
                 failed.append(taken)
                 continue
             self.running.append(seq)
@@ -388,7 +390,7 @@ class Scheduler:
         lost = set(result.lost_slots)
         for seq in self.running:
             if seq.taken and seq.cached_tokens and seq.taken.source in lost:
-                self._restart_prefill(seq, out)
+                self._slot_steps.restart(seq, out)
         self._slot_steps.forget(result.lost_slots, out)
 
     def cancel_all(self, why: str) -> Outputs:
@@ -425,22 +427,4 @@ class Scheduler:
             self.speculator.drop(seq.spec)
         if seq.group is not None:
             self.groups[seq.group].remove(seq)
-        slots = self._slot_steps
-        if seq.taken is not None and isinstance(last, Chunk):  # ended before any step
-            slots.give_back(seq.taken, out)
-            slots.keep_to_budget(out)
-        elif seq.taken is not None:  # its first step failed on rank 0: reset the slot
-            slots.first_step(seq, out)
-            slots.free(seq.slot, out)
-        elif self.reuse and isinstance(last, Chunk) and seq.position and not seq.has_images:
-            # (an image request's caches are not parked: its image tokens' ids say
-            # nothing of the image, so a later prompt could match them wrongly)
-            slots.park(seq, out)
-        else:
-            slots.free(seq.slot, out)
-
-    def _restart_prefill(self, seq: Sequence, out: Outputs) -> None:
-        """Its parked source is gone before its first step: prefill the whole prompt."""
-        self._slot_steps.first_step(seq, out)  # unpins
-        prompt = seq.request.prompt_tokens
-        seq.pending, seq.position, seq.context, seq.cached_tokens = list(prompt), 0, [], 0
+        self._slot_steps.end(seq, isinstance(last, Chunk), self.reuse, out)

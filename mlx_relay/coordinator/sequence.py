@@ -21,6 +21,7 @@ import mlx.core as mx
 from mlx_relay.coordinator.sampling import Sampler, SamplingParams
 from mlx_relay.coordinator.slots import Taken
 from mlx_relay.coordinator.speculation import SpecState
+from mlx_relay.model import vision
 from mlx_relay.model.step_inputs import PromptInputs
 from mlx_relay.text.matchers import GrammarMatcher, StopMatcher
 from mlx_relay.text.postprocess import ToolCall
@@ -150,3 +151,17 @@ class Sequence:
     @property
     def constraint(self) -> GrammarMatcher | None:
         return self.request.constraint
+
+    def image_inputs(self, model: Any, position: int, n: int) -> PromptInputs | None:
+        """For an image request, its prompt's merged embeddings (and multimodal rope
+        positions) for the `n` prompt positions from `position` (`model`'s vision tower
+        and projector run once, at the first chunk); else None."""
+        if self.request.pixel_values is None:
+            return None
+        if self.embeddings is None:
+            prompt = self.request.prompt_tokens
+            self.embeddings = vision.prompt_inputs(model, prompt, self.request.pixel_values)
+        out = self.embeddings.chunk(position, n)
+        if position + n >= len(self.request.prompt_tokens):
+            self.embeddings = None  # the prompt is all sent; decode embeds tokens
+        return out

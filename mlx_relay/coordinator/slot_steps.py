@@ -18,6 +18,29 @@ class SlotSteps:
         self.table = table
         self.budget = budget  # --prompt-cache-tokens (0: as many as the slots hold)
 
+    def end(self, seq: Sequence, normally: bool, reuse: bool, out: Outputs) -> None:
+        """`seq` ended (`normally`: with a chunk, not an error): its slot is given back,
+        parked where `reuse` (the prompt cache is on and the model's caches can be cut
+        back), or freed."""
+        if seq.taken is not None and normally:  # ended before any step
+            self.give_back(seq.taken, out)
+            self.keep_to_budget(out)
+        elif seq.taken is not None:  # its first step failed on rank 0: reset the slot
+            self.first_step(seq, out)
+            self.free(seq.slot, out)
+        elif reuse and normally and seq.position and not seq.has_images:
+            # (an image request's caches are not parked: its image tokens' ids say
+            # nothing of the image, so a later prompt could match them wrongly)
+            self.park(seq, out)
+        else:
+            self.free(seq.slot, out)
+
+    def restart(self, seq: Sequence, out: Outputs) -> None:
+        """Its parked source is gone before its first step: prefill the whole prompt."""
+        self.first_step(seq, out)  # unpins
+        prompt = seq.request.prompt_tokens
+        seq.pending, seq.position, seq.context, seq.cached_tokens = list(prompt), 0, [], 0
+
     def free(self, slot: int, out: Outputs) -> None:
         """The slot's caches go on every rank; it is empty from now on."""
         out.slots.append(Free(slot))

@@ -98,6 +98,3 @@ class Speculator:
 
     def took(self, width: int, seconds: float) -> None:
         self.round_cost.took(width, seconds)
-
-
-
