@@ -6,6 +6,7 @@ engine does on the device) and reports the values read."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections import deque
 from pathlib import Path
@@ -29,7 +30,7 @@ from mlx_relay.coordinator.plan import (  # noqa: E402
     StepResult,
     Verify,
 )
-from mlx_relay.coordinator.policy import PROBE_CHUNK  # noqa: E402
+from mlx_relay.coordinator.policy import PROBE_CHUNK, StepOutput  # noqa: E402
 from mlx_relay.coordinator.sampling import SamplingParams  # noqa: E402
 from mlx_relay.coordinator.scheduler import Scheduler  # noqa: E402
 from mlx_relay.coordinator.sequence import Chunk, EngineError, Request  # noqa: E402
@@ -177,3 +178,18 @@ def test_a_speculative_round_keeps_the_agreeing_proposals(loaded):
     assert seq.next_input.tolist() == [99] and stats.rounds() == RoundCount(1, 4, 2)
     again = s.schedule().forward
     assert isinstance(again, Verify) and again.position == seq.position - again.width
+
+
+def test_what_a_step_took_paces_the_next_chunk(loaded):
+    """A prompt's first chunk is a probe; once it says what it took (a result of its
+    own), the next is sized by that pace: here fast, so the rest goes in one chunk."""
+    s = scheduler(loaded, prefill_chunk=512)
+    s.add(request(400, max_tokens=1))
+    probe = s.schedule().forward
+    assert len(probe.tokens) == PROBE_CHUNK
+    took = StepOutput("prefill", seconds=1e-4, tokens=PROBE_CHUNK, units=PROBE_CHUNK)
+    assert (
+        s.update_from_output(StepResult(probe, took=dataclasses.replace(took, want_logits=False)))
+        == Outputs()
+    )
+    assert len(s.schedule().forward.tokens) == 400 - PROBE_CHUNK - 1

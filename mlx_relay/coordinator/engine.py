@@ -74,11 +74,10 @@ class Engine:
         self._thread.start()
 
     def submit(self, request: Request) -> Request:
-        with self._cv:
+        with self._cv:  # (as one with the check: a failing engine abandons it, or refuses)
             if self.state != "serving":
                 raise EngineError("unavailable", f"the cluster is not serving ({self.state})")
-        self.scheduler.add(request)
-        with self._cv:
+            self.scheduler.add(request)
             self._cv.notify_all()
         return request
 
@@ -270,16 +269,17 @@ class Engine:
         )
         return step
 
-    def _timed(self, step: Step) -> StepOutput | None:
-        """Count a finished forward step; what it took, for the scheduler."""
+    def _timed(self, step: Step) -> None:
+        """Count a finished forward step, and tell the scheduler what it took."""
         header = step.header
         if header.cmd != hdr.CMD_FORWARD:
-            return None
+            return
         seconds = time.monotonic() - step.launched_at
         if header.flags & hdr.FLAG_ALL_POSITIONS:  # a speculative round
             width = header.lengths[0]
             self.stats.step("verify", seconds, width)
-            return StepOutput(kind="verify", seconds=seconds, tokens=width)
+            self._took(step, StepOutput(kind="verify", seconds=seconds, tokens=width))
+            return
         decode = header.group != hdr.NO_GROUP
         # (a prompt chunk is paced by what it took from when it could start: chunks in
         # flight together wait for each other, which is not what they cost)
@@ -289,12 +289,15 @@ class Engine:
             seconds,
             header.n_seqs if decode else header.lengths[0],
         )
-        return StepOutput(
-            kind="group" if decode else "prefill",
-            seconds=took,
-            tokens=0 if decode else header.lengths[0],
-            units=step.units,
-            want_logits=step.want_logits,
+        self._took(
+            step,
+            StepOutput(
+                kind="group" if decode else "prefill",
+                seconds=took,
+                tokens=0 if decode else header.lengths[0],
+                units=step.units,
+                want_logits=step.want_logits,
+            ),
         )
 
     # --- completing ----------------------------------------------------------------
@@ -332,7 +335,9 @@ class Engine:
         finally:
             if sampled is None:  # nothing will read this step's results
                 self.pipeline.done(step)
-        self._report(step, sampled)
+        if sampled is not None:
+            self._emit_sampled(step, sampled)
+        self._timed(step)
         self.pipeline.announce()
 
     def _sample(
@@ -341,20 +346,18 @@ class Engine:
         """The step's rows sampled on the device, not waited for (step_sampling.py)."""
         return sample_step(step.tag, rows, logits, start)
 
-    def _report(self, step: Step, sampled: Sampled | None) -> None:
-        """The step's result for the scheduler: its tokens, read back here (the one wait
-        for the device per step), and what it took; then stream what it answers."""
-        values: list[int] | None = None
-        if sampled is not None:
-            values = sampled.tokens.tolist()
-            timeline.mark("tokens", step.header.step_id)
-            self.pipeline.done(step)
-        took = self._timed(step)
-        if step.tag is None:  # a free or park step
-            return
-        seqs, logprobs = (sampled.seqs, sampled.logprobs) if sampled is not None else ([], [])
-        result = StepResult(step.tag, seqs, values, logprobs, took)
+    def _emit_sampled(self, step: Step, sampled: Sampled) -> None:
+        """The one wait for the device per step: read the sampled tokens, then hand them
+        to the scheduler and stream what it answers."""
+        values = sampled.tokens.tolist()
+        timeline.mark("tokens", step.header.step_id)
+        self.pipeline.done(step)
+        result = StepResult(step.tag, sampled.seqs, values, sampled.logprobs)
         self._carry_out(self.scheduler.update_from_output(result))
+
+    def _took(self, step: Step, took: StepOutput) -> None:
+        """What a step took (once its tokens are streamed), for the scheduler's pace."""
+        self._carry_out(self.scheduler.update_from_output(StepResult(step.tag, took=took)))
 
     # --- commands (engine thread, nothing in flight) ---------------------------------
     def _load(self, spec: str, layers: list[int] | None) -> Any:

@@ -8,8 +8,9 @@ As in vLLM v1, the scheduler (scheduler.py) owns every request's state and the e
   one forward step (`Forward`), its bookkeeping already done (positions moved on, a
   speculative round's proposals drafted), and the slot steps that must follow it;
 - `Scheduler.update_from_output(StepResult) -> Outputs`: a forward step came back (its
-  tokens read, what it took) or failed; the chunks for the clients and the slot steps
-  it leads to.
+  tokens read) or failed; the chunks for the clients and the slot steps it leads to.
+  What a step took comes as a result of its own, once its tokens are streamed (the
+  pace counts that time, as it always has).
 
 Everything here is data: no ring, no device call, no lock.
 """
@@ -118,9 +119,9 @@ class StepResult:
     """A forward step back on rank 0, or failed.
 
     `tokens`: the values sampled for `seqs`, those of `forward.seqs` still running when
-    it came back (one a row; a verify step's, one a position), with `logprobs` where a request wants them, or None where
-    nothing was read (a prompt chunk without logits). `took`: what the step took, for
-    the pace (None where it failed). `failed`: why it failed ('' if it did not), with
+    it came back (one a row; a verify step's, one a position), with `logprobs` where a
+    request wants them, or None where nothing was read. `took`: what the step took, for
+    the pace, in a result of its own once its tokens are streamed. `failed`: why it failed ('' if it did not), with
     `lost_slots`, the slots a rank failed it on (none where rank 0 failed at launch)."""
 
     forward: Forward | None  # (None: a free or park step, which serves no sequence)

@@ -219,8 +219,9 @@ class Scheduler:
 
     def _next(self) -> Forward | None:
         """The next forward step, its inputs taken from the state, or None."""
+        units = self._units()  # (first: a sequence sampled its first token joins a group)
         decoding = any(self.groups) or any(s.spec and s.first_token_at for s in self.running)
-        plan = self.policy.schedule(self._units(), decoding=decoding)
+        plan = self.policy.schedule(units, decoding=decoding)
         if plan is None:
             return None
         if plan.unit.kind == "verify":
