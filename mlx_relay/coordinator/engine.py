@@ -38,7 +38,7 @@ from mlx_relay.coordinator.admission import MemoryCheck
 from mlx_relay.coordinator.config import EngineConfig
 from mlx_relay.coordinator.model_context import ModelContext
 from mlx_relay.coordinator.pipeline import ClusterFailure, Pipeline, RankFailure, Step
-from mlx_relay.coordinator.plan import DecodeGroup, Forward, Outputs, Park, StepResult, Verify
+from mlx_relay.coordinator.plan import DecodeGroup, Forward, Free, Outputs, Park, StepResult, Verify
 from mlx_relay.coordinator.policy import StepOutput
 from mlx_relay.coordinator.scheduler import Scheduler
 from mlx_relay.coordinator.sequence import EngineError, Request, Sequence
@@ -183,7 +183,7 @@ class Engine:
             request.out.put(item)
         self._launch_slots(out.slots)
 
-    def _launch_slots(self, slots: list) -> None:
+    def _launch_slots(self, slots: list[Free | Park]) -> None:
         for action in slots:
             step = self.pipeline.launch_free([action.slot], park=isinstance(action, Park))
             if step is not None:
