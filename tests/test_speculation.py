@@ -231,7 +231,7 @@ def test_streams_beyond_the_limit_decode_in_groups(model, start):
     assert list(chunks)[-1].finish_reason == "cancelled"
     again = engine.submit(request(model, TEXTS[0], 12))  # (its parked cache, cut back)
     assert read(again)[0] == mlx_lm_tokens(model, again.prompt_tokens, 12)
-    assert engine.counts() == (0, 0)
+    assert engine.scheduler.counts() == (0, 0)
 
 
 def test_a_request_may_turn_it_off(model, start):

@@ -131,16 +131,16 @@ class Cluster:
 
     def counts(self) -> tuple[int, int]:
         """Requests running and queued."""
-        return self._engine.counts()
+        return self._engine.scheduler.counts()
 
     def cached_prompts(self) -> tuple[int, int]:
         """Parked prompt caches and the tokens they hold."""
-        return self._engine.cached_prompts()
+        return self._engine.scheduler.cached_prompts()
 
     def cached_tokens(self, request_id: str) -> int:
         """The prompt tokens a running request found in a kept cache (0 once it is gone):
         what a stream's first event reports before the final usage comes."""
-        rows = self._engine.snapshot()
+        rows = self._engine.scheduler.snapshot()
         return next((r.get("cached_tokens", 0) for r in rows if r["request_id"] == request_id), 0)
 
     def speculation(self) -> pb.SpeculationStatus:
@@ -418,7 +418,7 @@ class Cluster:
             out.model = loaded.spec
             out.model_path = loaded.path
             out.num_layers = loaded.num_layers
-        out.requests.extend(pb.RequestStatus(**row) for row in self._engine.snapshot())
+        out.requests.extend(pb.RequestStatus(**row) for row in self._engine.scheduler.snapshot())
         out.speculation.CopyFrom(self.speculation())
         out.ranks.append(_rank0_status(loaded))
         now = time.monotonic()

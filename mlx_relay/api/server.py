@@ -278,7 +278,7 @@ def _drain(engine: Engine, timeout: float, hurried: Callable[[], bool]) -> None:
     """Let accepted requests finish (new ones are refused) for up to `timeout` seconds."""
     engine.drain()
     deadline = time.monotonic() + timeout
-    active, queued = engine.counts()
+    active, queued = engine.scheduler.counts()
     if active or queued:
         log.info(
             "draining %d running and %d queued requests (up to %.0f s)", active, queued, timeout
@@ -287,7 +287,7 @@ def _drain(engine: Engine, timeout: float, hurried: Callable[[], bool]) -> None:
         if not engine.running or engine.state == "failed":
             return
         time.sleep(0.05)
-        active, queued = engine.counts()
+        active, queued = engine.scheduler.counts()
     if active or queued:
         log.warning("drain: %d requests still running; they end with UNAVAILABLE", active + queued)
 

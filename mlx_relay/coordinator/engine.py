@@ -12,15 +12,13 @@ it out (slot steps, then the forward step on the pipeline), samples what comes b
 device and the ring are never idle while the host streams), then hands the tokens
 read and what the step took to `update_from_output(StepResult)` and carries out the
 `Outputs` it answers (chunks for the clients, frees and parks of slots). Up to one
-step per rank is in flight at once: while rank 1 runs one group's layers, rank 0 runs
-the next group's. Everything that decides happens on rank 0 between steps, so a worker
-never has anything to decide. The model's context is made once at load
-(model_context.py); the counters are one `EngineStats` (stats.py).
+step per rank is in flight: while rank 1 runs one group's layers, rank 0 runs the
+next group's. Other threads read the scheduler's counts and the `EngineStats`
+(stats.py) directly; the model's context is made once at load (model_context.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import threading
@@ -31,10 +29,8 @@ from concurrent.futures import Future
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.utils import load_tokenizer
 
 from mlx_relay import timeline
-from mlx_relay.coordinator.admission import MemoryCheck
 from mlx_relay.coordinator.config import EngineConfig
 from mlx_relay.coordinator.model_context import ModelContext
 from mlx_relay.coordinator.pipeline import ClusterFailure, Pipeline, RankFailure, Step
@@ -91,18 +87,6 @@ class Engine:
             self._commands.append((fn, future))
             self._cv.notify_all()
         return future
-
-    def counts(self) -> tuple[int, int]:
-        """Requests running and queued."""
-        return self.scheduler.counts()
-
-    def snapshot(self) -> list[dict[str, Any]]:
-        """Every request queued or running, for a status page (scheduler.snapshot)."""
-        return self.scheduler.snapshot()
-
-    def cached_prompts(self) -> tuple[int, int]:
-        """Parked slots and the tokens their caches hold."""
-        return self.scheduler.cached_prompts()
 
     def load(self, spec: str, layers: list[int] | None = None) -> Future:
         return self.call(lambda: self._load(spec, layers))
@@ -365,12 +349,7 @@ class Engine:
         self._set_state("loading")
         try:
             loaded = self.pipeline.load(spec, layers)
-            pipeline, max_context = self.pipeline, self.config.memory.max_context
-            model = ModelContext.of(
-                load_tokenizer(loaded.path), pipeline.shard, pipeline.hidden_size
-            )
-            check = MemoryCheck(loaded, model.context_length, max_context, pipeline.hub)
-            model = dataclasses.replace(model, memory=check)
+            model = ModelContext.at_load(self.pipeline, loaded, self.config.memory.max_context)
             self.scheduler.load(model)
             self.model = model
         except Exception:

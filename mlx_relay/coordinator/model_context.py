@@ -7,11 +7,15 @@ The engine makes it when a load succeeds and hands it to the scheduler and the d
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_lm.utils import load_tokenizer
+
 from mlx_relay.coordinator.admission import MemoryCheck
 from mlx_relay.coordinator.output import OutputProcessor
+from mlx_relay.model import vision
 from mlx_relay.model.sharding import Shard
 from mlx_relay.text.markup import ChatMarkup
 
@@ -24,6 +28,8 @@ class ModelContext:
     shard: Shard  # rank 0's: its config and what its caches allow
     hidden: int  # the model's hidden size (what context costs: pace.py)
     memory: MemoryCheck | None = None  # whether a new sequence's caches fit now
+    # an image prompt goes in one step (vision.prefills_whole: gemma4's image mask)
+    whole_images: bool = False
 
     @classmethod
     def of(
@@ -37,7 +43,16 @@ class ModelContext:
             shard,
             hidden,
             memory,
+            vision.prefills_whole(shard.config),
         )
+
+    @classmethod
+    def at_load(cls, pipeline: Any, loaded: Any, max_context: int) -> ModelContext:
+        """The context of the model `pipeline` just loaded (`loaded`: its LoadedModel),
+        with the memory check for its sequences (`max_context`: --max-context)."""
+        model = cls.of(load_tokenizer(loaded.path), pipeline.shard, pipeline.hidden_size)
+        check = MemoryCheck(loaded, model.context_length, max_context, pipeline.hub)
+        return dataclasses.replace(model, memory=check)
 
     @property
     def context_length(self) -> int:
@@ -47,3 +62,8 @@ class ModelContext:
     @property
     def config(self) -> dict[str, Any]:
         return self.shard.config
+
+    @property
+    def reusable(self) -> bool:
+        """Its caches can be cut back to a shared prefix (the prompt cache may keep them)."""
+        return self.shard.reusable_caches

@@ -1,27 +1,16 @@
 """The scheduler: every request's state from queued to finished, and what runs next.
 
-As vLLM v1's scheduler, it owns the state and makes the decisions; the engine
-(engine.py) is the loop that carries out its plans on the pipeline and feeds back the
-results. The state: the waiting requests, the running sequences, their decode groups,
-the prompt-cache slot table (slots.py, slot_steps.py) and speculation (speculator.py).
-The engine meets it at two calls, with the typed values of plan.py:
-
-- `schedule() -> StepPlan`: cancelled requests end (their cancellations come through a
-  queue, drained once a call), queued requests take slots while there are some and
-  their caches fit (admission.py), then the next forward step, typed: one sequence's
-  `PrefillChunk`, a `DecodeGroup`'s next token, a speculating sequence's `Verify` round
-  (its proposals drafted) (units take turns, chunks are paced: policy.py), or none. Its
-  positions move on as it is planned: the engine launches it next.
-- `update_from_output(StepResult) -> Outputs`: the tokens read back become chunks for
-  the clients; those that end a sequence (EOS, a stop string, the length, a grammar's
-  end) finish it; what the step took paces the next ones; a failed step ends its
-  sequences.
-
-A finished sequence's slot is parked (its caches stay for a later prompt sharing a
-prefix) or freed; parked caches beyond --prompt-cache-tokens are freed. Nothing here
-touches the ring. Other threads only `add` requests and read `counts`, `snapshot` and
-`cached_prompts`: a lock of its own guards the state against those; the drafting of a
-round runs outside it.
+As vLLM v1's scheduler, it owns the state (waiting requests, running sequences, their
+decode groups, the prompt-cache slots: slot_steps.py, speculation: speculator.py) and
+decides; the engine is the loop that carries out its plans and feeds back the results,
+through `schedule() -> StepPlan` and `update_from_output(StepResult) -> Outputs`
+(plan.py). Cancellations come through a queue, drained once a call; queued requests
+take slots while their caches fit (admission.py); units of work take turns and prompt
+chunks are paced (policy.py). Tokens read back become chunks; those that end a sequence
+(EOS, a stop string, the length, a grammar's end) finish it, and its slot is parked for
+a later prompt sharing its prefix, or freed. Nothing here touches the ring. Other
+threads only `add` and read counts: a lock of its own guards the state against them
+(a round's drafting runs outside it).
 """
 
 from __future__ import annotations
@@ -55,7 +44,6 @@ from mlx_relay.coordinator.slot_steps import SlotSteps
 from mlx_relay.coordinator.slots import SlotTable
 from mlx_relay.coordinator.speculator import Speculator
 from mlx_relay.coordinator.stats import EngineStats
-from mlx_relay.model import vision
 from mlx_relay.protocol import header as hdr
 
 log = logging.getLogger("mlx_relay.scheduler")
@@ -72,8 +60,6 @@ class Scheduler:
         self.policy = Policy(config.prefill_chunk)
         self.speculator = Speculator(config.speculation, stats or EngineStats())
         self.model: ModelContext | None = None  # the loaded model's (load)
-        self.reuse = False  # the prompt cache is on, and the model's caches can be cut back
-        self.whole_images = False  # an image prompt goes in one step (vision.prefills_whole)
         self._cancels: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._lock = threading.Lock()  # against the other threads' add and reads
 
@@ -85,8 +71,6 @@ class Scheduler:
         with self._lock:
             self.model = model
             self.slots.reset()
-            self.reuse = self.config.prompt_cache and shard.reusable_caches
-            self.whole_images = vision.prefills_whole(shard.config)
             # (quantized KV caches: a prompt alone goes in --prefill-chunk chunks)
             self.policy.reset(model.hidden, fixed_alone=shard.kv is not None)
             self.slots.usable = shard.usable_prefix
@@ -97,7 +81,6 @@ class Scheduler:
         with self._lock:
             self.slots.reset()
             self.model = None
-            self.whole_images = False
 
     # --- other threads -------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -115,8 +98,7 @@ class Scheduler:
             self.waiting.append(request)
 
     def counts(self) -> tuple[int, int]:
-        """Requests running and queued."""
-        with self._lock:
+        with self._lock:  # (requests running and queued)
             return len(self.running), len(self.waiting)
 
     def snapshot(self) -> list[dict[str, Any]]:
@@ -132,9 +114,8 @@ class Scheduler:
     def has_work(self) -> bool:
         """Anything to admit, reap or launch."""
         with self._lock:
-            return bool(
-                (self.waiting and self.slots.open()) or not self._cancels.empty() or self._units()
-            )
+            admits = bool(self.waiting and self.slots.open())
+            return admits or not self._cancels.empty() or bool(self._units())
 
     # --- the plan ------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -161,7 +142,9 @@ class Scheduler:
             if request.cancelled.is_set():
                 out.emit.append((request, Chunk(finish_reason="cancelled")))
                 continue
-            short = self._memory_short(request)
+            memory = self.model.memory if self.model is not None else None
+            parked = [len(t) for t in self.slots.parked.values()]
+            short = memory.shortfall(request, self.running, parked) if memory else ""
             if short and self.running:
                 self.waiting.appendleft(request)
                 break
@@ -184,25 +167,20 @@ class Scheduler:
         for taken in failed:
             self._slot_steps.give_back(taken, out)
 
-    def _memory_short(self, request: Request) -> str:
-        if self.model is None or self.model.memory is None:
-            return ""
-        parked = [len(t) for t in self.slots.parked.values()]
-        return self.model.memory.shortfall(request, self.running, parked)
-
     def _units(self) -> list[Unit]:
         """Work that can go round the ring now, in a stable order. A sequence whose first
         token the engine has sampled joins a decode group first."""
         for s in self.running:
             if s.group is None and s.spec is None and s.next_input is not None:
                 self._join_group(s)
+        whole_images = self.model is not None and self.model.whole_images
         units = [
             Unit("group", g)
             for g, members in enumerate(self.groups)
             if members and all(s.next_input is not None for s in members)
         ]
         units += [
-            Unit("prefill", s, len(s.pending), self.whole_images and s.has_images, s.position)
+            Unit("prefill", s, len(s.pending), whole_images and s.has_images, s.position)
             for s in self.running
             if s.group is None and s.prefilling
         ]
@@ -310,13 +288,11 @@ class Scheduler:
         verify, tokens = result.forward, result.tokens
         assert isinstance(verify, Verify) and tokens is not None
         proposed, kept = self.speculator.verified(verify, tokens)
-        seq, spec = verify.seq, verify.seq.spec
-        if seq not in self.running or spec is None:
+        seq = verify.seq
+        if seq not in self.running or seq.spec is None:
             return
-        seq.position -= verify.width - 1 - kept  # (before any chunk: a park records it)
-        spec.record(len(proposed), kept, self.speculator.round_cost)
-        seq.draft_tokens += len(proposed)
-        seq.accepted_draft_tokens += kept
+        # (its position moves back before any chunk: a park records it)
+        self.speculator.settle(verify, len(proposed), kept)
         if seq.first_token_at is None:
             seq.first_token_at = time.perf_counter()
         for token, row in zip(tokens[: kept + 1], result.logprobs[: kept + 1], strict=True):
@@ -324,16 +300,9 @@ class Scheduler:
             self._emit(seq, token, row, out)
             if seq not in self.running:
                 return
-        following = mx.array(tokens[kept : kept + 1])
-        if self.speculator.crowded(len(self.running)):
-            spec.leaving = True  # (streams came: it decodes in a group from now on)
-        if spec.leaving and verify.width == 1:  # its caches hold exactly its position
-            seq.spec = None
-            self.speculator.drop(spec)
+        if self.speculator.next_round(verify, proposed, kept, len(self.running)):
             self._join_group(seq)
-        else:
-            self.speculator.follow(spec, proposed, kept, verify.history[-1])
-        seq.next_input = following
+        seq.next_input = mx.array(tokens[kept : kept + 1])
 
     def _took(self, took: StepOutput) -> None:
         """What a forward step took paces the next prompt chunks (a decode step counts
@@ -385,12 +354,10 @@ class Scheduler:
         failed, or a finished sequence's last step still in flight) may not hold what the
         other ranks' copies hold, so nobody may reuse it. The step's later steps in
         flight fail too; they find the sequences finished."""
-        for seq in list(result.forward.seqs if result.forward is not None else []):
-            if seq in self.running:
-                self._finish(seq, EngineError("internal", result.failed), out)
-        lost = set(result.lost_slots)
+        for seq in [s for s in (result.forward.seqs if result.forward else []) if not s.finished]:
+            self._finish(seq, EngineError("internal", result.failed), out)
         for seq in self.running:
-            if seq.taken and seq.cached_tokens and seq.taken.source in lost:
+            if seq.taken and seq.cached_tokens and seq.taken.source in result.lost_slots:
                 self._slot_steps.restart(seq, out)
         self._slot_steps.forget(result.lost_slots, out)
 
@@ -428,4 +395,5 @@ class Scheduler:
             self.speculator.drop(seq.spec)
         if seq.group is not None:
             self.groups[seq.group].remove(seq)
-        self._slot_steps.end(seq, isinstance(last, Chunk), self.reuse, out)
+        reuse = self.config.prompt_cache and self.model is not None and self.model.reusable
+        self._slot_steps.end(seq, isinstance(last, Chunk), reuse, out)

@@ -74,10 +74,6 @@ class Speculator:
             width = self.round_cost.padded(1 + k)
         return dataclasses.replace(verify, k=k, proposed=proposed, width=width)
 
-    def crowded(self, running: int) -> bool:
-        """More streams run than speculation serves: a speculating sequence leaves."""
-        return self.config is not None and running > self.config.max_streams
-
     def verified(self, verify: Verify, tokens: list[int]) -> tuple[list[int], int]:
         """A round read back: its proposals as values, and how many were kept (those up
         to the first that differs from what was sampled); counted."""
@@ -88,9 +84,31 @@ class Speculator:
         self.stats.round(verify.k, kept)
         return proposed, kept
 
-    def follow(self, spec: SpecState, proposed: list[int], kept: int, last: int) -> None:
-        """The drafter follows what a round kept."""
-        self.drafter.rewind(spec, proposed, kept, last)
+    def settle(self, verify: Verify, proposed: int, kept: int) -> None:
+        """A round of `proposed` tokens kept `kept`: its caches hold the refused ones too,
+        so the sequence's position goes back to what they truly hold (its next step cuts
+        them out), and its next round asks for as many as pay (SpecState.record)."""
+        seq = verify.seq
+        assert seq.spec is not None
+        seq.position -= verify.width - 1 - kept
+        seq.spec.record(proposed, kept, self.round_cost)
+        seq.draft_tokens += proposed
+        seq.accepted_draft_tokens += kept
+
+    def next_round(self, verify: Verify, proposed: list[int], kept: int, running: int) -> bool:
+        """After a round whose tokens all went out: the drafter follows what it kept, or
+        the sequence stops speculating (True: it joins a decode group). It leaves once
+        more than `max_streams` sequences run, after a round of exactly its position."""
+        seq, spec = verify.seq, verify.seq.spec
+        assert spec is not None and self.config is not None
+        if running > self.config.max_streams:
+            spec.leaving = True  # (streams came: it decodes in a group from now on)
+        if spec.leaving and verify.width == 1:  # its caches hold exactly its position
+            seq.spec = None
+            self.drafter.drop(spec)
+            return True
+        self.drafter.rewind(spec, proposed, kept, verify.history[-1])
+        return False
 
     def drop(self, spec: SpecState) -> None:
         """A sequence ended or stopped speculating: the drafter lets go of it."""
