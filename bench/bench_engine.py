@@ -44,6 +44,7 @@ def main() -> int:
     import mlx.core as mx
     from mlx_lm import load, stream_generate
 
+    from mlx_relay.coordinator.config import EngineConfig
     from mlx_relay.coordinator.engine import Engine
     from mlx_relay.coordinator.pipeline import Pipeline
     from mlx_relay.coordinator.sampling import SamplingParams
@@ -67,7 +68,7 @@ def main() -> int:
         for _ in stream_generate(model, tokenizer, mx.array(ids), max_tokens=args.tokens):
             yield 1
 
-    engine = Engine(Pipeline(None, None), prompt_cache=False)
+    engine = Engine(Pipeline(None, None), EngineConfig(prompt_cache=False))
     engine.start()
     engine.load(path).result()
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from mlx_relay.coordinator.config import EngineConfig
 from mlx_relay.coordinator.engine import Engine
 from mlx_relay.coordinator.pipeline import ClusterFailure, Pipeline, RankFailure, Step
 from mlx_relay.protocol import header as hdr
@@ -94,7 +95,7 @@ def engines(model: Path | str) -> Iterator[Callable[..., tuple[Engine, FakePipel
 
     def start(depth: int = 2, **kwargs) -> tuple[Engine, FakePipeline]:
         pipeline = FakePipeline(depth)
-        engine = Engine(pipeline, **kwargs)
+        engine = Engine(pipeline, EngineConfig(**kwargs))
         engine.start()
         running.append(engine)
         engine.load(str(model)).result(120)

@@ -23,6 +23,7 @@ from tiny_models import make_tiny_model
 
 from mlx_relay.api.cluster import Cluster
 from mlx_relay.api.http.app import create_app
+from mlx_relay.coordinator.config import EngineConfig
 from mlx_relay.coordinator.engine import Engine
 from mlx_relay.coordinator.pipeline import Pipeline
 from mlx_relay.coordinator.requests import encode_text
@@ -57,7 +58,7 @@ def scripted_doors(tmp_path_factory):
     )
     end = encode_text(tokenizer, chat)[-1]
     script_model(path, {end: SCRIPT})
-    engine = Engine(Pipeline(None, None), default_max_tokens=MAX)
+    engine = Engine(Pipeline(None, None), EngineConfig(default_max_tokens=MAX))
     engine.start()
     cluster = Cluster(engine, model=str(path))
     cluster.load()

@@ -12,6 +12,7 @@ helpers, and that a non-streaming answer is its stream folded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from concurrent import futures
 from pathlib import Path
@@ -28,6 +29,7 @@ from mlx_relay.api.cluster import Cluster
 from mlx_relay.api.http.app import create_app
 from mlx_relay.api.localai import LocalAIServicer
 from mlx_relay.api.service import RelayServicer, add_to_server
+from mlx_relay.coordinator.config import EngineConfig
 from mlx_relay.coordinator.engine import Engine
 from mlx_relay.coordinator.generation import GenerationRequest
 from mlx_relay.coordinator.output import Chunk
@@ -61,7 +63,7 @@ def served(tmp_path_factory):
         num_layers=2,
         overrides=(("max_position_embeddings", CONTEXT),),
     )
-    engine = Engine(Pipeline(None, None), default_max_tokens=8)
+    engine = Engine(Pipeline(None, None), EngineConfig(default_max_tokens=8))
     engine.start()
     cluster = Cluster(engine, model=str(path))
     cluster.load()
@@ -166,13 +168,13 @@ def test_max_tokens_over_the_context_ends_at_the_context(served, door):
 
 
 @pytest.mark.parametrize("door", list(DOORS))
-def test_max_tokens_over_max_context_ends_at_max_context(served, door):
+def test_max_tokens_over_max_context_ends_at_max_context(served, door, monkeypatch):
     bound = CONTEXT - 16
-    memory.configure(0, bound)  # --max-context (caches unchecked: max_active 0)
-    try:
-        prompt, generated, _ = DOORS[door][0](served, OVER)
-    finally:
-        memory.configure(0, 0)
+    engine = served.cluster._engine
+    # --max-context (caches unchecked: max_active 0)
+    config = dataclasses.replace(engine.config, memory=memory.Plan(0, bound))
+    monkeypatch.setattr(engine, "config", config)
+    prompt, generated, _ = DOORS[door][0](served, OVER)
     assert prompt + generated == bound, (prompt, generated)
 
 

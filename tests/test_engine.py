@@ -85,7 +85,7 @@ def test_concurrent_streams_equal_mlx_lm(model, start):
         assert last.finish_reason == "length"
         assert last.usage["completion_tokens"] == len(ids)
     assert any(h.group != hdr.NO_GROUP and len(h.slots) > 1 for h in pipeline.launched)
-    assert engine.counts() == (0, 0)
+    assert engine.scheduler.counts() == (0, 0)
 
 
 def test_a_full_queue_refuses_and_the_rest_run(model, start):
@@ -106,7 +106,7 @@ def test_cancelled_while_queued_runs_nothing(model, start):
     pipeline.gate.clear()
     first = engine.submit(request(prompt(model, "first"), 4))
     queued = engine.submit(request(prompt(model, "queued"), 4))
-    wait_for(lambda: engine.counts() == (1, 1))
+    wait_for(lambda: engine.scheduler.counts() == (1, 1))
     queued.cancel()
     pipeline.gate.set()
     assert read(queued) == ([], Chunk(finish_reason="cancelled"))
@@ -122,7 +122,7 @@ def test_cancelled_while_decoding_ends_and_frees_its_slot(model, start):
     long.cancel()
     rest = list(chunks)
     assert rest[-1].finish_reason == "cancelled"
-    wait_for(lambda: engine.counts() == (0, 0))
+    wait_for(lambda: engine.scheduler.counts() == (0, 0))
     assert pipeline.frees and not pipeline.frees[-1][1]  # freed, not parked
     after = engine.submit(request(prompt(model, "after the cancel"), 8))
     assert read(after)[0] == oracle(model, after)
@@ -135,7 +135,7 @@ def test_a_shared_prefix_is_served_from_the_parked_cache(model, start):
     system = prompt(model, "You are a helpful assistant. " * 4)
     first = engine.submit(request(system + prompt(model, " Hi"), 6))
     ids, _ = read(first)
-    wait_for(lambda: engine.cached_prompts()[0] == 1)
+    wait_for(lambda: engine.scheduler.cached_prompts()[0] == 1)
     second = engine.submit(request(first.prompt_tokens + ids + prompt(model, " More"), 6))
     ids2, last = read(second)
     assert ids2 == oracle(model, second)
@@ -152,8 +152,8 @@ def test_the_prompt_cache_keeps_to_its_budget(model, start):
     engine, pipeline = start(prompt_cache_tokens=40)
     for text in ("Alpha beta gamma delta " * 3, "Zeta eta theta iota " * 3):
         read(engine.submit(request(prompt(model, text), 4)))
-    wait_for(lambda: engine.counts() == (0, 0))
-    assert engine.cached_prompts()[0] == 1
+    wait_for(lambda: engine.scheduler.counts() == (0, 0))
+    assert engine.scheduler.cached_prompts()[0] == 1
     assert [park for _, park in pipeline.frees] == [True, True, False]  # parked, evicted
 
 
@@ -163,7 +163,7 @@ def test_without_the_prompt_cache_nothing_is_parked(model, start):
     for _ in range(2):
         _, last = read(engine.submit(request(prompt(model, text), 4)))
         assert last.usage["cached_tokens"] == 0
-    assert engine.cached_prompts() == (0, 0)
+    assert engine.scheduler.cached_prompts() == (0, 0)
     assert not any(park for _, park in pipeline.frees)
 
 
@@ -188,8 +188,8 @@ def test_a_failed_decode_step_fails_its_group_only(model, start):
     failed = engine.submit(request(prompt(model, "You are a helpful assistant. " * 4), 6))
     with pytest.raises(EngineError, match="rank 1: bad step"):
         read(failed)
-    wait_for(lambda: engine.counts() == (0, 0))
-    assert engine.cached_prompts() == (0, 0)
+    wait_for(lambda: engine.scheduler.counts() == (0, 0))
+    assert engine.scheduler.cached_prompts() == (0, 0)
     after = engine.submit(request(failed.prompt_tokens, 6))
     ids, last = read(after)
     assert ids == oracle(model, after) and last.usage["cached_tokens"] == 0
@@ -225,7 +225,7 @@ def test_fail_from_another_thread_answers_every_request(model, start):
     engine, pipeline = start()
     pipeline.gate.clear()  # the engine thread waits inside a step
     req = engine.submit(request(prompt(model, "stuck"), 4))
-    wait_for(lambda: engine.counts() == (1, 0))
+    wait_for(lambda: engine.scheduler.counts() == (1, 0))
     engine.fail("rank 1 (host): heartbeat lost")
     with pytest.raises(EngineError, match="heartbeat lost"):
         read(req)
@@ -239,11 +239,11 @@ def test_not_enough_memory_waits_for_running_then_refuses(model, start, monkeypa
     engine, pipeline = start()
     pipeline.gate.clear()
     running = engine.submit(request(prompt(model, "running"), 4))
-    wait_for(lambda: engine.counts() == (1, 0))
+    wait_for(lambda: engine.scheduler.counts() == (1, 0))
     monkeypatch.setenv(MEMORY_LIMIT_ENV, "1KB")
     waiting = engine.submit(request(prompt(model, "waiting"), 4))
     time.sleep(0.2)
-    assert engine.counts() == (1, 1)  # it waits for the running one to end
+    assert engine.scheduler.counts() == (1, 1)  # it waits for the running one to end
     pipeline.gate.set()
     assert read(running)[0] == oracle(model, running)
     with pytest.raises(EngineError, match="not enough memory") as e:
@@ -271,7 +271,7 @@ def test_a_load_cancels_what_runs(model, start):
     engine, pipeline = start()
     pipeline.gate.clear()
     req = engine.submit(request(prompt(model, "replaced"), 50, ignore_eos=True))
-    wait_for(lambda: engine.counts() == (1, 0))
+    wait_for(lambda: engine.scheduler.counts() == (1, 0))
     loading = engine.load(str(model))
     pipeline.gate.set()
     with pytest.raises(EngineError, match="being replaced"):

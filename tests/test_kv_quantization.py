@@ -136,16 +136,10 @@ def test_the_memory_estimate_counts_quantized_caches(tiny_model):
     saved = memory.plan()
     try:
         plain = memory.cache_nbytes(path, 0, NUM_LAYERS, 1000)
-        memory.configure(8, 0, BITS, GROUP, 0)
+        memory.configure(memory.Plan(8, 0, BITS, GROUP, 0))
         quantized = memory.cache_nbytes(path, 0, NUM_LAYERS, 1000)
     finally:
-        memory.configure(
-            saved.max_active,
-            saved.max_context,
-            saved.kv_bits,
-            saved.kv_group_size,
-            saved.quantized_kv_start,
-        )
+        memory.configure(saved)
     # Per position and layer: 2 x 2 KV heads x head dim 32 = 128 float32 values, 512
     # bytes; quantized: 128 x 4 bits = 64 bytes + a float32 scale and bias per 32 values.
     assert quantized * 512 == plain * (64 + 2 * 4 * 128 // GROUP)

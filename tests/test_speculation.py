@@ -170,9 +170,10 @@ def test_draft_model_tokens_equal_mlx_lms_speculative_generator(
         assert usage["draft_tokens"] > 0
         assert 0 <= usage["accepted_draft_tokens"] <= usage["draft_tokens"]
     assert verify_steps(pipeline)
-    counts = engine.spec_counts
+    counts = engine.stats.rounds()
+    assert counts.rounds > 0
     if draft == "self" and not seeded:
-        assert counts["accepted"] == counts["proposed"]  # (it agrees with itself)
+        assert counts.accepted == counts.proposed  # (it agrees with itself)
 
 
 def test_prompt_lookup_gives_plain_greedy_tokens(tmp_path):
@@ -230,7 +231,7 @@ def test_streams_beyond_the_limit_decode_in_groups(model, start):
     assert list(chunks)[-1].finish_reason == "cancelled"
     again = engine.submit(request(model, TEXTS[0], 12))  # (its parked cache, cut back)
     assert read(again)[0] == mlx_lm_tokens(model, again.prompt_tokens, 12)
-    assert engine.counts() == (0, 0)
+    assert engine.scheduler.counts() == (0, 0)
 
 
 def test_a_request_may_turn_it_off(model, start):
@@ -247,7 +248,7 @@ def test_a_model_whose_caches_cannot_be_cut_back_decodes_without_it(tmp_path):
     path = make_tiny_model(tmp_path, "gemma3_text", num_layers=2, sliding_window=8)
     with engines(path) as start:
         engine, pipeline = start(speculation=SpecConfig("ngram", 4))
-        assert "cannot be cut back" in engine.scheduler.spec_blocked
+        assert "cannot be cut back" in engine.scheduler.speculator.blocked
         req = engine.submit(request(path, TEXTS[0], 8))
         assert read(req)[0] == mlx_lm_tokens(path, req.prompt_tokens, 8)
         assert not verify_steps(pipeline)

@@ -31,9 +31,11 @@ from mlx_relay.api.metrics import Metrics
 from mlx_relay.coordinator import generation, load_checks, requests
 from mlx_relay.coordinator.engine import Engine
 from mlx_relay.coordinator.generation import GenerationRequest
+from mlx_relay.coordinator.model_context import ModelContext
 from mlx_relay.coordinator.output import Chunk
 from mlx_relay.coordinator.pipeline import ClusterFailure, LoadedModel, RankFailure
 from mlx_relay.coordinator.sequence import EngineError, Request
+from mlx_relay.coordinator.stats import StepCount
 from mlx_relay.model import memory
 from mlx_relay.model.default_model import ModelError
 from mlx_relay.model.split import model_layers
@@ -77,17 +79,18 @@ class Cluster:
 
     def tokenizer(self) -> Any:
         """The loaded model's tokenizer, or EngineError('unavailable') saying why not."""
-        tokenizer = self._engine.tokenizer
-        if tokenizer is None or self._engine.state != "serving":
-            raise EngineError("unavailable", not_serving(self._engine.state, self._engine.error))
-        return tokenizer
+        return self._model().tokenizer
 
     def markup(self) -> ChatMarkup:
         """The loaded model's chat markup (resolved once, at load), or EngineError."""
-        markup = self._engine.markup
-        if markup is None or self._engine.state != "serving":
+        return self._model().markup
+
+    def _model(self) -> ModelContext:
+        """The loaded model's context (made once at load), or EngineError saying why not."""
+        model = self._engine.model
+        if model is None or self._engine.state != "serving":
             raise EngineError("unavailable", not_serving(self._engine.state, self._engine.error))
-        return markup
+        return model
 
     # --- what the doors read of the cluster (none looks past this class) ----------
     @property
@@ -119,7 +122,8 @@ class Cluster:
     @property
     def context_length(self) -> int:
         """The loaded model's context (0: none loaded, or none known)."""
-        return self._engine.context_length
+        model = self._engine.model
+        return model.context_length if model is not None else 0
 
     @property
     def world_size(self) -> int:
@@ -127,30 +131,30 @@ class Cluster:
 
     def counts(self) -> tuple[int, int]:
         """Requests running and queued."""
-        return self._engine.counts()
+        return self._engine.scheduler.counts()
 
     def cached_prompts(self) -> tuple[int, int]:
         """Parked prompt caches and the tokens they hold."""
-        return self._engine.cached_prompts()
+        return self._engine.scheduler.cached_prompts()
 
     def cached_tokens(self, request_id: str) -> int:
         """The prompt tokens a running request found in a kept cache (0 once it is gone):
         what a stream's first event reports before the final usage comes."""
-        rows = self._engine.snapshot()
+        rows = self._engine.scheduler.snapshot()
         return next((r.get("cached_tokens", 0) for r in rows if r["request_id"] == request_id), 0)
 
     def speculation(self) -> pb.SpeculationStatus:
         """Speculative decoding's settings and its rounds so far."""
         engine = self._engine
-        config, counts = engine.speculation, dict(engine.spec_counts)
+        config, counts = engine.config.speculation, engine.stats.rounds()
         if config is None:
             return pb.SpeculationStatus()
-        rounds, proposed, kept = counts["rounds"], counts["proposed"], counts["accepted"]
+        rounds, proposed, kept = counts.rounds, counts.proposed, counts.accepted
         return pb.SpeculationStatus(
             source=config.source,
             num_draft_tokens=config.num_draft_tokens,
             adaptive=config.adaptive,
-            off_reason=engine.scheduler.spec_blocked,
+            off_reason=engine.scheduler.speculator.blocked,
             rounds=rounds,
             draft_tokens=proposed,
             accepted_draft_tokens=kept,
@@ -158,15 +162,9 @@ class Cluster:
             tokens_per_round=(rounds + kept) / rounds if rounds else 0.0,
         )
 
-    def steps(self) -> dict[str, Steps]:
+    def steps(self) -> dict[str, StepCount]:
         """Forward steps round the ring so far, by kind (prefill, decode ...)."""
-        engine = self._engine
-        counts, seconds = dict(engine.step_counts), dict(engine.step_seconds)
-        tokens = dict(engine.step_tokens)
-        return {
-            kind: Steps(n, seconds.get(kind, 0.0), tokens.get(kind, 0))
-            for kind, n in counts.items()
-        }
+        return self._engine.stats.steps()
 
     def workers(self) -> dict[int, RankInfo]:
         """Every worker as its heartbeats last told rank 0 (none with one rank)."""
@@ -184,8 +182,8 @@ class Cluster:
             hop_mode=ring.mode if ring is not None else "none (one rank)",
             heartbeat_timeout=pipeline.heartbeat_timeout,
             heartbeat_interval=hub.heartbeat_interval if hub is not None else 0.5,
-            max_active=engine.max_active,
-            max_queue=engine.max_queue,
+            max_active=engine.config.max_active,
+            max_queue=engine.config.max_queue,
         )
 
     def unhealthy(self) -> str:
@@ -210,13 +208,14 @@ class Cluster:
         params = generation.check_sampling(
             request,
             vocab_size=len(tokenizer),
-            default_max_tokens=self._engine.default_max_tokens,
+            default_max_tokens=self._engine.config.default_max_tokens,
         )
         # One max_tokens policy for every door (api/budget.py): a ceiling, cut to what
         # the prompt leaves of the model's context, --max-context (what each rank checked
         # its memory for) and the door's limit; a prompt that leaves nothing is refused.
-        context = self._engine.context_length
-        bound = memory.sequence_bound(context) if memory.plan().max_context else 0
+        context = self.context_length
+        max_context = self._engine.config.memory.max_context
+        bound = memory.sequence_bound(context, max_context) if max_context else 0
         limits = [
             Limit(context, "the model's context"),
             Limit(bound, "the most this cluster serves per sequence (--max-context)"),
@@ -419,7 +418,7 @@ class Cluster:
             out.model = loaded.spec
             out.model_path = loaded.path
             out.num_layers = loaded.num_layers
-        out.requests.extend(pb.RequestStatus(**row) for row in self._engine.snapshot())
+        out.requests.extend(pb.RequestStatus(**row) for row in self._engine.scheduler.snapshot())
         out.speculation.CopyFrom(self.speculation())
         out.ranks.append(_rank0_status(loaded))
         now = time.monotonic()
@@ -441,16 +440,6 @@ class Cluster:
                 )
             )
         return out
-
-
-@dataclass(frozen=True)
-class Steps:
-    """Forward steps of one kind round the ring: how many, their seconds from launch to
-    back on rank 0, and the tokens they carried (prompt tokens prefilled, tokens decoded)."""
-
-    steps: int
-    seconds: float
-    tokens: int
 
 
 @dataclass(frozen=True)

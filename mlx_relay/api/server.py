@@ -23,10 +23,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from mlx_relay import proctitle
 from mlx_relay.api.auth import TokenAuth, server_credentials
 from mlx_relay.api.cluster import Cluster
+from mlx_relay.api.config import ServeConfig
 from mlx_relay.api.service import SERVICE_NAME, RelayServicer, add_to_server
 from mlx_relay.coordinator.engine import Engine
 from mlx_relay.coordinator.pipeline import Pipeline, hub_ready
-from mlx_relay.coordinator.speculation import SpecConfig
 from mlx_relay.protocol.exits import EXIT_CLUSTER_FAILED, EXIT_LOAD_FAILED, report_fatal
 from mlx_relay.protocol.rpc import auth_token
 from mlx_relay.transport.hub import ControlHub
@@ -39,38 +39,15 @@ WATCHDOG_INTERVAL_S = 0.1
 LOOPBACK = ("127.0.0.1", "localhost", "[::1]", "unix:")
 
 
-def spec_config(args) -> SpecConfig | None:
-    """Speculative decoding as the serve options ask (None: off)."""
-    source = "model" if args.draft_model and args.draft == "off" else args.draft
-    if source == "off":
-        return None
-    return SpecConfig(
-        source,
-        num_draft_tokens=args.num_draft_tokens,
-        draft_model=args.draft_model,
-        adaptive=not args.draft_fixed,
-        max_streams=args.draft_max_streams,
-    )
-
-
-def run(args, ring: Ring | None, hub: ControlHub | None) -> int:
+def run(config: ServeConfig, ring: Ring | None, hub: ControlHub | None) -> int:
     pipeline = Pipeline(
         ring,
         hub,
-        heartbeat_timeout=args.heartbeat_timeout,
-        step_timeout=args.step_timeout,
-        steps_in_flight=args.steps_in_flight,
+        heartbeat_timeout=config.heartbeat_timeout,
+        step_timeout=config.step_timeout,
+        steps_in_flight=config.steps_in_flight,
     )
-    engine = Engine(
-        pipeline,
-        max_active=args.max_active,
-        max_queue=args.max_queue,
-        prefill_chunk=args.prefill_chunk,
-        default_max_tokens=args.default_max_tokens,
-        prompt_cache=not args.no_prompt_cache,
-        prompt_cache_tokens=args.prompt_cache_tokens,
-        speculation=spec_config(args),
-    )
+    engine = Engine(pipeline, config.engine)
     health_servicer = health.HealthServicer()
 
     def on_state(state: str) -> None:
@@ -84,7 +61,7 @@ def run(args, ring: Ring | None, hub: ControlHub | None) -> int:
 
     on_state("starting")
     engine.on_state = on_state
-    servers = _grpc_server(args, engine, health_servicer)
+    servers = _grpc_server(config, engine, health_servicer)
     if servers is None:
         return 2
 
@@ -102,7 +79,7 @@ def run(args, ring: Ring | None, hub: ControlHub | None) -> int:
 
     if hub is not None:
         try:
-            hub_ready(hub, pipeline.world_size, timeout=args.startup_timeout)
+            hub_ready(hub, pipeline.world_size, timeout=config.startup_timeout)
         except RuntimeError as e:
             log.error("%s", e)
             engine.error = str(e)
@@ -110,14 +87,14 @@ def run(args, ring: Ring | None, hub: ControlHub | None) -> int:
             return _close(servers, hub, EXIT_CLUSTER_FAILED)
         threading.Thread(
             target=_watchdog,
-            args=(engine, hub, args.heartbeat_timeout),
+            args=(engine, hub, config.heartbeat_timeout),
             name="watchdog",
             daemon=True,
         ).start()
     engine.start()
-    if args.model and not _load_at_start(engine, args.model, args.layer_counts):
+    if config.model and not _load_at_start(engine, config.model, config.layer_counts):
         if engine.state != "failed":
-            return _stop_after_failed_load(engine, servers, hub, args.shutdown_timeout)
+            return _stop_after_failed_load(engine, servers, hub, config.shutdown_timeout)
 
     while not signals[0]:
         time.sleep(0.1)
@@ -131,10 +108,10 @@ def run(args, ring: Ring | None, hub: ControlHub | None) -> int:
         return _close(servers, hub, EXIT_CLUSTER_FAILED)
     code = 0
     if engine.running:
-        _drain(engine, args.drain_timeout, lambda: signals[0] > 1)
+        _drain(engine, config.drain_timeout, lambda: signals[0] > 1)
         log.info("stopping: freeing the model and shutting every rank down")
         try:
-            engine.free(shutdown=True).result(timeout=args.shutdown_timeout)
+            engine.free(shutdown=True).result(timeout=config.shutdown_timeout)
         except Exception as e:  # noqa: BLE001
             log.error("clean shutdown failed: %s", e)
             code = EXIT_CLUSTER_FAILED
@@ -171,15 +148,15 @@ def _stop_after_failed_load(
     return _close(servers, hub, EXIT_LOAD_FAILED)
 
 
-def _grpc_server(args, engine: Engine, health_servicer) -> list[grpc.Server] | None:
+def _grpc_server(config: ServeConfig, engine: Engine, health_servicer) -> list[grpc.Server] | None:
     """The gRPC front door, and LocalAI's and the HTTP doors beside it when asked for."""
-    token = auth_token(args.auth_token)
-    threads = max(64, args.max_active + args.max_queue + 16)
+    token = auth_token(config.auth_token)
+    threads = max(64, config.engine.max_active + config.engine.max_queue + 16)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
         interceptors=[TokenAuth(token)] if token else [],
         options=[
-            ("grpc.max_receive_message_length", args.max_request_bytes),
+            ("grpc.max_receive_message_length", config.max_request_bytes),
             ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
             # gRPC sets SO_REUSEPORT by default: a second cluster on the same port would
             # start, and clients would reach one of the two at random. Refuse instead.
@@ -191,17 +168,17 @@ def _grpc_server(args, engine: Engine, health_servicer) -> list[grpc.Server] | N
     )
     cluster = Cluster(
         engine,
-        backend=args.backend,
-        model=args.model,
-        layers=args.layers,
-        tool_fallback=not getattr(args, "no_tool_fallback", False),
+        backend=config.backend,
+        model=config.model,
+        layers=config.layers,
+        tool_fallback=config.tool_fallback,
     )
     servicer = RelayServicer(cluster)
     add_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = args.grpc_address
+    address = config.grpc_address
     try:
-        _listen(server, address, args.tls_cert, args.tls_key)
+        _listen(server, address, config.tls_cert, config.tls_key)
     except ListenError as e:
         report_fatal(0, str(e))
         return None
@@ -215,35 +192,35 @@ def _grpc_server(args, engine: Engine, health_servicer) -> list[grpc.Server] | N
     log.info(
         "gRPC listening on %s%s%s",
         address,
-        " with TLS" if args.tls_cert else "",
+        " with TLS" if config.tls_cert else "",
         ", bearer token required" if token else "",
     )
     servers = [server]
     # (each door's web and proto modules are imported only where it is asked for: a rank
     # 0 that serves gRPC alone starts sooner)
-    if args.localai_address:
+    if config.localai_address:
         from mlx_relay.api import localai
 
         try:
             servers.append(
                 localai.serve(
                     cluster,
-                    args.localai_address,
+                    config.localai_address,
                     token=token,
                     threads=threads,
-                    max_request_bytes=args.max_request_bytes,
+                    max_request_bytes=config.max_request_bytes,
                 )
             )
         except OSError as e:
             server.stop(grace=0)
             report_fatal(0, str(e))
             return None
-    if not getattr(args, "http_address", ""):
+    if not config.http_address:
         return servers
     from mlx_relay.api.http import server as http_server
 
     try:
-        http = http_server.start(args, cluster)  # stopped by _close like the others
+        http = http_server.start(config, cluster)  # stopped by _close like the others
     except http_server.ListenError as e:
         for started in servers:
             started.stop(grace=0)
@@ -301,7 +278,7 @@ def _drain(engine: Engine, timeout: float, hurried: Callable[[], bool]) -> None:
     """Let accepted requests finish (new ones are refused) for up to `timeout` seconds."""
     engine.drain()
     deadline = time.monotonic() + timeout
-    active, queued = engine.counts()
+    active, queued = engine.scheduler.counts()
     if active or queued:
         log.info(
             "draining %d running and %d queued requests (up to %.0f s)", active, queued, timeout
@@ -310,7 +287,7 @@ def _drain(engine: Engine, timeout: float, hurried: Callable[[], bool]) -> None:
         if not engine.running or engine.state == "failed":
             return
         time.sleep(0.05)
-        active, queued = engine.counts()
+        active, queued = engine.scheduler.counts()
     if active or queued:
         log.warning("drain: %d requests still running; they end with UNAVAILABLE", active + queued)
 

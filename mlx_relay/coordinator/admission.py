@@ -1,5 +1,5 @@
-"""The memory check at admission: whether a new sequence's caches fit what the ranks have
-left now.
+"""Admission: whether a new sequence's caches fit what the ranks have left now, and the
+sequence a request starts as once it takes a slot.
 
 Rank 0's own figures and the workers' from their last heartbeat, less what the running
 sequences may still add and plus what parked caches give back when their slot is taken
@@ -9,12 +9,18 @@ sequences may still add and plus what parked caches give back when their slot is
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from mlx_relay.coordinator.sampling import Sampler
 from mlx_relay.coordinator.sequence import Request, Sequence
-from mlx_relay.model import memory
+from mlx_relay.coordinator.slots import Taken
+from mlx_relay.coordinator.speculation import SpecState
+from mlx_relay.model import memory, vision
+
+if TYPE_CHECKING:
+    from mlx_relay.coordinator.model_context import ModelContext
+    from mlx_relay.transport.hub import ControlHub
 
 RECHECK_S = 0.05  # a request that waits is rechecked at most this often
 
@@ -23,18 +29,15 @@ class MemoryCheck:
     """The check for one loaded model (its files, each rank's layers, its context)."""
 
     def __init__(
-        self,
-        path: str,
-        ranges: list[tuple[int, int]],
-        fingerprint: str,
-        context_length: int,
-        figures: Callable[[], dict[int, dict[str, Any]]],
+        self, loaded: Any, context_length: int, max_context: int, hub: ControlHub | None
     ) -> None:
-        self.path = Path(path)
-        self.ranges = ranges
-        self.fingerprint = fingerprint
-        self.bound = memory.sequence_bound(context_length) or 1 << 30
-        self.figures = figures  # each rank's latest memory.stats()
+        """`loaded`: the pipeline's LoadedModel (its path, layer ranges, fingerprint);
+        `hub`: the workers' heartbeats, which carry their memory figures."""
+        self.path = Path(loaded.path)
+        self.ranges: list[tuple[int, int]] = loaded.ranges
+        self.fingerprint: str = loaded.fingerprint
+        self.bound = memory.sequence_bound(context_length, max_context) or 1 << 30
+        self.hub = hub
         self._last: tuple[float, Request | None, str] = (0.0, None, "")
 
     def most(self, request: Request) -> int:
@@ -59,3 +62,43 @@ class MemoryCheck:
         )
         self._last = (now, request, short)
         return short
+
+    def figures(self) -> dict[int, dict[str, Any]]:
+        """Each rank's latest memory figures: rank 0's now, the workers' last heartbeat's."""
+        figures = {0: memory.stats()}
+        if self.hub is not None:
+            figures.update({r: i.stats for r, i in self.hub.snapshot().items()})
+        return figures
+
+
+def new_sequence(
+    request: Request, taken: Taken, model: ModelContext, spec: SpecState | None
+) -> Sequence:
+    """The sequence `request` starts as in the slot it took: from the parked cache's
+    tokens it may reuse, its own sampler and text stream (the output rules')."""
+    cached = cached_before_images(request, taken.cached, model.config)
+    return Sequence(
+        request=request,
+        slot=taken.slot,
+        sampler=Sampler(request.params),
+        text=model.output.stream(request, model.markup),
+        pending=list(request.prompt_tokens[cached:]),
+        position=cached,
+        context=list(request.prompt_tokens[:cached]),
+        cached_tokens=cached,
+        taken=taken,
+        spec=spec,
+    )
+
+
+def cached_before_images(request: Request, cached: int, config: dict[str, Any]) -> int:
+    """An image request reuses a parked cache only where it ends before the first
+    image token: past it, equal token ids need not mean equal images. None where the
+    prompt goes whole from position 0 (vision.prefills_whole: gemma4's image mask)."""
+    if request.pixel_values is None or not cached:
+        return cached
+    if vision.prefills_whole(config):
+        return 0
+    prompt, image_token = request.prompt_tokens, vision.image_token_id(config)
+    first = prompt.index(image_token) if image_token in prompt else len(prompt)
+    return cached if cached <= first else 0

@@ -4,27 +4,21 @@ gRPC handler threads never touch MLX. They submit a request and read its chunks 
 a queue; commands (load, free, shutdown) run on the engine thread once no step is in
 flight, so every rank always sees one well-ordered sequence of steps.
 
-The engine is the thread shell around the scheduler (scheduler.py), which owns every
-request's state and decides: the engine asks it what to launch, launches it on the
-pipeline, samples what comes back and hands it the tokens, then carries out what it
-answers (chunks for the clients, frees and parks of slots). Scheduling, in short: a new
-sequence is prefilled one chunk per step, the way mlx-lm prefills: all prompt tokens
-but the last in chunks sized by measured time (policy.py), then the last one in the
-step that yields the first token. Its chunks are known in advance, so several are in
-flight at once, each on the next rank while the one before it runs on this one. It
-then joins one of several decode groups, each decoded as one batch per step. Units of
-work (a group's next token, a sequence's next prefill chunk) take turns, so a long
-prompt never stalls running streams, and up to one step per rank is in flight at once:
-while rank 1 runs one group's layers, rank 0 runs the next group's. Everything that
-decides (sampling, stop strings, EOS, cancellation) happens here, between steps, so a
-worker never has anything to decide. What a client sees of each token read back (text,
-reasoning, tool calls, logprobs, the finish reason, usage) is the output processor's
-(output.py).
+The engine core is a loop around the scheduler (scheduler.py), which owns every
+request's state and decides what runs (how: its docstring). They meet at two calls
+with typed values (plan.py): the engine asks `schedule()` for a `StepPlan` and carries
+it out (slot steps, then the forward step on the pipeline), samples what comes back
+(step_sampling.py), launches the next steps on those tokens before reading them (the
+device and the ring are never idle while the host streams), then hands the tokens
+read and what the step took to `update_from_output(StepResult)` and carries out the
+`Outputs` it answers (chunks for the clients, frees and parks of slots). Up to one
+step per rank is in flight: while rank 1 runs one group's layers, rank 0 runs the
+next group's. Other threads read the scheduler's counts and the `EngineStats`
+(stats.py) directly; the model's context is made once at load (model_context.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import threading
@@ -32,99 +26,43 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.utils import load_tokenizer
 
 from mlx_relay import timeline
-from mlx_relay.coordinator.admission import MemoryCheck
-from mlx_relay.coordinator.drafting import Drafter, make_drafter
-from mlx_relay.coordinator.output import OutputProcessor
+from mlx_relay.coordinator.config import EngineConfig
+from mlx_relay.coordinator.model_context import ModelContext
 from mlx_relay.coordinator.pipeline import ClusterFailure, Pipeline, RankFailure, Step
+from mlx_relay.coordinator.plan import DecodeGroup, Forward, Free, Outputs, Park, StepResult, Verify
 from mlx_relay.coordinator.policy import StepOutput
-from mlx_relay.coordinator.sampling import sample_batch, sample_positions
-from mlx_relay.coordinator.scheduler import (
-    DecodeGroup,
-    Forward,
-    Park,
-    Scheduler,
-    Update,
-    Verify,
-)
+from mlx_relay.coordinator.scheduler import Scheduler
 from mlx_relay.coordinator.sequence import EngineError, Request, Sequence
-from mlx_relay.coordinator.speculation import SpecConfig
-from mlx_relay.model import memory, vision
-from mlx_relay.model.step_inputs import PromptInputs
+from mlx_relay.coordinator.stats import EngineStats
+from mlx_relay.coordinator.step_sampling import Sampled, sample_step
 from mlx_relay.protocol import header as hdr
-from mlx_relay.text.markup import ChatMarkup
 
 __all__ = ["Engine"]  # (the request model is sequence.py's)
 
 log = logging.getLogger("mlx_relay.engine")
 
 
-@dataclass
-class Sampled:
-    """One step's sampled tokens, computed or not yet, for the sequences it served."""
-
-    step: Step
-    seqs: list[Sequence]
-    tokens: mx.array  # (len(seqs),); a verify step's: one per position (1 + k,)
-    logprobs: list[mx.array | None]  # a row's log-probabilities where its request wants them
-    verify: Verify | None = None  # the speculative round the step was
-
-
 class Engine:
-    def __init__(
-        self,
-        pipeline: Pipeline,
-        *,
-        max_active: int = 8,
-        max_queue: int = 64,
-        prefill_chunk: int = 512,
-        default_max_tokens: int = 256,
-        prompt_cache: bool = True,
-        prompt_cache_tokens: int = 0,
-        speculation: SpecConfig | None = None,
-    ) -> None:
+    def __init__(self, pipeline: Pipeline, config: EngineConfig | None = None) -> None:
         self.pipeline = pipeline
-        self.max_active = max_active
-        self.max_queue = max_queue
-        self.default_max_tokens = default_max_tokens
+        self.config = config = config or EngineConfig()
         self.max_in_flight = max(1, pipeline.depth)
-        self.tokenizer: Any = None
-        self.markup: ChatMarkup | None = None  # its chat markup, resolved once at load
-        self.context_length = 0
+        self.model: ModelContext | None = None  # the loaded model's, made once at load
         self.state = "starting"
         self.error = ""
         self.on_state: Callable[[str], None] = lambda state: None
-        self.scheduler = Scheduler(
-            max_active=max_active,
-            max_queue=max_queue,
-            prefill_chunk=prefill_chunk,
-            groups=max(pipeline.depth, math.ceil(max_active / hdr.MAX_SEQS)),
-            prompt_cache=prompt_cache,
-            prompt_cache_tokens=prompt_cache_tokens,
-            speculation=speculation,
-        )
-        self.speculation = speculation
-        self.drafter = Drafter()  # the loaded model's proposals (speculation on)
-        # Speculative rounds so far: verify steps, proposals, those kept, tokens emitted
-        # (read by the metrics and status; written by the engine thread only).
-        self.spec_counts: dict[str, int] = {"rounds": 0, "proposed": 0, "accepted": 0}
+        self.stats = EngineStats()  # what /metrics, the status and the live page read
+        groups = max(pipeline.depth, math.ceil(config.max_active / hdr.MAX_SEQS))
+        self.scheduler = Scheduler(config, groups, self.stats)
         self._launched: deque[Step] = deque()
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
-        self._cv = threading.Condition()  # held around every call into the scheduler
+        self._cv = threading.Condition()  # the commands, the stop, and waking the loop
         self._stop = False
-        # Forward steps round the ring by kind, and their seconds from launch to back on
-        # rank 0 (read by the metrics; written by the engine thread only).
-        self.step_counts: dict[str, int] = {}
-        self.step_seconds: dict[str, float] = {}
-        # Tokens those steps carried by kind (prompt tokens prefilled, tokens decoded), for
-        # throughput on the live page (read by other threads; written by the engine's).
-        self.step_tokens: dict[str, int] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     # --- API for other threads -----------------------------------------------------
@@ -132,7 +70,7 @@ class Engine:
         self._thread.start()
 
     def submit(self, request: Request) -> Request:
-        with self._cv:
+        with self._cv:  # (as one with the check: a failing engine abandons it, or refuses)
             if self.state != "serving":
                 raise EngineError("unavailable", f"the cluster is not serving ({self.state})")
             self.scheduler.add(request)
@@ -149,20 +87,6 @@ class Engine:
             self._commands.append((fn, future))
             self._cv.notify_all()
         return future
-
-    def counts(self) -> tuple[int, int]:
-        with self._cv:
-            return len(self.scheduler.running), len(self.scheduler.waiting)
-
-    def snapshot(self) -> list[dict[str, Any]]:
-        """Every request queued or running, for a status page (scheduler.snapshot)."""
-        with self._cv:
-            return self.scheduler.snapshot()
-
-    def cached_prompts(self) -> tuple[int, int]:
-        """Parked slots and the tokens their caches hold."""
-        with self._cv:
-            return self.scheduler.slots.stats()
 
     def load(self, spec: str, layers: list[int] | None = None) -> Future:
         return self.call(lambda: self._load(spec, layers))
@@ -204,8 +128,6 @@ class Engine:
                         self._complete_oldest()
                     self._run_commands()
                     continue
-                self._update(self.scheduler.admit)
-                self._update(self.scheduler.reap_cancelled)
                 self._launch_ready()
                 if self._launched:
                     self._complete_oldest()
@@ -238,17 +160,15 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - reported to the caller
                 future.set_exception(e)
 
-    def _update(self, call: Callable[..., Update], *args: Any) -> None:
-        """Ask the scheduler (under the lock), then carry out its answer: chunks and
-        errors to the requests' queues, then its slots' free and park steps, in order."""
-        with self._cv:
-            update = call(*args)
-        for seq in update.finished:
-            if seq.spec is not None:
-                self.drafter.drop(seq.spec)
-        for request, item in update.emit:
+    def _carry_out(self, out: Outputs) -> None:
+        """The scheduler's answer: chunks and errors to the requests' queues, then its
+        slots' free and park steps, in order."""
+        for request, item in out.emit:
             request.out.put(item)
-        for action in update.slots:
+        self._launch_slots(out.slots)
+
+    def _launch_slots(self, slots: list[Free | Park]) -> None:
+        for action in slots:
             step = self.pipeline.launch_free([action.slot], park=isinstance(action, Park))
             if step is not None:
                 self._launched.append(step)
@@ -262,8 +182,9 @@ class Engine:
             pass
 
     def _launch_next(self) -> bool:
-        with self._cv:
-            action = self.scheduler.schedule()
+        plan = self.scheduler.schedule()
+        self._carry_out(plan.before)
+        action = plan.forward
         if action is None:
             return False
         try:
@@ -275,14 +196,14 @@ class Engine:
             if broken is not None:  # the input it waited for never came: a rank is gone
                 raise broken from e
             log.exception("rank 0 failed a step: %s", e)
-            self._update(self.scheduler.fail, action.seqs, "internal", f"rank 0: {e}")
+            self._launch_slots(plan.after)
+            self._carry_out(
+                self.scheduler.update_from_output(StepResult(action, failed=f"rank 0: {e}"))
+            )
             return True
-        if isinstance(action, Verify):
-            action = step.tag  # (with its proposals)
-        else:
-            step.tag = action
+        step.tag = action
         self._launched.append(step)
-        self._update(self.scheduler.launched, action)
+        self._launch_slots(plan.after)
         return True
 
     def _launch(self, action: Forward) -> Step:
@@ -295,7 +216,7 @@ class Engine:
             members = action.members
             return self.pipeline.launch_forward(
                 [s.slot for s in members],
-                [s.position for s in members],
+                action.positions,
                 mx.concatenate(action.inputs)[:, None],
                 [1] * len(members),
                 group=action.group,
@@ -304,55 +225,33 @@ class Engine:
         seq, n = action.seq, len(action.tokens)
         return self.pipeline.launch_forward(
             [seq.slot],
-            [seq.position],
+            [action.position],
             mx.array([action.tokens]),
             [n],
             want_logits=action.want_logits,
             reuse_from=action.reuse_from,
-            prompt=self._image_inputs(seq, n),
+            prompt=seq.image_inputs(self.pipeline.shard.model, action.position, n),
         )
 
     def _launch_verify(self, action: Verify) -> Step:
         """A speculative round: the drafter's proposals after the sequence's input, one
-        step of 1 + k positions from its true position (its own caches, cut back to it),
-        every position's logits wanted. The step's tag is the round with its proposals."""
-        seq = action.seq
-        assert seq.spec is not None
-        proposed = self.drafter.propose(
-            seq.spec, seq.sampler, action.history, action.input, action.k
-        )
-        k = proposed.shape[0]
-        with self._cv:
-            width = self.scheduler.verify_width(action, k)
+        step of `width` positions from its true position (its own caches, cut back to
+        it), every position's logits wanted."""
+        seq, proposed, k, width = action.seq, action.proposed, action.k, action.width
+        assert proposed is not None
         inputs = mx.concatenate([action.input.astype(mx.int32), proposed])
         if width > 1 + k:  # (positions past the proposals: cut back with the refused)
             inputs = mx.concatenate([inputs, mx.repeat(inputs[-1:], width - 1 - k)])
         step = self.pipeline.launch_forward(
             [seq.slot],
-            [seq.position],
+            [action.position],
             inputs[None],
             [width],
             want_logits=True,
             reuse_from=action.reuse_from,
             all_positions=True,
         )
-        step.tag = dataclasses.replace(action, k=k, proposed=proposed, width=width)
         return step
-
-    def _image_inputs(self, seq: Sequence, n: int) -> PromptInputs | None:
-        """For an image request, its prompt's merged embeddings (and multimodal rope
-        positions) for the next `n` prompt positions (vision tower and projector run
-        once, at the first chunk); else None."""
-        if seq.request.pixel_values is None:
-            return None
-        if seq.embeddings is None:
-            seq.embeddings = vision.prompt_inputs(
-                self.pipeline.shard.model, seq.request.prompt_tokens, seq.request.pixel_values
-            )
-        out = seq.embeddings.chunk(seq.position, n)
-        if seq.position + n >= len(seq.request.prompt_tokens):
-            seq.embeddings = None  # the prompt is all sent; decode embeds tokens
-        return out
 
     def _timed(self, step: Step) -> None:
         """Count a finished forward step, and tell the scheduler what it took."""
@@ -362,35 +261,28 @@ class Engine:
         seconds = time.monotonic() - step.launched_at
         if header.flags & hdr.FLAG_ALL_POSITIONS:  # a speculative round
             width = header.lengths[0]
-            self._count("verify", seconds, width)
-            with self._cv:
-                self.scheduler.step_took(StepOutput(kind="verify", seconds=seconds, tokens=width))
+            self.stats.step("verify", seconds, width)
+            self._took(step, StepOutput(kind="verify", seconds=seconds, tokens=width))
             return
         decode = header.group != hdr.NO_GROUP
         # (a prompt chunk is paced by what it took from when it could start: chunks in
         # flight together wait for each other, which is not what they cost)
         took = seconds if decode or not step.took else step.took
-        self._count(
+        self.stats.step(
             "decode" if decode else "prefill",
             seconds,
             header.n_seqs if decode else header.lengths[0],
         )
-        with self._cv:
-            self.scheduler.step_took(
-                StepOutput(
-                    kind="group" if decode else "prefill",
-                    seconds=took,
-                    tokens=0 if decode else header.lengths[0],
-                    units=step.units,
-                    want_logits=step.want_logits,
-                )
-            )
-
-    def _count(self, kind: str, seconds: float, tokens: int) -> None:
-        """One forward step of `kind` came back after `seconds`, carrying `tokens`."""
-        self.step_counts[kind] = self.step_counts.get(kind, 0) + 1
-        self.step_seconds[kind] = self.step_seconds.get(kind, 0.0) + seconds
-        self.step_tokens[kind] = self.step_tokens.get(kind, 0) + tokens
+        self._took(
+            step,
+            StepOutput(
+                kind="group" if decode else "prefill",
+                seconds=took,
+                tokens=0 if decode else header.lengths[0],
+                units=step.units,
+                want_logits=step.want_logits,
+            ),
+        )
 
     # --- completing ----------------------------------------------------------------
     def _complete_oldest(self) -> None:
@@ -403,8 +295,7 @@ class Engine:
         sampled: Sampled | None = None
         try:
             back = self.pipeline.complete(step, early=True)
-            self._update(self.scheduler.reap_cancelled, seqs)
-            rows = [(i, s) for i, s in enumerate(seqs) if self.scheduler.is_running(s)]
+            rows = [(i, s) for i, s in enumerate(seqs) if not s.finished]
             if back.logits is not None and rows:
                 # Where the return is not usable yet (returns.py), it is made so only
                 # once the next steps are built on the sampled tokens, right before
@@ -421,69 +312,35 @@ class Engine:
         except RankFailure as e:
             sampled = None  # (nothing of this step is read: it is done with)
             log.error("%s failed: %s", step.header.describe(), e)
-            self._update(self.scheduler.step_failed, step.header.slots, seqs, str(e))
+            failed = StepResult(step.tag, failed=str(e), lost_slots=list(step.header.slots))
+            self._carry_out(self.scheduler.update_from_output(failed))
             return
         finally:
             if sampled is None:  # nothing will read this step's results
                 self.pipeline.done(step)
         if sampled is not None:
-            self._emit_sampled(sampled)
+            self._emit_sampled(step, sampled)
         self._timed(step)
         self.pipeline.announce()
 
     def _sample(
         self, step: Step, rows: list[tuple[int, Sequence]], logits: mx.array, start: bool = True
     ) -> Sampled:
-        """mlx-lm's step for each row (sampling.sample_batch), built as one graph and
-        started (unless not `start`: the caller starts it once the return it reads is
-        settled), not waited for; each sequence's next input is its row. A grammar's
-        mask is for the token after the one read back last, which the scheduler has
-        moved the matcher over (a sequence has at most one step that wants logits in
-        flight)."""
-        if isinstance(step.tag, Verify):
-            verify: Verify = step.tag
-            assert verify.proposed is not None
-            # (positions past the proposals, where a wider step was cheaper: not sampled)
-            tokens, wanted = sample_positions(logits[: verify.k + 1], verify.seq, verify.proposed)
-            if start:
-                mx.async_eval(tokens)
-            return Sampled(step, [verify.seq], tokens, wanted, verify)
-        if len(rows) < logits.shape[0]:
-            logits = logits[mx.array([i for i, _ in rows])]
-        seqs = [s for _, s in rows]
-        tokens, wanted = sample_batch(logits, seqs)
-        with self._cv:
-            self.scheduler.sampled(seqs, tokens)
-        if start:
-            mx.async_eval(tokens)
-        return Sampled(step, seqs, tokens, wanted)
+        """The step's rows sampled on the device, not waited for (step_sampling.py)."""
+        return sample_step(step.tag, rows, logits, start)
 
-    def _emit_sampled(self, sampled: Sampled) -> None:
-        """The one wait for the device per step: read the sampled tokens, then stream."""
+    def _emit_sampled(self, step: Step, sampled: Sampled) -> None:
+        """The one wait for the device per step: read the sampled tokens, then hand them
+        to the scheduler and stream what it answers."""
         values = sampled.tokens.tolist()
-        timeline.mark("tokens", sampled.step.header.step_id)
-        self.pipeline.done(sampled.step)
-        if sampled.verify is not None:
-            self._verified(sampled.verify, values, sampled.logprobs)
-            return
-        self._update(self.scheduler.update_from_output, sampled.seqs, values, sampled.logprobs)
+        timeline.mark("tokens", step.header.step_id)
+        self.pipeline.done(step)
+        result = StepResult(step.tag, sampled.seqs, values, sampled.logprobs)
+        self._carry_out(self.scheduler.update_from_output(result))
 
-    def _verified(self, verify: Verify, tokens: list[int], logprobs: list[mx.array | None]) -> None:
-        """A speculative round read back: the scheduler keeps what agrees, the drafter
-        follows what it kept (or lets go of a sequence that stopped speculating)."""
-        spec = verify.seq.spec
-        proposed = verify.proposed.tolist() if verify.proposed is not None else []
-        with self._cv:
-            update, kept = self.scheduler.verified(verify, tokens, proposed, logprobs)
-        counts = self.spec_counts
-        counts["rounds"] += 1
-        counts["proposed"] += verify.k
-        counts["accepted"] += kept
-        if spec is not None and verify.seq.spec is spec and self.scheduler.is_running(verify.seq):
-            self.drafter.rewind(spec, proposed, kept, verify.history[-1])
-        elif spec is not None and verify.seq.spec is None:
-            self.drafter.drop(spec)
-        self._update(lambda: update)
+    def _took(self, step: Step, took: StepOutput) -> None:
+        """What a step took (once its tokens are streamed), for the scheduler's pace."""
+        self._carry_out(self.scheduler.update_from_output(StepResult(step.tag, took=took)))
 
     # --- commands (engine thread, nothing in flight) ---------------------------------
     def _load(self, spec: str, layers: list[int] | None) -> Any:
@@ -491,25 +348,9 @@ class Engine:
         self._set_state("loading")
         try:
             loaded = self.pipeline.load(spec, layers)
-            self.tokenizer = load_tokenizer(loaded.path)
-            self.markup = ChatMarkup.of(self.tokenizer)
-            self.drafter = Drafter()
-            shard = self.pipeline.shard
-            self.context_length = int(shard.config.get("max_position_embeddings") or 0)
-            check = MemoryCheck(
-                loaded.path, loaded.ranges, loaded.fingerprint, self.context_length, self._figures
-            )
-            with self._cv:
-                self.scheduler.load(
-                    OutputProcessor(self.tokenizer, self.context_length),
-                    self.markup,
-                    shard,
-                    self.pipeline.hidden_size,
-                    check,
-                )
-            if self.speculation is not None and not self.scheduler.spec_blocked:
-                bound = memory.sequence_bound(self.context_length)
-                self.drafter = make_drafter(self.speculation, self.tokenizer, bound)
+            model = ModelContext.at_load(self.pipeline, loaded, self.config.memory.max_context)
+            self.scheduler.load(model)
+            self.model = model
         except Exception:
             self._set_state("unloaded")
             raise
@@ -517,19 +358,11 @@ class Engine:
         self._set_state("serving")
         return loaded
 
-    def _figures(self) -> dict[int, dict[str, Any]]:
-        """Each rank's latest memory figures: rank 0's now, the workers' last heartbeat's."""
-        figures = {0: memory.stats()}
-        if self.pipeline.hub is not None:
-            figures.update({r: i.stats for r, i in self.pipeline.hub.snapshot().items()})
-        return figures
-
     def _free(self, shutdown: bool) -> str:
         self._cancel_all("the model was freed")
         self.pipeline.unload()
-        with self._cv:
-            self.scheduler.unload()
-        self.tokenizer = self.markup = None
+        self.scheduler.unload()
+        self.model = None
         self._set_state("unloaded")
         if shutdown:
             self._set_state("stopping")
@@ -540,7 +373,7 @@ class Engine:
         return "model freed on every rank"
 
     def _cancel_all(self, why: str) -> None:
-        self._update(self.scheduler.cancel_all, why)
+        self._carry_out(self.scheduler.cancel_all(why))
         while self._launched:
             self._complete_oldest()
 

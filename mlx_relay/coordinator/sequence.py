@@ -21,6 +21,7 @@ import mlx.core as mx
 from mlx_relay.coordinator.sampling import Sampler, SamplingParams
 from mlx_relay.coordinator.slots import Taken
 from mlx_relay.coordinator.speculation import SpecState
+from mlx_relay.model import vision
 from mlx_relay.model.step_inputs import PromptInputs
 from mlx_relay.text.matchers import GrammarMatcher, StopMatcher
 from mlx_relay.text.postprocess import ToolCall
@@ -90,9 +91,14 @@ class Request:
     created: float = field(default_factory=time.perf_counter)
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # The scheduler's cancellation queue, once submitted: it reads them once a step.
+    cancels: queue.SimpleQueue | None = field(default=None, repr=False, compare=False)
 
     def cancel(self) -> None:
+        """From any thread; a no-op once finished (the scheduler no longer runs it)."""
         self.cancelled.set()
+        if self.cancels is not None:
+            self.cancels.put(self)
 
     def chunks(self) -> Iterator[Chunk]:
         """Blocking iterator over the stream; raises EngineError if the request failed."""
@@ -131,6 +137,7 @@ class Sequence:
     spec: SpecState | None = None
     draft_tokens: int = 0  # proposals its verify steps carried
     accepted_draft_tokens: int = 0  # of them kept
+    finished: bool = False  # it ended: what its steps still in flight return is ignored
 
     @property
     def prefilling(self) -> bool:
@@ -144,3 +151,17 @@ class Sequence:
     @property
     def constraint(self) -> GrammarMatcher | None:
         return self.request.constraint
+
+    def image_inputs(self, model: Any, position: int, n: int) -> PromptInputs | None:
+        """For an image request, its prompt's merged embeddings (and multimodal rope
+        positions) for the `n` prompt positions from `position` (`model`'s vision tower
+        and projector run once, at the first chunk); else None."""
+        if self.request.pixel_values is None:
+            return None
+        if self.embeddings is None:
+            prompt = self.request.prompt_tokens
+            self.embeddings = vision.prompt_inputs(model, prompt, self.request.pixel_values)
+        out = self.embeddings.chunk(position, n)
+        if position + n >= len(self.request.prompt_tokens):
+            self.embeddings = None  # the prompt is all sent; decode embeds tokens
+        return out

@@ -25,6 +25,9 @@ from mlx_relay.protocol.exits import EXIT_CLUSTER_FAILED, EXIT_USAGE, report_fat
 from mlx_relay.protocol.rpc import DEFAULT_GRPC_ADDRESS
 
 if TYPE_CHECKING:
+    from mlx_relay.api.config import ServeConfig
+    from mlx_relay.coordinator.speculation import SpecConfig
+    from mlx_relay.model.memory import Plan
     from mlx_relay.transport.ring import Ring
 
 log = logging.getLogger("mlx_relay.serve")
@@ -366,13 +369,8 @@ def _serve(args: argparse.Namespace) -> int:
     from mlx_relay.model import memory
 
     # What each load checks to fit, and how rank 0's loads quantize the KV caches.
-    memory.configure(
-        args.max_active,
-        args.max_context,
-        args.kv_bits,
-        args.kv_group_size,
-        args.quantized_kv_start,
-    )
+    plan = memory_plan(args)
+    memory.configure(plan)
     layer_counts = None
     if facts is not None:
         try:
@@ -419,12 +417,13 @@ def _serve(args: argparse.Namespace) -> int:
         )
     endpoint = control_endpoint(args, hosts)
     if rank == 0:
-        return _run_rank0(args, ring, endpoint, secret, layer_counts)
+        return _run_rank0(args, plan, ring, endpoint, secret, layer_counts)
     return _run_worker(args, ring, endpoint, secret, rank)
 
 
 def _run_rank0(
     args: argparse.Namespace,
+    plan: Plan,
     ring: Ring | None,
     endpoint: str,
     secret: bytes,
@@ -434,17 +433,16 @@ def _run_rank0(
     from mlx_relay.transport.hub import ControlHub
 
     try:  # (the draft model is rank 0's alone: the other machines need not have it)
-        server.spec_config(args)
+        config = serve_config(args, plan, layer_counts)
         if args.draft_model:
             preflight.check_model(args.draft_model)
     except (UserError, ValueError) as e:
         _leave(_fatal(0, e))
 
-    args.layer_counts = layer_counts  # "auto": by each rank's free memory, once all said hello
     size = ring.size if ring else 1
     hub = ControlHub(endpoint, size, secret) if ring else None
     log.info("rank 0 of %d; side channel %s", size, endpoint if ring else "(none)")
-    code = server.run(args, ring, hub)
+    code = server.run(config, ring, hub)
     if code == EXIT_CLUSTER_FAILED:
         # The engine thread may still be stuck in a collective with a dead rank;
         # nothing is left to clean up, so do not wait for it at exit.
@@ -475,6 +473,77 @@ def _run_worker(
         link.close()
     _mpi_finalize(args.backend, 0)
     _leave(0)
+
+
+def memory_plan(args: argparse.Namespace) -> Plan:
+    """What every rank's loads check to fit, and how they quantize the KV caches."""
+    from mlx_relay.model.memory import Plan
+
+    return Plan(
+        args.max_active,
+        args.max_context,
+        args.kv_bits or 0,
+        args.kv_group_size,
+        args.quantized_kv_start,
+    )
+
+
+def spec_config(args: argparse.Namespace) -> SpecConfig | None:
+    """Speculative decoding as the serve options ask (None: off; ValueError: options
+    that do not go together)."""
+    from mlx_relay.coordinator.speculation import SpecConfig
+
+    source = "model" if args.draft_model and args.draft == "off" else args.draft
+    if source == "off":
+        return None
+    return SpecConfig(
+        source,
+        num_draft_tokens=args.num_draft_tokens,
+        draft_model=args.draft_model,
+        adaptive=not args.draft_fixed,
+        max_streams=args.draft_max_streams,
+    )
+
+
+def serve_config(
+    args: argparse.Namespace, plan: Plan, layer_counts: list[int] | str | None = None
+) -> ServeConfig:
+    """Rank 0's configuration, built once from its command line (`plan`: memory_plan's,
+    which every rank was given; `layer_counts`: the split as checked, or "auto")."""
+    from mlx_relay.api.config import ServeConfig
+    from mlx_relay.coordinator.config import EngineConfig
+
+    engine = EngineConfig(
+        max_active=args.max_active,
+        max_queue=args.max_queue,
+        prefill_chunk=args.prefill_chunk,
+        default_max_tokens=args.default_max_tokens,
+        prompt_cache=not args.no_prompt_cache,
+        prompt_cache_tokens=args.prompt_cache_tokens,
+        speculation=spec_config(args),
+        memory=plan,
+    )
+    return ServeConfig(
+        engine=engine,
+        model=args.model,
+        layers=args.layers,
+        layer_counts=layer_counts,
+        backend=args.backend,
+        grpc_address=args.grpc_address,
+        localai_address=args.localai_address,
+        http_address=args.http_address,
+        auth_token=args.auth_token,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        max_request_bytes=args.max_request_bytes,
+        tool_fallback=not args.no_tool_fallback,
+        heartbeat_timeout=args.heartbeat_timeout,
+        step_timeout=args.step_timeout,
+        steps_in_flight=args.steps_in_flight,
+        startup_timeout=args.startup_timeout,
+        drain_timeout=args.drain_timeout,
+        shutdown_timeout=args.shutdown_timeout,
+    )
 
 
 def _leave(code: int) -> NoReturn:

@@ -60,9 +60,11 @@ class CacheUnknown(ValueError):
     """The model keeps caches whose size this module cannot tell from its config."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """What each rank must hold caches for: set once per process by `serve`."""
+    """What each rank must hold caches for: built once from the command line by `serve`
+    (coordinator/config.py holds rank 0's), and given to this module once (`configure`)
+    for the loads' checks on every rank."""
 
     max_active: int = 0  # 0: the caches are not checked (a bare Pipeline, as in tests)
     max_context: int = 0  # 0: the model's own context
@@ -86,38 +88,25 @@ class Plan:
 _plan = Plan()
 
 
-def configure(
-    max_active: int,
-    max_context: int,
-    kv_bits: int = 0,
-    kv_group_size: int = 64,
-    quantized_kv_start: int = 0,
-) -> None:
-    """`--max-active`, `--max-context` and the KV quantization options of this rank, for
-    every later `check_fits` and load."""
-    if max_context < 0:
+def configure(new: Plan) -> None:
+    """This rank's plan (`--max-active`, `--max-context`, the KV quantization options),
+    for every later `check_fits` and load on it."""
+    global _plan
+    if new.max_context < 0:
         raise ValueError("--max-context must be >= 0 (0: the model's context)")
-    _plan.max_active, _plan.max_context = max_active, max_context
-    _plan.kv_bits, _plan.kv_group_size = kv_bits or 0, kv_group_size
-    _plan.quantized_kv_start = quantized_kv_start
+    _plan = new
 
 
 def plan() -> Plan:
-    return Plan(
-        _plan.max_active,
-        _plan.max_context,
-        _plan.kv_bits,
-        _plan.kv_group_size,
-        _plan.quantized_kv_start,
-    )
+    return _plan
 
 
-def sequence_bound(model_context: int) -> int:
-    """The most tokens (prompt + generated) one sequence may hold: `--max-context`,
-    never more than the model's context (0: no bound known)."""
-    if _plan.max_context and model_context:
-        return min(_plan.max_context, model_context)
-    return _plan.max_context or model_context
+def sequence_bound(model_context: int, max_context: int) -> int:
+    """The most tokens (prompt + generated) one sequence may hold: `max_context`
+    (--max-context), never more than the model's context (0: no bound known)."""
+    if max_context and model_context:
+        return min(max_context, model_context)
+    return max_context or model_context
 
 
 def stats() -> dict[str, int]:
@@ -372,7 +361,7 @@ def shard_need(path: Path, start: int, end: int, *, ends: bool = False) -> int:
     weights = shard_nbytes(path, start, end, ends=ends)
     if not _plan.max_active:
         return weights
-    context = sequence_bound(model_context(path))
+    context = sequence_bound(model_context(path), _plan.max_context)
     try:
         caches = _plan.max_active * cache_nbytes(path, start, end, context)
     except CacheUnknown:
@@ -408,7 +397,7 @@ def check_fits(path: Path, start: int, end: int, *, ends: bool = False) -> None:
         )
     if not _plan.max_active:
         return
-    context = sequence_bound(model_context(path))
+    context = sequence_bound(model_context(path), _plan.max_context)
     try:
         caches = _plan.max_active * cache_nbytes(path, start, end, context)
     except CacheUnknown as e:  # (check_measured measures them once loaded)
