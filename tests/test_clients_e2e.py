@@ -43,6 +43,7 @@ from api_schemas import check_sse, validate
 from conftest import start_cluster, stop_cluster
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import StructuredTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_ai import Agent, RunContext
@@ -53,6 +54,7 @@ from test_http_api import Served
 from tiny_models import make_tiny_model
 
 from mlx_relay.launch.local import free_ports
+from mlx_relay.protocol import relay_pb2 as pb
 
 pytestmark = pytest.mark.cluster
 set_tracing_disabled(True)  # (the agents SDK would send its traces to OpenAI)
@@ -101,6 +103,53 @@ OPENAI_TOOL = {
     },
 }
 RESULT = get_weather("Paris", "celsius")
+ANSWERS = {"stop": "stop", "length": "length"}  # (gRPC's finish reasons: OpenAI's are the same)
+
+
+def _grpc(served, messages: list[dict], max_tokens: int, **request) -> pb.GenerateResponse:
+    """The gRPC door's greedy answer to the same chat: what every HTTP door and client must
+    give back for it (the server's default sampling is greedy, and no client here sets a
+    temperature). `messages` in OpenAI's shape; tool calls and results as the chat door
+    reads them."""
+    chat = []
+    for m in messages:
+        calls = [
+            pb.ToolCall(
+                id=c["id"],
+                type="function",
+                function=pb.ToolCallFunction(
+                    name=c["function"]["name"], arguments=c["function"]["arguments"]
+                ),
+            )
+            for c in m.get("tool_calls") or []
+        ]
+        chat.append(
+            pb.ChatMessage(
+                role=m["role"],
+                content=m.get("content") or "",
+                tool_calls=calls,
+                tool_call_id=m.get("tool_call_id", ""),
+            )
+        )
+    return served.running.client.generate(
+        pb.GenerateRequest(
+            messages=chat, params=pb.SamplingParams(max_tokens=max_tokens), **request
+        )
+    )
+
+
+def _openai_call(call_id: str, arguments: str) -> dict:
+    return {"id": call_id, "function": {"name": "get_weather", "arguments": arguments}}
+
+
+def _greedy_call(served, messages: list[dict], tools: list[dict] = (OPENAI_TOOL,)) -> pb.ToolCall:
+    """The gRPC door's greedy forced call of get_weather for `messages`, `tools` offered
+    (in OpenAI's shape: their text is part of the prompt)."""
+    tools_json = json.dumps(list(tools))
+    reply = _grpc(served, messages, FORCED, tools_json=tools_json, tool_choice="get_weather")
+    assert reply.finish_reason == "tool_calls", reply
+    [call] = reply.tool_calls
+    return call
 
 
 @pytest.fixture(
@@ -140,11 +189,12 @@ def _valid(arguments: str | dict) -> Weather:
 
 def test_openai_chat(served):
     client = served.openai
-    plain = client.chat.completions.create(
-        model=served.model, messages=[{"role": "user", "content": ASK}], max_tokens=MAX
-    )
-    assert plain.choices[0].finish_reason in ("stop", "length")
-    assert isinstance(plain.choices[0].message.content, str)
+    asked = [{"role": "user", "content": ASK}]
+    greedy = _grpc(served, asked, MAX)
+    plain = client.chat.completions.create(model=served.model, messages=asked, max_tokens=MAX)
+    assert plain.choices[0].finish_reason == greedy.finish_reason
+    assert plain.choices[0].message.content == greedy.text
+    assert plain.usage.completion_tokens == len(greedy.token_ids)
 
     chunks = list(
         client.chat.completions.create(
@@ -155,8 +205,9 @@ def test_openai_chat(served):
             stream_options={"include_usage": True},
         )
     )
-    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
-    assert 0 < chunks[-1].usage.completion_tokens <= MAX and not chunks[-1].choices
+    assert chunks[-2].choices[0].finish_reason == greedy.finish_reason
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == greedy.text
+    assert chunks[-1].usage.completion_tokens == len(greedy.token_ids) and not chunks[-1].choices
 
     parsed = client.chat.completions.parse(
         model=served.model,
@@ -166,7 +217,6 @@ def test_openai_chat(served):
     )
     assert isinstance(parsed.choices[0].message.parsed, Weather)
 
-    asked = [{"role": "user", "content": ASK}]
     called = client.chat.completions.create(
         model=served.model,
         messages=asked,
@@ -176,34 +226,44 @@ def test_openai_chat(served):
     )
     [call] = called.choices[0].message.tool_calls
     args = _valid(call.function.arguments)
+    assert call.function.arguments == _greedy_call(served, asked).function.arguments
+    history = [
+        *asked,
+        called.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": get_weather(**args.model_dump())},
+    ]
     answered = client.chat.completions.create(
         model=served.model,
-        messages=[
-            *asked,
-            called.choices[0].message.model_dump(exclude_none=True),
-            {"role": "tool", "tool_call_id": call.id, "content": get_weather(**args.model_dump())},
-        ],
+        messages=history,
         tools=[OPENAI_TOOL],
         tool_choice="none",
         max_tokens=MAX,
     )
-    assert answered.choices[0].finish_reason in ("stop", "length")
+    expected = _grpc(
+        served, history, MAX, tools_json=json.dumps([OPENAI_TOOL]), tool_choice="none"
+    )
+    assert answered.choices[0].finish_reason == expected.finish_reason
+    assert answered.choices[0].message.content == expected.text
     assert not answered.choices[0].message.tool_calls
 
 
 def test_openai_responses(served):
     client = served.openai
     tool = {"type": "function", **OPENAI_TOOL["function"]}
+    asked = [{"role": "user", "content": ASK}]
+    greedy = _grpc(served, asked, MAX)
+    status = {"stop": "completed", "length": "incomplete"}[greedy.finish_reason]
     plain = client.responses.create(model=served.model, input=ASK, max_output_tokens=MAX)
-    assert plain.status in ("completed", "incomplete") and plain.output[-1].type == "message"
+    assert plain.status == status and plain.output[-1].type == "message"
+    assert plain.output_text == greedy.text
 
     # (not `responses.stream`, whose final response must be `completed`, not `incomplete`)
     events = list(
         client.responses.create(model=served.model, input=ASK, max_output_tokens=MAX, stream=True)
     )
-    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert events[-1].type == f"response.{status}"
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
-    assert events[-1].response.output_text == "".join(deltas)
+    assert events[-1].response.output_text == "".join(deltas) == greedy.text
 
     parsed = client.responses.parse(
         model=served.model, input=ASK, text_format=Weather, max_output_tokens=FORCED
@@ -219,6 +279,7 @@ def test_openai_responses(served):
     )
     [call] = [item for item in called.output if item.type == "function_call"]
     args = _valid(call.arguments)
+    assert call.arguments == _greedy_call(served, asked).function.arguments
     answered = client.responses.create(  # (the stored response continued)
         model=served.model,
         previous_response_id=called.id,
@@ -226,7 +287,7 @@ def test_openai_responses(served):
             {
                 "type": "function_call_output",
                 "call_id": call.call_id,
-                "output": get_weather(**args.model_dump()),
+                "output": (output := get_weather(**args.model_dump())),
             }
         ],
         tools=[tool],
@@ -234,6 +295,18 @@ def test_openai_responses(served):
         max_output_tokens=MAX,
     )
     assert [item.type for item in answered.output][-1] == "message"
+    expected = _grpc(
+        served,
+        [
+            *asked,
+            {"role": "assistant", "tool_calls": [_openai_call(call.call_id, call.arguments)]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": output},
+        ],
+        MAX,
+        tools_json=json.dumps([OPENAI_TOOL]),
+        tool_choice="none",
+    )
+    assert answered.output_text == expected.text
 
 
 # --- anthropic ---------------------------------------------------------------------------
@@ -242,12 +315,14 @@ def test_openai_responses(served):
 def test_anthropic(served):
     client = served.anthropic
     asked = [{"role": "user", "content": ASK}]
+    greedy = _grpc(served, asked, MAX)
+    stop = {"stop": "end_turn", "length": "max_tokens"}[greedy.finish_reason]
     plain = client.messages.create(model=served.model, max_tokens=MAX, messages=asked)
-    assert plain.stop_reason in ("end_turn", "max_tokens")
+    assert plain.stop_reason == stop and plain.content[-1].text == greedy.text
 
     with client.messages.stream(model=served.model, max_tokens=MAX, messages=asked) as stream:
         text = "".join(stream.text_stream)
-    assert stream.get_final_message().content[-1].text == text
+    assert stream.get_final_message().content[-1].text == text == greedy.text
 
     parsed = client.messages.parse(
         model=served.model, max_tokens=FORCED, messages=asked, output_format=Forecast
@@ -265,6 +340,12 @@ def test_anthropic(served):
     assert called.stop_reason == "tool_use"
     [use] = [b for b in called.content if b.type == "tool_use"]
     args = _valid(use.input)
+    as_openai = [
+        {"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                          "parameters": t["input_schema"]}}
+        for t in tools
+    ]  # fmt: skip
+    assert use.input == json.loads(_greedy_call(served, asked, as_openai).function.arguments)
     answered = client.messages.create(
         model=served.model,
         max_tokens=MAX,
@@ -285,7 +366,21 @@ def test_anthropic(served):
             },
         ],
     )
-    assert answered.stop_reason in ("end_turn", "max_tokens")
+    expected = _grpc(
+        served,
+        [
+            *asked,
+            {"role": "assistant", "tool_calls": [_openai_call(use.id, json.dumps(use.input))]},
+            {"role": "tool", "tool_call_id": use.id, "content": get_weather(**args.model_dump())},
+        ],
+        MAX,
+        tools_json=json.dumps(as_openai),
+        tool_choice="none",
+    )
+    assert answered.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[
+        expected.finish_reason
+    ]
+    assert answered.content[-1].text == expected.text
 
 
 # --- ollama ------------------------------------------------------------------------------
@@ -295,11 +390,14 @@ def test_ollama(served):
     client = ollama.Client(host=served.base)
     asked = [{"role": "user", "content": ASK}]
     options = {"num_predict": MAX}
+    greedy = _grpc(served, asked, MAX)
     plain = client.chat(model=served.model, messages=asked, options=options)
-    assert plain.done and isinstance(plain.message.content, str)
+    assert plain.done and plain.message.content == greedy.text
+    assert plain.done_reason == greedy.finish_reason and plain.eval_count == len(greedy.token_ids)
 
     parts = list(client.chat(model=served.model, messages=asked, options=options, stream=True))
     assert parts[-1].done and not any(p.done for p in parts[:-1])
+    assert "".join(p.message.content for p in parts) == greedy.text
 
     structured = client.chat(
         model=served.model,
@@ -311,9 +409,15 @@ def test_ollama(served):
 
     # Ollama has no tool_choice: whatever the model does with the tool is checked, and the
     # round trip is a call and its result in the history.
-    offered = client.chat(model=served.model, messages=asked, tools=[OPENAI_TOOL], options=options)
-    for call in offered.message.tool_calls or []:
-        assert call.function.name == "get_weather"
+    # (the tool as ollama's client sends it: its own model of a tool, less `strict`,
+    # `maxLength`, `additionalProperties`: the prompt shows that text)
+    tool = ollama.Tool.model_validate(OPENAI_TOOL).model_dump(exclude_none=True)
+    offered = client.chat(model=served.model, messages=asked, tools=[tool], options=options)
+    expected = _grpc(served, asked, MAX, tools_json=json.dumps([tool]))
+    assert offered.message.content == expected.text
+    assert [(c.function.name, c.function.arguments) for c in offered.message.tool_calls or []] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in expected.tool_calls
+    ]
     call = {"function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}
     answered = client.chat(
         model=served.model,
@@ -322,10 +426,20 @@ def test_ollama(served):
             {"role": "assistant", "content": "", "tool_calls": [call]},
             {"role": "tool", "content": RESULT, "tool_name": "get_weather"},
         ],
-        tools=[OPENAI_TOOL],
+        tools=[tool],
         options=options,
     )
-    assert answered.done
+    expected = _grpc(
+        served,
+        [
+            *asked,
+            {"role": "assistant", "tool_calls": [_openai_call("", json.dumps(call["function"]["arguments"]))]},
+            {"role": "tool", "content": RESULT},
+        ],
+        MAX,
+        tools_json=json.dumps([tool]),
+    )
+    assert answered.done and answered.message.content == expected.text
 
 
 # --- langchain-openai ----------------------------------------------------------------------
@@ -343,10 +457,12 @@ def _langchain(served, max_tokens: int = MAX) -> ChatOpenAI:
 
 def test_langchain(served):
     chat = _langchain(served)
+    greedy = _grpc(served, [{"role": "user", "content": ASK}], MAX)
     reply = chat.invoke(ASK)
-    assert isinstance(reply.content, str)
+    assert reply.content == greedy.text
+    assert reply.response_metadata["finish_reason"] == greedy.finish_reason
     chunks = list(chat.stream(ASK))
-    assert "".join(c.content for c in chunks) == "".join(c.content for c in chunks if c.content)
+    assert "".join(c.content for c in chunks) == greedy.text
 
     forced = _langchain(served, FORCED)
     for method in ("json_schema", "function_calling"):
@@ -359,10 +475,24 @@ def test_langchain(served):
     called = forced.bind_tools([weather], tool_choice="get_weather", strict=True).invoke(asked)
     [call] = called.tool_calls
     _valid(call["args"])
+    sent = convert_to_openai_tool(weather, strict=True)  # (the tool as LangChain sends it)
+    asked_ = [{"role": "user", "content": ASK}]
+    assert call["args"] == json.loads(_greedy_call(served, asked_, [sent]).function.arguments)
     result = weather.invoke(call)
-    assert isinstance(result, ToolMessage)
+    assert isinstance(result, ToolMessage) and result.content == get_weather(**call["args"])
     answered = chat.bind_tools([weather], tool_choice="none").invoke([*asked, called, result])
-    assert isinstance(answered.content, str) and not answered.tool_calls
+    expected = _grpc(
+        served,
+        [
+            *asked_,
+            {"role": "assistant", "tool_calls": [_openai_call(call["id"], json.dumps(call["args"]))]},
+            {"role": "tool", "tool_call_id": call["id"], "content": result.content},
+        ],
+        MAX,
+        tools_json=json.dumps([convert_to_openai_tool(weather)]),
+        tool_choice="none",
+    )
+    assert answered.content == expected.text and not answered.tool_calls
 
 
 # --- instructor ----------------------------------------------------------------------------
@@ -374,7 +504,7 @@ def test_instructor(served):
     plain = tools.chat.completions.create(
         model=served.model, messages=asked, response_model=None, max_tokens=MAX
     )
-    assert plain.choices[0].message.content is not None
+    assert plain.choices[0].message.content == _grpc(served, asked, MAX).text
 
     partials = list(
         tools.chat.completions.create_partial(
@@ -399,21 +529,17 @@ def test_instructor(served):
         model=served.model, messages=asked, response_model=Weather, max_tokens=FORCED
     )
     [call] = completion.choices[0].message.tool_calls
+    history = [
+        *asked,
+        {"role": "assistant", "content": "", "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": get_weather(**answer.model_dump())},
+    ]
     answered = tools.chat.completions.create(
-        model=served.model,
-        response_model=None,
-        max_tokens=MAX,
-        messages=[
-            *asked,
-            {"role": "assistant", "content": "", "tool_calls": [call.model_dump()]},
-            {
-                "role": "tool",
-                "tool_call_id": call.id,
-                "content": get_weather(**answer.model_dump()),
-            },
-        ],
+        model=served.model, response_model=None, max_tokens=MAX, messages=history
     )
-    assert answered.choices[0].finish_reason in ("stop", "length")
+    expected = _grpc(served, history, MAX)
+    assert answered.choices[0].finish_reason == expected.finish_reason
+    assert answered.choices[0].message.content == expected.text
 
 
 # --- pydantic-ai -----------------------------------------------------------------------------
@@ -438,10 +564,11 @@ def _pydantic_model(served) -> OpenAIChatModel:
 def test_pydantic_ai(served):
     model = _pydantic_model(served)
     agent = Agent(model, model_settings={"max_tokens": MAX})
-    assert isinstance(agent.run_sync(ASK).output, str)
+    greedy = _grpc(served, [{"role": "user", "content": ASK}], MAX)
+    assert agent.run_sync(ASK).output == greedy.text
     streamed = agent.run_stream_sync(ASK)
     text = "".join(streamed.stream_text(delta=True))
-    assert streamed.get_output() == text
+    assert streamed.get_output() == text == greedy.text
 
     structured = Agent(model, output_type=Weather, model_settings={"max_tokens": FORCED})
     assert isinstance(structured.run_sync(ASK).output, Weather)
