@@ -138,8 +138,8 @@ def _grpc(served, messages: list[dict], max_tokens: int, **request) -> pb.Genera
     )
 
 
-def _openai_call(call_id: str, arguments: str) -> dict:
-    return {"id": call_id, "function": {"name": "get_weather", "arguments": arguments}}
+def _openai_call(call_id: str, arguments: str, name: str = "get_weather") -> dict:
+    return {"id": call_id, "function": {"name": name, "arguments": arguments}}
 
 
 def _greedy_call(served, messages: list[dict], tools: list[dict] = (OPENAI_TOOL,)) -> pb.ToolCall:
@@ -239,9 +239,7 @@ def test_openai_chat(served):
         tool_choice="none",
         max_tokens=MAX,
     )
-    expected = _grpc(
-        served, history, MAX, tools_json=json.dumps([OPENAI_TOOL]), tool_choice="none"
-    )
+    expected = _grpc(served, history, MAX, tools_json=json.dumps([OPENAI_TOOL]), tool_choice="none")
     assert answered.choices[0].finish_reason == expected.finish_reason
     assert answered.choices[0].message.content == expected.text
     assert not answered.choices[0].message.tool_calls
@@ -377,9 +375,9 @@ def test_anthropic(served):
         tools_json=json.dumps(as_openai),
         tool_choice="none",
     )
-    assert answered.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[
-        expected.finish_reason
-    ]
+    assert (
+        answered.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[expected.finish_reason]
+    )
     assert answered.content[-1].text == expected.text
 
 
@@ -433,7 +431,10 @@ def test_ollama(served):
         served,
         [
             *asked,
-            {"role": "assistant", "tool_calls": [_openai_call("", json.dumps(call["function"]["arguments"]))]},
+            {
+                "role": "assistant",
+                "tool_calls": [_openai_call("", json.dumps(call["function"]["arguments"]))],
+            },
             {"role": "tool", "content": RESULT},
         ],
         MAX,
@@ -485,7 +486,10 @@ def test_langchain(served):
         served,
         [
             *asked_,
-            {"role": "assistant", "tool_calls": [_openai_call(call["id"], json.dumps(call["args"]))]},
+            {
+                "role": "assistant",
+                "tool_calls": [_openai_call(call["id"], json.dumps(call["args"]))],
+            },
             {"role": "tool", "tool_call_id": call["id"], "content": result.content},
         ],
         MAX,
@@ -593,12 +597,14 @@ def test_pydantic_ai(served):
 # --- openai-agents (the Responses API) -------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _whole_or_cut():
-    try:
-        yield
-    except ModelBehaviorError as e:
-        assert "response.incomplete" in str(e) and "max_output_tokens" in str(e), e
+def _expect_whole_or_cut(greedy: pb.GenerateResponse):
+    """What the agents SDK does with the door's answer to a greedy request: a whole one
+    (finish "stop") is the run's output; one cut by max_tokens (`response.incomplete`) the
+    SDK refuses once read whole, with ModelBehaviorError, and exactly then."""
+    if greedy.finish_reason == "stop":
+        return contextlib.nullcontext()
+    assert greedy.finish_reason == "length", greedy
+    return pytest.raises(ModelBehaviorError, match="response.incomplete.*max_output_tokens")
 
 
 def test_openai_agents(served):
@@ -606,22 +612,38 @@ def test_openai_agents(served):
 
 
 async def _agents(served) -> None:
-    client = openai.AsyncOpenAI(base_url=served.base + "/v1", api_key="none", max_retries=0)
+    answers: list[dict] = []  # (every Responses answer the SDK read, as the door sent it)
+    asks: list[dict] = []  # (and every request it sent)
+
+    async def record(reply: httpx.Response) -> None:
+        if reply.request.url.path.endswith("/responses"):
+            asks.append(json.loads(reply.request.content))
+            await reply.aread()
+            if reply.headers.get("content-type", "").startswith("application/json"):
+                answers.append(reply.json())
+
+    http = httpx.AsyncClient(event_hooks={"response": [record]}, timeout=300)
+    client = openai.AsyncOpenAI(
+        base_url=served.base + "/v1", api_key="none", max_retries=0, http_client=http
+    )
     model = OpenAIResponsesModel(model=served.model, openai_client=client)
     short = ModelSettings(max_tokens=MAX)
     agent = OpenAIAgent(name="plain", instructions="Be brief.", model=model, model_settings=short)
-    # The SDK refuses a response cut short by max_tokens (`response.incomplete`) once it
-    # has read it whole; a free answer may be, on a random model: either is a good end.
-    with _whole_or_cut():
-        assert isinstance((await Runner.run(agent, ASK)).final_output, str)
-    with _whole_or_cut():
-        streamed = Runner.run_streamed(agent, ASK)
-        deltas = [
-            e.data.delta
-            async for e in streamed.stream_events()
-            if e.type == "raw_response_event" and e.data.type == "response.output_text.delta"
-        ]
-        assert streamed.final_output == "".join(deltas)
+    asked = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ASK}]
+    greedy = _grpc(served, asked, MAX)
+    with _expect_whole_or_cut(greedy):
+        assert (await Runner.run(agent, ASK)).final_output == greedy.text
+    [answer] = answers
+    text = [p["text"] for item in answer["output"] for p in item.get("content") or []]
+    assert "".join(text) == greedy.text
+    deltas = []
+    streamed = Runner.run_streamed(agent, ASK)
+    with _expect_whole_or_cut(greedy):
+        async for e in streamed.stream_events():
+            if e.type == "raw_response_event" and e.data.type == "response.output_text.delta":
+                deltas.append(e.data.delta)
+        assert streamed.final_output == greedy.text
+    assert "".join(deltas) == greedy.text
 
     forced = ModelSettings(max_tokens=FORCED)
     typed = OpenAIAgent(name="typed", model=model, model_settings=forced, output_type=Weather)
@@ -648,10 +670,34 @@ async def _agents(served) -> None:
         name="answerer", model=model, tools=[weather], model_settings=ModelSettings(
             max_tokens=MAX, tool_choice="none")
     )  # fmt: skip
-    with _whole_or_cut():
-        answered = await Runner.run(answerer, called.to_input_list())
-        assert isinstance(answered.final_output, str)
+    history = called.to_input_list()
+    [call] = [item for item in history if item.get("type") == "function_call"]
+    [sent] = asks[-1]["tools"]  # (the tool as the SDK sends it, in the Responses API's shape)
+    fields = ("name", "description", "parameters", "strict")  # (as a chat client orders them)
+    tool = {"type": "function", "function": {k: sent[k] for k in fields}}
+    expected = _grpc(
+        served,
+        [
+            {"role": "user", "content": ASK},
+            {
+                "role": "assistant",
+                "tool_calls": [_openai_call(call["call_id"], call["arguments"], "weather")],
+            },
+            {"role": "tool", "tool_call_id": call["call_id"], "content": called.final_output},
+        ],
+        MAX,
+        tools_json=json.dumps([tool]),
+        tool_choice="none",
+    )
+    del answers[:]
+    with _expect_whole_or_cut(expected):
+        answered = await Runner.run(answerer, history)
+        assert answered.final_output == expected.text
+    [answer] = answers
+    text = [p["text"] for item in answer["output"] for p in item.get("content") or []]
+    assert "".join(text) == expected.text
     assert len(calls) == 1
+    await http.aclose()
 
 
 # --- every object and event against the API owners' published schemas ----------------------
