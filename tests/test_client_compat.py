@@ -24,11 +24,12 @@ import pytest
 from anthropic.types import Message
 from conftest import start_cluster, stop_cluster
 from openai.types.chat import ChatCompletion
-from test_http_api import Served
+from support import Served, greedy
 from tiny_models import make_tiny_model
 
 from mlx_relay.launch.local import free_ports
 from mlx_relay.model.default_model import resolve_model
+from mlx_relay.protocol import relay_pb2 as pb
 
 pytestmark = [pytest.mark.cluster, pytest.mark.default_model]
 
@@ -110,6 +111,21 @@ def templated(tmp_path_factory):
     stop_cluster(running)
 
 
+def _same_as_grpc(choice, expected) -> None:
+    """An OpenAI chat choice is the gRPC door's greedy answer to the same request: its
+    finish reason, text and tool calls (each valid against its tool's schema)."""
+    assert choice.finish_reason == expected.finish_reason
+    assert (choice.message.content or "") == expected.text
+    calls = [
+        (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []
+    ]
+    assert calls == [
+        (c.function.name, json.loads(c.function.arguments)) for c in expected.tool_calls
+    ]
+    for name, args in calls:
+        _valid_call(name, args)
+
+
 def _valid_call(name: str, arguments: str | dict) -> dict:
     args = json.loads(arguments) if isinstance(arguments, str) else arguments
     jsonschema.validate(args, SCHEMAS[name])
@@ -123,10 +139,7 @@ def test_tools_go_into_the_system_prompt_where_the_template_ignores_them(templat
     reply = templated.openai.chat.completions.create(
         model=templated.model, messages=ASK, tools=TOOLS, max_tokens=16, temperature=0
     )
-    choice = reply.choices[0]
-    assert choice.finish_reason in ("stop", "length", "tool_calls")
-    for call in choice.message.tool_calls or []:
-        _valid_call(call.function.name, call.function.arguments)
+    _same_as_grpc(reply.choices[0], greedy(templated, ASK, 16, tools_json=json.dumps(TOOLS)))
     shown = templated.http.post(
         "/v1/messages/count_tokens",
         json={
@@ -166,7 +179,13 @@ def test_a_tool_round_trip_renders(templated):
     reply = templated.openai.chat.completions.create(
         model=templated.model, messages=messages, tools=TOOLS, max_tokens=30, temperature=0
     )
-    assert reply.choices[0].message.content or reply.choices[0].message.tool_calls
+    expected = greedy(templated, messages, 30, tools_json=json.dumps(TOOLS))
+    _same_as_grpc(reply.choices[0], expected)
+    # (and the history is in the prompt: without it, another answer)
+    assert (
+        reply.usage.prompt_tokens
+        > greedy(templated, ASK, 1, tools_json=json.dumps(TOOLS)).usage.prompt_tokens
+    )
 
 
 # --- 3: forced calls are constrained ----------------------------------------------------
@@ -245,8 +264,17 @@ def test_ollama_tools_answer(templated):
         },
     )
     assert reply.status_code == 200, reply.text
-    for call in reply.json()["message"].get("tool_calls") or []:
-        _valid_call(call["function"]["name"], call["function"]["arguments"])
+    message = reply.json()["message"]
+    expected = greedy(templated, ASK, 40, tools_json=json.dumps(TOOLS))
+    assert message["content"] == expected.text
+    calls = [
+        (c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []
+    ]
+    assert calls == [
+        (c.function.name, json.loads(c.function.arguments)) for c in expected.tool_calls
+    ]
+    for name, args in calls:
+        _valid_call(name, args)
 
 
 # --- 5: the smaller items ----------------------------------------------------------------
@@ -255,9 +283,11 @@ def test_ollama_tools_answer(templated):
 def test_json_without_content_type_and_unknown_urls(served):
     body = json.dumps({"model": served.model, "messages": ASK, "stream": False,
                        "options": {"num_predict": 2}})  # fmt: skip
+    expected = greedy(served, ASK, 2).text
     for headers in ({}, {"Content-Type": "application/x-www-form-urlencoded"}):
         reply = httpx.post(served.base + "/api/chat", content=body, headers=headers, timeout=60)
         assert reply.status_code == 200, reply.text
+        assert reply.json()["message"]["content"] == expected  # (the body read as JSON)
     missing = served.http.post("/v1/nothing-here", json={})
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] != "model_not_found"
@@ -269,7 +299,9 @@ def test_completions_take_a_list_of_prompts(served):
         model=served.model, prompt=["Once upon a time", "The sky is"], max_tokens=3
     )
     assert [c.index for c in reply.choices] == [0, 1]
-    assert all(c.text for c in reply.choices)
+    for choice, prompt in zip(reply.choices, ("Once upon a time", "The sky is"), strict=True):
+        request = pb.GenerateRequest(prompt=prompt, params=pb.SamplingParams(max_tokens=3))
+        assert choice.text == served.running.client.generate(request).text
     one = served.openai.completions.create(model=served.model, prompt="The sky is", max_tokens=3)
     assert reply.choices[1].text == one.choices[0].text
     assert reply.usage.prompt_tokens > one.usage.prompt_tokens

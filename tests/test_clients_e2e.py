@@ -50,7 +50,8 @@ from pydantic_ai import Agent, RunContext
 from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
-from test_http_api import Served
+from support import Served
+from support import greedy as grpc_greedy
 from tiny_models import make_tiny_model
 
 from mlx_relay.launch.local import free_ports
@@ -108,34 +109,8 @@ ANSWERS = {"stop": "stop", "length": "length"}  # (gRPC's finish reasons: OpenAI
 
 def _grpc(served, messages: list[dict], max_tokens: int, **request) -> pb.GenerateResponse:
     """The gRPC door's greedy answer to the same chat: what every HTTP door and client must
-    give back for it (the server's default sampling is greedy, and no client here sets a
-    temperature). `messages` in OpenAI's shape; tool calls and results as the chat door
-    reads them."""
-    chat = []
-    for m in messages:
-        calls = [
-            pb.ToolCall(
-                id=c["id"],
-                type="function",
-                function=pb.ToolCallFunction(
-                    name=c["function"]["name"], arguments=c["function"]["arguments"]
-                ),
-            )
-            for c in m.get("tool_calls") or []
-        ]
-        chat.append(
-            pb.ChatMessage(
-                role=m["role"],
-                content=m.get("content") or "",
-                tool_calls=calls,
-                tool_call_id=m.get("tool_call_id", ""),
-            )
-        )
-    return served.running.client.generate(
-        pb.GenerateRequest(
-            messages=chat, params=pb.SamplingParams(max_tokens=max_tokens), **request
-        )
-    )
+    give back for it (no client here sets a temperature)."""
+    return grpc_greedy(served, messages, max_tokens, **request)
 
 
 def _openai_call(call_id: str, arguments: str, name: str = "get_weather") -> dict:

@@ -17,8 +17,8 @@ import pytest
 from conftest import start_cluster, stop_cluster
 from mlx_lm.utils import load_tokenizer
 from oracle import chat_tokens, mlx_lm_tokens
+from support import Served
 from test_generation import MESSAGES, _messages, script_model
-from test_http_api import Served
 from tiny_models import make_tiny_model
 
 from mlx_relay.coordinator.requests import encode_text
