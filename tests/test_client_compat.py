@@ -77,14 +77,6 @@ def default_served(default_cluster):
     served.http.close()
 
 
-@pytest.fixture(scope="module")
-def served(templated):
-    """The cluster of the shape tests: the default model's tokenizer and template on a
-    tiny model (a shape does not depend on the weights; each token of the default model
-    costs ~0.14 s of this 2-core machine, a prompt's as much as an answer's)."""
-    return templated
-
-
 # The default model's tokenizer and template files, and the config keys that go with them.
 SMOL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 SMOL_IDS = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
@@ -280,29 +272,31 @@ def test_ollama_tools_answer(templated):
 # --- 5: the smaller items ----------------------------------------------------------------
 
 
-def test_json_without_content_type_and_unknown_urls(served):
-    body = json.dumps({"model": served.model, "messages": ASK, "stream": False,
+def test_json_without_content_type_and_unknown_urls(templated):
+    body = json.dumps({"model": templated.model, "messages": ASK, "stream": False,
                        "options": {"num_predict": 2}})  # fmt: skip
-    expected = greedy(served, ASK, 2).text
+    expected = greedy(templated, ASK, 2).text
     for headers in ({}, {"Content-Type": "application/x-www-form-urlencoded"}):
-        reply = httpx.post(served.base + "/api/chat", content=body, headers=headers, timeout=60)
+        reply = httpx.post(templated.base + "/api/chat", content=body, headers=headers, timeout=60)
         assert reply.status_code == 200, reply.text
         assert reply.json()["message"]["content"] == expected  # (the body read as JSON)
-    missing = served.http.post("/v1/nothing-here", json={})
+    missing = templated.http.post("/v1/nothing-here", json={})
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] != "model_not_found"
     assert "Invalid URL" in missing.json()["error"]["message"]
 
 
-def test_completions_take_a_list_of_prompts(served):
-    reply = served.openai.completions.create(
-        model=served.model, prompt=["Once upon a time", "The sky is"], max_tokens=3
+def test_completions_take_a_list_of_prompts(templated):
+    reply = templated.openai.completions.create(
+        model=templated.model, prompt=["Once upon a time", "The sky is"], max_tokens=3
     )
     assert [c.index for c in reply.choices] == [0, 1]
     for choice, prompt in zip(reply.choices, ("Once upon a time", "The sky is"), strict=True):
         request = pb.GenerateRequest(prompt=prompt, params=pb.SamplingParams(max_tokens=3))
-        assert choice.text == served.running.client.generate(request).text
-    one = served.openai.completions.create(model=served.model, prompt="The sky is", max_tokens=3)
+        assert choice.text == templated.running.client.generate(request).text
+    one = templated.openai.completions.create(
+        model=templated.model, prompt="The sky is", max_tokens=3
+    )
     assert reply.choices[1].text == one.choices[0].text
     assert reply.usage.prompt_tokens > one.usage.prompt_tokens
 
@@ -318,8 +312,8 @@ def test_ollama_load_ping_ps_and_tags(default_served):
     assert running["size"] == tag["size"] and running["digest"] == tag["digest"]
 
 
-def test_status_byte_counts_are_numbers(served):
-    status = served.http.get("/v1/status").json()
+def test_status_byte_counts_are_numbers(templated):
+    status = templated.http.get("/v1/status").json()
     assert all(isinstance(r["rss_bytes"], int) and r["rss_bytes"] > 0 for r in status["ranks"])
 
 
@@ -331,10 +325,10 @@ def _has(raw: dict, *keys: str) -> None:
     assert not missing, f"missing {missing} in {raw}"
 
 
-def test_chat_completion_shape(served):
-    raw = served.http.post(
+def test_chat_completion_shape(templated):
+    raw = templated.http.post(
         "/v1/chat/completions",
-        json={"model": served.model, "messages": ASK, "max_tokens": 4},
+        json={"model": templated.model, "messages": ASK, "max_tokens": 4},
     ).json()
     ChatCompletion.model_validate(raw)
     _has(raw, "id", "object", "created", "model", "choices", "usage")
@@ -344,37 +338,39 @@ def test_chat_completion_shape(served):
     assert raw["choices"][0]["message"]["annotations"] == []
 
 
-def test_anthropic_message_shape_and_cache_counts(served):
-    request = {"model": served.model, "max_tokens": 4, "messages": ASK}
-    served.http.post("/v1/messages", json=request)  # the prompt is kept for the next
-    raw = served.http.post("/v1/messages", json=request).json()
+def test_anthropic_message_shape_and_cache_counts(templated):
+    request = {"model": templated.model, "max_tokens": 4, "messages": ASK}
+    templated.http.post("/v1/messages", json=request)  # the prompt is kept for the next
+    raw = templated.http.post("/v1/messages", json=request).json()
     Message.model_validate(raw)
     _has(raw, "id", "type", "role", "model", "content", "stop_reason", "stop_sequence", "usage")
     _has(raw["content"][0], "type", "text", "citations")
     usage = raw["usage"]
     _has(usage, "input_tokens", "output_tokens", "cache_creation_input_tokens",
          "cache_read_input_tokens", "cache_creation", "server_tool_use", "service_tier")  # fmt: skip
-    prompt = served.anthropic.messages.count_tokens(model=served.model, messages=ASK).input_tokens
+    prompt = templated.anthropic.messages.count_tokens(
+        model=templated.model, messages=ASK
+    ).input_tokens
     assert usage["cache_read_input_tokens"] > 0  # the second time, the prompt is cached
     assert usage["input_tokens"] + usage["cache_read_input_tokens"] == prompt
-    with served.anthropic.messages.stream(**request) as stream:
+    with templated.anthropic.messages.stream(**request) as stream:
         events = list(stream)
     start = next(e for e in events if e.type == "message_start").message.usage
     assert start.cache_read_input_tokens == usage["cache_read_input_tokens"]
     assert start.input_tokens == usage["input_tokens"]
 
 
-def test_anthropic_output_config_format_is_enforced(served):
+def test_anthropic_output_config_format_is_enforced(templated):
     schema = {
         "type": "object",
         "properties": {"capital": {"type": "string", "maxLength": 16}},
         "required": ["capital"],
         "additionalProperties": False,
     }
-    raw = served.http.post(
+    raw = templated.http.post(
         "/v1/messages",
         json={
-            "model": served.model,
+            "model": templated.model,
             "max_tokens": 40,
             "messages": [{"role": "user", "content": "What is the capital of France?"}],
             "output_config": {"format": {"type": "json_schema", "schema": schema}},
@@ -383,16 +379,16 @@ def test_anthropic_output_config_format_is_enforced(served):
     jsonschema.validate(json.loads(raw["content"][0]["text"]), schema)
 
 
-def test_responses_object_carries_its_required_fields(served):
+def test_responses_object_carries_its_required_fields(templated):
     from openai.types.responses import Response
 
     required = ("id", "object", "created_at", "model", "output", "status", "completed_at",
                 "instructions", "previous_response_id", "truncation", "text", "tools",
                 "tool_choice", "parallel_tool_calls", "usage", "error", "incomplete_details")  # fmt: skip
-    raw = served.http.post(
+    raw = templated.http.post(
         "/v1/responses",
         json={
-            "model": served.model,
+            "model": templated.model,
             "input": "Hi",
             "instructions": "Be brief.",
             "max_output_tokens": 4,
@@ -401,7 +397,9 @@ def test_responses_object_carries_its_required_fields(served):
     Response.model_validate(raw)
     _has(raw, *required)
     assert raw["instructions"] == "Be brief."
-    with served.openai.responses.stream(model=served.model, input="Hi", max_output_tokens=4) as s:
+    with templated.openai.responses.stream(
+        model=templated.model, input="Hi", max_output_tokens=4
+    ) as s:
         events = list(s)
     assert events[0].type == "response.created"
     for event in (events[0], events[-1]):  # created, and completed or incomplete

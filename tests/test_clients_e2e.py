@@ -107,21 +107,23 @@ RESULT = get_weather("Paris", "celsius")
 ANSWERS = {"stop": "stop", "length": "length"}  # (gRPC's finish reasons: OpenAI's are the same)
 
 
-def _grpc(served, messages: list[dict], max_tokens: int, **request) -> pb.GenerateResponse:
+def _grpc(sdk_cluster, messages: list[dict], max_tokens: int, **request) -> pb.GenerateResponse:
     """The gRPC door's greedy answer to the same chat: what every HTTP door and client must
     give back for it (no client here sets a temperature)."""
-    return grpc_greedy(served, messages, max_tokens, **request)
+    return grpc_greedy(sdk_cluster, messages, max_tokens, **request)
 
 
 def _openai_call(call_id: str, arguments: str, name: str = "get_weather") -> dict:
     return {"id": call_id, "function": {"name": name, "arguments": arguments}}
 
 
-def _greedy_call(served, messages: list[dict], tools: list[dict] = (OPENAI_TOOL,)) -> pb.ToolCall:
+def _greedy_call(
+    sdk_cluster, messages: list[dict], tools: list[dict] = (OPENAI_TOOL,)
+) -> pb.ToolCall:
     """The gRPC door's greedy forced call of get_weather for `messages`, `tools` offered
     (in OpenAI's shape: their text is part of the prompt)."""
     tools_json = json.dumps(list(tools))
-    reply = _grpc(served, messages, FORCED, tools_json=tools_json, tool_choice="get_weather")
+    reply = _grpc(sdk_cluster, messages, FORCED, tools_json=tools_json, tool_choice="get_weather")
     assert reply.finish_reason == "tool_calls", reply
     [call] = reply.tool_calls
     return call
@@ -134,7 +136,7 @@ def _greedy_call(served, messages: list[dict], tools: list[dict] = (OPENAI_TOOL,
         "tiny",
     ],
 )
-def served(request, tmp_path_factory):
+def sdk_cluster(request, tmp_path_factory):
     """The default model: the session's default-model cluster (these tests only ask it
     questions); the tiny one: a cluster of its own."""
     if request.param == "default":
@@ -145,10 +147,10 @@ def served(request, tmp_path_factory):
         port = free_ports(1)[0]
         logs = tmp_path_factory.mktemp("logs")
         running = start_cluster(model, 2, logs, "--http-address", f"127.0.0.1:{port}")
-    served = Served(running, model, [], port)
-    served.http.timeout = httpx.Timeout(300)  # (a forced call on a busy machine: minutes)
-    yield served
-    served.http.close()
+    sdk_cluster = Served(running, model, [], port)
+    sdk_cluster.http.timeout = httpx.Timeout(300)  # (a forced call on a busy machine: minutes)
+    yield sdk_cluster
+    sdk_cluster.http.close()
     if request.param != "default":
         stop_cluster(running)
 
@@ -162,18 +164,18 @@ def _valid(arguments: str | dict) -> Weather:
 # --- openai: chat completions and the Responses API ---------------------------------------
 
 
-def test_openai_chat(served):
-    client = served.openai
+def test_openai_chat(sdk_cluster):
+    client = sdk_cluster.openai
     asked = [{"role": "user", "content": ASK}]
-    greedy = _grpc(served, asked, MAX)
-    plain = client.chat.completions.create(model=served.model, messages=asked, max_tokens=MAX)
+    greedy = _grpc(sdk_cluster, asked, MAX)
+    plain = client.chat.completions.create(model=sdk_cluster.model, messages=asked, max_tokens=MAX)
     assert plain.choices[0].finish_reason == greedy.finish_reason
     assert plain.choices[0].message.content == greedy.text
     assert plain.usage.completion_tokens == len(greedy.token_ids)
 
     chunks = list(
         client.chat.completions.create(
-            model=served.model,
+            model=sdk_cluster.model,
             messages=[{"role": "user", "content": ASK}],
             max_tokens=MAX,
             stream=True,
@@ -185,7 +187,7 @@ def test_openai_chat(served):
     assert chunks[-1].usage.completion_tokens == len(greedy.token_ids) and not chunks[-1].choices
 
     parsed = client.chat.completions.parse(
-        model=served.model,
+        model=sdk_cluster.model,
         messages=[{"role": "user", "content": ASK}],
         response_format=Weather,
         max_tokens=FORCED,
@@ -193,7 +195,7 @@ def test_openai_chat(served):
     assert isinstance(parsed.choices[0].message.parsed, Weather)
 
     called = client.chat.completions.create(
-        model=served.model,
+        model=sdk_cluster.model,
         messages=asked,
         tools=[OPENAI_TOOL],
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
@@ -201,50 +203,54 @@ def test_openai_chat(served):
     )
     [call] = called.choices[0].message.tool_calls
     args = _valid(call.function.arguments)
-    assert call.function.arguments == _greedy_call(served, asked).function.arguments
+    assert call.function.arguments == _greedy_call(sdk_cluster, asked).function.arguments
     history = [
         *asked,
         called.choices[0].message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": call.id, "content": get_weather(**args.model_dump())},
     ]
     answered = client.chat.completions.create(
-        model=served.model,
+        model=sdk_cluster.model,
         messages=history,
         tools=[OPENAI_TOOL],
         tool_choice="none",
         max_tokens=MAX,
     )
-    expected = _grpc(served, history, MAX, tools_json=json.dumps([OPENAI_TOOL]), tool_choice="none")
+    expected = _grpc(
+        sdk_cluster, history, MAX, tools_json=json.dumps([OPENAI_TOOL]), tool_choice="none"
+    )
     assert answered.choices[0].finish_reason == expected.finish_reason
     assert answered.choices[0].message.content == expected.text
     assert not answered.choices[0].message.tool_calls
 
 
-def test_openai_responses(served):
-    client = served.openai
+def test_openai_responses(sdk_cluster):
+    client = sdk_cluster.openai
     tool = {"type": "function", **OPENAI_TOOL["function"]}
     asked = [{"role": "user", "content": ASK}]
-    greedy = _grpc(served, asked, MAX)
+    greedy = _grpc(sdk_cluster, asked, MAX)
     status = {"stop": "completed", "length": "incomplete"}[greedy.finish_reason]
-    plain = client.responses.create(model=served.model, input=ASK, max_output_tokens=MAX)
+    plain = client.responses.create(model=sdk_cluster.model, input=ASK, max_output_tokens=MAX)
     assert plain.status == status and plain.output[-1].type == "message"
     assert plain.output_text == greedy.text
 
     # (not `responses.stream`, whose final response must be `completed`, not `incomplete`)
     events = list(
-        client.responses.create(model=served.model, input=ASK, max_output_tokens=MAX, stream=True)
+        client.responses.create(
+            model=sdk_cluster.model, input=ASK, max_output_tokens=MAX, stream=True
+        )
     )
     assert events[-1].type == f"response.{status}"
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     assert events[-1].response.output_text == "".join(deltas) == greedy.text
 
     parsed = client.responses.parse(
-        model=served.model, input=ASK, text_format=Weather, max_output_tokens=FORCED
+        model=sdk_cluster.model, input=ASK, text_format=Weather, max_output_tokens=FORCED
     )
     assert isinstance(parsed.output_parsed, Weather)
 
     called = client.responses.create(
-        model=served.model,
+        model=sdk_cluster.model,
         input=ASK,
         tools=[tool],
         tool_choice={"type": "function", "name": "get_weather"},
@@ -252,9 +258,9 @@ def test_openai_responses(served):
     )
     [call] = [item for item in called.output if item.type == "function_call"]
     args = _valid(call.arguments)
-    assert call.arguments == _greedy_call(served, asked).function.arguments
+    assert call.arguments == _greedy_call(sdk_cluster, asked).function.arguments
     answered = client.responses.create(  # (the stored response continued)
-        model=served.model,
+        model=sdk_cluster.model,
         previous_response_id=called.id,
         input=[
             {
@@ -269,7 +275,7 @@ def test_openai_responses(served):
     )
     assert [item.type for item in answered.output][-1] == "message"
     expected = _grpc(
-        served,
+        sdk_cluster,
         [
             *asked,
             {"role": "assistant", "tool_calls": [_openai_call(call.call_id, call.arguments)]},
@@ -285,26 +291,26 @@ def test_openai_responses(served):
 # --- anthropic ---------------------------------------------------------------------------
 
 
-def test_anthropic(served):
-    client = served.anthropic
+def test_anthropic(sdk_cluster):
+    client = sdk_cluster.anthropic
     asked = [{"role": "user", "content": ASK}]
-    greedy = _grpc(served, asked, MAX)
+    greedy = _grpc(sdk_cluster, asked, MAX)
     stop = {"stop": "end_turn", "length": "max_tokens"}[greedy.finish_reason]
-    plain = client.messages.create(model=served.model, max_tokens=MAX, messages=asked)
+    plain = client.messages.create(model=sdk_cluster.model, max_tokens=MAX, messages=asked)
     assert plain.stop_reason == stop and plain.content[-1].text == greedy.text
 
-    with client.messages.stream(model=served.model, max_tokens=MAX, messages=asked) as stream:
+    with client.messages.stream(model=sdk_cluster.model, max_tokens=MAX, messages=asked) as stream:
         text = "".join(stream.text_stream)
     assert stream.get_final_message().content[-1].text == text == greedy.text
 
     parsed = client.messages.parse(
-        model=served.model, max_tokens=FORCED, messages=asked, output_format=Forecast
+        model=sdk_cluster.model, max_tokens=FORCED, messages=asked, output_format=Forecast
     )
     assert isinstance(parsed.parsed_output, Forecast)
 
     tools = [{"name": "get_weather", "description": "Current weather", "input_schema": WEATHER}]
     called = client.messages.create(
-        model=served.model,
+        model=sdk_cluster.model,
         max_tokens=FORCED,
         messages=asked,
         tools=tools,
@@ -318,9 +324,9 @@ def test_anthropic(served):
                                           "parameters": t["input_schema"]}}
         for t in tools
     ]  # fmt: skip
-    assert use.input == json.loads(_greedy_call(served, asked, as_openai).function.arguments)
+    assert use.input == json.loads(_greedy_call(sdk_cluster, asked, as_openai).function.arguments)
     answered = client.messages.create(
-        model=served.model,
+        model=sdk_cluster.model,
         max_tokens=MAX,
         tools=tools,
         tool_choice={"type": "none"},
@@ -340,7 +346,7 @@ def test_anthropic(served):
         ],
     )
     expected = _grpc(
-        served,
+        sdk_cluster,
         [
             *asked,
             {"role": "assistant", "tool_calls": [_openai_call(use.id, json.dumps(use.input))]},
@@ -359,21 +365,21 @@ def test_anthropic(served):
 # --- ollama ------------------------------------------------------------------------------
 
 
-def test_ollama(served):
-    client = ollama.Client(host=served.base)
+def test_ollama(sdk_cluster):
+    client = ollama.Client(host=sdk_cluster.base)
     asked = [{"role": "user", "content": ASK}]
     options = {"num_predict": MAX}
-    greedy = _grpc(served, asked, MAX)
-    plain = client.chat(model=served.model, messages=asked, options=options)
+    greedy = _grpc(sdk_cluster, asked, MAX)
+    plain = client.chat(model=sdk_cluster.model, messages=asked, options=options)
     assert plain.done and plain.message.content == greedy.text
     assert plain.done_reason == greedy.finish_reason and plain.eval_count == len(greedy.token_ids)
 
-    parts = list(client.chat(model=served.model, messages=asked, options=options, stream=True))
+    parts = list(client.chat(model=sdk_cluster.model, messages=asked, options=options, stream=True))
     assert parts[-1].done and not any(p.done for p in parts[:-1])
     assert "".join(p.message.content for p in parts) == greedy.text
 
     structured = client.chat(
-        model=served.model,
+        model=sdk_cluster.model,
         messages=asked,
         format=WEATHER,
         options={"num_predict": FORCED},
@@ -385,15 +391,15 @@ def test_ollama(served):
     # (the tool as ollama's client sends it: its own model of a tool, less `strict`,
     # `maxLength`, `additionalProperties`: the prompt shows that text)
     tool = ollama.Tool.model_validate(OPENAI_TOOL).model_dump(exclude_none=True)
-    offered = client.chat(model=served.model, messages=asked, tools=[tool], options=options)
-    expected = _grpc(served, asked, MAX, tools_json=json.dumps([tool]))
+    offered = client.chat(model=sdk_cluster.model, messages=asked, tools=[tool], options=options)
+    expected = _grpc(sdk_cluster, asked, MAX, tools_json=json.dumps([tool]))
     assert offered.message.content == expected.text
     assert [(c.function.name, c.function.arguments) for c in offered.message.tool_calls or []] == [
         (c.function.name, json.loads(c.function.arguments)) for c in expected.tool_calls
     ]
     call = {"function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}
     answered = client.chat(
-        model=served.model,
+        model=sdk_cluster.model,
         messages=[
             *asked,
             {"role": "assistant", "content": "", "tool_calls": [call]},
@@ -403,7 +409,7 @@ def test_ollama(served):
         options=options,
     )
     expected = _grpc(
-        served,
+        sdk_cluster,
         [
             *asked,
             {
@@ -421,26 +427,26 @@ def test_ollama(served):
 # --- langchain-openai ----------------------------------------------------------------------
 
 
-def _langchain(served, max_tokens: int = MAX) -> ChatOpenAI:
+def _langchain(sdk_cluster, max_tokens: int = MAX) -> ChatOpenAI:
     return ChatOpenAI(
-        model=served.model,
-        base_url=served.base + "/v1",
+        model=sdk_cluster.model,
+        base_url=sdk_cluster.base + "/v1",
         api_key="none",
         max_tokens=max_tokens,
         max_retries=0,
     )
 
 
-def test_langchain(served):
-    chat = _langchain(served)
-    greedy = _grpc(served, [{"role": "user", "content": ASK}], MAX)
+def test_langchain(sdk_cluster):
+    chat = _langchain(sdk_cluster)
+    greedy = _grpc(sdk_cluster, [{"role": "user", "content": ASK}], MAX)
     reply = chat.invoke(ASK)
     assert reply.content == greedy.text
     assert reply.response_metadata["finish_reason"] == greedy.finish_reason
     chunks = list(chat.stream(ASK))
     assert "".join(c.content for c in chunks) == greedy.text
 
-    forced = _langchain(served, FORCED)
+    forced = _langchain(sdk_cluster, FORCED)
     for method in ("json_schema", "function_calling"):
         answer = forced.with_structured_output(Weather, method=method, strict=True).invoke(ASK)
         assert isinstance(answer, Weather), method
@@ -453,12 +459,12 @@ def test_langchain(served):
     _valid(call["args"])
     sent = convert_to_openai_tool(weather, strict=True)  # (the tool as LangChain sends it)
     asked_ = [{"role": "user", "content": ASK}]
-    assert call["args"] == json.loads(_greedy_call(served, asked_, [sent]).function.arguments)
+    assert call["args"] == json.loads(_greedy_call(sdk_cluster, asked_, [sent]).function.arguments)
     result = weather.invoke(call)
     assert isinstance(result, ToolMessage) and result.content == get_weather(**call["args"])
     answered = chat.bind_tools([weather], tool_choice="none").invoke([*asked, called, result])
     expected = _grpc(
-        served,
+        sdk_cluster,
         [
             *asked_,
             {
@@ -477,25 +483,25 @@ def test_langchain(served):
 # --- instructor ----------------------------------------------------------------------------
 
 
-def test_instructor(served):
-    tools = instructor.from_openai(served.openai, mode=instructor.Mode.TOOLS)
+def test_instructor(sdk_cluster):
+    tools = instructor.from_openai(sdk_cluster.openai, mode=instructor.Mode.TOOLS)
     asked = [{"role": "user", "content": ASK}]
     plain = tools.chat.completions.create(
-        model=served.model, messages=asked, response_model=None, max_tokens=MAX
+        model=sdk_cluster.model, messages=asked, response_model=None, max_tokens=MAX
     )
-    assert plain.choices[0].message.content == _grpc(served, asked, MAX).text
+    assert plain.choices[0].message.content == _grpc(sdk_cluster, asked, MAX).text
 
     partials = list(
         tools.chat.completions.create_partial(
-            model=served.model, messages=asked, response_model=Weather, max_tokens=FORCED
+            model=sdk_cluster.model, messages=asked, response_model=Weather, max_tokens=FORCED
         )
     )
     Weather.model_validate(partials[-1].model_dump())
 
     for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
-        client = instructor.from_openai(served.openai, mode=mode)
+        client = instructor.from_openai(sdk_cluster.openai, mode=mode)
         answer = client.chat.completions.create(
-            model=served.model,
+            model=sdk_cluster.model,
             messages=asked,
             response_model=Weather,
             max_tokens=FORCED,
@@ -505,7 +511,7 @@ def test_instructor(served):
 
     # TOOLS mode is a forced call of a tool named for the model; its result goes back.
     answer, completion = tools.chat.completions.create_with_completion(
-        model=served.model, messages=asked, response_model=Weather, max_tokens=FORCED
+        model=sdk_cluster.model, messages=asked, response_model=Weather, max_tokens=FORCED
     )
     [call] = completion.choices[0].message.tool_calls
     history = [
@@ -514,9 +520,9 @@ def test_instructor(served):
         {"role": "tool", "tool_call_id": call.id, "content": get_weather(**answer.model_dump())},
     ]
     answered = tools.chat.completions.create(
-        model=served.model, response_model=None, max_tokens=MAX, messages=history
+        model=sdk_cluster.model, response_model=None, max_tokens=MAX, messages=history
     )
-    expected = _grpc(served, history, MAX)
+    expected = _grpc(sdk_cluster, history, MAX)
     assert answered.choices[0].finish_reason == expected.finish_reason
     assert answered.choices[0].message.content == expected.text
 
@@ -535,15 +541,15 @@ class CallFirst(AbstractCapability):
         return lambda ctx: {"tool_choice": [self.tool] if ctx.run_step <= 1 else "none"}
 
 
-def _pydantic_model(served) -> OpenAIChatModel:
-    provider = OpenAIProvider(base_url=served.base + "/v1", api_key="none")
-    return OpenAIChatModel(served.model, provider=provider)
+def _pydantic_model(sdk_cluster) -> OpenAIChatModel:
+    provider = OpenAIProvider(base_url=sdk_cluster.base + "/v1", api_key="none")
+    return OpenAIChatModel(sdk_cluster.model, provider=provider)
 
 
-def test_pydantic_ai(served):
-    model = _pydantic_model(served)
+def test_pydantic_ai(sdk_cluster):
+    model = _pydantic_model(sdk_cluster)
     agent = Agent(model, model_settings={"max_tokens": MAX})
-    greedy = _grpc(served, [{"role": "user", "content": ASK}], MAX)
+    greedy = _grpc(sdk_cluster, [{"role": "user", "content": ASK}], MAX)
     assert agent.run_sync(ASK).output == greedy.text
     streamed = agent.run_stream_sync(ASK)
     text = "".join(streamed.stream_text(delta=True))
@@ -582,11 +588,11 @@ def _expect_whole_or_cut(greedy: pb.GenerateResponse):
     return pytest.raises(ModelBehaviorError, match="response.incomplete.*max_output_tokens")
 
 
-def test_openai_agents(served):
-    asyncio.run(_agents(served))  # (one event loop: the SDK's async client is bound to it)
+def test_openai_agents(sdk_cluster):
+    asyncio.run(_agents(sdk_cluster))  # (one event loop: the SDK's async client is bound to it)
 
 
-async def _agents(served) -> None:
+async def _agents(sdk_cluster) -> None:
     answers: list[dict] = []  # (every Responses answer the SDK read, as the door sent it)
     asks: list[dict] = []  # (and every request it sent)
 
@@ -599,13 +605,13 @@ async def _agents(served) -> None:
 
     http = httpx.AsyncClient(event_hooks={"response": [record]}, timeout=300)
     client = openai.AsyncOpenAI(
-        base_url=served.base + "/v1", api_key="none", max_retries=0, http_client=http
+        base_url=sdk_cluster.base + "/v1", api_key="none", max_retries=0, http_client=http
     )
-    model = OpenAIResponsesModel(model=served.model, openai_client=client)
+    model = OpenAIResponsesModel(model=sdk_cluster.model, openai_client=client)
     short = ModelSettings(max_tokens=MAX)
     agent = OpenAIAgent(name="plain", instructions="Be brief.", model=model, model_settings=short)
     asked = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ASK}]
-    greedy = _grpc(served, asked, MAX)
+    greedy = _grpc(sdk_cluster, asked, MAX)
     with _expect_whole_or_cut(greedy):
         assert (await Runner.run(agent, ASK)).final_output == greedy.text
     [answer] = answers
@@ -651,7 +657,7 @@ async def _agents(served) -> None:
     fields = ("name", "description", "parameters", "strict")  # (as a chat client orders them)
     tool = {"type": "function", "function": {k: sent[k] for k in fields}}
     expected = _grpc(
-        served,
+        sdk_cluster,
         [
             {"role": "user", "content": ASK},
             {
@@ -678,77 +684,84 @@ async def _agents(served) -> None:
 # --- every object and event against the API owners' published schemas ----------------------
 
 
-def _stream(served, kind: str, path: str, body: dict) -> list[dict]:
-    reply = served.http.post(path, json={**body, "stream": True})
+def _stream(sdk_cluster, kind: str, path: str, body: dict) -> list[dict]:
+    reply = sdk_cluster.http.post(path, json={**body, "stream": True})
     assert reply.status_code == 200, reply.text
     return check_sse(kind, reply.text)
 
 
-def test_openai_shapes(served):
-    chat = {"model": served.model, "messages": [{"role": "user", "content": ASK}]}
+def test_openai_shapes(sdk_cluster):
+    chat = {"model": sdk_cluster.model, "messages": [{"role": "user", "content": ASK}]}
     forced = {"tools": [OPENAI_TOOL], "tool_choice": "required", "max_tokens": FORCED}
     for extra in ({"max_tokens": 4, "logprobs": True, "top_logprobs": 2}, forced):
-        reply = served.http.post("/v1/chat/completions", json={**chat, **extra})
+        reply = sdk_cluster.http.post("/v1/chat/completions", json={**chat, **extra})
         validate("openai", "CreateChatCompletionResponse", reply.json())
     usage = {"stream_options": {"include_usage": True}}
     for extra in ({"max_tokens": 4, "logprobs": True, **usage}, forced):
-        _stream(served, "chat", "/v1/chat/completions", {**chat, **extra})
-    text = {"model": served.model, "prompt": ["Once upon", "The sky"], "max_tokens": 3}
-    reply = served.http.post("/v1/completions", json={**text, "logprobs": 2})
+        _stream(sdk_cluster, "chat", "/v1/chat/completions", {**chat, **extra})
+    text = {"model": sdk_cluster.model, "prompt": ["Once upon", "The sky"], "max_tokens": 3}
+    reply = sdk_cluster.http.post("/v1/completions", json={**text, "logprobs": 2})
     validate("openai", "CreateCompletionResponse", reply.json())
-    _stream(served, "completions", "/v1/completions", {**text, **usage})
-    validate("openai", "ListModelsResponse", served.http.get("/v1/models").json())
-    validate("openai", "Model", served.http.get(f"/v1/models/{served.model}").json())
+    _stream(sdk_cluster, "completions", "/v1/completions", {**text, **usage})
+    validate("openai", "ListModelsResponse", sdk_cluster.http.get("/v1/models").json())
+    validate("openai", "Model", sdk_cluster.http.get(f"/v1/models/{sdk_cluster.model}").json())
     for path, body in (("/v1/chat/completions", {**chat, "model": "nope"}), ("/v1/nope", {})):
-        validate("openai", "ErrorResponse", served.http.post(path, json=body).json())
+        validate("openai", "ErrorResponse", sdk_cluster.http.post(path, json=body).json())
 
 
-def test_responses_shapes(served):
+def test_responses_shapes(sdk_cluster):
     tool = {"type": "function", **OPENAI_TOOL["function"]}
-    plain = {"model": served.model, "input": ASK, "max_output_tokens": 4, "instructions": "Hi."}
+    plain = {
+        "model": sdk_cluster.model,
+        "input": ASK,
+        "max_output_tokens": 4,
+        "instructions": "Hi.",
+    }
     forced = {"tools": [tool], "tool_choice": "required", "max_output_tokens": FORCED}
     fmt = {"type": "json_schema", "name": "weather", "schema": WEATHER, "strict": True}
     structured = {"text": {"format": fmt}, "max_output_tokens": FORCED}
     for extra in ({}, forced, structured):
-        reply = served.http.post("/v1/responses", json={**plain, **extra}).json()
+        reply = sdk_cluster.http.post("/v1/responses", json={**plain, **extra}).json()
         validate("openai", "Response", reply)
-        retrieved = served.http.get(f"/v1/responses/{reply['id']}").json()
+        retrieved = sdk_cluster.http.get(f"/v1/responses/{reply['id']}").json()
         validate("openai", "Response", retrieved)
-        events = _stream(served, "responses", "/v1/responses", {**plain, **extra})
+        events = _stream(sdk_cluster, "responses", "/v1/responses", {**plain, **extra})
         assert events[-1]["type"] in ("response.completed", "response.incomplete")
-    missing = served.http.post("/v1/responses", json={**plain, "previous_response_id": "x"})
+    missing = sdk_cluster.http.post("/v1/responses", json={**plain, "previous_response_id": "x"})
     validate("openai", "ErrorResponse", missing.json())
 
 
-def test_anthropic_shapes(served):
-    asked = {"model": served.model, "messages": [{"role": "user", "content": ASK}]}
+def test_anthropic_shapes(sdk_cluster):
+    asked = {"model": sdk_cluster.model, "messages": [{"role": "user", "content": ASK}]}
     tools = [{"name": "get_weather", "input_schema": WEATHER}]
     forced = {"tools": tools, "tool_choice": {"type": "any"}, "max_tokens": FORCED}
     fmt = {"output_config": {"format": {"type": "json_schema", "schema": WEATHER}}}
     for extra in ({"max_tokens": 4}, forced, {**fmt, "max_tokens": FORCED}):
-        reply = served.http.post("/v1/messages", json={**asked, **extra})
+        reply = sdk_cluster.http.post("/v1/messages", json={**asked, **extra})
         validate("anthropic", "Message", reply.json())
-        events = _stream(served, "anthropic", "/v1/messages", {**asked, **extra})
+        events = _stream(sdk_cluster, "anthropic", "/v1/messages", {**asked, **extra})
         assert [e["type"] for e in events][-2:] == ["message_delta", "message_stop"]
-    counted = served.http.post("/v1/messages/count_tokens", json={**asked, "tools": tools})
+    counted = sdk_cluster.http.post("/v1/messages/count_tokens", json={**asked, "tools": tools})
     validate("anthropic", "CountMessageTokensResponse", counted.json())
     for body in (asked, {**asked, "model": "nope", "max_tokens": 4}):
-        validate("anthropic", "ErrorResponse", served.http.post("/v1/messages", json=body).json())
+        validate(
+            "anthropic", "ErrorResponse", sdk_cluster.http.post("/v1/messages", json=body).json()
+        )
 
 
 # --- a forced call cut by max_tokens --------------------------------------------------------
 
 
-def test_forced_call_cut_short(served):
+def test_forced_call_cut_short(sdk_cluster):
     """A forced call that runs out of tokens comes back as far as it got, on every door:
     OpenAI's partial `tool_calls` (arguments the JSON text so far) with finish_reason
     "length", Anthropic's `tool_use` block (its input what can be read) with stop_reason
     "max_tokens", never the call's markup as text. Greedy, so the cut call is the start
     of the whole one, cut a few tokens before its end (inside the arguments)."""
-    client = served.openai
+    client = sdk_cluster.openai
     asked = [{"role": "user", "content": ASK}]
     forced = {"type": "function", "function": {"name": "get_weather"}}
-    chat = {"model": served.model, "messages": asked, "tools": [OPENAI_TOOL], "temperature": 0}
+    chat = {"model": sdk_cluster.model, "messages": asked, "tools": [OPENAI_TOOL], "temperature": 0}
     whole = client.chat.completions.create(**chat, tool_choice=forced, max_tokens=FORCED)
     assert whole.choices[0].finish_reason == "tool_calls"
     cut = whole.usage.completion_tokens - 3
@@ -762,7 +775,7 @@ def test_forced_call_cut_short(served):
     validate(
         "openai",
         "CreateChatCompletionResponse",
-        served.http.post(
+        sdk_cluster.http.post(
             "/v1/chat/completions", json={**chat, "tool_choice": forced, "max_tokens": cut}
         ).json(),
     )
@@ -776,24 +789,26 @@ def test_forced_call_cut_short(served):
 
     tools = [{"name": "get_weather", "input_schema": WEATHER}]
     greedy = {"extra_body": {"temperature": 0}}  # (the SDK has no such parameter)
-    message = {"model": served.model, "messages": asked, "tools": tools, **greedy}
+    message = {"model": sdk_cluster.model, "messages": asked, "tools": tools, **greedy}
     for choice_ in ({"type": "tool", "name": "get_weather"}, {"type": "any"}):
-        short = served.anthropic.messages.create(**message, tool_choice=choice_, max_tokens=cut)
+        short = sdk_cluster.anthropic.messages.create(
+            **message, tool_choice=choice_, max_tokens=cut
+        )
         assert short.stop_reason == "max_tokens"
         [use] = short.content
         assert use.type == "tool_use" and use.name == "get_weather"
         assert isinstance(use.input, dict)
-    with served.anthropic.messages.stream(
+    with sdk_cluster.anthropic.messages.stream(
         **message, tool_choice={"type": "any"}, max_tokens=cut
     ) as stream:
         final = stream.get_final_message()
     assert final.stop_reason == "max_tokens" and [b.type for b in final.content] == ["tool_use"]
 
     tool = {"type": "function", **OPENAI_TOOL["function"]}
-    reply = served.http.post(
+    reply = sdk_cluster.http.post(
         "/v1/responses",
         json={
-            "model": served.model,
+            "model": sdk_cluster.model,
             "input": ASK,
             "tools": [tool],
             "tool_choice": "required",
