@@ -13,7 +13,6 @@ import mlx.core as mx
 from mlx_lm import load, stream_generate
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from mlx_relay.coordinator.requests import encode_text
 from mlx_relay.protocol import relay_pb2 as pb
 
 # The question the tests of the default model ask it (greedy, at most 24 tokens: its
@@ -75,12 +74,16 @@ def tokenizer_for(path: Path):
 
 
 def chat_tokens(path: Path, messages: list[dict], **template_kwargs) -> list[int]:
-    """How mlx-lm's own CLI renders a chat: template to text, then encode."""
+    """How mlx-lm renders a chat: the tokenizer's template to text, then the text encoded
+    as mlx-lm's `stream_generate` encodes a string prompt (special tokens added unless the
+    text already starts with BOS). Written here from mlx-lm's and the tokenizer's own
+    calls, never the product's, so a change of the product's encoding is caught."""
     tokenizer = tokenizer_for(path)
     text = tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True, **template_kwargs
     )
-    return encode_text(tokenizer, text)
+    bos = tokenizer.bos_token
+    return list(tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos)))
 
 
 def _processors(settings: dict, n_prompt: int, max_tokens: int) -> list:

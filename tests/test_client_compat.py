@@ -24,11 +24,12 @@ import pytest
 from anthropic.types import Message
 from conftest import start_cluster, stop_cluster
 from openai.types.chat import ChatCompletion
-from test_http_api import Served
+from support import Served, greedy
 from tiny_models import make_tiny_model
 
 from mlx_relay.launch.local import free_ports
 from mlx_relay.model.default_model import resolve_model
+from mlx_relay.protocol import relay_pb2 as pb
 
 pytestmark = [pytest.mark.cluster, pytest.mark.default_model]
 
@@ -76,14 +77,6 @@ def default_served(default_cluster):
     served.http.close()
 
 
-@pytest.fixture(scope="module")
-def served(templated):
-    """The cluster of the shape tests: the default model's tokenizer and template on a
-    tiny model (a shape does not depend on the weights; each token of the default model
-    costs ~0.14 s of this 2-core machine, a prompt's as much as an answer's)."""
-    return templated
-
-
 # The default model's tokenizer and template files, and the config keys that go with them.
 SMOL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 SMOL_IDS = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
@@ -110,6 +103,21 @@ def templated(tmp_path_factory):
     stop_cluster(running)
 
 
+def _same_as_grpc(choice, expected) -> None:
+    """An OpenAI chat choice is the gRPC door's greedy answer to the same request: its
+    finish reason, text and tool calls (each valid against its tool's schema)."""
+    assert choice.finish_reason == expected.finish_reason
+    assert (choice.message.content or "") == expected.text
+    calls = [
+        (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []
+    ]
+    assert calls == [
+        (c.function.name, json.loads(c.function.arguments)) for c in expected.tool_calls
+    ]
+    for name, args in calls:
+        _valid_call(name, args)
+
+
 def _valid_call(name: str, arguments: str | dict) -> dict:
     args = json.loads(arguments) if isinstance(arguments, str) else arguments
     jsonschema.validate(args, SCHEMAS[name])
@@ -123,10 +131,7 @@ def test_tools_go_into_the_system_prompt_where_the_template_ignores_them(templat
     reply = templated.openai.chat.completions.create(
         model=templated.model, messages=ASK, tools=TOOLS, max_tokens=16, temperature=0
     )
-    choice = reply.choices[0]
-    assert choice.finish_reason in ("stop", "length", "tool_calls")
-    for call in choice.message.tool_calls or []:
-        _valid_call(call.function.name, call.function.arguments)
+    _same_as_grpc(reply.choices[0], greedy(templated, ASK, 16, tools_json=json.dumps(TOOLS)))
     shown = templated.http.post(
         "/v1/messages/count_tokens",
         json={
@@ -166,7 +171,13 @@ def test_a_tool_round_trip_renders(templated):
     reply = templated.openai.chat.completions.create(
         model=templated.model, messages=messages, tools=TOOLS, max_tokens=30, temperature=0
     )
-    assert reply.choices[0].message.content or reply.choices[0].message.tool_calls
+    expected = greedy(templated, messages, 30, tools_json=json.dumps(TOOLS))
+    _same_as_grpc(reply.choices[0], expected)
+    # (and the history is in the prompt: without it, another answer)
+    assert (
+        reply.usage.prompt_tokens
+        > greedy(templated, ASK, 1, tools_json=json.dumps(TOOLS)).usage.prompt_tokens
+    )
 
 
 # --- 3: forced calls are constrained ----------------------------------------------------
@@ -245,32 +256,47 @@ def test_ollama_tools_answer(templated):
         },
     )
     assert reply.status_code == 200, reply.text
-    for call in reply.json()["message"].get("tool_calls") or []:
-        _valid_call(call["function"]["name"], call["function"]["arguments"])
+    message = reply.json()["message"]
+    expected = greedy(templated, ASK, 40, tools_json=json.dumps(TOOLS))
+    assert message["content"] == expected.text
+    calls = [
+        (c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []
+    ]
+    assert calls == [
+        (c.function.name, json.loads(c.function.arguments)) for c in expected.tool_calls
+    ]
+    for name, args in calls:
+        _valid_call(name, args)
 
 
 # --- 5: the smaller items ----------------------------------------------------------------
 
 
-def test_json_without_content_type_and_unknown_urls(served):
-    body = json.dumps({"model": served.model, "messages": ASK, "stream": False,
+def test_json_without_content_type_and_unknown_urls(templated):
+    body = json.dumps({"model": templated.model, "messages": ASK, "stream": False,
                        "options": {"num_predict": 2}})  # fmt: skip
+    expected = greedy(templated, ASK, 2).text
     for headers in ({}, {"Content-Type": "application/x-www-form-urlencoded"}):
-        reply = httpx.post(served.base + "/api/chat", content=body, headers=headers, timeout=60)
+        reply = httpx.post(templated.base + "/api/chat", content=body, headers=headers, timeout=60)
         assert reply.status_code == 200, reply.text
-    missing = served.http.post("/v1/nothing-here", json={})
+        assert reply.json()["message"]["content"] == expected  # (the body read as JSON)
+    missing = templated.http.post("/v1/nothing-here", json={})
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] != "model_not_found"
     assert "Invalid URL" in missing.json()["error"]["message"]
 
 
-def test_completions_take_a_list_of_prompts(served):
-    reply = served.openai.completions.create(
-        model=served.model, prompt=["Once upon a time", "The sky is"], max_tokens=3
+def test_completions_take_a_list_of_prompts(templated):
+    reply = templated.openai.completions.create(
+        model=templated.model, prompt=["Once upon a time", "The sky is"], max_tokens=3
     )
     assert [c.index for c in reply.choices] == [0, 1]
-    assert all(c.text for c in reply.choices)
-    one = served.openai.completions.create(model=served.model, prompt="The sky is", max_tokens=3)
+    for choice, prompt in zip(reply.choices, ("Once upon a time", "The sky is"), strict=True):
+        request = pb.GenerateRequest(prompt=prompt, params=pb.SamplingParams(max_tokens=3))
+        assert choice.text == templated.running.client.generate(request).text
+    one = templated.openai.completions.create(
+        model=templated.model, prompt="The sky is", max_tokens=3
+    )
     assert reply.choices[1].text == one.choices[0].text
     assert reply.usage.prompt_tokens > one.usage.prompt_tokens
 
@@ -286,8 +312,8 @@ def test_ollama_load_ping_ps_and_tags(default_served):
     assert running["size"] == tag["size"] and running["digest"] == tag["digest"]
 
 
-def test_status_byte_counts_are_numbers(served):
-    status = served.http.get("/v1/status").json()
+def test_status_byte_counts_are_numbers(templated):
+    status = templated.http.get("/v1/status").json()
     assert all(isinstance(r["rss_bytes"], int) and r["rss_bytes"] > 0 for r in status["ranks"])
 
 
@@ -299,10 +325,10 @@ def _has(raw: dict, *keys: str) -> None:
     assert not missing, f"missing {missing} in {raw}"
 
 
-def test_chat_completion_shape(served):
-    raw = served.http.post(
+def test_chat_completion_shape(templated):
+    raw = templated.http.post(
         "/v1/chat/completions",
-        json={"model": served.model, "messages": ASK, "max_tokens": 4},
+        json={"model": templated.model, "messages": ASK, "max_tokens": 4},
     ).json()
     ChatCompletion.model_validate(raw)
     _has(raw, "id", "object", "created", "model", "choices", "usage")
@@ -312,37 +338,39 @@ def test_chat_completion_shape(served):
     assert raw["choices"][0]["message"]["annotations"] == []
 
 
-def test_anthropic_message_shape_and_cache_counts(served):
-    request = {"model": served.model, "max_tokens": 4, "messages": ASK}
-    served.http.post("/v1/messages", json=request)  # the prompt is kept for the next
-    raw = served.http.post("/v1/messages", json=request).json()
+def test_anthropic_message_shape_and_cache_counts(templated):
+    request = {"model": templated.model, "max_tokens": 4, "messages": ASK}
+    templated.http.post("/v1/messages", json=request)  # the prompt is kept for the next
+    raw = templated.http.post("/v1/messages", json=request).json()
     Message.model_validate(raw)
     _has(raw, "id", "type", "role", "model", "content", "stop_reason", "stop_sequence", "usage")
     _has(raw["content"][0], "type", "text", "citations")
     usage = raw["usage"]
     _has(usage, "input_tokens", "output_tokens", "cache_creation_input_tokens",
          "cache_read_input_tokens", "cache_creation", "server_tool_use", "service_tier")  # fmt: skip
-    prompt = served.anthropic.messages.count_tokens(model=served.model, messages=ASK).input_tokens
+    prompt = templated.anthropic.messages.count_tokens(
+        model=templated.model, messages=ASK
+    ).input_tokens
     assert usage["cache_read_input_tokens"] > 0  # the second time, the prompt is cached
     assert usage["input_tokens"] + usage["cache_read_input_tokens"] == prompt
-    with served.anthropic.messages.stream(**request) as stream:
+    with templated.anthropic.messages.stream(**request) as stream:
         events = list(stream)
     start = next(e for e in events if e.type == "message_start").message.usage
     assert start.cache_read_input_tokens == usage["cache_read_input_tokens"]
     assert start.input_tokens == usage["input_tokens"]
 
 
-def test_anthropic_output_config_format_is_enforced(served):
+def test_anthropic_output_config_format_is_enforced(templated):
     schema = {
         "type": "object",
         "properties": {"capital": {"type": "string", "maxLength": 16}},
         "required": ["capital"],
         "additionalProperties": False,
     }
-    raw = served.http.post(
+    raw = templated.http.post(
         "/v1/messages",
         json={
-            "model": served.model,
+            "model": templated.model,
             "max_tokens": 40,
             "messages": [{"role": "user", "content": "What is the capital of France?"}],
             "output_config": {"format": {"type": "json_schema", "schema": schema}},
@@ -351,16 +379,16 @@ def test_anthropic_output_config_format_is_enforced(served):
     jsonschema.validate(json.loads(raw["content"][0]["text"]), schema)
 
 
-def test_responses_object_carries_its_required_fields(served):
+def test_responses_object_carries_its_required_fields(templated):
     from openai.types.responses import Response
 
     required = ("id", "object", "created_at", "model", "output", "status", "completed_at",
                 "instructions", "previous_response_id", "truncation", "text", "tools",
                 "tool_choice", "parallel_tool_calls", "usage", "error", "incomplete_details")  # fmt: skip
-    raw = served.http.post(
+    raw = templated.http.post(
         "/v1/responses",
         json={
-            "model": served.model,
+            "model": templated.model,
             "input": "Hi",
             "instructions": "Be brief.",
             "max_output_tokens": 4,
@@ -369,7 +397,9 @@ def test_responses_object_carries_its_required_fields(served):
     Response.model_validate(raw)
     _has(raw, *required)
     assert raw["instructions"] == "Be brief."
-    with served.openai.responses.stream(model=served.model, input="Hi", max_output_tokens=4) as s:
+    with templated.openai.responses.stream(
+        model=templated.model, input="Hi", max_output_tokens=4
+    ) as s:
         events = list(s)
     assert events[0].type == "response.created"
     for event in (events[0], events[-1]):  # created, and completed or incomplete

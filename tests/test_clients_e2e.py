@@ -43,16 +43,19 @@ from api_schemas import check_sse, validate
 from conftest import start_cluster, stop_cluster
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import StructuredTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_ai import Agent, RunContext
 from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
-from test_http_api import Served
+from support import Served
+from support import greedy as grpc_greedy
 from tiny_models import make_tiny_model
 
 from mlx_relay.launch.local import free_ports
+from mlx_relay.protocol import relay_pb2 as pb
 
 pytestmark = pytest.mark.cluster
 set_tracing_disabled(True)  # (the agents SDK would send its traces to OpenAI)
@@ -101,6 +104,29 @@ OPENAI_TOOL = {
     },
 }
 RESULT = get_weather("Paris", "celsius")
+ANSWERS = {"stop": "stop", "length": "length"}  # (gRPC's finish reasons: OpenAI's are the same)
+
+
+def _grpc(sdk_cluster, messages: list[dict], max_tokens: int, **request) -> pb.GenerateResponse:
+    """The gRPC door's greedy answer to the same chat: what every HTTP door and client must
+    give back for it (no client here sets a temperature)."""
+    return grpc_greedy(sdk_cluster, messages, max_tokens, **request)
+
+
+def _openai_call(call_id: str, arguments: str, name: str = "get_weather") -> dict:
+    return {"id": call_id, "function": {"name": name, "arguments": arguments}}
+
+
+def _greedy_call(
+    sdk_cluster, messages: list[dict], tools: list[dict] = (OPENAI_TOOL,)
+) -> pb.ToolCall:
+    """The gRPC door's greedy forced call of get_weather for `messages`, `tools` offered
+    (in OpenAI's shape: their text is part of the prompt)."""
+    tools_json = json.dumps(list(tools))
+    reply = _grpc(sdk_cluster, messages, FORCED, tools_json=tools_json, tool_choice="get_weather")
+    assert reply.finish_reason == "tool_calls", reply
+    [call] = reply.tool_calls
+    return call
 
 
 @pytest.fixture(
@@ -110,7 +136,7 @@ RESULT = get_weather("Paris", "celsius")
         "tiny",
     ],
 )
-def served(request, tmp_path_factory):
+def sdk_cluster(request, tmp_path_factory):
     """The default model: the session's default-model cluster (these tests only ask it
     questions); the tiny one: a cluster of its own."""
     if request.param == "default":
@@ -121,10 +147,10 @@ def served(request, tmp_path_factory):
         port = free_ports(1)[0]
         logs = tmp_path_factory.mktemp("logs")
         running = start_cluster(model, 2, logs, "--http-address", f"127.0.0.1:{port}")
-    served = Served(running, model, [], port)
-    served.http.timeout = httpx.Timeout(300)  # (a forced call on a busy machine: minutes)
-    yield served
-    served.http.close()
+    sdk_cluster = Served(running, model, [], port)
+    sdk_cluster.http.timeout = httpx.Timeout(300)  # (a forced call on a busy machine: minutes)
+    yield sdk_cluster
+    sdk_cluster.http.close()
     if request.param != "default":
         stop_cluster(running)
 
@@ -138,37 +164,38 @@ def _valid(arguments: str | dict) -> Weather:
 # --- openai: chat completions and the Responses API ---------------------------------------
 
 
-def test_openai_chat(served):
-    client = served.openai
-    plain = client.chat.completions.create(
-        model=served.model, messages=[{"role": "user", "content": ASK}], max_tokens=MAX
-    )
-    assert plain.choices[0].finish_reason in ("stop", "length")
-    assert isinstance(plain.choices[0].message.content, str)
+def test_openai_chat(sdk_cluster):
+    client = sdk_cluster.openai
+    asked = [{"role": "user", "content": ASK}]
+    greedy = _grpc(sdk_cluster, asked, MAX)
+    plain = client.chat.completions.create(model=sdk_cluster.model, messages=asked, max_tokens=MAX)
+    assert plain.choices[0].finish_reason == greedy.finish_reason
+    assert plain.choices[0].message.content == greedy.text
+    assert plain.usage.completion_tokens == len(greedy.token_ids)
 
     chunks = list(
         client.chat.completions.create(
-            model=served.model,
+            model=sdk_cluster.model,
             messages=[{"role": "user", "content": ASK}],
             max_tokens=MAX,
             stream=True,
             stream_options={"include_usage": True},
         )
     )
-    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
-    assert 0 < chunks[-1].usage.completion_tokens <= MAX and not chunks[-1].choices
+    assert chunks[-2].choices[0].finish_reason == greedy.finish_reason
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == greedy.text
+    assert chunks[-1].usage.completion_tokens == len(greedy.token_ids) and not chunks[-1].choices
 
     parsed = client.chat.completions.parse(
-        model=served.model,
+        model=sdk_cluster.model,
         messages=[{"role": "user", "content": ASK}],
         response_format=Weather,
         max_tokens=FORCED,
     )
     assert isinstance(parsed.choices[0].message.parsed, Weather)
 
-    asked = [{"role": "user", "content": ASK}]
     called = client.chat.completions.create(
-        model=served.model,
+        model=sdk_cluster.model,
         messages=asked,
         tools=[OPENAI_TOOL],
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
@@ -176,42 +203,54 @@ def test_openai_chat(served):
     )
     [call] = called.choices[0].message.tool_calls
     args = _valid(call.function.arguments)
+    assert call.function.arguments == _greedy_call(sdk_cluster, asked).function.arguments
+    history = [
+        *asked,
+        called.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": get_weather(**args.model_dump())},
+    ]
     answered = client.chat.completions.create(
-        model=served.model,
-        messages=[
-            *asked,
-            called.choices[0].message.model_dump(exclude_none=True),
-            {"role": "tool", "tool_call_id": call.id, "content": get_weather(**args.model_dump())},
-        ],
+        model=sdk_cluster.model,
+        messages=history,
         tools=[OPENAI_TOOL],
         tool_choice="none",
         max_tokens=MAX,
     )
-    assert answered.choices[0].finish_reason in ("stop", "length")
+    expected = _grpc(
+        sdk_cluster, history, MAX, tools_json=json.dumps([OPENAI_TOOL]), tool_choice="none"
+    )
+    assert answered.choices[0].finish_reason == expected.finish_reason
+    assert answered.choices[0].message.content == expected.text
     assert not answered.choices[0].message.tool_calls
 
 
-def test_openai_responses(served):
-    client = served.openai
+def test_openai_responses(sdk_cluster):
+    client = sdk_cluster.openai
     tool = {"type": "function", **OPENAI_TOOL["function"]}
-    plain = client.responses.create(model=served.model, input=ASK, max_output_tokens=MAX)
-    assert plain.status in ("completed", "incomplete") and plain.output[-1].type == "message"
+    asked = [{"role": "user", "content": ASK}]
+    greedy = _grpc(sdk_cluster, asked, MAX)
+    status = {"stop": "completed", "length": "incomplete"}[greedy.finish_reason]
+    plain = client.responses.create(model=sdk_cluster.model, input=ASK, max_output_tokens=MAX)
+    assert plain.status == status and plain.output[-1].type == "message"
+    assert plain.output_text == greedy.text
 
     # (not `responses.stream`, whose final response must be `completed`, not `incomplete`)
     events = list(
-        client.responses.create(model=served.model, input=ASK, max_output_tokens=MAX, stream=True)
+        client.responses.create(
+            model=sdk_cluster.model, input=ASK, max_output_tokens=MAX, stream=True
+        )
     )
-    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert events[-1].type == f"response.{status}"
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
-    assert events[-1].response.output_text == "".join(deltas)
+    assert events[-1].response.output_text == "".join(deltas) == greedy.text
 
     parsed = client.responses.parse(
-        model=served.model, input=ASK, text_format=Weather, max_output_tokens=FORCED
+        model=sdk_cluster.model, input=ASK, text_format=Weather, max_output_tokens=FORCED
     )
     assert isinstance(parsed.output_parsed, Weather)
 
     called = client.responses.create(
-        model=served.model,
+        model=sdk_cluster.model,
         input=ASK,
         tools=[tool],
         tool_choice={"type": "function", "name": "get_weather"},
@@ -219,14 +258,15 @@ def test_openai_responses(served):
     )
     [call] = [item for item in called.output if item.type == "function_call"]
     args = _valid(call.arguments)
+    assert call.arguments == _greedy_call(sdk_cluster, asked).function.arguments
     answered = client.responses.create(  # (the stored response continued)
-        model=served.model,
+        model=sdk_cluster.model,
         previous_response_id=called.id,
         input=[
             {
                 "type": "function_call_output",
                 "call_id": call.call_id,
-                "output": get_weather(**args.model_dump()),
+                "output": (output := get_weather(**args.model_dump())),
             }
         ],
         tools=[tool],
@@ -234,29 +274,43 @@ def test_openai_responses(served):
         max_output_tokens=MAX,
     )
     assert [item.type for item in answered.output][-1] == "message"
+    expected = _grpc(
+        sdk_cluster,
+        [
+            *asked,
+            {"role": "assistant", "tool_calls": [_openai_call(call.call_id, call.arguments)]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": output},
+        ],
+        MAX,
+        tools_json=json.dumps([OPENAI_TOOL]),
+        tool_choice="none",
+    )
+    assert answered.output_text == expected.text
 
 
 # --- anthropic ---------------------------------------------------------------------------
 
 
-def test_anthropic(served):
-    client = served.anthropic
+def test_anthropic(sdk_cluster):
+    client = sdk_cluster.anthropic
     asked = [{"role": "user", "content": ASK}]
-    plain = client.messages.create(model=served.model, max_tokens=MAX, messages=asked)
-    assert plain.stop_reason in ("end_turn", "max_tokens")
+    greedy = _grpc(sdk_cluster, asked, MAX)
+    stop = {"stop": "end_turn", "length": "max_tokens"}[greedy.finish_reason]
+    plain = client.messages.create(model=sdk_cluster.model, max_tokens=MAX, messages=asked)
+    assert plain.stop_reason == stop and plain.content[-1].text == greedy.text
 
-    with client.messages.stream(model=served.model, max_tokens=MAX, messages=asked) as stream:
+    with client.messages.stream(model=sdk_cluster.model, max_tokens=MAX, messages=asked) as stream:
         text = "".join(stream.text_stream)
-    assert stream.get_final_message().content[-1].text == text
+    assert stream.get_final_message().content[-1].text == text == greedy.text
 
     parsed = client.messages.parse(
-        model=served.model, max_tokens=FORCED, messages=asked, output_format=Forecast
+        model=sdk_cluster.model, max_tokens=FORCED, messages=asked, output_format=Forecast
     )
     assert isinstance(parsed.parsed_output, Forecast)
 
     tools = [{"name": "get_weather", "description": "Current weather", "input_schema": WEATHER}]
     called = client.messages.create(
-        model=served.model,
+        model=sdk_cluster.model,
         max_tokens=FORCED,
         messages=asked,
         tools=tools,
@@ -265,8 +319,14 @@ def test_anthropic(served):
     assert called.stop_reason == "tool_use"
     [use] = [b for b in called.content if b.type == "tool_use"]
     args = _valid(use.input)
+    as_openai = [
+        {"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                          "parameters": t["input_schema"]}}
+        for t in tools
+    ]  # fmt: skip
+    assert use.input == json.loads(_greedy_call(sdk_cluster, asked, as_openai).function.arguments)
     answered = client.messages.create(
-        model=served.model,
+        model=sdk_cluster.model,
         max_tokens=MAX,
         tools=tools,
         tool_choice={"type": "none"},
@@ -285,24 +345,41 @@ def test_anthropic(served):
             },
         ],
     )
-    assert answered.stop_reason in ("end_turn", "max_tokens")
+    expected = _grpc(
+        sdk_cluster,
+        [
+            *asked,
+            {"role": "assistant", "tool_calls": [_openai_call(use.id, json.dumps(use.input))]},
+            {"role": "tool", "tool_call_id": use.id, "content": get_weather(**args.model_dump())},
+        ],
+        MAX,
+        tools_json=json.dumps(as_openai),
+        tool_choice="none",
+    )
+    assert (
+        answered.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[expected.finish_reason]
+    )
+    assert answered.content[-1].text == expected.text
 
 
 # --- ollama ------------------------------------------------------------------------------
 
 
-def test_ollama(served):
-    client = ollama.Client(host=served.base)
+def test_ollama(sdk_cluster):
+    client = ollama.Client(host=sdk_cluster.base)
     asked = [{"role": "user", "content": ASK}]
     options = {"num_predict": MAX}
-    plain = client.chat(model=served.model, messages=asked, options=options)
-    assert plain.done and isinstance(plain.message.content, str)
+    greedy = _grpc(sdk_cluster, asked, MAX)
+    plain = client.chat(model=sdk_cluster.model, messages=asked, options=options)
+    assert plain.done and plain.message.content == greedy.text
+    assert plain.done_reason == greedy.finish_reason and plain.eval_count == len(greedy.token_ids)
 
-    parts = list(client.chat(model=served.model, messages=asked, options=options, stream=True))
+    parts = list(client.chat(model=sdk_cluster.model, messages=asked, options=options, stream=True))
     assert parts[-1].done and not any(p.done for p in parts[:-1])
+    assert "".join(p.message.content for p in parts) == greedy.text
 
     structured = client.chat(
-        model=served.model,
+        model=sdk_cluster.model,
         messages=asked,
         format=WEATHER,
         options={"num_predict": FORCED},
@@ -311,44 +388,65 @@ def test_ollama(served):
 
     # Ollama has no tool_choice: whatever the model does with the tool is checked, and the
     # round trip is a call and its result in the history.
-    offered = client.chat(model=served.model, messages=asked, tools=[OPENAI_TOOL], options=options)
-    for call in offered.message.tool_calls or []:
-        assert call.function.name == "get_weather"
+    # (the tool as ollama's client sends it: its own model of a tool, less `strict`,
+    # `maxLength`, `additionalProperties`: the prompt shows that text)
+    tool = ollama.Tool.model_validate(OPENAI_TOOL).model_dump(exclude_none=True)
+    offered = client.chat(model=sdk_cluster.model, messages=asked, tools=[tool], options=options)
+    expected = _grpc(sdk_cluster, asked, MAX, tools_json=json.dumps([tool]))
+    assert offered.message.content == expected.text
+    assert [(c.function.name, c.function.arguments) for c in offered.message.tool_calls or []] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in expected.tool_calls
+    ]
     call = {"function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}
     answered = client.chat(
-        model=served.model,
+        model=sdk_cluster.model,
         messages=[
             *asked,
             {"role": "assistant", "content": "", "tool_calls": [call]},
             {"role": "tool", "content": RESULT, "tool_name": "get_weather"},
         ],
-        tools=[OPENAI_TOOL],
+        tools=[tool],
         options=options,
     )
-    assert answered.done
+    expected = _grpc(
+        sdk_cluster,
+        [
+            *asked,
+            {
+                "role": "assistant",
+                "tool_calls": [_openai_call("", json.dumps(call["function"]["arguments"]))],
+            },
+            {"role": "tool", "content": RESULT},
+        ],
+        MAX,
+        tools_json=json.dumps([tool]),
+    )
+    assert answered.done and answered.message.content == expected.text
 
 
 # --- langchain-openai ----------------------------------------------------------------------
 
 
-def _langchain(served, max_tokens: int = MAX) -> ChatOpenAI:
+def _langchain(sdk_cluster, max_tokens: int = MAX) -> ChatOpenAI:
     return ChatOpenAI(
-        model=served.model,
-        base_url=served.base + "/v1",
+        model=sdk_cluster.model,
+        base_url=sdk_cluster.base + "/v1",
         api_key="none",
         max_tokens=max_tokens,
         max_retries=0,
     )
 
 
-def test_langchain(served):
-    chat = _langchain(served)
+def test_langchain(sdk_cluster):
+    chat = _langchain(sdk_cluster)
+    greedy = _grpc(sdk_cluster, [{"role": "user", "content": ASK}], MAX)
     reply = chat.invoke(ASK)
-    assert isinstance(reply.content, str)
+    assert reply.content == greedy.text
+    assert reply.response_metadata["finish_reason"] == greedy.finish_reason
     chunks = list(chat.stream(ASK))
-    assert "".join(c.content for c in chunks) == "".join(c.content for c in chunks if c.content)
+    assert "".join(c.content for c in chunks) == greedy.text
 
-    forced = _langchain(served, FORCED)
+    forced = _langchain(sdk_cluster, FORCED)
     for method in ("json_schema", "function_calling"):
         answer = forced.with_structured_output(Weather, method=method, strict=True).invoke(ASK)
         assert isinstance(answer, Weather), method
@@ -359,34 +457,51 @@ def test_langchain(served):
     called = forced.bind_tools([weather], tool_choice="get_weather", strict=True).invoke(asked)
     [call] = called.tool_calls
     _valid(call["args"])
+    sent = convert_to_openai_tool(weather, strict=True)  # (the tool as LangChain sends it)
+    asked_ = [{"role": "user", "content": ASK}]
+    assert call["args"] == json.loads(_greedy_call(sdk_cluster, asked_, [sent]).function.arguments)
     result = weather.invoke(call)
-    assert isinstance(result, ToolMessage)
+    assert isinstance(result, ToolMessage) and result.content == get_weather(**call["args"])
     answered = chat.bind_tools([weather], tool_choice="none").invoke([*asked, called, result])
-    assert isinstance(answered.content, str) and not answered.tool_calls
+    expected = _grpc(
+        sdk_cluster,
+        [
+            *asked_,
+            {
+                "role": "assistant",
+                "tool_calls": [_openai_call(call["id"], json.dumps(call["args"]))],
+            },
+            {"role": "tool", "tool_call_id": call["id"], "content": result.content},
+        ],
+        MAX,
+        tools_json=json.dumps([convert_to_openai_tool(weather)]),
+        tool_choice="none",
+    )
+    assert answered.content == expected.text and not answered.tool_calls
 
 
 # --- instructor ----------------------------------------------------------------------------
 
 
-def test_instructor(served):
-    tools = instructor.from_openai(served.openai, mode=instructor.Mode.TOOLS)
+def test_instructor(sdk_cluster):
+    tools = instructor.from_openai(sdk_cluster.openai, mode=instructor.Mode.TOOLS)
     asked = [{"role": "user", "content": ASK}]
     plain = tools.chat.completions.create(
-        model=served.model, messages=asked, response_model=None, max_tokens=MAX
+        model=sdk_cluster.model, messages=asked, response_model=None, max_tokens=MAX
     )
-    assert plain.choices[0].message.content is not None
+    assert plain.choices[0].message.content == _grpc(sdk_cluster, asked, MAX).text
 
     partials = list(
         tools.chat.completions.create_partial(
-            model=served.model, messages=asked, response_model=Weather, max_tokens=FORCED
+            model=sdk_cluster.model, messages=asked, response_model=Weather, max_tokens=FORCED
         )
     )
     Weather.model_validate(partials[-1].model_dump())
 
     for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
-        client = instructor.from_openai(served.openai, mode=mode)
+        client = instructor.from_openai(sdk_cluster.openai, mode=mode)
         answer = client.chat.completions.create(
-            model=served.model,
+            model=sdk_cluster.model,
             messages=asked,
             response_model=Weather,
             max_tokens=FORCED,
@@ -396,24 +511,20 @@ def test_instructor(served):
 
     # TOOLS mode is a forced call of a tool named for the model; its result goes back.
     answer, completion = tools.chat.completions.create_with_completion(
-        model=served.model, messages=asked, response_model=Weather, max_tokens=FORCED
+        model=sdk_cluster.model, messages=asked, response_model=Weather, max_tokens=FORCED
     )
     [call] = completion.choices[0].message.tool_calls
+    history = [
+        *asked,
+        {"role": "assistant", "content": "", "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": get_weather(**answer.model_dump())},
+    ]
     answered = tools.chat.completions.create(
-        model=served.model,
-        response_model=None,
-        max_tokens=MAX,
-        messages=[
-            *asked,
-            {"role": "assistant", "content": "", "tool_calls": [call.model_dump()]},
-            {
-                "role": "tool",
-                "tool_call_id": call.id,
-                "content": get_weather(**answer.model_dump()),
-            },
-        ],
+        model=sdk_cluster.model, response_model=None, max_tokens=MAX, messages=history
     )
-    assert answered.choices[0].finish_reason in ("stop", "length")
+    expected = _grpc(sdk_cluster, history, MAX)
+    assert answered.choices[0].finish_reason == expected.finish_reason
+    assert answered.choices[0].message.content == expected.text
 
 
 # --- pydantic-ai -----------------------------------------------------------------------------
@@ -430,18 +541,19 @@ class CallFirst(AbstractCapability):
         return lambda ctx: {"tool_choice": [self.tool] if ctx.run_step <= 1 else "none"}
 
 
-def _pydantic_model(served) -> OpenAIChatModel:
-    provider = OpenAIProvider(base_url=served.base + "/v1", api_key="none")
-    return OpenAIChatModel(served.model, provider=provider)
+def _pydantic_model(sdk_cluster) -> OpenAIChatModel:
+    provider = OpenAIProvider(base_url=sdk_cluster.base + "/v1", api_key="none")
+    return OpenAIChatModel(sdk_cluster.model, provider=provider)
 
 
-def test_pydantic_ai(served):
-    model = _pydantic_model(served)
+def test_pydantic_ai(sdk_cluster):
+    model = _pydantic_model(sdk_cluster)
     agent = Agent(model, model_settings={"max_tokens": MAX})
-    assert isinstance(agent.run_sync(ASK).output, str)
+    greedy = _grpc(sdk_cluster, [{"role": "user", "content": ASK}], MAX)
+    assert agent.run_sync(ASK).output == greedy.text
     streamed = agent.run_stream_sync(ASK)
     text = "".join(streamed.stream_text(delta=True))
-    assert streamed.get_output() == text
+    assert streamed.get_output() == text == greedy.text
 
     structured = Agent(model, output_type=Weather, model_settings={"max_tokens": FORCED})
     assert isinstance(structured.run_sync(ASK).output, Weather)
@@ -466,35 +578,53 @@ def test_pydantic_ai(served):
 # --- openai-agents (the Responses API) -------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _whole_or_cut():
-    try:
-        yield
-    except ModelBehaviorError as e:
-        assert "response.incomplete" in str(e) and "max_output_tokens" in str(e), e
+def _expect_whole_or_cut(greedy: pb.GenerateResponse):
+    """What the agents SDK does with the door's answer to a greedy request: a whole one
+    (finish "stop") is the run's output; one cut by max_tokens (`response.incomplete`) the
+    SDK refuses once read whole, with ModelBehaviorError, and exactly then."""
+    if greedy.finish_reason == "stop":
+        return contextlib.nullcontext()
+    assert greedy.finish_reason == "length", greedy
+    return pytest.raises(ModelBehaviorError, match="response.incomplete.*max_output_tokens")
 
 
-def test_openai_agents(served):
-    asyncio.run(_agents(served))  # (one event loop: the SDK's async client is bound to it)
+def test_openai_agents(sdk_cluster):
+    asyncio.run(_agents(sdk_cluster))  # (one event loop: the SDK's async client is bound to it)
 
 
-async def _agents(served) -> None:
-    client = openai.AsyncOpenAI(base_url=served.base + "/v1", api_key="none", max_retries=0)
-    model = OpenAIResponsesModel(model=served.model, openai_client=client)
+async def _agents(sdk_cluster) -> None:
+    answers: list[dict] = []  # (every Responses answer the SDK read, as the door sent it)
+    asks: list[dict] = []  # (and every request it sent)
+
+    async def record(reply: httpx.Response) -> None:
+        if reply.request.url.path.endswith("/responses"):
+            asks.append(json.loads(reply.request.content))
+            await reply.aread()
+            if reply.headers.get("content-type", "").startswith("application/json"):
+                answers.append(reply.json())
+
+    http = httpx.AsyncClient(event_hooks={"response": [record]}, timeout=300)
+    client = openai.AsyncOpenAI(
+        base_url=sdk_cluster.base + "/v1", api_key="none", max_retries=0, http_client=http
+    )
+    model = OpenAIResponsesModel(model=sdk_cluster.model, openai_client=client)
     short = ModelSettings(max_tokens=MAX)
     agent = OpenAIAgent(name="plain", instructions="Be brief.", model=model, model_settings=short)
-    # The SDK refuses a response cut short by max_tokens (`response.incomplete`) once it
-    # has read it whole; a free answer may be, on a random model: either is a good end.
-    with _whole_or_cut():
-        assert isinstance((await Runner.run(agent, ASK)).final_output, str)
-    with _whole_or_cut():
-        streamed = Runner.run_streamed(agent, ASK)
-        deltas = [
-            e.data.delta
-            async for e in streamed.stream_events()
-            if e.type == "raw_response_event" and e.data.type == "response.output_text.delta"
-        ]
-        assert streamed.final_output == "".join(deltas)
+    asked = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ASK}]
+    greedy = _grpc(sdk_cluster, asked, MAX)
+    with _expect_whole_or_cut(greedy):
+        assert (await Runner.run(agent, ASK)).final_output == greedy.text
+    [answer] = answers
+    text = [p["text"] for item in answer["output"] for p in item.get("content") or []]
+    assert "".join(text) == greedy.text
+    deltas = []
+    streamed = Runner.run_streamed(agent, ASK)
+    with _expect_whole_or_cut(greedy):
+        async for e in streamed.stream_events():
+            if e.type == "raw_response_event" and e.data.type == "response.output_text.delta":
+                deltas.append(e.data.delta)
+        assert streamed.final_output == greedy.text
+    assert "".join(deltas) == greedy.text
 
     forced = ModelSettings(max_tokens=FORCED)
     typed = OpenAIAgent(name="typed", model=model, model_settings=forced, output_type=Weather)
@@ -521,86 +651,117 @@ async def _agents(served) -> None:
         name="answerer", model=model, tools=[weather], model_settings=ModelSettings(
             max_tokens=MAX, tool_choice="none")
     )  # fmt: skip
-    with _whole_or_cut():
-        answered = await Runner.run(answerer, called.to_input_list())
-        assert isinstance(answered.final_output, str)
+    history = called.to_input_list()
+    [call] = [item for item in history if item.get("type") == "function_call"]
+    [sent] = asks[-1]["tools"]  # (the tool as the SDK sends it, in the Responses API's shape)
+    fields = ("name", "description", "parameters", "strict")  # (as a chat client orders them)
+    tool = {"type": "function", "function": {k: sent[k] for k in fields}}
+    expected = _grpc(
+        sdk_cluster,
+        [
+            {"role": "user", "content": ASK},
+            {
+                "role": "assistant",
+                "tool_calls": [_openai_call(call["call_id"], call["arguments"], "weather")],
+            },
+            {"role": "tool", "tool_call_id": call["call_id"], "content": called.final_output},
+        ],
+        MAX,
+        tools_json=json.dumps([tool]),
+        tool_choice="none",
+    )
+    del answers[:]
+    with _expect_whole_or_cut(expected):
+        answered = await Runner.run(answerer, history)
+        assert answered.final_output == expected.text
+    [answer] = answers
+    text = [p["text"] for item in answer["output"] for p in item.get("content") or []]
+    assert "".join(text) == expected.text
     assert len(calls) == 1
+    await http.aclose()
 
 
 # --- every object and event against the API owners' published schemas ----------------------
 
 
-def _stream(served, kind: str, path: str, body: dict) -> list[dict]:
-    reply = served.http.post(path, json={**body, "stream": True})
+def _stream(sdk_cluster, kind: str, path: str, body: dict) -> list[dict]:
+    reply = sdk_cluster.http.post(path, json={**body, "stream": True})
     assert reply.status_code == 200, reply.text
     return check_sse(kind, reply.text)
 
 
-def test_openai_shapes(served):
-    chat = {"model": served.model, "messages": [{"role": "user", "content": ASK}]}
+def test_openai_shapes(sdk_cluster):
+    chat = {"model": sdk_cluster.model, "messages": [{"role": "user", "content": ASK}]}
     forced = {"tools": [OPENAI_TOOL], "tool_choice": "required", "max_tokens": FORCED}
     for extra in ({"max_tokens": 4, "logprobs": True, "top_logprobs": 2}, forced):
-        reply = served.http.post("/v1/chat/completions", json={**chat, **extra})
+        reply = sdk_cluster.http.post("/v1/chat/completions", json={**chat, **extra})
         validate("openai", "CreateChatCompletionResponse", reply.json())
     usage = {"stream_options": {"include_usage": True}}
     for extra in ({"max_tokens": 4, "logprobs": True, **usage}, forced):
-        _stream(served, "chat", "/v1/chat/completions", {**chat, **extra})
-    text = {"model": served.model, "prompt": ["Once upon", "The sky"], "max_tokens": 3}
-    reply = served.http.post("/v1/completions", json={**text, "logprobs": 2})
+        _stream(sdk_cluster, "chat", "/v1/chat/completions", {**chat, **extra})
+    text = {"model": sdk_cluster.model, "prompt": ["Once upon", "The sky"], "max_tokens": 3}
+    reply = sdk_cluster.http.post("/v1/completions", json={**text, "logprobs": 2})
     validate("openai", "CreateCompletionResponse", reply.json())
-    _stream(served, "completions", "/v1/completions", {**text, **usage})
-    validate("openai", "ListModelsResponse", served.http.get("/v1/models").json())
-    validate("openai", "Model", served.http.get(f"/v1/models/{served.model}").json())
+    _stream(sdk_cluster, "completions", "/v1/completions", {**text, **usage})
+    validate("openai", "ListModelsResponse", sdk_cluster.http.get("/v1/models").json())
+    validate("openai", "Model", sdk_cluster.http.get(f"/v1/models/{sdk_cluster.model}").json())
     for path, body in (("/v1/chat/completions", {**chat, "model": "nope"}), ("/v1/nope", {})):
-        validate("openai", "ErrorResponse", served.http.post(path, json=body).json())
+        validate("openai", "ErrorResponse", sdk_cluster.http.post(path, json=body).json())
 
 
-def test_responses_shapes(served):
+def test_responses_shapes(sdk_cluster):
     tool = {"type": "function", **OPENAI_TOOL["function"]}
-    plain = {"model": served.model, "input": ASK, "max_output_tokens": 4, "instructions": "Hi."}
+    plain = {
+        "model": sdk_cluster.model,
+        "input": ASK,
+        "max_output_tokens": 4,
+        "instructions": "Hi.",
+    }
     forced = {"tools": [tool], "tool_choice": "required", "max_output_tokens": FORCED}
     fmt = {"type": "json_schema", "name": "weather", "schema": WEATHER, "strict": True}
     structured = {"text": {"format": fmt}, "max_output_tokens": FORCED}
     for extra in ({}, forced, structured):
-        reply = served.http.post("/v1/responses", json={**plain, **extra}).json()
+        reply = sdk_cluster.http.post("/v1/responses", json={**plain, **extra}).json()
         validate("openai", "Response", reply)
-        retrieved = served.http.get(f"/v1/responses/{reply['id']}").json()
+        retrieved = sdk_cluster.http.get(f"/v1/responses/{reply['id']}").json()
         validate("openai", "Response", retrieved)
-        events = _stream(served, "responses", "/v1/responses", {**plain, **extra})
+        events = _stream(sdk_cluster, "responses", "/v1/responses", {**plain, **extra})
         assert events[-1]["type"] in ("response.completed", "response.incomplete")
-    missing = served.http.post("/v1/responses", json={**plain, "previous_response_id": "x"})
+    missing = sdk_cluster.http.post("/v1/responses", json={**plain, "previous_response_id": "x"})
     validate("openai", "ErrorResponse", missing.json())
 
 
-def test_anthropic_shapes(served):
-    asked = {"model": served.model, "messages": [{"role": "user", "content": ASK}]}
+def test_anthropic_shapes(sdk_cluster):
+    asked = {"model": sdk_cluster.model, "messages": [{"role": "user", "content": ASK}]}
     tools = [{"name": "get_weather", "input_schema": WEATHER}]
     forced = {"tools": tools, "tool_choice": {"type": "any"}, "max_tokens": FORCED}
     fmt = {"output_config": {"format": {"type": "json_schema", "schema": WEATHER}}}
     for extra in ({"max_tokens": 4}, forced, {**fmt, "max_tokens": FORCED}):
-        reply = served.http.post("/v1/messages", json={**asked, **extra})
+        reply = sdk_cluster.http.post("/v1/messages", json={**asked, **extra})
         validate("anthropic", "Message", reply.json())
-        events = _stream(served, "anthropic", "/v1/messages", {**asked, **extra})
+        events = _stream(sdk_cluster, "anthropic", "/v1/messages", {**asked, **extra})
         assert [e["type"] for e in events][-2:] == ["message_delta", "message_stop"]
-    counted = served.http.post("/v1/messages/count_tokens", json={**asked, "tools": tools})
+    counted = sdk_cluster.http.post("/v1/messages/count_tokens", json={**asked, "tools": tools})
     validate("anthropic", "CountMessageTokensResponse", counted.json())
     for body in (asked, {**asked, "model": "nope", "max_tokens": 4}):
-        validate("anthropic", "ErrorResponse", served.http.post("/v1/messages", json=body).json())
+        validate(
+            "anthropic", "ErrorResponse", sdk_cluster.http.post("/v1/messages", json=body).json()
+        )
 
 
 # --- a forced call cut by max_tokens --------------------------------------------------------
 
 
-def test_forced_call_cut_short(served):
+def test_forced_call_cut_short(sdk_cluster):
     """A forced call that runs out of tokens comes back as far as it got, on every door:
     OpenAI's partial `tool_calls` (arguments the JSON text so far) with finish_reason
     "length", Anthropic's `tool_use` block (its input what can be read) with stop_reason
     "max_tokens", never the call's markup as text. Greedy, so the cut call is the start
     of the whole one, cut a few tokens before its end (inside the arguments)."""
-    client = served.openai
+    client = sdk_cluster.openai
     asked = [{"role": "user", "content": ASK}]
     forced = {"type": "function", "function": {"name": "get_weather"}}
-    chat = {"model": served.model, "messages": asked, "tools": [OPENAI_TOOL], "temperature": 0}
+    chat = {"model": sdk_cluster.model, "messages": asked, "tools": [OPENAI_TOOL], "temperature": 0}
     whole = client.chat.completions.create(**chat, tool_choice=forced, max_tokens=FORCED)
     assert whole.choices[0].finish_reason == "tool_calls"
     cut = whole.usage.completion_tokens - 3
@@ -614,7 +775,7 @@ def test_forced_call_cut_short(served):
     validate(
         "openai",
         "CreateChatCompletionResponse",
-        served.http.post(
+        sdk_cluster.http.post(
             "/v1/chat/completions", json={**chat, "tool_choice": forced, "max_tokens": cut}
         ).json(),
     )
@@ -628,24 +789,26 @@ def test_forced_call_cut_short(served):
 
     tools = [{"name": "get_weather", "input_schema": WEATHER}]
     greedy = {"extra_body": {"temperature": 0}}  # (the SDK has no such parameter)
-    message = {"model": served.model, "messages": asked, "tools": tools, **greedy}
+    message = {"model": sdk_cluster.model, "messages": asked, "tools": tools, **greedy}
     for choice_ in ({"type": "tool", "name": "get_weather"}, {"type": "any"}):
-        short = served.anthropic.messages.create(**message, tool_choice=choice_, max_tokens=cut)
+        short = sdk_cluster.anthropic.messages.create(
+            **message, tool_choice=choice_, max_tokens=cut
+        )
         assert short.stop_reason == "max_tokens"
         [use] = short.content
         assert use.type == "tool_use" and use.name == "get_weather"
         assert isinstance(use.input, dict)
-    with served.anthropic.messages.stream(
+    with sdk_cluster.anthropic.messages.stream(
         **message, tool_choice={"type": "any"}, max_tokens=cut
     ) as stream:
         final = stream.get_final_message()
     assert final.stop_reason == "max_tokens" and [b.type for b in final.content] == ["tool_use"]
 
     tool = {"type": "function", **OPENAI_TOOL["function"]}
-    reply = served.http.post(
+    reply = sdk_cluster.http.post(
         "/v1/responses",
         json={
-            "model": served.model,
+            "model": sdk_cluster.model,
             "input": ASK,
             "tools": [tool],
             "tool_choice": "required",

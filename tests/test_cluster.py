@@ -30,7 +30,7 @@ CONFIGS = [
     params=CONFIGS,
     ids=lambda c: f"{c[0]}ranks-{c[1]}-{c[3] or 'even'}-{c[4]}",
 )
-def served(request, tiny_model, cluster_pool):
+def config_cluster(request, tiny_model, cluster_pool):
     """(model, cluster, ranks): one of CONFIGS, from the session's pool (each test asks
     again: a test in between may have loaded another model into the same shape)."""
     n, family, num_layers, layers, hops = request.param
@@ -48,8 +48,8 @@ def _chat(**params) -> pb.GenerateRequest:
     )
 
 
-def test_greedy_equals_mlx_lm(served):
-    model, running, n = served
+def test_greedy_equals_mlx_lm(config_cluster):
+    model, running, n = config_cluster
     expected = mlx_lm_tokens(model, chat_tokens(model, MESSAGES), 40)
     response = running.client.generate(_chat(max_tokens=40))
     assert list(response.token_ids) == expected
@@ -58,8 +58,8 @@ def test_greedy_equals_mlx_lm(served):
     assert response.usage.prompt_tokens == len(chat_tokens(model, MESSAGES))
 
 
-def test_seeded_sampling_equals_mlx_lm(served):
-    model, running, _ = served
+def test_seeded_sampling_equals_mlx_lm(config_cluster):
+    model, running, _ = config_cluster
     prompt = chat_tokens(model, MESSAGES)
     for seed in (0, 7):
         expected = mlx_lm_tokens(
@@ -71,8 +71,8 @@ def test_seeded_sampling_equals_mlx_lm(served):
         assert list(response.token_ids) == expected, f"seed {seed}"
 
 
-def test_stream_aggregates_to_the_same_answer(served):
-    model, running, _ = served
+def test_stream_aggregates_to_the_same_answer(config_cluster):
+    model, running, _ = config_cluster
     chunks = list(running.client.stream(_chat(max_tokens=25)))
     whole = running.client.generate(_chat(max_tokens=25))
     assert "".join(c.text for c in chunks) == whole.text
@@ -84,8 +84,8 @@ def test_stream_aggregates_to_the_same_answer(served):
         assert "\ufffd" not in c.text or "\ufffd" in whole.text
 
 
-def test_status_reports_every_rank(served):
-    model, running, n = served
+def test_status_reports_every_rank(config_cluster):
+    model, running, n = config_cluster
     status = running.client.status()
     assert status.world_size == n and status.state == "serving"
     assert [r.rank for r in status.ranks] == list(range(n))
@@ -112,8 +112,10 @@ BAD_REQUESTS = [
 
 
 @pytest.mark.parametrize("request_, fragment", BAD_REQUESTS, ids=lambda x: str(x)[:30])
-def test_bad_input_is_refused_clearly_and_the_cluster_keeps_serving(served, request_, fragment):
-    model, running, _ = served
+def test_bad_input_is_refused_clearly_and_the_cluster_keeps_serving(
+    config_cluster, request_, fragment
+):
+    model, running, _ = config_cluster
     with pytest.raises(grpc.RpcError) as info:
         running.client.generate(request_)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -125,9 +127,9 @@ def test_bad_input_is_refused_clearly_and_the_cluster_keeps_serving(served, requ
     assert good.usage.completion_tokens >= 1 or good.finish_reason == "stop"
 
 
-def test_invalid_utf8_in_a_string_field_is_refused(served):
+def test_invalid_utf8_in_a_string_field_is_refused(config_cluster):
     """Raw bytes that are not a valid message: INVALID_ARGUMENT, not INTERNAL."""
-    _, running, _ = served
+    _, running, _ = config_cluster
     raw = b"\x0a\x03\xff\xfe\xfd"  # field 1 (prompt), 3 bytes of invalid UTF-8
     call = running.client.channel.unary_unary(
         "/mlx_relay.v1.Relay/Generate",

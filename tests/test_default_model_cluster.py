@@ -75,3 +75,34 @@ def test_greedy_text_over_http_equals_mlx_lm(default_path, expected, default_clu
     ).json()
     assert ollama["message"]["content"] == text
     assert ollama["eval_count"] == len(expected)
+
+
+LONG_MESSAGES = [
+    {
+        "role": "user",
+        "content": "Write a long, detailed history of the city of Rome, century by century.",
+    }
+]
+LONG_TOKENS = 200
+
+
+def test_three_uneven_ranks_answer_200_tokens_exactly_like_mlx_lm(default_path, cluster_factory):
+    """The real model, split unevenly over 3 ranks (8, 12 and 10 of its 30 layers): 200
+    greedy token ids equal single-process mlx-lm's, every one (no early EOS hides a
+    divergence late in the answer: the answer runs to the limit)."""
+    expected = mlx_lm_tokens(default_path, chat_tokens(default_path, LONG_MESSAGES), LONG_TOKENS)
+    assert len(expected) == LONG_TOKENS, "mlx-lm ended early: pick a prompt with a longer answer"
+    running = cluster_factory(default_path, 3, layers="8,12,10")
+    status = running.client.status()
+    assert [(r.layer_start, r.layer_end) for r in status.ranks] == [(0, 8), (8, 20), (20, 30)]
+    response = running.client.generate(
+        pb.GenerateRequest(
+            messages=[pb.ChatMessage(**m) for m in LONG_MESSAGES],
+            params=pb.SamplingParams(max_tokens=LONG_TOKENS),
+        )
+    )
+    got = list(response.token_ids)
+    first = next((i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b), None)
+    assert got == expected, f"first difference at token {first}"
+    assert response.finish_reason == "length"
+    assert response.text == tokenizer_for(default_path).decode(expected)

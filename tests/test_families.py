@@ -306,12 +306,19 @@ def test_decode_groups_of_every_cache_kind(tiny_model, family):
         for row, s in enumerate(members):
             got[s].append(logits[row : row + 1])
             pos[s] += 1
-    for _ in range(2):  # the parked slot's own rows, extracted from the batch, go on
-        token = mx.array([[feed[0][len(got[0]) - 1]]])
-        got[0].append(run(token, lambda sc: sc.for_sequence(0, pos[0], None, 1)))
-        pos[0] += 1
+    # Slot 1 has had all its steps; slot 2 (which joined late) leaves the group parked
+    # too, and the parked slots' own rows, extracted from the batch, go on alone to the
+    # end of their feeds: every slot is compared at every step.
+    assert len(got[1]) == len(expected[1])
+    for sc in slot_caches:
+        sc.park([2])
+    for s in (0, 2):
+        while len(got[s]) < len(expected[s]):
+            token = mx.array([[feed[s][len(got[s]) - 1]]])
+            got[s].append(run(token, lambda sc, s=s: sc.for_sequence(s, pos[s], None, 1)))
+            pos[s] += 1
     for s in prompts:
-        for i, (a, b) in enumerate(zip(got[s], expected[s], strict=False)):
+        for i, (a, b) in enumerate(zip(got[s], expected[s], strict=True)):
             assert mx.allclose(a, b, atol=1e-4).item(), f"{family}: slot {s} step {i} differs"
             assert mx.argmax(a).item() == mx.argmax(b).item()
 

@@ -58,7 +58,7 @@ def model(tiny_model):
 
 
 @pytest.fixture(params=[1, 3], ids=lambda n: f"{n}ranks")
-def served(request, model, cluster_pool):
+def one_or_three_ranks(request, model, cluster_pool):
     return cluster_pool.serving(model, request.param)
 
 
@@ -116,7 +116,7 @@ def _sampling_params(sampler: dict, processors: dict, seed: int | None) -> pb.Sa
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_sampling_and_logits_processors_equal_mlx_lm(served, model, case):
+def test_sampling_and_logits_processors_equal_mlx_lm(one_or_three_ranks, model, case):
     sampler, processors = CASES[case]
     seed = SEED if sampler.get("temp") else None
     greedy = _oracle(model, None, (), ())
@@ -129,16 +129,20 @@ def test_sampling_and_logits_processors_equal_mlx_lm(served, model, case):
     plain = {"temp": sampler["temp"]} if sampler.get("temp") and case != "temp" else {}
     assert expected != _oracle(model, seed if plain else None, key(plain), ())
 
-    response = served.client.generate(_chat(_sampling_params(sampler, processors, seed)))
+    response = one_or_three_ranks.client.generate(
+        _chat(_sampling_params(sampler, processors, seed))
+    )
     assert list(response.token_ids) == expected
-    streamed = list(served.client.stream(_chat(_sampling_params(sampler, processors, seed))))
+    streamed = list(
+        one_or_three_ranks.client.stream(_chat(_sampling_params(sampler, processors, seed)))
+    )
     assert [t for c in streamed for t in c.token_ids] == expected
 
 
-def test_logprobs_are_log_softmax_of_mlx_lm_logits(served, model):
+def test_logprobs_are_log_softmax_of_mlx_lm_logits(one_or_three_ranks, model):
     top_n = 5
     request = _chat(pb.SamplingParams(max_tokens=12, logprobs=True, top_logprobs=top_n))
-    response = served.client.generate(request)
+    response = one_or_three_ranks.client.generate(request)
     tokens = list(response.token_ids)
     assert tokens and len(response.logprobs) == len(tokens)
 
@@ -159,24 +163,28 @@ def test_logprobs_are_log_softmax_of_mlx_lm_logits(served, model):
         assert entry.top_logprobs[0].token_id == token  # greedy
 
     # Streamed: each chunk's logprobs are those of its own tokens.
-    chunks = list(served.client.stream(request))
+    chunks = list(one_or_three_ranks.client.stream(request))
     assert [lp.token_id for c in chunks for lp in c.logprobs] == tokens
     for c in chunks:
         assert [lp.token_id for lp in c.logprobs] == list(c.token_ids)
     # logprobs alone: no alternatives; neither: no entries at all.
-    alone = served.client.generate(_chat(pb.SamplingParams(max_tokens=3, logprobs=True)))
+    alone = one_or_three_ranks.client.generate(
+        _chat(pb.SamplingParams(max_tokens=3, logprobs=True))
+    )
     assert len(alone.logprobs) == 3 and not any(lp.top_logprobs for lp in alone.logprobs)
-    assert not served.client.generate(_chat(pb.SamplingParams(max_tokens=3))).logprobs
+    assert not one_or_three_ranks.client.generate(_chat(pb.SamplingParams(max_tokens=3))).logprobs
 
 
-def test_tokenize_shows_tools_in_the_rendered_prompt(served, model):
+def test_tokenize_shows_tools_in_the_rendered_prompt(one_or_three_ranks, model):
     request = pb.TokenizeRequest(messages=_messages(), tools_json=json.dumps(TOOLS))
-    reply = served.client.stub.Tokenize(request, timeout=30)
+    reply = one_or_three_ranks.client.stub.Tokenize(request, timeout=30)
     assert "<tools>" in reply.prompt
     assert '"name": "get_weather"' in reply.prompt
     assert "Current weather in a city" in reply.prompt
     assert list(reply.token_ids) == encode_text(tokenizer_for(model), reply.prompt)
-    plain = served.client.stub.Tokenize(pb.TokenizeRequest(messages=_messages()), timeout=30)
+    plain = one_or_three_ranks.client.stub.Tokenize(
+        pb.TokenizeRequest(messages=_messages()), timeout=30
+    )
     assert "<tools>" not in plain.prompt and "get_weather" not in plain.prompt
 
 
@@ -212,18 +220,21 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", list(BAD))
-def test_bad_input_names_the_field_and_the_cluster_keeps_serving(served, case):
+def test_bad_input_names_the_field_and_the_cluster_keeps_serving(one_or_three_ranks, case):
     request, fragment = BAD[case]
-    for call in (served.client.generate, lambda r: list(served.client.stream(r))):
+    for call in (
+        one_or_three_ranks.client.generate,
+        lambda r: list(one_or_three_ranks.client.stream(r)),
+    ):
         with pytest.raises(grpc.RpcError) as info:
             call(request)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert fragment in info.value.details()
-    assert served.client.generate(_with()).finish_reason
+    assert one_or_three_ranks.client.generate(_with()).finish_reason
 
 
-def test_final_chunk_of_a_plain_request(served):
-    chunks = list(served.client.stream(_chat(pb.SamplingParams(max_tokens=5))))
+def test_final_chunk_of_a_plain_request(one_or_three_ranks):
+    chunks = list(one_or_three_ranks.client.stream(_chat(pb.SamplingParams(max_tokens=5))))
     last = chunks[-1]
     assert last.finish_reason == "length"
     assert all(not c.finish_reason for c in chunks[:-1])
@@ -605,7 +616,7 @@ def test_cli_tool_flags_and_json(scripted, tmp_path, capsys):
     assert out["malformed_tool_call"] is True
 
 
-def test_cli_sampling_flags(served, model, capsys):
+def test_cli_sampling_flags(one_or_three_ranks, model, capsys):
     """Every sampling flag reaches the server: the same tokens as mlx-lm with them."""
     sampler = {"temp": 0.9, "top_p": 0.95, "top_k": 40, "min_p": 0.02}
     sampler |= {"xtc_probability": 0.4, "xtc_threshold": 0.1}
@@ -616,7 +627,7 @@ def test_cli_sampling_flags(served, model, capsys):
         model, chat_tokens(model, MESSAGES), 16, seed=5, sampler=sampler, processors=processors
     )
     out = _cli_json(
-        capsys, "chat", MESSAGES[0]["content"], "--address", served.address, "--json",
+        capsys, "chat", MESSAGES[0]["content"], "--address", one_or_three_ranks.address, "--json",
         "--max-tokens", "16", "--seed", "5", "--temperature", "0.9", "--top-p", "0.95",
         "--top-k", "40", "--min-p", "0.02", "--xtc-probability", "0.4",
         "--xtc-threshold", "0.1", "--repetition-penalty", "1.2",

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from mlx_names import mlx_private
 
 from mlx_relay.launch import hostfile_cli
 from mlx_relay.launch.hostfile import (
@@ -84,7 +85,7 @@ def test_example_passes_check(path):
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_is_read_by_mlx_launch(path):
     """mlx.launch's own parser accepts it, seeing the same hosts."""
-    common = pytest.importorskip("mlx._distributed_utils.common")
+    common = mlx_private("common", "Hostfile")
     theirs = common.Hostfile.from_file(str(path))
     ours = load_hostfile(path)
     assert [h.ssh_hostname for h in theirs.hosts] == [h.ssh for h in ours.hosts]

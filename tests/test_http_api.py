@@ -17,6 +17,7 @@ import pytest
 from conftest import start_cluster, stop_cluster
 from mlx_lm.utils import load_tokenizer
 from prometheus_client.parser import text_string_to_metric_families
+from support import Served
 from test_generation import CHAT_SCRIPT, MESSAGES, RAW_PROMPT, RAW_SCRIPT, TOOLS, script_model
 from tiny_models import make_tiny_model
 
@@ -25,18 +26,6 @@ from mlx_relay.launch.local import free_ports
 from mlx_relay.protocol import relay_pb2 as pb
 
 pytestmark = pytest.mark.cluster
-
-
-class Served:
-    def __init__(self, running, path, chat_ids, port) -> None:
-        self.running = running
-        self.path = path
-        self.model = str(path)
-        self.chat_ids = chat_ids
-        self.base = f"http://127.0.0.1:{port}"
-        self.openai = openai.OpenAI(base_url=self.base + "/v1", api_key="none", max_retries=0)
-        self.anthropic = anthropic.Anthropic(base_url=self.base, api_key="none", max_retries=0)
-        self.http = httpx.Client(base_url=self.base, timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from launching import (
     localhost_hostfile,
     rank_processes,
 )
+from mlx_names import mlx_private
 from oracle import chat_tokens, mlx_lm_tokens
 
 from mlx_relay.client.client import Client, wait_serving
@@ -39,7 +40,7 @@ from mlx_relay.model.split import memory_split
 
 
 def test_launch_script_is_mlx_launchs_own():
-    launch = pytest.importorskip("mlx._distributed_utils.launch")
+    launch = mlx_private("launch", "RemoteProcess")
     env = ["A=1", "B=with space's", "C", "bad-name=x", 'J=["tcp://1.2.3.4:5"]']
     files = {"MLX_HOSTFILE": json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"]])}
     cmd = [sys.executable, "-m", "mlx_relay", "serve", "--model", "a b"]

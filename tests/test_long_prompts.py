@@ -133,9 +133,18 @@ def _prefilling(running, messages: list[dict]) -> tuple[list, threading.Thread]:
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    time.sleep(1.5)  # (the prefill takes several seconds)
-    assert not outcome, "the prompt was answered before any rank was stopped"
-    return outcome, thread
+    # Wait on the condition itself: the cluster's status shows the request in its prefill,
+    # some of the prompt sent round the ring and not all of it.
+    deadline = time.monotonic() + 120
+    while True:
+        assert not outcome, f"the request ended before its prefill was seen: {outcome}"
+        phases = [
+            (r.phase, r.prefilled_tokens, r.prompt_tokens) for r in running.client.status().requests
+        ]
+        if any(phase == "prefill" and 0 < done < total for phase, done, total in phases):
+            return outcome, thread
+        assert time.monotonic() < deadline, f"no prefill under way within 120 s: {phases}"
+        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("how", ["SIGSTOP", "SIGKILL"])
@@ -153,8 +162,9 @@ def test_a_rank_stopped_or_killed_mid_prefill_is_named(model, tmp_path, how):
         error, when = outcome[0]
         assert error.code() == grpc.StatusCode.UNAVAILABLE, error
         assert f"rank 2 ({HOST})" in error.details(), error.details()
-        limit = HEARTBEAT_TIMEOUT + 2 if how == "SIGSTOP" else 3.0
-        assert when - at < limit, (when - at, error.details())
+        # What found the loss, from the error's words; the time only a generous deadline.
+        found = "side-channel connection closed" if how == "SIGKILL" else "no heartbeat"
+        assert found in error.details() and when - at < 60, (when - at, error.details())
     finally:
         if worker.poll() is None:
             os.kill(worker.pid, signal.SIGCONT)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -120,17 +121,25 @@ def test_exit_codes_are_described():
 
 
 def test_supervisor_names_the_cause_not_the_ranks_that_followed_it():
-    sleeper = "import time; time.sleep(60)"
-    procs = [
-        _proc("import time; time.sleep(0.6); raise SystemExit(3)"),  # rank 0 follows
-        _proc("import os, signal, time; time.sleep(0.3); os.kill(os.getpid(), signal.SIGKILL)"),
-        _proc(sleeper),
-    ]
+    sleeper = "import time; time.sleep(600)"
+    # Rank 0 follows when told (a line on its stdin), rank 1 is killed first: the order is
+    # the test's, never the children's start-up times'.
+    follower = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.readline(); raise SystemExit(3)"],
+        stdin=subprocess.PIPE,
+        text=True,
+    )
+    procs = [follower, _proc(sleeper), _proc(sleeper)]
     sup = Supervisor(procs, ["a", "b", "c"])
-    deadline = time.monotonic() + 10
-    while sup.first_failure() is None and time.monotonic() < deadline:
+    procs[1].kill()
+    deadline = time.monotonic() + 60
+    while sup.first_failure() is None:
+        assert time.monotonic() < deadline, "the kill of rank 1 was not seen within 60 s"
         time.sleep(0.05)
-    time.sleep(0.6)  # rank 0 has exited too by now; the cause must not change
+    follower.stdin.write("go\n")
+    follower.stdin.close()
+    assert follower.wait(60) == 3
+    sup.poll()  # (rank 0's exit seen too; the cause must not change)
     failure = sup.first_failure()
     assert str(failure) == "rank 1 (b) killed by SIGKILL" and failure.signal_name == "SIGKILL"
     assert sup.stop(timeout=5) == [3, -9, -signal.SIGTERM]
@@ -144,13 +153,23 @@ def test_supervisor_prefers_a_cause_over_a_consequence_seen_at_the_same_time():
 
 
 def test_supervisor_stop_escalates_to_sigkill():
-    stubborn = _proc(
-        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    stubborn = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print('ignoring', flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
-    time.sleep(0.3)  # let it install its handler
+    # Wait on the child's own word that it ignores SIGTERM (a deadline: readline blocks).
+    ready, _, _ = select.select([stubborn.stdout], [], [], 120)
+    assert ready and stubborn.stdout.readline() == "ignoring\n"
     t0 = time.monotonic()
     assert Supervisor([stubborn]).stop(timeout=1.0) == [-signal.SIGKILL]
-    assert time.monotonic() - t0 < 5
+    # (escalated, not waited out: the child would sleep 600 s)
+    assert time.monotonic() - t0 < 120
 
 
 def test_restarts_are_bounded_and_reported():
@@ -428,8 +447,9 @@ def test_kill_9_of_a_worker_mid_stream_with_restarts(model, tmp_path, kills):
                 error, at = _error_of(stream)
             detect.append(at - killed)
             _assert_names(error, 1)
-            assert detect[-1] < 3.0, f"attempt {attempt}: UNAVAILABLE after {detect[-1]:.2f} s"
-            gone = psutil.wait_procs(list(ranks.values()), timeout=10)[1]
+            assert "side-channel connection closed" in error.details(), error.details()
+            assert detect[-1] < 60, f"attempt {attempt}: UNAVAILABLE after {detect[-1]:.2f} s"
+            gone = psutil.wait_procs(list(ranks.values()), timeout=60)[1]
             assert not gone, f"attempt {attempt}: left behind {gone}"
         assert launcher.wait(30) == EXIT_RANK_FAILED
     finally:
@@ -540,9 +560,12 @@ def _alive(launcher: subprocess.Popen, log_path: Path) -> None:
 
 
 # Eager hops post every receive before its data is sent: a dead or stopped rank must be
-# found all the same (auto gives ready hops on a 2-core machine). Every hop mode meets
-# each kind of loss in `make test-all`; `make test` gives each mode at least one of them
-# (kill -9: eager; SIGSTOP: ready and collective; an overdue step: ready).
+# found all the same (auto gives ready hops on a 2-core machine, eager on many cores: the
+# Macs this is for). Every hop mode meets each kind of loss in `make test-all`; `make
+# test` gives eager hops every one of them (kill -9, SIGSTOP, an overdue step: a rank
+# alive but silent is the dangerous case) and the others at least one.
+# Time limits are generous deadlines (a loaded machine); what found the loss is read
+# from the error's words (a closed connection, no heartbeat, an overdue step).
 
 
 def _hops(*modes: str, exhaustive: tuple[str, ...]):
@@ -559,7 +582,10 @@ def test_kill_9_of_the_middle_rank_of_three(model, clusters, hops):
     procs[1].kill()
     error, at = _error_of(stream)
     _assert_names(error, 1)
-    assert at - killed < 3.0
+    # Found by the closed connection (at once), not by a missed heartbeat; within a
+    # deadline a loaded machine keeps.
+    assert "side-channel connection closed" in error.details(), error.details()
+    assert at - killed < 60
     exits = _wait_exit(procs, HEARTBEAT_TIMEOUT + 2, t0=killed)
     assert procs[0].returncode == EXIT_CLUSTER_FAILED, running.logs()
     print(
@@ -567,7 +593,7 @@ def test_kill_9_of_the_middle_rank_of_three(model, clusters, hops):
     )
 
 
-@_hops("auto", "collective", exhaustive=("eager",))
+@_hops("auto", "collective", "eager", exhaustive=())
 def test_sigstop_of_a_worker_mid_stream(model, clusters, hops):
     running = clusters(model, 2, "--hop-mode", hops)
     rank0, worker = running.cluster.procs
@@ -578,7 +604,7 @@ def test_sigstop_of_a_worker_mid_stream(model, clusters, hops):
         error, at = _error_of(stream)
         _assert_names(error, 1)
         assert "no heartbeat" in error.details()
-        assert at - stopped < HEARTBEAT_TIMEOUT + 2
+        assert at - stopped < 60
         assert rank0.wait(5) == EXIT_CLUSTER_FAILED
     finally:
         os.kill(worker.pid, signal.SIGCONT)
@@ -618,7 +644,7 @@ def test_rank0_killed_every_worker_exits(model, clusters):
     print(f"\nrank 0 killed: workers exited after {[f'{t:.2f}' for t in exits]} s ({codes})")
 
 
-@_hops("auto", exhaustive=("eager",))
+@_hops("auto", "eager", exhaustive=())
 def test_an_overdue_step_fails_the_cluster_naming_the_rank(model, clusters, hops):
     running = clusters(
         model, 2, "--heartbeat-timeout", "60", "--step-timeout", "1", "--hop-mode", hops
@@ -631,7 +657,7 @@ def test_an_overdue_step_fails_the_cluster_naming_the_rank(model, clusters, hops
         error, at = _error_of(stream)
         _assert_names(error, 1)
         assert "overdue" in error.details() and "--step-timeout" in error.details()
-        assert at - stopped < 1 + 2
+        assert at - stopped < 30  # (not the 60 s heartbeat's: the step's timeout found it)
         assert rank0.wait(5) == EXIT_CLUSTER_FAILED
     finally:
         worker.kill()

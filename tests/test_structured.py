@@ -202,7 +202,7 @@ def test_compiled_grammars_are_cached_and_each_request_gets_its_own_matcher(comp
 
 
 @pytest.fixture(scope="module")
-def served(model, tmp_path_factory):
+def two_ranks(model, tmp_path_factory):
     running = start_cluster(model, 2, tmp_path_factory.mktemp("logs"))
     yield running
     stop_cluster(running)
@@ -210,30 +210,30 @@ def served(model, tmp_path_factory):
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
-def test_a_random_model_forced_into_a_schema_emits_valid_json(served, name):
+def test_a_random_model_forced_into_a_schema_emits_valid_json(two_ranks, name):
     requests = [_request(response_format_json=_format(SCHEMAS[name]))]
     for seed in (1, 2):
         params = pb.SamplingParams(temperature=1.0, seed=seed, max_tokens=MAX_TOKENS)
         requests.append(_request(params, response_format_json=_format(SCHEMAS[name])))
     for request in requests:
-        response = served.client.generate(request)
+        response = two_ranks.client.generate(request)
         assert response.finish_reason == "stop", response.text
         jsonschema.validate(json.loads(response.text), SCHEMAS[name])
 
 
 @pytest.mark.cluster
-def test_a_seeded_constrained_request_repeats_itself(served):
+def test_a_seeded_constrained_request_repeats_itself(two_ranks):
     params = pb.SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_TOKENS)
     request = _request(params, response_format_json=_format(SCHEMAS["nested"]))
-    first = served.client.generate(request)
-    assert served.client.generate(request).token_ids == first.token_ids
+    first = two_ranks.client.generate(request)
+    assert two_ranks.client.generate(request).token_ids == first.token_ids
 
 
 @pytest.mark.cluster
-def test_a_gbnf_grammar_gives_one_of_its_words(served):
+def test_a_gbnf_grammar_gives_one_of_its_words(two_ranks):
     for seed in range(3):
         params = pb.SamplingParams(temperature=1.0, seed=seed)
-        response = served.client.generate(_request(params, grammar='root ::= "yes" | "no"'))
+        response = two_ranks.client.generate(_request(params, grammar='root ::= "yes" | "no"'))
         assert response.text in ("yes", "no")
         assert response.finish_reason == "stop"
 
@@ -247,24 +247,24 @@ def test_a_gbnf_grammar_gives_one_of_its_words(served):
         ({"grammar": "root ::= missing"}, "grammar does not parse"),
     ],
 )
-def test_invalid_schema_or_grammar_is_invalid_argument(served, kwargs, message):
+def test_invalid_schema_or_grammar_is_invalid_argument(two_ranks, kwargs, message):
     with pytest.raises(grpc.RpcError) as info:
-        served.client.generate(_request(**kwargs))
+        two_ranks.client.generate(_request(**kwargs))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in info.value.details()
-    assert served.client.generate(_request(pb.SamplingParams(max_tokens=2))).token_ids
+    assert two_ranks.client.generate(_request(pb.SamplingParams(max_tokens=2))).token_ids
 
 
 @pytest.mark.cluster
-def test_plain_text_format_is_unconstrained_and_equals_mlx_lm(served, model):
-    response = served.client.generate(
+def test_plain_text_format_is_unconstrained_and_equals_mlx_lm(two_ranks, model):
+    response = two_ranks.client.generate(
         _request(pb.SamplingParams(max_tokens=16), response_format_json='{"type":"text"}')
     )
     assert list(response.token_ids) == mlx_lm_tokens(model, chat_tokens(model, MESSAGES), 16)
 
 
 @pytest.mark.cluster
-def test_constrained_and_unconstrained_streams_share_a_batch(served, model):
+def test_constrained_and_unconstrained_streams_share_a_batch(two_ranks, model):
     """Greedy unconstrained streams still give mlx-lm's tokens beside constrained ones."""
     expected = mlx_lm_tokens(model, chat_tokens(model, MESSAGES), 40)
     results: dict[str, object] = {}
@@ -272,7 +272,7 @@ def test_constrained_and_unconstrained_streams_share_a_batch(served, model):
     def run(key: str, request: pb.GenerateRequest) -> None:
         try:
             tokens, text = [], []
-            for chunk in served.client.stream(request):
+            for chunk in two_ranks.client.stream(request):
                 tokens += chunk.token_ids
                 text.append(chunk.text)
             results[key] = (tokens, "".join(text))
@@ -300,19 +300,19 @@ def test_constrained_and_unconstrained_streams_share_a_batch(served, model):
 
 
 @pytest.mark.cluster
-def test_cli_json_schema_json_object_and_grammar_flags(served, tmp_path, capsys):
+def test_cli_json_schema_json_object_and_grammar_flags(two_ranks, tmp_path, capsys):
     schema = tmp_path / "person.json"
     schema.write_text(json.dumps(SCHEMAS["person"]))
     grammar = tmp_path / "yesno.gbnf"
     grammar.write_text('root ::= "yes" | "no"\n')
-    base = ["--address", served.address, "--max-tokens", str(MAX_TOKENS)]
+    base = ["--address", two_ranks.address, "--max-tokens", str(MAX_TOKENS)]
     assert cli.main(["chat", "Who?", *base, "--json-schema", str(schema)]) == 0
     jsonschema.validate(json.loads(capsys.readouterr().out), SCHEMAS["person"])
     assert cli.main(["generate", "Answer:", *base, "--grammar", str(grammar)]) == 0
     assert capsys.readouterr().out.strip() in ("yes", "no")
     # json_object on a random model may not close within max_tokens; the flag is only
     # checked to reach the engine, which keeps the output a JSON object's prefix.
-    argv = ["chat", "Who?", "--address", served.address, "--max-tokens", "6", "--json"]
+    argv = ["chat", "Who?", "--address", two_ranks.address, "--max-tokens", "6", "--json"]
     assert cli.main([*argv, "--json-object"]) == 0
     assert json.loads(capsys.readouterr().out)["text"].startswith("{")
     schema.write_text("{oops")

@@ -17,8 +17,8 @@ import pytest
 from conftest import start_cluster, stop_cluster
 from mlx_lm.utils import load_tokenizer
 from oracle import chat_tokens, mlx_lm_tokens
+from support import Served
 from test_generation import MESSAGES, _messages, script_model
-from test_http_api import Served
 from tiny_models import make_tiny_model
 
 from mlx_relay.coordinator.requests import encode_text
@@ -44,7 +44,7 @@ MAX_TOKENS = 80
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def auto_scripted(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("auto"), "llama", num_layers=3)
     tokenizer = load_tokenizer(path)
     chat = tokenizer.apply_chat_template(
@@ -57,9 +57,9 @@ def served(tmp_path_factory):
     running = start_cluster(
         path, 2, tmp_path_factory.mktemp("logs"), "--http-address", f"127.0.0.1:{port}"
     )
-    served = Served(running, path, script, port)
-    yield served
-    served.http.close()
+    auto_scripted = Served(running, path, script, port)
+    yield auto_scripted
+    auto_scripted.http.close()
     stop_cluster(running)
 
 
@@ -73,10 +73,10 @@ def _valid(name: str, arguments: str | dict) -> None:
     jsonschema.validate(json.loads(arguments) if isinstance(arguments, str) else arguments, WEATHER)
 
 
-def test_an_auto_call_is_held_to_the_grammar(served):
-    script = served.chat_ids
-    free = len(encode_text(load_tokenizer(served.path), "OK")) + 1  # "OK" and <tool_call>
-    response = served.running.client.generate(_request(tools_json=json.dumps(TOOLS)))
+def test_an_auto_call_is_held_to_the_grammar(auto_scripted):
+    script = auto_scripted.chat_ids
+    free = len(encode_text(load_tokenizer(auto_scripted.path), "OK")) + 1  # "OK" and <tool_call>
+    response = auto_scripted.running.client.generate(_request(tools_json=json.dumps(TOOLS)))
     assert list(response.token_ids[:free]) == script[:free]  # mlx-lm's, untouched
     assert list(response.token_ids) != script  # the grammar stepped in after
     assert response.finish_reason == "tool_calls", response
@@ -86,25 +86,25 @@ def test_an_auto_call_is_held_to_the_grammar(served):
     _valid(call.function.name, call.function.arguments)
 
 
-def test_without_tools_or_with_tool_choice_none_nothing_is_constrained(served):
+def test_without_tools_or_with_tool_choice_none_nothing_is_constrained(auto_scripted):
     """Where no call is parsed the grammar never applies: mlx-lm's tokens exactly."""
-    script = served.chat_ids
+    script = auto_scripted.chat_ids
     for kwargs in ({}, {"tools_json": json.dumps(TOOLS), "tool_choice": "none"}):
-        response = served.running.client.generate(_request(**kwargs))
+        response = auto_scripted.running.client.generate(_request(**kwargs))
         assert list(response.token_ids) == script
 
 
-def test_every_door_holds_an_auto_call(served):
-    reply = served.openai.chat.completions.create(
-        model=served.model, messages=MESSAGES, tools=TOOLS, max_tokens=MAX_TOKENS
+def test_every_door_holds_an_auto_call(auto_scripted):
+    reply = auto_scripted.openai.chat.completions.create(
+        model=auto_scripted.model, messages=MESSAGES, tools=TOOLS, max_tokens=MAX_TOKENS
     )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls"
     [call] = choice.message.tool_calls
     _valid(call.function.name, call.function.arguments)
 
-    message = served.anthropic.messages.create(
-        model=served.model,
+    message = auto_scripted.anthropic.messages.create(
+        model=auto_scripted.model,
         max_tokens=MAX_TOKENS,
         messages=MESSAGES,
         tools=[{"name": "get_weather", "input_schema": WEATHER, "strict": True}],
@@ -114,10 +114,10 @@ def test_every_door_holds_an_auto_call(served):
     [use] = [b for b in message.content if b.type == "tool_use"]
     _valid(use.name, use.input)
 
-    reply = served.http.post(
+    reply = auto_scripted.http.post(
         "/api/chat",
         json={
-            "model": served.model,
+            "model": auto_scripted.model,
             "messages": MESSAGES,
             "tools": TOOLS,
             "stream": False,

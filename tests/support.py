@@ -1,0 +1,70 @@
+"""Helpers the test files share (a test file is never imported by another as a library).
+
+`Served`: a running cluster with its HTTP doors and the SDK clients pointed at them.
+`greedy`: the gRPC door's greedy answer to a chat, the value an HTTP door or a client
+must give back for the same request (the server's default sampling is greedy).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+
+from mlx_relay.protocol import relay_pb2 as pb
+
+
+class Served:
+    """A cluster (`running`, a conftest.RunningCluster) serving `path` with its HTTP doors
+    on `port`; `chat_ids`: the token ids a scripted model answers a chat with ([] if none)."""
+
+    def __init__(self, running, path, chat_ids, port) -> None:
+        self.running = running
+        self.path = path
+        self.model = str(path)
+        self.chat_ids = chat_ids
+        self.base = f"http://127.0.0.1:{port}"
+        self.openai = openai.OpenAI(base_url=self.base + "/v1", api_key="none", max_retries=0)
+        self.anthropic = anthropic.Anthropic(base_url=self.base, api_key="none", max_retries=0)
+        self.http = httpx.Client(base_url=self.base, timeout=60)
+
+
+def chat_messages(messages: list[dict[str, Any]]) -> list[pb.ChatMessage]:
+    """OpenAI-shaped chat messages (tool calls and results included) as the gRPC door's."""
+    out = []
+    for m in messages:
+        calls = [
+            pb.ToolCall(
+                id=c.get("id", ""),
+                type="function",
+                function=pb.ToolCallFunction(
+                    name=c["function"]["name"], arguments=c["function"]["arguments"]
+                ),
+            )
+            for c in m.get("tool_calls") or []
+        ]
+        out.append(
+            pb.ChatMessage(
+                role=m["role"],
+                content=m.get("content") or "",
+                tool_calls=calls,
+                tool_call_id=m.get("tool_call_id", ""),
+            )
+        )
+    return out
+
+
+def greedy(
+    served: Served, messages: list[dict[str, Any]], max_tokens: int, **request: Any
+) -> pb.GenerateResponse:
+    """The gRPC door's greedy answer to `messages` (OpenAI's shape); `request`: more
+    GenerateRequest fields (tools_json, tool_choice, ...)."""
+    return served.running.client.generate(
+        pb.GenerateRequest(
+            messages=chat_messages(messages),
+            params=pb.SamplingParams(max_tokens=max_tokens),
+            **request,
+        )
+    )
