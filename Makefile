@@ -52,7 +52,7 @@ test-all: install browser
 # `cluster`: about a minute on 2 cores.
 FAST_TESTS := $(addprefix tests/test_,client_wait default_model doors engine family_adapters \
 	hostfile markup output pace postprocess protocol sampling scheduler scheduler_state \
-	proctitle request_adapters side_inputs slots speculation split textstream tiny_models attention tool_constraint tool_parsers tool_partial trace_report \
+	proctitle request_adapters side_inputs slots speculation split split_plan textstream tiny_models attention tool_constraint tool_parsers tool_partial trace_report \
 	zygote)
 test-fast: install
 	$(PY) -m pytest -q -ra -m "not cluster" $(addsuffix .py,$(FAST_TESTS))
