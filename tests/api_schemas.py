@@ -127,6 +127,27 @@ def _openai_gaps(api: str, value: Any) -> Any:
     return {**value, "response": response} if "response" in value else response
 
 
+def _open_responses_gaps(api: str, value: Any) -> Any:
+    """`value` as the Open Responses specification can read it. Where it and OpenAI's
+    document disagree: a Response's `text.format` of type json_schema echoes the request's
+    schema in OpenAI's (required there, `description` an optional string), while the
+    specification wants `schema: null` and a `description` (string or null). The door
+    echoes OpenAI's way, which its SDK reads; so the echoed schema and description are
+    checked against OpenAI's document only."""
+    if api != "openresponses" or not isinstance(value, dict):
+        return value
+    response = value.get("response", value)
+    text = response.get("text") if isinstance(response, dict) else None
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(fmt, dict) or response.get("object") != "response":
+        return value
+    if fmt.get("type") != "json_schema":
+        return value
+    fmt = {**fmt, "schema": None, "description": fmt.get("description")}
+    response = {**response, "text": {**response["text"], "format": fmt}}
+    return {**value, "response": response} if "response" in value else response
+
+
 # Answers that more than one published document describes: a Responses object is OpenAI's
 # `Response` and the Open Responses specification's `ResponseResource`; a Messages answer
 # is Anthropic's document's and its current SDK's type (validate_sdk).
@@ -136,7 +157,7 @@ ALSO = {("openai", "Response"): ("openresponses", "ResponseResource")}
 def validate(api: str, name: str, value: Any) -> Any:
     """`value`, if it is valid against schema `name` (and what ALSO and validate_sdk add
     to it); an AssertionError saying how not."""
-    found = errors(api, name, _openai_gaps(api, value))
+    found = errors(api, name, _open_responses_gaps(api, _openai_gaps(api, value)))
     assert not found, f"not a valid {api} {name}:\n  " + "\n  ".join(found) + f"\n{value}"
     if (api, name) in ALSO:
         validate(*ALSO[api, name], value)
