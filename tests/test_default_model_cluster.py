@@ -77,6 +77,26 @@ def test_greedy_text_over_http_equals_mlx_lm(default_path, expected, default_clu
     assert ollama["eval_count"] == len(expected)
 
 
+def test_http_logprobs_name_mlx_lms_tokens_one_by_one(default_path, expected, default_cluster):
+    """Where an HTTP door exposes tokens (OpenAI's logprobs), they are mlx-lm's, token by
+    token, whole and streamed: a check of ids, not only of the text they join into."""
+    _, port = default_cluster
+    tokenizer = tokenizer_for(default_path)
+    pieces = [tokenizer.decode([t]) for t in expected]
+    oai = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    ask = dict(model="default", messages=MESSAGES, max_tokens=MAX_TOKENS, logprobs=True)
+    whole = oai.chat.completions.create(**ask)
+    assert [e.token for e in whole.choices[0].logprobs.content] == pieces
+    assert all(e.logprob <= 0 for e in whole.choices[0].logprobs.content)
+    streamed = [
+        e.token
+        for chunk in oai.chat.completions.create(**ask, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs
+        for e in chunk.choices[0].logprobs.content
+    ]
+    assert streamed == pieces
+
+
 LONG_MESSAGES = [
     {
         "role": "user",
