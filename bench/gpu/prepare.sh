@@ -23,6 +23,7 @@ dl() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version
          --implementation cp -d .gpu/b "$@"; }
 dl --platform manylinux_2_31_x86_64 "llguidance==$(V llguidance)"
 dl --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 py-spy
+dl --platform manylinux_2_28_x86_64 --platform manylinux_2_5_x86_64 "setproctitle==$(V setproctitle)"  # (each rank's ps title)
 mkdir -p .gpu/b/tok
 model=$(.venv/bin/python -c "from mlx_relay.model.default_model import resolve_model; print(resolve_model('default', progress=False))")
 cp "$model"/{tokenizer.json,tokenizer_config.json,special_tokens_map.json} .gpu/b/tok/
