@@ -15,10 +15,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from mlx_lm.utils import load_tokenizer  # noqa: E402
 from oracle import CACHE_ENV  # noqa: E402
+from scripted import CHAT_SCRIPT, MESSAGES, RAW_PROMPT, RAW_SCRIPT, script_model  # noqa: E402
+from support import Served  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
 from mlx_relay.client.client import Client  # noqa: E402
+from mlx_relay.coordinator.requests import encode_text  # noqa: E402
 from mlx_relay.launch.local import PORTS_ENV, LocalCluster, free_ports, port_range  # noqa: E402
 from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
 
@@ -224,6 +228,26 @@ def cluster_pool(tmp_path_factory):
     pool = ClusterPool(tmp_path_factory.mktemp("pool"))
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="module")
+def scripted_http(tmp_path_factory):
+    """A 2-rank cluster of the scripted tiny llama (scripted.CHAT_SCRIPT after any chat,
+    RAW_SCRIPT after RAW_PROMPT) with its HTTP doors, as a support.Served: one per module."""
+    path = make_tiny_model(tmp_path_factory.mktemp("scripted-http"), "llama", num_layers=4)
+    tokenizer = load_tokenizer(path)
+    chat = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    chat_end = encode_text(tokenizer, chat)[-1]
+    raw_end = encode_text(tokenizer, RAW_PROMPT)[-1]
+    chains = script_model(path, {chat_end: CHAT_SCRIPT, raw_end: RAW_SCRIPT})
+    port = free_ports(1)[0]
+    running = start_cluster(
+        path, 2, tmp_path_factory.mktemp("logs"), "--http-address", f"127.0.0.1:{port}"
+    )
+    served = Served(running, path, chains[chat_end], port)
+    yield served
+    served.http.close()
+    stop_cluster(running)
 
 
 def pytest_configure(config):

@@ -203,3 +203,17 @@ def generate_concurrently(client, requests: list[pb.GenerateRequest]) -> list[ob
     for t in threads:
         t.join(300)
     return results
+
+
+def mlx_lm_continue(path: Path, cache: list, prompt: list[int], max_tokens: int) -> list[int]:
+    """mlx-lm's greedy tokens (EOS dropped) for `prompt`, continuing the prompt cache
+    `cache` (what a second request reusing a first one's caches must give)."""
+    model, tokenizer = _load(str(path))
+    tokens = []
+    for r in stream_generate(
+        model, tokenizer, mx.array(prompt), max_tokens=max_tokens, prompt_cache=cache
+    ):
+        if r.finish_reason == "stop":
+            break
+        tokens.append(r.token)
+    return tokens

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from family_checks import RAW_TOKENS, continuable_prompt, raw_request, second_equals_mlx_lm
 from oracle import chat_request, chat_tokens, generate_concurrently, mlx_lm_tokens, tokenizer_for
-from test_families import RAW_TOKENS, _continuable_prompt, _raw, _second_equals_mlx_lm
 from tiny_models import write_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -249,10 +249,10 @@ def test_a_prompt_goes_on_from_a_parked_request(family, tmp_path, cluster_pool):
 
 
 def _goes_on_from_a_parked_request(running, path: Path) -> None:
-    raw = _continuable_prompt(path)
-    reply = running.client.generate(_raw(raw, RAW_TOKENS)).text
+    raw = continuable_prompt(path)
+    reply = running.client.generate(raw_request(raw, RAW_TOKENS)).text
     first = encode_text(tokenizer_for(path), raw)
-    cached = _second_equals_mlx_lm(running, path, first, raw + reply + "\nAnd then?")
+    cached = second_equals_mlx_lm(running, path, first, raw + reply + "\nAnd then?")
     assert cached > len(first)
 
 

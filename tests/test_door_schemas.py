@@ -18,7 +18,7 @@ import pytest
 from api_schemas import check_ndjson, check_sse, validate, validate_open_responses_event
 from fastapi.testclient import TestClient
 from mlx_lm.utils import load_tokenizer
-from test_generation import script_model
+from scripted import script_model
 from tiny_models import make_tiny_model
 
 from mlx_relay.api.cluster import Cluster

@@ -11,7 +11,6 @@ caches only) and gives mlx-lm's tokens either way.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import time
 from math import inf
@@ -19,23 +18,28 @@ from math import inf
 import mlx.core as mx
 import pytest
 from conftest import start_cluster
+from family_checks import (
+    RAW_TOKENS,
+    SPLITS,
+    continuable_prompt,
+    family_oracle,
+    family_request,
+    raw_request,
+    second_equals_mlx_lm,
+    whole_model,
+)
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
     KVCache,
     RotatingKVCache,
     make_prompt_cache,
-    trim_prompt_cache,
 )
 from oracle import (
-    _load,
-    chat_request,
     chat_tokens,
     generate_concurrently,
-    mlx_lm_tokens,
     tokenizer_for,
 )
-from test_prompt_cache import _generate
 from tiny_models import (
     ADAPTED_FAMILIES,
     CACHELIST_FAMILIES,
@@ -55,13 +59,6 @@ from mlx_relay.protocol import relay_pb2 as pb
 
 FAMILIES = (*MOE_FAMILIES, *CACHELIST_FAMILIES, "gemma3_text")
 NUM_LAYERS = 6
-# Uneven splits; each puts a rank boundary between layers of different kinds somewhere
-# (qwen3_next: linear 0,1 | full 2 | linear 3,4, full 5; gpt_oss: sliding on even layers).
-SPLITS = ([(0, 6)], [(0, 2), (2, 6)], [(0, 1), (1, 4), (4, 6)], [(0, 2), (2, 3), (3, 6)])
-
-
-def _whole(model_dir):
-    return _load(str(model_dir))[0]
 
 
 @pytest.mark.parametrize(
@@ -78,7 +75,7 @@ def test_stages_equal_the_whole_model(tiny_model, family):
     sequence; ROW_BY_ROW_FAMILIES decode groups row by row)."""
     # gemma2 at a width whose sqrt is not a bfloat16 (gemma3 rounds it, gemma2 does not).
     path = tiny_model(family, NUM_LAYERS, **({"hidden_size": 96} if family == "gemma2" else {}))
-    model = _whole(path)
+    model = whole_model(path)
     prompt = mx.array([[(7 * i + 11) % 500 + 7 for i in range(40)]])
     steps = [mx.array([[t]]) for t in (9, 99, 199, 299, 399, 13, 31, 71, 171, 271)]
     cache = make_prompt_cache(model)
@@ -134,21 +131,6 @@ PROMPTS = [
     ("Pipelines split a model's layers across machines. " * 3 + "Explain.", None),
     ("Write add(a, b) in Python.", 21),
 ]
-MAX_TOKENS = 10
-
-
-def _request(text: str, seed: int | None) -> pb.GenerateRequest:
-    return chat_request(text, seed, MAX_TOKENS)
-
-
-@functools.cache
-def _oracle(path, text: str, seed: int | None) -> list[int]:
-    """mlx-lm's tokens, once per model and request (multiplier families ask at 3 rank
-    counts)."""
-    prompt = chat_tokens(path, [{"role": "user", "content": text}])
-    if seed is None:
-        return mlx_lm_tokens(path, prompt, MAX_TOKENS)
-    return mlx_lm_tokens(path, prompt, MAX_TOKENS, seed=seed, sampler={"temp": 0.9, "top_p": 0.95})
 
 
 @pytest.mark.cluster
@@ -156,21 +138,21 @@ def _oracle(path, text: str, seed: int | None) -> list[int]:
 def test_cluster_equals_mlx_lm(tiny_model, cluster_pool, family, ranks, layers):
     path = tiny_model(family, NUM_LAYERS)
     running = cluster_pool.serving(path, ranks, layers=layers)
-    results = generate_concurrently(running.client, [_request(*p) for p in PROMPTS])
+    results = generate_concurrently(running.client, [family_request(*p) for p in PROMPTS])
     for i, (text, seed) in enumerate(PROMPTS):
-        assert results[i] == _oracle(path, text, seed), f"request {i} ({seed=})"
+        assert results[i] == family_oracle(path, text, seed), f"request {i} ({seed=})"
 
     # Prompt cache: a chat's next turn, and a raw prompt continuing the first one's
     # prompt and output. Whatever the cluster reused, it is allowed (a state or a slid
     # window only whole) and the tokens are mlx-lm's continuing a cache cut to it.
     first = [{"role": "user", "content": PROMPTS[0][0]}]
-    reply = running.client.generate(_request(*PROMPTS[0])).text
+    reply = running.client.generate(family_request(*PROMPTS[0])).text
     turn = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}]
-    _second_equals_mlx_lm(running, path, chat_tokens(path, first), turn)
-    raw = _continuable_prompt(path)
-    raw_reply = running.client.generate(_raw(raw, RAW_TOKENS)).text
+    second_equals_mlx_lm(running, path, chat_tokens(path, first), turn)
+    raw = continuable_prompt(path)
+    raw_reply = running.client.generate(raw_request(raw, RAW_TOKENS)).text
     first = encode_text(tokenizer_for(path), raw)
-    cached = _second_equals_mlx_lm(running, path, first, raw + raw_reply + "\nAnd then?")
+    cached = second_equals_mlx_lm(running, path, first, raw + raw_reply + "\nAnd then?")
     assert cached > len(first), "continuing a prompt and its output reuses its caches"
     status = running.client.status()
     assert status.active_requests == 0 and status.queued_requests == 0
@@ -211,7 +193,9 @@ def test_cancel_and_free_with_rotating_and_ssm_caches(tiny_model, cluster_factor
     sliding = tiny_model("gpt_oss", NUM_LAYERS)
     client.stub.Free(pb.FreeRequest(), timeout=60)
     client.stub.LoadModel(pb.LoadModelRequest(model=str(sliding), layers="3,3"), timeout=120)
-    assert list(client.generate(_request(*PROMPTS[2])).token_ids) == _oracle(sliding, *PROMPTS[2])
+    assert list(client.generate(family_request(*PROMPTS[2])).token_ids) == family_oracle(
+        sliding, *PROMPTS[2]
+    )
 
     listed = tiny_model("deepseek_v32", NUM_LAYERS)
     client.stub.Free(pb.FreeRequest(), timeout=60)
@@ -227,17 +211,19 @@ def test_cancel_and_free_with_rotating_and_ssm_caches(tiny_model, cluster_factor
 def _cancel_two_and_finish(client, path) -> None:
     """Three streams at once, two cancelled once decoding started: the third and a
     later request give mlx-lm's tokens, and nothing stays active."""
-    calls = [client.stream(_request(*PROMPTS[i])) for i in (0, 1, 2)]
+    calls = [client.stream(family_request(*PROMPTS[i])) for i in (0, 1, 2)]
     for call in calls[:2]:
         next(iter(call))  # decoding has started
         call.cancel()
     rest = [t for chunk in calls[2] for t in chunk.token_ids]
-    assert rest == _oracle(path, *PROMPTS[2])
+    assert rest == family_oracle(path, *PROMPTS[2])
     deadline = time.monotonic() + 60
     while client.status().active_requests and time.monotonic() < deadline:
         time.sleep(0.1)
     assert client.status().active_requests == 0
-    assert list(client.generate(_request(*PROMPTS[3])).token_ids) == _oracle(path, *PROMPTS[3])
+    assert list(client.generate(family_request(*PROMPTS[3])).token_ids) == family_oracle(
+        path, *PROMPTS[3]
+    )
 
 
 @pytest.mark.parametrize(
@@ -258,7 +244,7 @@ def test_decode_groups_of_every_cache_kind(tiny_model, family):
     and SSM caches merged), one leaving (parked) and one joining midway: each row's
     logits equal its own single-sequence run in mlx-lm, and the parked one goes on alone."""
     path = tiny_model(family, NUM_LAYERS)
-    model = _whole(path)
+    model = whole_model(path)
     shards = [sharding.load_shard(path, a, b, has_ends=a == 0) for a, b in [(0, 2), (2, 6)]]
     slot_caches = [SlotCaches(s) for s in shards]
     prompts = {s: [(13 * s + 5 * i) % 500 + 7 for i in range(9 + 7 * s)] for s in range(3)}
@@ -354,69 +340,6 @@ def test_layer_bytes_of_a_decoder_not_named_layers(tiny_model):
     assert memory.shard_nbytes(path, 2, 4) == costs.held[2] + costs.held[3]
 
 
-RAW_TOKENS = 4
-
-
-def _raw(text: str, max_tokens: int = MAX_TOKENS) -> pb.GenerateRequest:
-    return pb.GenerateRequest(prompt=text, params=pb.SamplingParams(max_tokens=max_tokens))
-
-
-def _streamed_text(tokenizer, tokens: list[int]) -> str:
-    """The text a stream of `tokens` shows (the streaming detokenizer, as the server)."""
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-    for t in tokens:
-        detokenizer.add_token(t)
-    detokenizer.finalize()
-    return detokenizer.text
-
-
-def _continuable_prompt(path) -> str:
-    """A raw prompt whose greedy output, as text, encodes back to the same tokens after
-    it (a random model's output often splits UTF-8 characters), so that a prompt going
-    on from prompt + output shares everything the first request's caches hold."""
-    tokenizer = tokenizer_for(path)
-    for i in range(40):
-        raw = f"Item {i}: pipelines split a model's layers across machines.\n"
-        prompt = encode_text(tokenizer, raw)
-        out = mlx_lm_tokens(path, prompt, RAW_TOKENS)
-        again = encode_text(tokenizer, raw + _streamed_text(tokenizer, out) + "\nAnd then?")
-        if again[: len(prompt) + len(out)] == prompt + out:
-            return raw
-    raise AssertionError("no prompt among 40 whose output re-encodes as itself")
-
-
-def _position(cache: list) -> int:
-    return next(c.offset for c in sharding.flat_caches(cache) if hasattr(c, "offset"))
-
-
-def _second_equals_mlx_lm(running, path, first: list[int], second: list[dict] | str) -> int:
-    """Send `second` (chat messages or a raw prompt) after `first` ran; check the reuse
-    and the tokens against mlx-lm; return how many prompt tokens were reused."""
-    if isinstance(second, str):
-        response = running.client.generate(_raw(second))
-        tokens = encode_text(tokenizer_for(path), second)
-    else:
-        messages = [pb.ChatMessage(**m) for m in second]
-        params = pb.SamplingParams(max_tokens=MAX_TOKENS)
-        response = running.client.generate(pb.GenerateRequest(messages=messages, params=params))
-        tokens = chat_tokens(path, second)
-    cached = response.usage.cached_tokens
-    model = _whole(path)
-    cache = make_prompt_cache(model)
-    if cached:
-        _generate(path, cache, first, MAX_TOKENS if isinstance(second, list) else RAW_TOKENS)
-        held = _position(cache)
-        shard_rule = sharding.reuse_rule(cache)
-        assert cached == held or held < shard_rule[1], f"reused {cached} of {held}: not exact"
-        assert trim_prompt_cache(cache, held - cached) == held - cached
-        expected = _generate(path, cache, tokens[cached:], MAX_TOKENS)
-    else:
-        expected = mlx_lm_tokens(path, tokens, MAX_TOKENS)
-    assert list(response.token_ids) == expected
-    return cached
-
-
 def test_prefix_reuse_only_where_exact(tiny_model):
     """A state is reused only whole, a sliding window cut back only before anything left
     it, plain KV caches anywhere; a copied or cut cache goes on as mlx-lm's would."""
@@ -425,7 +348,7 @@ def test_prefix_reuse_only_where_exact(tiny_model):
         path = tiny_model(family, NUM_LAYERS)
         shard = sharding.load_shard(path, 0, NUM_LAYERS, has_ends=True)
         assert (shard.reusable_caches, shard.cut_back_below) == rule
-        model = _whole(path)
+        model = whole_model(path)
         prompt = [(11 * i) % 500 + 7 for i in range(6)]
         more = [17, 71, 117]
         for n in (6, 4):  # the whole parked cache, or a prefix of it
@@ -480,7 +403,7 @@ def test_the_cache_estimate_counts_a_cachelist(tiny_model):
     """DeepSeek-V3.2's CacheList (MLA latent + rotary key, indexer keys), from the config
     alone, to the byte of what mlx-lm allocates; the parts of a split add up."""
     path = tiny_model("deepseek_v32", NUM_LAYERS)
-    model = _whole(path)
+    model = whole_model(path)
     caches = make_prompt_cache(model)
     model(mx.array([list(range(5, 45))]), cache=caches)
     for _ in range(300):  # past the first 256 positions

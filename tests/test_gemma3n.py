@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from family_checks import (
+    RAW_TOKENS,
+    continuable_prompt,
+    family_oracle,
+    family_request,
+    raw_request,
+    second_equals_mlx_lm,
+)
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 from oracle import generate_concurrently, tokenizer_for
-from test_families import (
-    RAW_TOKENS,
-    _continuable_prompt,
-    _oracle,
-    _raw,
-    _request,
-    _second_equals_mlx_lm,
-)
 from tiny_models import GEMMA3N_KV_SHARED, GEMMA3N_PER_LAYER_VOCAB
 
 from mlx_relay.coordinator.requests import encode_text
@@ -169,11 +169,11 @@ def test_cluster_equals_mlx_lm(model, cluster_pool):
     running = cluster_pool.serving(model, 3)
     ranks = sorted(running.client.status().ranks, key=lambda r: r.rank)
     assert ranks[-1].layer_start <= NUM_LAYERS - TAIL, ranks
-    results = generate_concurrently(running.client, [_request(*p) for p in PROMPTS])
+    results = generate_concurrently(running.client, [family_request(*p) for p in PROMPTS])
     for i, (text, seed) in enumerate(PROMPTS):
-        assert results[i] == _oracle(model, text, seed), f"request {i} ({seed=})"
-    raw = _continuable_prompt(model)
-    raw_reply = running.client.generate(_raw(raw, RAW_TOKENS)).text
+        assert results[i] == family_oracle(model, text, seed), f"request {i} ({seed=})"
+    raw = continuable_prompt(model)
+    raw_reply = running.client.generate(raw_request(raw, RAW_TOKENS)).text
     first = encode_text(tokenizer_for(model), raw)
-    cached = _second_equals_mlx_lm(running, model, first, raw + raw_reply + "\nAnd then?")
+    cached = second_equals_mlx_lm(running, model, first, raw + raw_reply + "\nAnd then?")
     assert cached > len(first), "continuing a prompt and its output reuses its caches"

@@ -21,9 +21,9 @@ import shutil
 
 import mlx.core as mx
 import pytest
+from family_checks import SPLITS, family_oracle, family_request, whole_model
 from mlx_lm.models.cache import make_prompt_cache
 from oracle import generate_concurrently
-from test_families import SPLITS, _oracle, _request, _whole
 from tiny_models import VOCAB_SIZE
 
 from mlx_relay.coordinator.pipeline import Pipeline
@@ -102,7 +102,7 @@ def test_stages_equal_the_whole_model(tiny_model, overrides, splits):
     """Logits bit-identical to mlx-lm's for a 40-token prefill and 10 decode steps, with
     per-layer inputs alone (any split) and with KV sharing too."""
     model = tiny_model("gemma4_text", NUM_LAYERS, overrides=overrides)
-    whole = _whole(model)
+    whole = whole_model(model)
     prompt = mx.array([[(7 * i + 11) % 500 + 7 for i in range(40)]])
     steps = [mx.array([[t]]) for t in (9, 99, 199, 299, 399, 13, 31, 71, 171, 271)]
     cache = make_prompt_cache(whole)
@@ -122,7 +122,7 @@ def test_stages_equal_the_whole_model(tiny_model, overrides, splits):
 def test_a_gemma4_checkpoint_splits_as_its_text_model(wrapped):
     """model_type gemma4 (a real Gemma 4 checkpoint's) gets every rule of gemma4_text,
     whose decoder it wraps: per-layer inputs, KV sharing, soft-capped logits."""
-    whole = _whole(wrapped)
+    whole = whole_model(wrapped)
     prompt = mx.array([[(7 * i + 11) % 500 + 7 for i in range(40)]])
     steps = [mx.array([[t]]) for t in (9, 99, 199)]
     cache = make_prompt_cache(whole)
@@ -139,7 +139,7 @@ def test_a_gemma4_checkpoint_splits_as_its_text_model(wrapped):
 
 def test_without_per_layer_inputs_the_logits_differ(model):
     """The check above can fail: the same stages fed no per-layer inputs do not match."""
-    whole = _whole(model)
+    whole = whole_model(model)
     prompt = mx.array([[(7 * i + 11) % 500 + 7 for i in range(40)]])
     expected = whole(prompt, cache=make_prompt_cache(whole))[:, -1]
     shard = sharding.load_shard(model, 0, NUM_LAYERS, has_ends=True)
@@ -224,9 +224,9 @@ def test_cluster_equals_mlx_lm(model, cluster_pool):
     running = cluster_pool.serving(model, 3, "--hop-mode", "eager")
     ranks = sorted(running.client.status().ranks, key=lambda r: r.rank)
     assert ranks[-1].layer_start <= NUM_LAYERS - TAIL, ranks
-    results = generate_concurrently(running.client, [_request(*p) for p in PROMPTS])
+    results = generate_concurrently(running.client, [family_request(*p) for p in PROMPTS])
     for i, (text, seed) in enumerate(PROMPTS):
-        assert results[i] == _oracle(model, text, seed), f"request {i} ({seed=})"
+        assert results[i] == family_oracle(model, text, seed), f"request {i} ({seed=})"
 
 
 @pytest.mark.cluster
@@ -234,6 +234,6 @@ def test_a_gemma4_checkpoint_in_a_cluster_equals_mlx_lm(wrapped, cluster_pool):
     """Two ranks on the default split of a gemma4 checkpoint: concurrent greedy and
     seeded streams equal mlx-lm's."""
     running = cluster_pool.serving(wrapped, 2)
-    results = generate_concurrently(running.client, [_request(*p) for p in PROMPTS])
+    results = generate_concurrently(running.client, [family_request(*p) for p in PROMPTS])
     for i, (text, seed) in enumerate(PROMPTS):
-        assert results[i] == _oracle(wrapped, text, seed), f"request {i} ({seed=})"
+        assert results[i] == family_oracle(wrapped, text, seed), f"request {i} ({seed=})"

@@ -14,54 +14,30 @@ import grpc
 import httpx
 import openai
 import pytest
-from conftest import start_cluster, stop_cluster
-from mlx_lm.utils import load_tokenizer
 from prometheus_client.parser import text_string_to_metric_families
-from support import Served
-from test_generation import CHAT_SCRIPT, MESSAGES, RAW_PROMPT, RAW_SCRIPT, TOOLS, script_model
-from tiny_models import make_tiny_model
+from scripted import MESSAGES, RAW_PROMPT, RAW_SCRIPT, TOOLS
 
-from mlx_relay.coordinator.requests import encode_text
-from mlx_relay.launch.local import free_ports
 from mlx_relay.protocol import relay_pb2 as pb
 
 pytestmark = pytest.mark.cluster
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    path = make_tiny_model(tmp_path_factory.mktemp("scripted-http"), "llama", num_layers=4)
-    tokenizer = load_tokenizer(path)
-    chat = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
-    chat_end = encode_text(tokenizer, chat)[-1]
-    raw_end = encode_text(tokenizer, RAW_PROMPT)[-1]
-    chains = script_model(path, {chat_end: CHAT_SCRIPT, raw_end: RAW_SCRIPT})
-    port = free_ports(1)[0]
-    running = start_cluster(
-        path, 2, tmp_path_factory.mktemp("logs"), "--http-address", f"127.0.0.1:{port}"
-    )
-    served = Served(running, path, chains[chat_end], port)
-    yield served
-    served.http.close()
-    stop_cluster(running)
-
-
-def _grpc(served, **kwargs) -> pb.GenerateResponse:
+def _grpc(scripted_http, **kwargs) -> pb.GenerateResponse:
     messages = [pb.ChatMessage(role=m["role"], content=m["content"]) for m in MESSAGES]
     request = pb.GenerateRequest(messages=messages, params=pb.SamplingParams(max_tokens=40))
     for name, value in kwargs.items():
         setattr(request, name, value)
-    return served.running.client.generate(request)
+    return scripted_http.running.client.generate(request)
 
 
 # --- OpenAI -------------------------------------------------------------------------
 
 
-def test_chat_completion_with_tools_equals_the_grpc_answer(served):
-    reply = served.openai.chat.completions.create(
-        model=served.model, messages=MESSAGES, tools=TOOLS, max_tokens=40
+def test_chat_completion_with_tools_equals_the_grpc_answer(scripted_http):
+    reply = scripted_http.openai.chat.completions.create(
+        model=scripted_http.model, messages=MESSAGES, tools=TOOLS, max_tokens=40
     )
-    grpc_reply = _grpc(served, tools_json=json.dumps(TOOLS))
+    grpc_reply = _grpc(scripted_http, tools_json=json.dumps(TOOLS))
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" == grpc_reply.finish_reason
     assert choice.message.content == grpc_reply.text == "OK"
@@ -71,15 +47,15 @@ def test_chat_completion_with_tools_equals_the_grpc_answer(served):
         ("get_weather", {})
     ]
     assert calls[0].id and calls[0].type == "function"
-    assert reply.usage.completion_tokens == len(served.chat_ids)
+    assert reply.usage.completion_tokens == len(scripted_http.chat_ids)
     assert reply.usage.prompt_tokens == grpc_reply.usage.prompt_tokens
     assert reply.usage.completion_tokens_details.reasoning_tokens == 4
-    assert reply.model == served.model and reply.object == "chat.completion"
+    assert reply.model == scripted_http.model and reply.object == "chat.completion"
 
 
-def test_chat_stream_is_the_non_streaming_answer_in_pieces(served):
-    stream = served.openai.chat.completions.create(
-        model=served.model,
+def test_chat_stream_is_the_non_streaming_answer_in_pieces(scripted_http):
+    stream = scripted_http.openai.chat.completions.create(
+        model=scripted_http.model,
         messages=MESSAGES,
         tools=TOOLS,
         max_tokens=40,
@@ -97,13 +73,15 @@ def test_chat_stream_is_the_non_streaming_answer_in_pieces(served):
     ]
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == "tool_calls" and not any(finishes[:-1])
-    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == len(served.chat_ids)
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == len(
+        scripted_http.chat_ids
+    )
     assert len({c.id for c in chunks}) == 1
 
 
-def test_sse_framing_over_raw_http(served):
+def test_sse_framing_over_raw_http(scripted_http):
     body = {"messages": MESSAGES, "max_tokens": 40, "stream": True}
-    with served.http.stream("POST", "/v1/chat/completions", json=body) as r:
+    with scripted_http.http.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         raw = r.read().decode()
@@ -112,12 +90,12 @@ def test_sse_framing_over_raw_http(served):
     payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
     assert all(e.startswith("data: ") and "\n" not in e for e in events[:-1])
     text = "".join(p["choices"][0]["delta"].get("content") or "" for p in payloads)
-    assert text == _grpc(served).text == "OK"
+    assert text == _grpc(scripted_http).text == "OK"
 
 
-def test_completions_logprobs_streamed_and_not(served):
-    whole = served.openai.completions.create(
-        model=served.model, prompt=RAW_PROMPT, max_tokens=40, logprobs=3
+def test_completions_logprobs_streamed_and_not(scripted_http):
+    whole = scripted_http.openai.completions.create(
+        model=scripted_http.model, prompt=RAW_PROMPT, max_tokens=40, logprobs=3
     )
     choice = whole.choices[0]
     assert choice.text == RAW_SCRIPT[0] and choice.finish_reason == "stop"
@@ -130,17 +108,17 @@ def test_completions_logprobs_streamed_and_not(served):
         v == pytest.approx(max(top.values()))
         for v, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True)
     )
-    stream = served.openai.completions.create(
-        model=served.model, prompt=RAW_PROMPT, max_tokens=40, logprobs=3, stream=True
+    stream = scripted_http.openai.completions.create(
+        model=scripted_http.model, prompt=RAW_PROMPT, max_tokens=40, logprobs=3, stream=True
     )
     pieces = list(stream)
     assert "".join(p.choices[0].text for p in pieces) == choice.text
     assert [t for p in pieces for t in p.choices[0].logprobs.tokens] == lp.tokens
 
 
-def test_chat_logprobs(served):
-    reply = served.openai.chat.completions.create(
-        model=served.model, messages=MESSAGES, max_tokens=5, logprobs=True, top_logprobs=2
+def test_chat_logprobs(scripted_http):
+    reply = scripted_http.openai.chat.completions.create(
+        model=scripted_http.model, messages=MESSAGES, max_tokens=5, logprobs=True, top_logprobs=2
     )
     content = reply.choices[0].logprobs.content
     assert len(content) == reply.usage.completion_tokens == 5
@@ -148,14 +126,14 @@ def test_chat_logprobs(served):
     assert all(e.logprob == pytest.approx(e.top_logprobs[0].logprob) for e in content)
 
 
-def test_sampling_fields_reach_the_engine(served):
+def test_sampling_fields_reach_the_engine(scripted_http):
     # stop cuts the script where the gRPC door cuts it; seeded sampling repeats itself.
-    reply = served.openai.chat.completions.create(
-        model=served.model, messages=MESSAGES, max_tokens=40, stop=["OK"]
+    reply = scripted_http.openai.chat.completions.create(
+        model=scripted_http.model, messages=MESSAGES, max_tokens=40, stop=["OK"]
     )
     assert reply.choices[0].message.content == "" and reply.choices[0].finish_reason == "stop"
     kwargs = dict(
-        model=served.model,
+        model=scripted_http.model,
         prompt="Once",
         max_tokens=12,
         temperature=1.0,
@@ -166,8 +144,8 @@ def test_sampling_fields_reach_the_engine(served):
         logit_bias={"5": 2.0},
         extra_body={"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1},
     )
-    first = served.openai.completions.create(**kwargs).choices[0].text
-    assert served.openai.completions.create(**kwargs).choices[0].text == first
+    first = scripted_http.openai.completions.create(**kwargs).choices[0].text
+    assert scripted_http.openai.completions.create(**kwargs).choices[0].text == first
     params = pb.SamplingParams(
         max_tokens=12,
         temperature=1.0,
@@ -180,25 +158,27 @@ def test_sampling_fields_reach_the_engine(served):
         repetition_penalty=1.1,
     )
     params.logit_bias[5] = 2.0
-    grpc_text = served.running.client.generate(
+    grpc_text = scripted_http.running.client.generate(
         pb.GenerateRequest(prompt="Once", params=params)
     ).text
     assert first == grpc_text
 
 
-def test_n_choices_are_n_requests(served):
-    chat = served.openai.chat.completions.create(
-        model=served.model, messages=MESSAGES, tools=TOOLS, max_tokens=40, n=3
+def test_n_choices_are_n_requests(scripted_http):
+    chat = scripted_http.openai.chat.completions.create(
+        model=scripted_http.model, messages=MESSAGES, tools=TOOLS, max_tokens=40, n=3
     )
     assert [c.index for c in chat.choices] == [0, 1, 2]
     assert {(c.message.content, c.finish_reason) for c in chat.choices} == {("OK", "tool_calls")}
-    assert chat.usage.completion_tokens == 3 * len(served.chat_ids)
+    assert chat.usage.completion_tokens == 3 * len(scripted_http.chat_ids)
     # Seeded: choice i is what a single request seeded seed + i gives.
-    kwargs = dict(model=served.model, prompt="Once", max_tokens=10, temperature=1.0)
-    several = served.openai.completions.create(**kwargs, seed=7, n=2)
-    singles = [served.openai.completions.create(**kwargs, seed=s).choices[0].text for s in (7, 8)]
+    kwargs = dict(model=scripted_http.model, prompt="Once", max_tokens=10, temperature=1.0)
+    several = scripted_http.openai.completions.create(**kwargs, seed=7, n=2)
+    singles = [
+        scripted_http.openai.completions.create(**kwargs, seed=s).choices[0].text for s in (7, 8)
+    ]
     assert [c.text for c in several.choices] == singles and singles[0] != singles[1]
-    stream = served.openai.completions.create(**kwargs, seed=7, n=2, stream=True)
+    stream = scripted_http.openai.completions.create(**kwargs, seed=7, n=2, stream=True)
     texts = ["", ""]
     for piece in stream:
         for choice in piece.choices:
@@ -206,22 +186,22 @@ def test_n_choices_are_n_requests(served):
     assert texts == singles
 
 
-def test_models_and_tokenize(served):
-    assert [m.id for m in served.openai.models.list()] == [served.model]
-    tokens = served.http.post("/tokenize", json={"prompt": "Hello world"}).json()
+def test_models_and_tokenize(scripted_http):
+    assert [m.id for m in scripted_http.openai.models.list()] == [scripted_http.model]
+    tokens = scripted_http.http.post("/tokenize", json={"prompt": "Hello world"}).json()
     assert tokens["count"] == len(tokens["tokens"]) > 0
-    back = served.http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()
+    back = scripted_http.http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()
     assert back["prompt"] == "Hello world"
-    chat = served.http.post("/tokenize", json={"messages": MESSAGES}).json()
-    assert chat["count"] == _grpc(served).usage.prompt_tokens
+    chat = scripted_http.http.post("/tokenize", json={"messages": MESSAGES}).json()
+    assert chat["count"] == _grpc(scripted_http).usage.prompt_tokens
 
 
 # --- errors ------------------------------------------------------------------------------
 
 
-def test_openai_errors_have_the_openai_shape_and_status(served):
+def test_openai_errors_have_the_openai_shape_and_status(scripted_http):
     with pytest.raises(openai.NotFoundError) as e:
-        served.openai.chat.completions.create(model="gpt-4o", messages=MESSAGES)
+        scripted_http.openai.chat.completions.create(model="gpt-4o", messages=MESSAGES)
     assert "gpt-4o" in e.value.message and e.value.code == "model_not_found"
     image = [
         {
@@ -233,17 +213,21 @@ def test_openai_errors_have_the_openai_shape_and_status(served):
         }
     ]
     with pytest.raises(openai.BadRequestError) as e:
-        served.openai.chat.completions.create(model=served.model, messages=image)
+        scripted_http.openai.chat.completions.create(model=scripted_http.model, messages=image)
     assert "image" in e.value.message and "text only" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
-        served.openai.chat.completions.create(model=served.model, messages=MESSAGES, n=17)
+        scripted_http.openai.chat.completions.create(
+            model=scripted_http.model, messages=MESSAGES, n=17
+        )
     assert e.value.param == "n"
     with pytest.raises(openai.BadRequestError) as e:
-        served.openai.chat.completions.create(model=served.model, messages=MESSAGES, temperature=-1)
+        scripted_http.openai.chat.completions.create(
+            model=scripted_http.model, messages=MESSAGES, temperature=-1
+        )
     assert "temperature must be >= 0" in e.value.message
     with pytest.raises(openai.BadRequestError, match="logit_bias token id 99999"):
-        served.openai.chat.completions.create(
-            model=served.model, messages=MESSAGES, logit_bias={"99999": 1}
+        scripted_http.openai.chat.completions.create(
+            model=scripted_http.model, messages=MESSAGES, logit_bias={"99999": 1}
         )
 
 
@@ -251,15 +235,25 @@ def test_openai_errors_have_the_openai_shape_and_status(served):
     "path, shape",
     [("/v1/chat/completions", "openai"), ("/v1/messages", "anthropic"), ("/api/chat", "ollama")],
 )
-def test_bad_bodies_get_each_apis_error(served, path, shape):
+def test_bad_bodies_get_each_apis_error(scripted_http, path, shape):
     json_header = {"content-type": "application/json"}
     cases = [
-        (served.http.post(path, content=b'{"messages": [', headers=json_header), 400, "JSON"),
-        (served.http.post(path, json={"messages": "hi", "model": 3}), 400, "messages"),
-        (served.http.post(path, content=b"x" * (10 << 20), headers=json_header), 413, "bytes"),
+        (
+            scripted_http.http.post(path, content=b'{"messages": [', headers=json_header),
+            400,
+            "JSON",
+        ),
+        (scripted_http.http.post(path, json={"messages": "hi", "model": 3}), 400, "messages"),
+        (
+            scripted_http.http.post(path, content=b"x" * (10 << 20), headers=json_header),
+            413,
+            "bytes",
+        ),
         # Sent without a length (chunked): cut off at the limit all the same.
         (
-            served.http.post(path, content=iter([b"x" * (3 << 20)] * 4), headers=json_header),
+            scripted_http.http.post(
+                path, content=iter([b"x" * (3 << 20)] * 4), headers=json_header
+            ),
             413,
             "bytes",
         ),
@@ -277,7 +271,7 @@ def test_bad_bodies_get_each_apis_error(served, path, shape):
         else:
             message = body["error"]
         assert words in message, message
-    assert served.http.get("/health").status_code == 200
+    assert scripted_http.http.get("/health").status_code == 200
 
 
 PERSON = {
@@ -288,13 +282,13 @@ PERSON = {
 }
 
 
-def test_structured_output_through_every_door(served):
+def test_structured_output_through_every_door(scripted_http):
     """The random model forced into a schema at temperature 1 still writes valid JSON."""
     import jsonschema
 
     schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
-    reply = served.openai.chat.completions.create(
-        model=served.model,
+    reply = scripted_http.openai.chat.completions.create(
+        model=scripted_http.model,
         messages=MESSAGES,
         response_format=schema_format,
         max_tokens=200,
@@ -303,8 +297,8 @@ def test_structured_output_through_every_door(served):
     )
     assert reply.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
-    stream = served.openai.chat.completions.create(
-        model=served.model,
+    stream = scripted_http.openai.chat.completions.create(
+        model=scripted_http.model,
         messages=MESSAGES,
         response_format=schema_format,
         max_tokens=200,
@@ -314,8 +308,8 @@ def test_structured_output_through_every_door(served):
     )
     streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert streamed == reply.choices[0].message.content
-    completion = served.openai.completions.create(
-        model=served.model,
+    completion = scripted_http.openai.completions.create(
+        model=scripted_http.model,
         prompt="Once",
         extra_body={"response_format": {"type": "json_object"}},
         max_tokens=200,
@@ -324,10 +318,10 @@ def test_structured_output_through_every_door(served):
     )
     assert completion.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(completion.choices[0].text), dict)
-    ollama = served.http.post(
+    ollama = scripted_http.http.post(
         "/api/chat",
         json={
-            "model": served.model,
+            "model": scripted_http.model,
             "messages": MESSAGES,
             "format": PERSON,
             "stream": False,
@@ -337,8 +331,8 @@ def test_structured_output_through_every_door(served):
     assert ollama["done_reason"] == "stop"
     jsonschema.validate(json.loads(ollama["message"]["content"]), PERSON)
     text_format = {"format": {"type": "json_schema", "name": "person", "schema": PERSON}}
-    response = served.openai.responses.create(
-        model=served.model,
+    response = scripted_http.openai.responses.create(
+        model=scripted_http.model,
         input="Who?",
         text=text_format,
         max_output_tokens=200,
@@ -348,21 +342,24 @@ def test_structured_output_through_every_door(served):
     assert response.status == "completed"
     jsonschema.validate(json.loads(response.output_text), PERSON)
     # Plain text is no constraint at all: the script comes out as ever.
-    plain = served.openai.chat.completions.create(
-        model=served.model, messages=MESSAGES, response_format={"type": "text"}, max_tokens=40
+    plain = scripted_http.openai.chat.completions.create(
+        model=scripted_http.model,
+        messages=MESSAGES,
+        response_format={"type": "text"},
+        max_tokens=40,
     )
     assert plain.choices[0].message.content == "OK"
 
 
-def test_a_schema_that_is_not_json_schema_is_refused(served):
+def test_a_schema_that_is_not_json_schema_is_refused(scripted_http):
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "banana"}}}
     with pytest.raises(openai.BadRequestError) as e:
-        served.openai.chat.completions.create(
-            model=served.model, messages=MESSAGES, response_format=bad
+        scripted_http.openai.chat.completions.create(
+            model=scripted_http.model, messages=MESSAGES, response_format=bad
         )
     assert "schema" in e.value.message
-    r = served.http.post(
-        "/api/generate", json={"model": served.model, "prompt": "Hi", "format": "yaml"}
+    r = scripted_http.http.post(
+        "/api/generate", json={"model": scripted_http.model, "prompt": "Hi", "format": "yaml"}
     )
     assert r.status_code == 400 and "format" in r.json()["error"]
 
@@ -377,7 +374,7 @@ def _blocks(message) -> list[tuple]:
     ]
 
 
-def test_anthropic_messages_with_tools_thinking_and_stream(served):
+def test_anthropic_messages_with_tools_thinking_and_stream(scripted_http):
     tools = [
         {
             "name": "get_weather",
@@ -386,17 +383,17 @@ def test_anthropic_messages_with_tools_thinking_and_stream(served):
         }
     ]
     kwargs = dict(
-        model=served.model, max_tokens=40, messages=MESSAGES, tools=tools, system="Be brief."
+        model=scripted_http.model, max_tokens=40, messages=MESSAGES, tools=tools, system="Be brief."
     )
-    message = served.anthropic.messages.create(**kwargs)
+    message = scripted_http.anthropic.messages.create(**kwargs)
     assert [b.type for b in message.content] == ["thinking", "text", "tool_use"]
     assert message.content[0].thinking == "Weather?"
     assert message.content[1].text == "OK"
     assert (message.content[2].name, message.content[2].input) == ("get_weather", {})
     assert message.stop_reason == "tool_use"
-    assert message.usage.output_tokens == len(served.chat_ids)
+    assert message.usage.output_tokens == len(scripted_http.chat_ids)
 
-    with served.anthropic.messages.stream(**kwargs) as stream:
+    with scripted_http.anthropic.messages.stream(**kwargs) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
@@ -428,38 +425,42 @@ def test_anthropic_messages_with_tools_thinking_and_stream(served):
             ],
         },
     ]
-    count = served.anthropic.messages.count_tokens(
-        model=served.model, messages=history, tools=tools, system="Be brief."
+    count = scripted_http.anthropic.messages.count_tokens(
+        model=scripted_http.model, messages=history, tools=tools, system="Be brief."
     )
-    again = served.anthropic.messages.create(**{**kwargs, "messages": history})
+    again = scripted_http.anthropic.messages.create(**{**kwargs, "messages": history})
     # Anthropic's input_tokens exclude cache reads: the three parts add up to the prompt.
     prompt = again.usage.input_tokens + again.usage.cache_read_input_tokens
     assert prompt == count.input_tokens > message.usage.input_tokens
     assert again.usage.cache_creation_input_tokens == 0
 
 
-def test_anthropic_stop_sequence_names_the_string_that_ended_it(served):
-    reply = served.anthropic.messages.create(
-        model=served.model, messages=MESSAGES, max_tokens=40, stop_sequences=["OK"]
+def test_anthropic_stop_sequence_names_the_string_that_ended_it(scripted_http):
+    reply = scripted_http.anthropic.messages.create(
+        model=scripted_http.model, messages=MESSAGES, max_tokens=40, stop_sequences=["OK"]
     )
     assert (reply.stop_reason, reply.stop_sequence) == ("stop_sequence", "OK")
-    plain = served.anthropic.messages.create(model=served.model, messages=MESSAGES, max_tokens=40)
+    plain = scripted_http.anthropic.messages.create(
+        model=scripted_http.model, messages=MESSAGES, max_tokens=40
+    )
     assert plain.stop_sequence is None
 
 
-def test_anthropic_errors(served):
+def test_anthropic_errors(scripted_http):
     with pytest.raises(anthropic.NotFoundError) as e:
-        served.anthropic.messages.create(model="claude-x", max_tokens=5, messages=MESSAGES)
+        scripted_http.anthropic.messages.create(model="claude-x", max_tokens=5, messages=MESSAGES)
     assert e.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.BadRequestError) as e:
-        served.anthropic.messages.create(model=served.model, max_tokens=0, messages=MESSAGES)
+        scripted_http.anthropic.messages.create(
+            model=scripted_http.model, max_tokens=0, messages=MESSAGES
+        )
     assert "max_tokens must be at least 1" in e.value.body["error"]["message"]
 
 
 # --- Responses API and Ollama ---------------------------------------------------------
 
 
-def test_responses_api_text_and_function_calls(served):
+def test_responses_api_text_and_function_calls(scripted_http):
     tools = [
         {
             "type": "function",
@@ -467,16 +468,16 @@ def test_responses_api_text_and_function_calls(served):
             "parameters": TOOLS[0]["function"]["parameters"],
         }
     ]
-    reply = served.openai.responses.create(
-        model=served.model, input=MESSAGES[0]["content"], tools=tools, max_output_tokens=40
+    reply = scripted_http.openai.responses.create(
+        model=scripted_http.model, input=MESSAGES[0]["content"], tools=tools, max_output_tokens=40
     )
     assert reply.status == "completed"
     assert [item.type for item in reply.output] == ["reasoning", "message", "function_call"]
     assert reply.output_text == "OK"
     assert reply.output[2].name == "get_weather"
     events = list(
-        served.openai.responses.create(
-            model=served.model,
+        scripted_http.openai.responses.create(
+            model=scripted_http.model,
             input=MESSAGES[0]["content"],
             tools=tools,
             max_output_tokens=40,
@@ -489,16 +490,18 @@ def test_responses_api_text_and_function_calls(served):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[-1].response.output_text == "OK"
     # The SDK's own accumulator rebuilds the same response from the events.
-    with served.openai.responses.stream(
-        model=served.model, input=MESSAGES[0]["content"], tools=tools, max_output_tokens=40
+    with scripted_http.openai.responses.stream(
+        model=scripted_http.model, input=MESSAGES[0]["content"], tools=tools, max_output_tokens=40
     ) as stream:
         final = stream.get_final_response()
     assert final.output_text == "OK" and final.output[2].name == "get_weather"
 
 
-def test_ollama_chat_generate_and_model_info(served):
-    with served.http.stream(
-        "POST", "/api/chat", json={"model": served.model, "messages": MESSAGES, "tools": TOOLS}
+def test_ollama_chat_generate_and_model_info(scripted_http):
+    with scripted_http.http.stream(
+        "POST",
+        "/api/chat",
+        json={"model": scripted_http.model, "messages": MESSAGES, "tools": TOOLS},
     ) as r:
         lines = [json.loads(line) for line in r.iter_lines() if line]
     assert all(not line["done"] for line in lines[:-1]) and lines[-1]["done"]
@@ -506,28 +509,28 @@ def test_ollama_chat_generate_and_model_info(served):
     assert "".join(line["message"].get("thinking", "") for line in lines) == "Weather?"
     calls = [c for line in lines for c in line["message"].get("tool_calls", [])]
     assert calls == [{"function": {"name": "get_weather", "arguments": {}}}]
-    assert lines[-1]["eval_count"] == len(served.chat_ids)
-    whole = served.http.post(
+    assert lines[-1]["eval_count"] == len(scripted_http.chat_ids)
+    whole = scripted_http.http.post(
         "/api/generate",
-        json={"model": served.model, "prompt": RAW_PROMPT, "raw": True, "stream": False},
+        json={"model": scripted_http.model, "prompt": RAW_PROMPT, "raw": True, "stream": False},
     ).json()
     assert whole["response"] == RAW_SCRIPT[0] and whole["done_reason"] == "stop"
-    tags = served.http.get("/api/tags").json()["models"]
-    assert [t["name"] for t in tags] == [served.model]
-    show = served.http.post("/api/show", json={"model": served.model}).json()
+    tags = scripted_http.http.get("/api/tags").json()["models"]
+    assert [t["name"] for t in tags] == [scripted_http.model]
+    show = scripted_http.http.post("/api/show", json={"model": scripted_http.model}).json()
     assert show["details"]["family"] == "llama" and "tools" in show["capabilities"]
-    assert served.http.get("/api/version").json()["version"]
-    load = served.http.post("/api/generate", json={"model": served.model}).json()
+    assert scripted_http.http.get("/api/version").json()["version"]
+    load = scripted_http.http.post("/api/generate", json={"model": scripted_http.model}).json()
     assert load["done"] and load["done_reason"] == "load"
-    missing = served.http.post("/api/chat", json={"model": "llama3", "messages": MESSAGES})
+    missing = scripted_http.http.post("/api/chat", json={"model": "llama3", "messages": MESSAGES})
     assert missing.status_code == 404 and "llama3" in missing.json()["error"]
 
 
 # --- operations -------------------------------------------------------------------------
 
 
-def _metrics(served) -> dict[tuple[str, tuple], float]:
-    text = served.http.get("/metrics").text
+def _metrics(scripted_http) -> dict[tuple[str, tuple], float]:
+    text = scripted_http.http.get("/metrics").text
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)
@@ -535,12 +538,12 @@ def _metrics(served) -> dict[tuple[str, tuple], float]:
     }
 
 
-def test_metrics_move_by_the_right_amounts(served):
-    before = _metrics(served)
-    reply = served.openai.chat.completions.create(
-        model=served.model, messages=MESSAGES, max_tokens=40
+def test_metrics_move_by_the_right_amounts(scripted_http):
+    before = _metrics(scripted_http)
+    reply = scripted_http.openai.chat.completions.create(
+        model=scripted_http.model, messages=MESSAGES, max_tokens=40
     )
-    after = _metrics(served)
+    after = _metrics(scripted_http)
 
     def moved(name, **labels):
         key = (name, tuple(sorted(labels.items())))
@@ -560,20 +563,24 @@ def test_metrics_move_by_the_right_amounts(served):
     assert after[("mlx_relay:num_requests_running", ())] == 0
     assert after[("mlx_relay:engine_serving", ())] == 1
     with pytest.raises(openai.BadRequestError):
-        served.openai.chat.completions.create(model=served.model, messages=MESSAGES, top_p=2)
+        scripted_http.openai.chat.completions.create(
+            model=scripted_http.model, messages=MESSAGES, top_p=2
+        )
     assert (
-        _metrics(served)[("mlx_relay:requests_total", (("api", "openai"), ("outcome", "invalid")))]
+        _metrics(scripted_http)[
+            ("mlx_relay:requests_total", (("api", "openai"), ("outcome", "invalid")))
+        ]
         >= 1
     )
 
 
-def test_metrics_count_the_grpc_door_too(served):
+def test_metrics_count_the_grpc_door_too(scripted_http):
     """One registry for every door: a gRPC request shows under api="grpc"."""
-    before = _metrics(served)
-    reply = _grpc(served)
+    before = _metrics(scripted_http)
+    reply = _grpc(scripted_http)
     with pytest.raises(grpc.RpcError):
-        _grpc(served, tool_choice="nonsense")
-    after = _metrics(served)
+        _grpc(scripted_http, tool_choice="nonsense")
+    after = _metrics(scripted_http)
 
     def moved(name, **labels):
         key = (name, tuple(sorted(labels.items())))
@@ -584,11 +591,11 @@ def test_metrics_count_the_grpc_door_too(served):
     assert moved("mlx_relay:generation_tokens_total") == reply.usage.completion_tokens
 
 
-def test_step_times_per_rank_reach_the_metrics(served):
-    served.openai.completions.create(model=served.model, prompt="Hello", max_tokens=8)
+def test_step_times_per_rank_reach_the_metrics(scripted_http):
+    scripted_http.openai.completions.create(model=scripted_http.model, prompt="Hello", max_tokens=8)
     deadline = time.monotonic() + 15  # workers report with their heartbeats
     while True:
-        m = _metrics(served)
+        m = _metrics(scripted_http)
         if m.get(("mlx_relay:rank_steps_total", (("rank", "1"),)), 0) > 0 or (
             time.monotonic() > deadline
         ):
@@ -600,17 +607,17 @@ def test_step_times_per_rank_reach_the_metrics(served):
     assert m[("mlx_relay:ring_step_seconds_total", (("kind", "prefill"),))] > 0
 
 
-def test_status_lists_each_running_request(served):
+def test_status_lists_each_running_request(scripted_http):
     request = pb.GenerateRequest(
         prompt="Hello", params=pb.SamplingParams(max_tokens=400, ignore_eos=True)
     )
-    stream = served.running.client.stream(request)
+    stream = scripted_http.running.client.stream(request)
     generated = 0
     for chunk in stream:
         generated += len(chunk.token_ids)
         if generated >= 3:
             break
-    running = served.http.get("/v1/status").json()["requests"]
+    running = scripted_http.http.get("/v1/status").json()["requests"]
     stream.cancel()
     assert len(running) == 1, running
     (status,) = running
@@ -619,66 +626,71 @@ def test_status_lists_each_running_request(served):
     assert status["prefilled_tokens"] == status["prompt_tokens"] > 0
     assert status["time_to_first_token_s"] > 0 and status["decode_tokens_per_s"] > 0
     deadline = time.monotonic() + 30  # the cancel frees the slot at the next step
-    while served.http.get("/v1/status").json()["requests"] and time.monotonic() < deadline:
+    while scripted_http.http.get("/v1/status").json()["requests"] and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert served.http.get("/v1/status").json()["requests"] == []
+    assert scripted_http.http.get("/v1/status").json()["requests"] == []
 
 
-def test_health(served):
-    r = served.http.get("/health")
+def test_health(scripted_http):
+    r = scripted_http.http.get("/health")
     assert r.status_code == 200
-    assert r.json() == {"status": "ok", "state": "serving", "model": served.model, "ranks": 2}
-    status = served.http.get("/v1/status").json()
-    assert status["state"] == "serving" and status["model"] == served.model
+    assert r.json() == {
+        "status": "ok",
+        "state": "serving",
+        "model": scripted_http.model,
+        "ranks": 2,
+    }
+    status = scripted_http.http.get("/v1/status").json()
+    assert status["state"] == "serving" and status["model"] == scripted_http.model
     assert [(r["rank"], r["layer_start"]) for r in status["ranks"]] == [(0, 0), (1, 2)]
     assert status["active_requests"] == 0
 
 
-def _idle(served, within: float) -> bool:
+def _idle(scripted_http, within: float) -> bool:
     deadline = time.monotonic() + within
-    while served.running.client.status().active_requests and time.monotonic() < deadline:
+    while scripted_http.running.client.status().active_requests and time.monotonic() < deadline:
         time.sleep(0.05)
-    return served.running.client.status().active_requests == 0
+    return scripted_http.running.client.status().active_requests == 0
 
 
-def _counted(served, key, value: float, within: float = 10) -> bool:
+def _counted(scripted_http, key, value: float, within: float = 10) -> bool:
     """The counter reaches `value` (the last chunk may reach the door after status says idle)."""
     deadline = time.monotonic() + within
-    while _metrics(served).get(key, 0) < value and time.monotonic() < deadline:
+    while _metrics(scripted_http).get(key, 0) < value and time.monotonic() < deadline:
         time.sleep(0.05)
-    return _metrics(served).get(key, 0) == value
+    return _metrics(scripted_http).get(key, 0) == value
 
 
-def test_disconnect_mid_stream_cancels_and_the_cluster_keeps_serving(served):
+def test_disconnect_mid_stream_cancels_and_the_cluster_keeps_serving(scripted_http):
     # ignore_eos: the scripted model would otherwise stop at once; 2000 tokens take a while.
     body = {"prompt": "Once", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     left = ("mlx_relay:requests_total", (("api", "openai"), ("outcome", "disconnected")))
-    before = _metrics(served).get(left, 0)
+    before = _metrics(scripted_http).get(left, 0)
     for _ in range(3):
-        with served.http.stream("POST", "/v1/completions", json=body) as r:
+        with scripted_http.http.stream("POST", "/v1/completions", json=body) as r:
             lines = r.iter_lines()
             assert sum(1 for line, _ in zip(lines, range(6), strict=False) if line) >= 3
         # The response closed after a few events: the request goes at the next step.
-        assert _idle(served, 10)
-    assert _counted(served, left, before + 3)
-    reply = served.openai.chat.completions.create(
-        model=served.model, messages=MESSAGES, max_tokens=40
+        assert _idle(scripted_http, 10)
+    assert _counted(scripted_http, left, before + 3)
+    reply = scripted_http.openai.chat.completions.create(
+        model=scripted_http.model, messages=MESSAGES, max_tokens=40
     )
     assert reply.choices[0].message.content
 
 
-def test_disconnect_before_a_whole_answer_cancels_it(served):
+def test_disconnect_before_a_whole_answer_cancels_it(scripted_http):
     cancelled = ("mlx_relay:requests_total", (("api", "openai"), ("outcome", "cancelled")))
-    before = _metrics(served).get(cancelled, 0)
+    before = _metrics(scripted_http).get(cancelled, 0)
     body = {"prompt": "Once", "max_tokens": 2000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        served.http.post("/v1/completions", json=body, timeout=1.0)
+        scripted_http.http.post("/v1/completions", json=body, timeout=1.0)
     # The engine ended it as cancelled (its finish reason), not at max_tokens.
-    assert _idle(served, 10)
-    assert _counted(served, cancelled, before + 1)
+    assert _idle(scripted_http, 10)
+    assert _counted(scripted_http, cancelled, before + 1)
 
 
-def test_200_concurrent_streams_with_random_disconnects(served):
+def test_200_concurrent_streams_with_random_disconnects(scripted_http):
     """Every stream ends: answered whole, refused with 429 (queue full), or dropped by its
     client; afterwards nothing runs, nothing waits, and the cluster still answers."""
     import asyncio
@@ -705,7 +717,9 @@ def test_200_concurrent_streams_with_random_disconnects(served):
 
     async def all_of_them() -> list[str]:
         limits = httpx.Limits(max_connections=200)
-        async with httpx.AsyncClient(base_url=served.base, timeout=120, limits=limits) as client:
+        async with httpx.AsyncClient(
+            base_url=scripted_http.base, timeout=120, limits=limits
+        ) as client:
             plans = [rng.choice([None, 1, 5, 15]) for _ in range(200)]
             return await asyncio.gather(*(one(client, plan) for plan in plans))
 
@@ -714,11 +728,13 @@ def test_200_concurrent_streams_with_random_disconnects(served):
     assert outcomes.count("done") + outcomes.count("left") >= 8
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        status = served.running.client.status()
+        status = scripted_http.running.client.status()
         if not status.active_requests and not status.queued_requests:
             break
         time.sleep(0.1)
     assert (status.active_requests, status.queued_requests) == (0, 0)
-    assert served.http.get("/health").status_code == 200
-    reply = served.openai.completions.create(model=served.model, prompt=RAW_PROMPT, max_tokens=40)
+    assert scripted_http.http.get("/health").status_code == 200
+    reply = scripted_http.openai.completions.create(
+        model=scripted_http.model, prompt=RAW_PROMPT, max_tokens=40
+    )
     assert reply.choices[0].text == RAW_SCRIPT[0]

@@ -22,7 +22,7 @@ import httpx
 import pytest
 from conftest import start_cluster, stop_cluster
 from mlx_lm.utils import load_tokenizer
-from test_generation import script_model
+from scripted import script_model
 from tiny_models import make_tiny_model
 
 from mlx_relay.coordinator.requests import encode_text

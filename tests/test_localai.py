@@ -22,7 +22,7 @@ import pytest
 from conftest import assert_gone, start_cluster
 from mlx_lm.utils import load_tokenizer
 from oracle import PARIS_QUESTION, PARIS_TOKENS, chat_tokens, mlx_lm_tokens
-from test_generation import CHAT_SCRIPT, MESSAGES, TOOLS, script_model
+from scripted import CHAT_SCRIPT, MESSAGES, TOOLS, script_model
 from tiny_models import make_tiny_model
 
 from mlx_relay.coordinator.requests import encode_text

@@ -16,11 +16,11 @@ import json
 
 import mlx.core as mx
 import pytest
+from family_checks import family_oracle, family_request
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from mlx_lm.utils import load_model
 from oracle import generate_concurrently
-from test_families import _oracle, _request
 from tiny_models import (
     ADAPTED_FAMILIES,
     MULTIPLIER_FAMILIES,
@@ -48,9 +48,9 @@ def test_clusters_equal_mlx_lm(models, cluster_pool, ranks):
     layers = LAYERS[ranks]
     for family, path in models.items():
         client = cluster_pool.serving(path, ranks, layers=layers).client
-        got = generate_concurrently(client, [_request(*p) for p in PROMPTS])
+        got = generate_concurrently(client, [family_request(*p) for p in PROMPTS])
         for (text, seed), tokens in zip(PROMPTS, got, strict=True):
-            assert tokens == _oracle(path, text, seed), f"{family} at {ranks} ranks, {seed=}"
+            assert tokens == family_oracle(path, text, seed), f"{family} at {ranks} ranks, {seed=}"
         status = client.status()
         assert status.active_requests == 0 and status.queued_requests == 0
 

@@ -7,11 +7,9 @@ request's remaining tokens from there. The cluster must give exactly those token
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
-from mlx_lm import stream_generate
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
-from oracle import _load, chat_tokens, mlx_lm_tokens
+from oracle import _load, chat_tokens, mlx_lm_continue, mlx_lm_tokens
 
 from mlx_relay.coordinator.slots import common_prefix_len
 from mlx_relay.protocol import relay_pb2 as pb
@@ -22,28 +20,15 @@ FIRST = [{"role": "user", "content": "Tell me about the sea."}]
 MAX_TOKENS = 10
 
 
-def _generate(model, cache, prompt: list[int], max_tokens: int) -> list[int]:
-    """mlx-lm's tokens (EOS dropped) for `prompt`, continuing `cache`."""
-    model_, tokenizer = _load(str(model))
-    tokens = []
-    for r in stream_generate(
-        model_, tokenizer, mx.array(prompt), max_tokens=max_tokens, prompt_cache=cache
-    ):
-        if r.finish_reason == "stop":
-            break
-        tokens.append(r.token)
-    return tokens
-
-
 def _mlx_lm_second_turn(model, first: list[int], second: list[int]) -> tuple[list[int], int]:
     """mlx-lm's tokens for `second` after `first` ran into the same cache, and how many
     of `second`'s tokens that cache held."""
     cache = make_prompt_cache(_load(str(model))[0])
-    generated = _generate(model, cache, first, MAX_TOKENS)
+    generated = mlx_lm_continue(model, cache, first, MAX_TOKENS)
     held = (first + generated)[: cache[0].offset]
     shared = min(common_prefix_len(held, second), len(second) - 1)
     trim_prompt_cache(cache, cache[0].offset - shared)
-    return _generate(model, cache, second[shared:], MAX_TOKENS), shared
+    return mlx_lm_continue(model, cache, second[shared:], MAX_TOKENS), shared
 
 
 def _held(response: pb.GenerateResponse) -> int:

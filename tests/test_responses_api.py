@@ -14,8 +14,7 @@ import pytest
 from api_schemas import validate, validate_open_responses_event
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from test_generation import MESSAGES, TOOLS
-from test_http_api import served  # noqa: F401 - the module's cluster (a fixture)
+from scripted import MESSAGES, TOOLS
 
 from mlx_relay.api.http.responses import Store, Stored
 
@@ -40,14 +39,14 @@ def _event(data: dict):
     return EVENTS.validate_python(data)
 
 
-def _create(served, **fields):  # noqa: F811 - `served` is the fixture's value
-    return served.openai.responses.create(
-        model=served.model, tools=FUNCTION_TOOLS, max_output_tokens=40, **fields
+def _create(scripted_http, **fields):
+    return scripted_http.openai.responses.create(
+        model=scripted_http.model, tools=FUNCTION_TOOLS, max_output_tokens=40, **fields
     )
 
 
-def test_previous_response_id_continues_the_stored_conversation(served):  # noqa: F811
-    first = _create(served, input=ASK, instructions="Answer in French.")
+def test_previous_response_id_continues_the_stored_conversation(scripted_http):
+    first = _create(scripted_http, input=ASK, instructions="Answer in French.")
     assert [item.type for item in first.output] == ["reasoning", "message", "function_call"]
     assert first.store is True and first.previous_response_id is None
     call = first.output[2]
@@ -55,20 +54,22 @@ def test_previous_response_id_continues_the_stored_conversation(served):  # noqa
 
     # Continued: the stored conversation (not its instructions: this request has none),
     # then the new input ...
-    second = _create(served, previous_response_id=first.id, input=[result])
+    second = _create(scripted_http, previous_response_id=first.id, input=[result])
     assert second.previous_response_id == first.id and second.instructions is None
     # ... is the prompt a client sending the whole conversation itself gets.
     whole = [{"role": "user", "content": ASK}, *(i.model_dump() for i in first.output), result]
-    sent = _create(served, input=whole, store=False)
+    sent = _create(scripted_http, input=whole, store=False)
     assert second.usage.input_tokens == sent.usage.input_tokens
     assert second.usage.input_tokens > first.usage.total_tokens
     # The new request's instructions apply.
-    briefed = _create(served, previous_response_id=first.id, input=[result], instructions="Hi.")
+    briefed = _create(
+        scripted_http, previous_response_id=first.id, input=[result], instructions="Hi."
+    )
     assert briefed.usage.input_tokens > second.usage.input_tokens
 
     # Streamed, the same; and a continued response continues in turn.
-    with served.openai.responses.stream(
-        model=served.model,
+    with scripted_http.openai.responses.stream(
+        model=scripted_http.model,
         tools=FUNCTION_TOOLS,
         max_output_tokens=40,
         previous_response_id=first.id,
@@ -76,25 +77,25 @@ def test_previous_response_id_continues_the_stored_conversation(served):  # noqa
     ) as stream:
         streamed = stream.get_final_response()
     assert streamed.usage.input_tokens == second.usage.input_tokens
-    third = _create(served, previous_response_id=second.id, input="And tomorrow?")
+    third = _create(scripted_http, previous_response_id=second.id, input="And tomorrow?")
     assert third.usage.input_tokens > second.usage.total_tokens
 
     # Stored ones can be fetched and deleted; `store: false` ones are not kept.
-    assert served.openai.responses.retrieve(first.id).output_text == first.output_text
+    assert scripted_http.openai.responses.retrieve(first.id).output_text == first.output_text
     with pytest.raises(openai.NotFoundError):
-        served.openai.responses.retrieve(sent.id)
+        scripted_http.openai.responses.retrieve(sent.id)
     with pytest.raises(openai.NotFoundError) as refused:
-        _create(served, previous_response_id=sent.id, input="Hi")
+        _create(scripted_http, previous_response_id=sent.id, input="Hi")
     assert refused.value.code == "previous_response_not_found"
-    served.openai.responses.delete(third.id)
+    scripted_http.openai.responses.delete(third.id)
     with pytest.raises(openai.NotFoundError):
-        served.openai.responses.retrieve(third.id)
+        scripted_http.openai.responses.retrieve(third.id)
 
 
-def test_an_unknown_previous_response_id_is_openais_404(served):  # noqa: F811
-    reply = served.http.post(
+def test_an_unknown_previous_response_id_is_openais_404(scripted_http):
+    reply = scripted_http.http.post(
         "/v1/responses",
-        json={"model": served.model, "input": "Hi", "previous_response_id": "resp_nope"},
+        json={"model": scripted_http.model, "input": "Hi", "previous_response_id": "resp_nope"},
     )
     assert reply.status_code == 404
     error = reply.json()["error"]
@@ -114,10 +115,15 @@ def test_the_store_keeps_the_most_recently_used():
     assert list(store.kept) == ["a", "c"]
 
 
-def _raw_events(served, **fields) -> list[tuple[str, dict]]:  # noqa: F811
-    body = {"model": served.model, "tools": FUNCTION_TOOLS, "max_output_tokens": 40, **fields}
+def _raw_events(scripted_http, **fields) -> list[tuple[str, dict]]:
+    body = {
+        "model": scripted_http.model,
+        "tools": FUNCTION_TOOLS,
+        "max_output_tokens": 40,
+        **fields,
+    }
     events, name = [], None
-    with served.http.stream("POST", "/v1/responses", json={**body, "stream": True}) as reply:
+    with scripted_http.http.stream("POST", "/v1/responses", json={**body, "stream": True}) as reply:
         assert reply.status_code == 200
         for line in reply.iter_lines():
             if line.startswith("event: "):
@@ -139,8 +145,8 @@ ITEM_EVENTS = {
 }  # fmt: skip
 
 
-def test_streamed_events_are_the_sdks_types_in_its_order(served):  # noqa: F811
-    events = _raw_events(served, input=ASK)
+def test_streamed_events_are_the_sdks_types_in_its_order(scripted_http):
+    events = _raw_events(scripted_http, input=ASK)
     parsed = [_event(data) for _, data in events]
     assert all(name == data["type"] for name, data in events)  # SSE event: = its type
     assert [e.sequence_number for e in parsed] == list(range(len(parsed)))
@@ -157,16 +163,16 @@ def test_streamed_events_are_the_sdks_types_in_its_order(served):  # noqa: F811
     done = [e.item for e in parsed if e.type == "response.output_item.done"]
     assert [i.model_dump() for i in done] == [i.model_dump() for i in final.output]
     # A response cut short by max_output_tokens ends response.incomplete.
-    short = [_event(d) for _, d in _raw_events(served, input=ASK, **{
+    short = [_event(d) for _, d in _raw_events(scripted_http, input=ASK, **{
         "max_output_tokens": 2})]  # fmt: skip
     assert short[-1].type == "response.incomplete"
     assert short[-1].response.incomplete_details.reason == "max_output_tokens"
 
     # The SDK's streaming clients see the same sequence and rebuild the same response.
-    sdk = list(_create(served, input=ASK, stream=True))
+    sdk = list(_create(scripted_http, input=ASK, stream=True))
     assert [e.type for e in sdk] == types
-    with served.openai.responses.stream(
-        model=served.model, tools=FUNCTION_TOOLS, max_output_tokens=40, input=ASK
+    with scripted_http.openai.responses.stream(
+        model=scripted_http.model, tools=FUNCTION_TOOLS, max_output_tokens=40, input=ASK
     ) as stream:
         helped = [e.type for e in stream]
         rebuilt = stream.get_final_response()
@@ -190,11 +196,11 @@ def _missing(model_type, raw: dict, where: str = "") -> list[str]:
     return out
 
 
-def test_the_response_object_validates_with_every_required_key(served):  # noqa: F811
-    raw = served.http.post(
+def test_the_response_object_validates_with_every_required_key(scripted_http):
+    raw = scripted_http.http.post(
         "/v1/responses",
         json={
-            "model": served.model,
+            "model": scripted_http.model,
             "input": ASK,
             "tools": FUNCTION_TOOLS,
             "max_output_tokens": 40,

@@ -1,24 +1,15 @@
-"""The soak benchmark, short: mixed concurrent load on a tiny model for ~10 s (bench/bench_soak.py
-runs it for as long as asked and says what it checks)."""
+"""The soak, short: mixed concurrent load on a tiny model for ~10 s (tests/soak.py;
+bench/bench_soak.py runs it for as long as asked and says what it checks)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-import bench_soak  # noqa: E402
+from soak import SoakSettings, soak
 
 
 @pytest.mark.cluster
 def test_a_short_soak_is_exact_leaks_nothing_and_keeps_memory_flat():
-    args = bench_soak.parse(
-        ["--seconds", "10", "--clients", "8", "--warmup", "4", "--pool", "22", "--seed", "1"]
-    )
-    report = bench_soak.soak(args)
+    report = soak(SoakSettings(seconds=10, clients=8, warmup=4, pool=22, seed=1))
     print(f"\nshort soak: {report}")
     assert report["mismatches"] == 0, report["mismatch_examples"]
     assert report["completed"] > 20 and report["cancelled"] + report["disconnected"] > 0, report

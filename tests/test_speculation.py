@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from fake_pipeline import FakePipeline, engines  # noqa: E402
 from oracle import mlx_lm_tokens, tokenizer_for  # noqa: E402
-from test_generation import script_model  # noqa: E402
+from scripted import script_model  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
 from mlx_relay.coordinator.drafting import lookup  # noqa: E402

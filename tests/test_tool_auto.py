@@ -17,8 +17,8 @@ import pytest
 from conftest import start_cluster, stop_cluster
 from mlx_lm.utils import load_tokenizer
 from oracle import chat_tokens, mlx_lm_tokens
-from support import Served
-from test_generation import MESSAGES, _messages, script_model
+from scripted import MESSAGES, script_model
+from support import Served, chat_messages
 from tiny_models import make_tiny_model
 
 from mlx_relay.coordinator.requests import encode_text
@@ -65,7 +65,7 @@ def auto_scripted(tmp_path_factory):
 
 def _request(**kwargs) -> pb.GenerateRequest:
     params = pb.SamplingParams(max_tokens=MAX_TOKENS)
-    return pb.GenerateRequest(messages=_messages(), params=params, **kwargs)
+    return pb.GenerateRequest(messages=chat_messages(MESSAGES), params=params, **kwargs)
 
 
 def _valid(name: str, arguments: str | dict) -> None:
