@@ -283,6 +283,23 @@ def test_ports_come_from_the_range_given(monkeypatch):
             port_range()
 
 
+def test_a_local_clusters_wiring_never_takes_its_own_doors_ports(monkeypatch, tmp_path):
+    """Rank 0's door ports are free until it listens, after the ranks are wired: the
+    wiring must not take them (a restarted cluster once found its gRPC port taken by its
+    own ring)."""
+    from mlx_relay.launch.lifeline import Lifeline
+    from mlx_relay.launch.local import PORTS_ENV, LocalCluster
+
+    monkeypatch.setenv(PORTS_ENV, "23800-23808")  # 8 ports: 6 of wiring and 2 doors
+    cluster = LocalCluster(2, ["--http-address", "127.0.0.1:23801"], grpc_address="127.0.0.1:23805")
+    cluster._workdir, cluster._lifeline = tmp_path, Lifeline()
+    env = cluster._rank_env_base()
+    wiring = [cluster.control_endpoint, *cluster.doorbell_endpoints, f":{env['NCCL_PORT']}"]
+    wiring += [entry[0] for entry in json.loads((tmp_path / "hostfile.json").read_text())]
+    taken = {int(address.rsplit(":", 1)[1]) for address in wiring}
+    assert taken == set(range(23800, 23808)) - {23801, 23805}
+
+
 def test_local_passes_every_serve_option_on_from_one_table():
     """`local` takes serve's options and gives them back to each rank (serve_argv): what a
     rank parses equals what `local` was given, except what travels another way."""

@@ -176,9 +176,26 @@ class LocalCluster:
         self.supervisor = Supervisor(self.procs, ["127.0.0.1"] * self.n, self.last_words)
         return self
 
+    def _door_ports(self) -> set[int]:
+        """The ports rank 0 will listen on (gRPC, HTTP, LocalAI): free now, perhaps, but
+        not for the ring, side channel or doorbells, whose ranks start first. (A restarted
+        cluster's door port was free again when its wiring was picked, and the ring once
+        took it: rank 0 then could not listen.)"""
+        addresses = [self.grpc_address]
+        for flag in ("--http-address", "--localai-address"):
+            if flag in self.serve_args[:-1]:
+                addresses.append(self.serve_args[self.serve_args.index(flag) + 1])
+        ports = set()
+        for address in addresses:
+            port = address.rsplit(":", 1)[-1]
+            if port.isdigit():
+                ports.add(int(port))
+        return ports
+
     def _rank_env_base(self) -> dict[str, str]:
         """What every rank's environment holds: the wiring on fresh ports, the secret."""
         assert self._workdir is not None and self._lifeline is not None
+        _handed_out.update(self._door_ports())  # (the wiring never takes a door's port)
         ports = free_ports(2 * self.n + 2)
         hostfile = self._workdir / "hostfile.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports[: self.n]]))
