@@ -295,7 +295,9 @@ def pytest_addoption(parser):
 # loadfile --no-loadscope-reorder): one of these started last would leave the other
 # worker idle at the end.
 LONGEST_FIRST = (
+    "test_default_model_cluster",  # ~200 s: 200 tokens of the default model on 3 ranks
     "test_reliability",  # 60 s
+    "test_door_schemas",  # 60
     "test_families",  # 51
     "test_census_families",  # 46
     "test_long_prompts",  # 46
