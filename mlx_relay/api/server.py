@@ -31,6 +31,7 @@ from mlx_relay.protocol.exits import EXIT_CLUSTER_FAILED, EXIT_LOAD_FAILED, repo
 from mlx_relay.protocol.rpc import auth_token
 from mlx_relay.transport.hub import ControlHub
 from mlx_relay.transport.ring import Ring
+from mlx_relay.transport.tensor import TensorGroup
 
 log = logging.getLogger("mlx_relay.server")
 
@@ -39,13 +40,19 @@ WATCHDOG_INTERVAL_S = 0.1
 LOOPBACK = ("127.0.0.1", "localhost", "[::1]", "unix:")
 
 
-def run(config: ServeConfig, ring: Ring | None, hub: ControlHub | None) -> int:
+def run(
+    config: ServeConfig,
+    ring: Ring | None,
+    hub: ControlHub | None,
+    tensor: TensorGroup | None = None,
+) -> int:
     pipeline = Pipeline(
         ring,
         hub,
         heartbeat_timeout=config.heartbeat_timeout,
         step_timeout=config.step_timeout,
         steps_in_flight=config.steps_in_flight,
+        tensor=tensor,
     )
     engine = Engine(pipeline, config.engine)
     health_servicer = health.HealthServicer()

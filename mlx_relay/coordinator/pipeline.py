@@ -9,6 +9,12 @@ Three rooms do the work, and this module only joins them:
   (transport/hops.py), and completing a step gives a `Completion` handle, so the
   engine never knows which hop mode runs.
 With one rank the ring is empty and the same calls run locally.
+
+With a tensor group (`--tensor-parallel`, transport/tensor.py) the load chooses the
+layout: where the family can split its layers (model/tensor_split.py) every rank loads
+every layer, each its slice, and a forward step is rank 0's own as with one rank, its
+header sent round the ring to start the peers; otherwise the model runs as a pipeline
+and `layout` says why.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from mlx_relay.coordinator.returns import Completion
 from mlx_relay.coordinator.ring_driver import WATCH_INTERVAL_S, RingDriver, Step
 from mlx_relay.coordinator.ring_watch import ClusterFailure, RankFailure
 from mlx_relay.coordinator.runner import StageRunner
-from mlx_relay.model import memory, sharding, speed
+from mlx_relay.model import memory, sharding, speed, tensor_split
 from mlx_relay.model.default_model import resolve_model
 from mlx_relay.model.split_plan import host_speeds, plan_ranges, probes_speed
 from mlx_relay.model.step_inputs import PromptInputs
@@ -34,11 +40,13 @@ from mlx_relay.protocol import control
 from mlx_relay.protocol import header as hdr
 from mlx_relay.transport.hub import ControlHub, LinkFailure
 from mlx_relay.transport.ring import Ring, bytes_payload, dtype_name
+from mlx_relay.transport.tensor import TensorGroup
 
 __all__ = [
     "WATCH_INTERVAL_S",
     "ClusterFailure",
     "Completion",
+    "Layout",
     "LoadedModel",
     "Pipeline",
     "RankFailure",
@@ -49,6 +57,22 @@ __all__ = [
 log = logging.getLogger("mlx_relay.pipeline")
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How the loaded model is spread over the ranks: `stages` in a pipeline, each of
+    `tensor` ranks splitting every layer; `why`: why a requested tensor split is not."""
+
+    stages: int
+    tensor: int = 1
+    why: str = ""
+
+    def describe(self) -> str:
+        if self.tensor > 1:
+            return f"tensor parallel: every layer split across {self.tensor} ranks"
+        pipeline = f"pipeline of {self.stages} stage{'s' if self.stages > 1 else ''}"
+        return f"{pipeline} ({self.why})" if self.why else pipeline
+
+
 @dataclass
 class LoadedModel:
     spec: str
@@ -56,6 +80,7 @@ class LoadedModel:
     fingerprint: str
     num_layers: int
     ranges: list[tuple[int, int]]
+    layout: Layout
 
 
 class Pipeline:
@@ -67,9 +92,13 @@ class Pipeline:
         heartbeat_timeout: float = 3.0,
         step_timeout: float = 0.0,
         steps_in_flight: int = 0,
+        tensor: TensorGroup | None = None,
     ) -> None:
         self.ring = ring
         self.hub = hub
+        self.tensor = tensor
+        if tensor is not None:  # (one stage: a step at a time, as on one machine)
+            steps_in_flight = 1
         self.heartbeat_timeout = heartbeat_timeout
         self.step_timeout = step_timeout
         self.world_size = ring.size if ring else 1
@@ -133,29 +162,53 @@ class Pipeline:
         """Load `spec` on every rank, each its own layer range; all ranks or none."""
         self.unload()
         path = resolve_model(spec)
-        num_layers = sharding.count_layers(sharding.read_config(path))
-        ranges = plan_ranges(
-            path, self.world_size, layers, stats=self._rank_stats, speeds=self.probe_speeds
-        )
+        config = sharding.read_config(path)
+        num_layers = sharding.count_layers(config)
+        layout = self._layout(config, layers)
+        tensor = self.tensor if layout.tensor > 1 else None
+        if tensor is not None:  # (every rank every layer, each its slice)
+            ranges = [(0, num_layers)] * self.world_size
+        else:
+            ranges = plan_ranges(
+                path, self.world_size, layers, stats=self._rank_stats, speeds=self.probe_speeds
+            )
         try:  # before any worker loads: rank 0 holds the embedding and LM head too
-            memory.check_fits(path, *ranges[0], ends=True)
+            memory.check_fits(path, *ranges[0], ends=True, tensor=layout.tensor)
         except memory.ShardTooBig as e:
             raise RankFailure(0, control.host_name(), str(e), hdr.ERR_OUT_OF_MEMORY) from e
         fp = sharding.fingerprint(path)
         kv = memory.plan().kv_quantization()  # quantized KV caches: the same on every rank
         document = {"model": spec, "ranges": ranges, "fingerprint": fp, "kv": kv}
+        document["tensor"] = layout.tensor
         try:
             if self.world_size > 1:
                 self.driver.command(hdr.CMD_LOAD, bytes_payload(json.dumps(document).encode()))
-            self.runner.load(path, *ranges[0], kv)
+            self.runner.load(path, *ranges[0], kv, tensor)
         except Exception:
             if self.world_size > 1:  # the ranks that did load let go again
                 self.driver.command(hdr.CMD_UNLOAD)
             raise
         self.runner.loaded()
         self.watch.reset()  # (a new model: its pace is still to be measured)
-        self.loaded = LoadedModel(spec, str(path), fp, num_layers, [tuple(r) for r in ranges])
+        self.loaded = LoadedModel(
+            spec, str(path), fp, num_layers, [tuple(r) for r in ranges], layout
+        )
+        log.info("%s: %s", spec, layout.describe())
         return self.loaded
+
+    def _layout(self, config: dict[str, Any], layers: list[int] | str | None) -> Layout:
+        """The layout a load of the model of `config` gets: split across the tensor
+        group where one was asked for and the family can split its layers (else a
+        pipeline, and why)."""
+        if self.tensor is None:
+            return Layout(stages=self.world_size)
+        why = tensor_split.refusal(config, self.tensor.size)
+        if why is None and layers is not None:
+            why = "--layers gives each rank a layer range"
+        if why is not None:
+            log.warning("tensor parallel refused, the model runs as a pipeline: %s", why)
+            return Layout(stages=self.world_size, why=why)
+        return Layout(stages=1, tensor=self.tensor.size)
 
     def _rank_stats(self) -> list[dict[str, Any] | None]:
         """Every rank's memory figures: rank 0's own, each worker's latest report."""
@@ -240,9 +293,12 @@ class Pipeline:
         h, sides = self.runner.run(header, tokens, reuse_from=reuse_from, prompt=prompt)
         step = Step(header, want_logits, sides=sides)
         step.units = step_cost(lengths, offsets, self.runner.hidden_size)
-        if self.world_size == 1:
+        if self.world_size == 1 or self.runner.tensor is not None:
             hidden = h[:, -1:, :] if want_logits and not all_positions else h
-            self.driver.post_here(step, hidden, tokens)
+            if self.runner.tensor is None:
+                self.driver.post_here(step, hidden, tokens)
+            else:  # (every layer was here: the ring carries the header to the peers)
+                self.driver.launch_tensor(step, hidden, tokens)
             return step
         header.payload_kind = hdr.PAYLOAD_HIDDEN
         header.payload_dtype = dtype_name(h.dtype)

@@ -13,8 +13,9 @@ When a step goes on and when its return is received is the hops' business
 computes (its layers, a second lap, the LM head) is its runner's (runner.py).
 
 Where new transports plug in: a transport other than MLX's ring backend (JACCL RDMA)
-is a `Ring` with its own `Hops`; nothing here changes. A tensor-parallel group inside a
-stage stays inside the runner's and the workers' `forward_stage`.
+is a `Ring` with its own `Hops`; nothing here changes. A tensor-parallel step
+(`launch_tensor`) is computed here whole, as with one rank: only its header goes round,
+to start the peers, and comes back as their acknowledgement.
 """
 
 from __future__ import annotations
@@ -118,6 +119,27 @@ class RingDriver:
         mx.async_eval(step.hidden)
         self._step_id += 1
         step.header.step_id = self._step_id
+        timeline.mark("posted", step.header.step_id)
+
+    def launch_tensor(self, step: Step, hidden: mx.array, tokens: mx.array) -> None:
+        """A tensor-parallel step (FLAG_TENSOR): rank 0 computed it whole (its output is
+        `hidden`, here); its header goes round the ring at once, after every step
+        launched before it (a free must reach the peers before a step that reuses its
+        slot), so each peer posts its part of the step while rank 0 posts its own."""
+        assert self.ring is not None
+        self.settle()
+        mx.async_eval(tokens)  # (first, apart: see launch)
+        self.announce()
+        self._step_id += 1
+        step.header.step_id = self._step_id
+        self.watch.launched(step)
+        step.hidden = hidden
+        self._in_flight.append(step)
+        try:
+            self.ring.send_header(step.header)
+        except RuntimeError as e:
+            raise self.watch.ring_broken(e, self.ring.next) from e
+        mx.async_eval(step.hidden)
         timeline.mark("posted", step.header.step_id)
 
     def launch(self, step: Step, payload: mx.array | None, tokens: mx.array | None = None) -> None:
@@ -250,6 +272,9 @@ class RingDriver:
             self._in_flight.popleft()
             self.announce()
             step.posted = None
+            if step.header.flags & hdr.FLAG_TENSOR:  # (its output is here: see launch_tensor)
+                self._receive(step)  # (the peers' acknowledgement)
+                return self._logits_here(step)
             if early and self._returns_early(step):
                 step.hidden = self.returns.mailbox(step, self.runner.returned_width(step.header))
                 return self.runner.logits(step.header, step.hidden)
@@ -257,9 +282,14 @@ class RingDriver:
             _, step.hidden = self._receive(step)
             if self.runner.more_laps(step.header):
                 return self._next_lap(step)
+        return self._logits_here(step)
+
+    def _logits_here(self, step: Step) -> mx.array | None:
+        """The logits of a step whose output is here (`step.hidden`), as a graph; a step
+        that wants none is waited for (it is timed)."""
         if not step.want_logits:
             self.settle()
-            mx.eval(step.hidden)  # computed on every rank when this returns: it is timed
+            mx.eval(step.hidden)  # computed on every rank when this returns
             return None
         return self.runner.logits(step.header, step.hidden)
 

@@ -11,10 +11,10 @@ per-layer inputs (gemma4), goes round the ring twice a step (model/two_pass.py),
 wide the state it returns is. The ring driver (ring_driver.py) moves steps; it never
 names a family.
 
-Where tensor parallelism plugs in: a stage sharded over a tensor group (mlx-lm's
-`model.shard` over an mx.distributed sub-group) is loaded in `load` and run by the same
-`forward_stage` here and on every worker; the runner's inputs and outputs stay the
-stage's whole hidden state.
+With a tensor group (transport/tensor.py; pipeline.py chooses it at load), every rank
+holds a slice of every layer (model/tensor_split.py): the runner gives its input to the
+group's broadcast before its layers, and the same `forward_stage` runs here and on
+every peer; the runner's inputs and outputs stay the whole hidden state.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from mlx_relay.model.step_inputs import PromptInputs, pass_on
 from mlx_relay.protocol import control
 from mlx_relay.protocol import header as hdr
 from mlx_relay.transport.ring import dtype_name
+from mlx_relay.transport.tensor import TensorGroup
 
 
 def second_lap_header(first: hdr.StepHeader) -> hdr.StepHeader:
@@ -64,12 +65,18 @@ class StageRunner:
         # positions, every later step's header carries it); empty for other models
         self._deltas: dict[int, int] = {}
         self._per_layer = False  # the model's layers take per-layer inputs (gemma4 2B/4B)
+        self.tensor: TensorGroup | None = None  # the loaded model's layers split across it
 
     # --- the model -------------------------------------------------------------------
-    def load(self, path: Path, start: int, end: int, kv: str | None) -> None:
-        """Load layers [start, end) with the embedding and the LM head; RankFailure
-        (rank 0's) where they turn out larger than its memory allows."""
-        self.shard = sharding.load_shard(path, start, end, has_ends=True, kv=kv)
+    def load(
+        self, path: Path, start: int, end: int, kv: str | None, tensor: TensorGroup | None = None
+    ) -> None:
+        """Load layers [start, end) with the embedding and the LM head (with `tensor`,
+        this rank's slice of each); RankFailure (rank 0's) where they turn out larger
+        than its memory allows."""
+        group = tensor.group if tensor is not None else None
+        self.shard = sharding.load_shard(path, start, end, has_ends=True, kv=kv, tensor=group)
+        self.tensor = tensor
         try:
             memory.check_measured(path, start, end, self.shard, ends=True)
         except memory.ShardTooBig as e:
@@ -86,6 +93,7 @@ class StageRunner:
     def unload(self) -> None:
         self.shard = None
         self.caches = None
+        self.tensor = None
         self._deltas.clear()
         self._per_layer = False
 
@@ -128,6 +136,11 @@ class StageRunner:
         two_laps = self.laps == 2
         if two_laps:  # (IQuest Loop Coder: the ring twice, see next_lap)
             header.flags |= hdr.FLAG_FIRST_LAP
+        if self.tensor is not None:  # (every peer gets the very same input)
+            header.flags |= hdr.FLAG_TENSOR
+            header.payload_dtype = dtype_name(h.dtype)
+            header.payload_shape = tuple(h.shape)
+            h, sides = self.tensor.broadcast(h), self.tensor.send_all(sides)
         try:
             h = forward_stage(self.shard, self.caches, header, h, sides)
             if two_laps and not self.on_ring:  # (both passes here)

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from mlx_relay.coordinator.speculation import SpecConfig
     from mlx_relay.model.memory import Plan
     from mlx_relay.transport.ring import Ring
+    from mlx_relay.transport.tensor import TensorGroup
 
 log = logging.getLogger("mlx_relay.serve")
 
@@ -181,6 +182,19 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
             "collective out of rank 0 and back in the header's message; auto: adaptive for "
             "2 ranks on CUDA GPUs of their own, else eager with the ring or jaccl backend on "
             "a rank with 4+ cores of its own (CPU or GPU), else ready",
+        ),
+    ),
+    (
+        "--tensor-parallel",
+        dict(
+            type=int,
+            default=1,
+            metavar="T",
+            help="split every layer across T ranks (mlx-lm's model.shard: each rank keeps "
+            "1/T of every projection, two all-sums a layer) instead of giving each rank a "
+            "layer range; T = the number of ranks (one stage). Pays where the ranks share a "
+            "fast link (NVLink, Thunderbolt 5 RDMA) and the model's layers are large; a "
+            "family mlx-lm cannot shard runs as a pipeline, and status says why",
         ),
     ),
     (
@@ -381,22 +395,35 @@ def _serve(args: argparse.Namespace) -> int:
     from mlx_relay.transport.collective import gpu_tags, on_gpus_of_their_own, payload_groups
     from mlx_relay.transport.doorbell import Doorbell, DoorbellError, doorbell_endpoints
     from mlx_relay.transport.ring import AUTO, PAIRED_MODES, Ring, choose_hop_mode, fences_here
+    from mlx_relay.transport.tensor import TensorLayoutError, check_layout, tensor_group
 
     secret = control.cluster_secret()
     hosts = rank_hosts(size)
     ring = None
+    tensor = None
+    try:
+        check_layout(args.tensor_parallel, size)
+        if args.tensor_parallel > 1 and args.hop_mode in PAIRED_MODES:
+            raise TensorLayoutError(
+                f"--tensor-parallel sends only headers round the ring: --hop-mode "
+                f"{args.hop_mode} has no payloads to carry (use auto, eager or ready)"
+            )
+    except TensorLayoutError as e:
+        return _fatal(rank, UserError(str(e)))
     if size > 1:
         # (every rank asks once, over the ring, whose GPU each other one has: on CUDA
-        # GPUs of their own, each neighbouring pair hops over NCCL)
-        paired = args.hop_mode in (AUTO, *PAIRED_MODES)
-        tags = gpu_tags(group) if paired else []
+        # GPUs of their own, each neighbouring pair hops over NCCL, or the tensor group
+        # all-sums over it)
+        split = args.tensor_parallel > 1
+        paired = args.hop_mode in (AUTO, *PAIRED_MODES) and not split
+        tags = gpu_tags(group) if paired or split else []
         backend = _backend_in_use(args.backend)
         mode = choose_hop_mode(
             args.hop_mode,
             backend,
             cores=_cores(),
             ranks_here=hosts.count(hosts[rank]),
-            gpu_pair=on_gpus_of_their_own(tags),
+            gpu_pair=on_gpus_of_their_own(tags) and not split,
         )
         try:
             doorbell = Doorbell(rank, size, doorbell_endpoints(size, hosts), secret)
@@ -405,8 +432,11 @@ def _serve(args: argparse.Namespace) -> int:
         try:
             payloads = payload_groups(group, hosts[0], tags) if mode in PAIRED_MODES else None
             ring = Ring(group, doorbell, mode, payloads=payloads, fences=fences_here(backend))
+            tensor = tensor_group(group, args.tensor_parallel, hosts[0], tags)
         except ValueError as e:
             return _fatal(rank, UserError(str(e)))
+        if tensor is not None:
+            log.info("rank %d: tensor group of %d over %s", rank, tensor.size, tensor.backend)
         log.info(
             "rank %d: %s hops%s%s%s",
             rank,
@@ -417,14 +447,15 @@ def _serve(args: argparse.Namespace) -> int:
         )
     endpoint = control_endpoint(args, hosts)
     if rank == 0:
-        return _run_rank0(args, plan, ring, endpoint, secret, layer_counts)
-    return _run_worker(args, ring, endpoint, secret, rank)
+        return _run_rank0(args, plan, ring, tensor, endpoint, secret, layer_counts)
+    return _run_worker(args, ring, tensor, endpoint, secret, rank)
 
 
 def _run_rank0(
     args: argparse.Namespace,
     plan: Plan,
     ring: Ring | None,
+    tensor: TensorGroup | None,
     endpoint: str,
     secret: bytes,
     layer_counts: list[int] | str | None,
@@ -442,7 +473,7 @@ def _run_rank0(
     size = ring.size if ring else 1
     hub = ControlHub(endpoint, size, secret) if ring else None
     log.info("rank 0 of %d; side channel %s", size, endpoint if ring else "(none)")
-    code = server.run(config, ring, hub)
+    code = server.run(config, ring, hub, tensor)
     if code == EXIT_CLUSTER_FAILED:
         # The engine thread may still be stuck in a collective with a dead rank;
         # nothing is left to clean up, so do not wait for it at exit.
@@ -453,7 +484,12 @@ def _run_rank0(
 
 
 def _run_worker(
-    args: argparse.Namespace, ring: Ring | None, endpoint: str, secret: bytes, rank: int
+    args: argparse.Namespace,
+    ring: Ring | None,
+    tensor: TensorGroup | None,
+    endpoint: str,
+    secret: bytes,
+    rank: int,
 ) -> NoReturn:
     from mlx_relay.model import memory
     from mlx_relay.transport.link import ControlLink
@@ -467,7 +503,7 @@ def _run_worker(
     link = ControlLink(endpoint, rank, secret, rank0_timeout=args.heartbeat_timeout, stats=stats)
     link.hello()
     try:
-        worker = Worker(ring, link)
+        worker = Worker(ring, link, tensor)
         worker.run()
     finally:
         link.close()

@@ -328,17 +328,20 @@ def register_layout(path: Path, start: int, end: int, layout: CacheLayout) -> No
     _measured[(str(path), start, end)] = [tuple(int(v) for v in entry) for entry in layout]
 
 
-def shard_nbytes(path: Path, start: int, end: int, *, ends: bool = False) -> int:
+def shard_nbytes(path: Path, start: int, end: int, *, ends: bool = False, tensor: int = 1) -> int:
     """Bytes of layers [start, end), plus with `ends` every tensor outside the layers
     (embedding, final norm, LM head; a VLM's vision tower and projector), from the
-    safetensors headers: no weight is read."""
-    total = 0
+    safetensors headers: no weight is read. `tensor`: the layers are split across that
+    many ranks (tensor_split.py), each holding about 1/tensor of them."""
+    layers = outside = 0
     second = sharding.second_list_from(_read_config(str(path)))
     for name, nbytes in checkpoint.tensor_bytes(path).items():
         layer = checkpoint.layer_of(name, second)
-        if (layer is not None and start <= layer < end) or (ends and layer is None):
-            total += nbytes
-    return total
+        if layer is not None and start <= layer < end:
+            layers += nbytes
+        elif ends and layer is None:
+            outside += nbytes
+    return math.ceil(layers / tensor) + outside
 
 
 def memory_limit() -> int | None:
@@ -379,10 +382,12 @@ def short_rank(path: Path, ranges: list[tuple[int, int]], rooms: list[int | None
     return None
 
 
-def check_fits(path: Path, start: int, end: int, *, ends: bool = False) -> None:
+def check_fits(path: Path, start: int, end: int, *, ends: bool = False, tensor: int = 1) -> None:
     """Refuse a shard whose weights, with the caches of `--max-active` sequences of
-    `--max-context` tokens and HEADROOM, exceed what this rank may use; before loading any."""
-    weights = shard_nbytes(path, start, end, ends=ends)
+    `--max-context` tokens and HEADROOM, exceed what this rank may use; before loading any.
+    `tensor`: the layers are split across that many ranks (each keeps 1/tensor of the
+    layers' weights and of their caches' heads)."""
+    weights = shard_nbytes(path, start, end, ends=ends, tensor=tensor)
     available = psutil.virtual_memory().available
     limit = memory_limit()
     if limit is not None and limit < available:
@@ -399,7 +404,7 @@ def check_fits(path: Path, start: int, end: int, *, ends: bool = False) -> None:
         return
     context = sequence_bound(model_context(path), _plan.max_context)
     try:
-        caches = _plan.max_active * cache_nbytes(path, start, end, context)
+        caches = _plan.max_active * cache_nbytes(path, start, end, context) // tensor
     except CacheUnknown as e:  # (check_measured measures them once loaded)
         log.info("%s: caches checked once loaded: %s", what, e)
         return

@@ -54,7 +54,7 @@ from mlx_lm.models.cache import (
 from mlx_lm.models.deepseek_v41 import LayerCache as DeepSeekLayerCache
 from mlx_lm.utils import load_model
 
-from mlx_relay.model import altup, two_pass, vision
+from mlx_relay.model import altup, tensor_split, two_pass, vision
 from mlx_relay.model.families import (
     FamilyAdapter,
     LayerRun,
@@ -375,12 +375,15 @@ def load_shard(
     *,
     has_ends: bool,
     kv: KVQuant | dict[str, int] | None = None,
+    tensor: mx.distributed.Group | None = None,
 ) -> Shard:
     """Load only layers [start, end) (plus the ends on rank 0) and evaluate only those.
 
     The weights are opened lazily; the layers of other ranks are dropped before
     anything is evaluated, so peak memory is about the shard, not the whole model.
-    `kv`: quantize the plain KV caches (see KVQuant).
+    `kv`: quantize the plain KV caches (see KVQuant). `tensor`: this rank's tensor group
+    (transport/tensor.py): every layer kept is split across it (tensor_split.py), this
+    rank evaluating only its slice.
     """
     kv = KVQuant.of(kv)
     config = read_config(Path(path))
@@ -426,6 +429,8 @@ def load_shard(
         for name in adapter.root_parts:  # what only rank 0 computes
             if name in inner and inner[name] is not None:
                 inner.pop(name)
+    if tensor is not None and tensor.size() > 1:
+        tensor_split.split(model, config, tensor)
     mx.eval(model.parameters())
     shard = Shard(
         model,
@@ -444,8 +449,8 @@ def load_shard(
         _keeps_cache(_attr_path(inner, parts.layers), config),
         template,
     )
-    if kv is not None:
-        check_quantizable(shard, caches)
+    if kv is not None:  # (its probe step: not with a tensor group, whose collectives
+        check_quantizable(shard, caches, probe=tensor is None)  # no other rank is in)
     return shard
 
 
@@ -494,7 +499,7 @@ def quantize_caches(caches: list[Any], kv: KVQuant) -> None:
             caches[i] = c.to_quantized(group_size=kv.group_size, bits=kv.bits)
 
 
-def check_quantizable(shard: Shard, all_caches: list[Any]) -> None:
+def check_quantizable(shard: Shard, all_caches: list[Any], *, probe: bool = True) -> None:
     """Refuse --kv-bits, at load, for a model whose caches cannot be quantized: sliding
     windows (mlx-lm cannot either), or a cached dimension that is not a multiple of the
     group size or an attention that cannot read quantized caches, which a step of this
@@ -512,6 +517,8 @@ def check_quantizable(shard: Shard, all_caches: list[Any]) -> None:
             f"model family {family!r}: --kv-bits cannot quantize its sliding-window "
             "caches (mlx-lm cannot either); serve it without --kv-bits"
         )
+    if not probe:
+        return
     h = probe_input(shard, 2)
     caches = new_caches(shard)
     try:

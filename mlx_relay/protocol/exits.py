@@ -17,6 +17,9 @@ EXIT_RANK_FAILED = 4  # a launcher: a rank failed and the cluster was stopped
 EXIT_LOAD_FAILED = 5  # rank 0: the model given at start did not load on some rank (api.server)
 EXIT_RANK0_SILENT = 75  # a worker: rank 0 is gone or silent (transport.link)
 EXIT_RING_BROKEN = 76  # a worker: its ring connection broke, a neighbour died (worker.loop)
+EXIT_TENSOR_STEP_FAILED = (
+    77  # a tensor peer: it could not take a step its group takes (worker.loop)
+)
 
 MEANINGS = {
     EXIT_USAGE: "bad options or model",
@@ -25,6 +28,7 @@ MEANINGS = {
     EXIT_LOAD_FAILED: "the model did not load",
     EXIT_RANK0_SILENT: "rank 0 is gone or silent",
     EXIT_RING_BROKEN: "its ring connection broke",
+    EXIT_TENSOR_STEP_FAILED: "it failed a tensor-parallel step",
 }
 # Exits that follow another rank's failure on purpose: not the cause of a cluster's end.
 CONSEQUENCES = (EXIT_CLUSTER_FAILED, EXIT_RANK0_SILENT, EXIT_RING_BROKEN)

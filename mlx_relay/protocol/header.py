@@ -107,6 +107,12 @@ FLAG_INLINE_BACK = 1 << 8
 # The last rank sends back every position of the step, not only each row's last: a
 # speculative verify step, whose k+1 positions each give logits (rank 0 samples them all).
 FLAG_ALL_POSITIONS = 1 << 9
+# A tensor-parallel step: every rank runs the same layers, each its slice of every
+# layer (transport/tensor.py). The header goes round the ring alone, as the step's
+# announcement and, back at rank 0, its acknowledgement; the hidden state enters the
+# layers by an all-sum of the tensor group, whose shape and dtype the payload fields
+# give (payload_kind stays PAYLOAD_NONE: nothing travels on the ring).
+FLAG_TENSOR = 1 << 10
 
 # Payload kinds.
 PAYLOAD_NONE = 0

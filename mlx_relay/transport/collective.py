@@ -120,6 +120,17 @@ def on_gpus_of_their_own(tags: list[int]) -> bool:
     return bool(tags) and all(tags) and len(set(tags)) == len(tags)
 
 
+def nccl_world(group: mx.distributed.Group, rank0_host: str) -> mx.distributed.Group:
+    """An NCCL communicator of the same ranks as `group` (every rank on a CUDA GPU of its
+    own), bootstrapped at rank 0's host (NCCL_PORT or DEFAULT_NCCL_PORT): a collective
+    of every rank, so each must ask at the same point."""
+    os.environ.setdefault("NCCL_HOST_IP", rank0_host)
+    os.environ.setdefault("NCCL_PORT", str(DEFAULT_NCCL_PORT))
+    os.environ["MLX_RANK"] = str(group.rank())
+    os.environ["MLX_WORLD_SIZE"] = str(group.size())
+    return mx.distributed.init(strict=True, backend="nccl")
+
+
 def payload_groups(group: mx.distributed.Group, rank0_host: str, tags: list[int]) -> PayloadGroups:
     """The groups a rank's collective hops use, given every rank's `gpu_tags`: on CUDA
     GPUs of their own NCCL pairs (bootstrapped at rank 0's host, NCCL_PORT or
@@ -132,11 +143,7 @@ def payload_groups(group: mx.distributed.Group, rank0_host: str, tags: list[int]
             "collective hops need both ranks on CUDA GPUs of their own (give each rank "
             "its GPU with CUDA_VISIBLE_DEVICES), or neither on CUDA; use --hop-mode eager"
         )
-    os.environ.setdefault("NCCL_HOST_IP", rank0_host)
-    os.environ.setdefault("NCCL_PORT", str(DEFAULT_NCCL_PORT))
-    os.environ["MLX_RANK"] = str(group.rank())
-    os.environ["MLX_WORLD_SIZE"] = str(group.size())
-    forward = mx.distributed.init(strict=True, backend="nccl")  # rank 0 -> rank 1
+    forward = nccl_world(group, rank0_host)  # rank 0 -> rank 1
     if group.size() > 2:
         send, recv = _pair_groups(forward)
         return PayloadGroups(send=send, recv=recv, separate_streams=True)

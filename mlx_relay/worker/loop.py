@@ -4,6 +4,13 @@ A worker never samples, never sees text, never decides to stop. Whatever happens
 inside a step, it completes the step's communication (zeros of the announced shape
 if it failed) and flags the failure in the header it forwards, so the ring never
 falls out of step and rank 0 learns what broke.
+
+In a tensor group (transport/tensor.py) a worker holds a slice of every layer and takes
+each FLAG_TENSOR step with rank 0 and the group's other ranks: it passes the header on
+first (so every peer starts at once; the last one's copy is rank 0's acknowledgement),
+then receives the hidden state by the group's broadcast and runs its slices. A peer
+that cannot build such a step cannot keep its group's collectives in step (the others
+wait in the layers' all-sums for it): it reports why and exits, and rank 0 names it.
 """
 
 from __future__ import annotations
@@ -26,10 +33,11 @@ from mlx_relay.model.stage import forward_stage
 from mlx_relay.model.step_inputs import pass_on
 from mlx_relay.protocol import control
 from mlx_relay.protocol import header as hdr
-from mlx_relay.protocol.exits import EXIT_RING_BROKEN
+from mlx_relay.protocol.exits import EXIT_RING_BROKEN, EXIT_TENSOR_STEP_FAILED
 from mlx_relay.transport.doorbell import DoorbellTimeout, NeighbourGone
 from mlx_relay.transport.link import ControlLink
 from mlx_relay.transport.ring import Ring, mx_dtype, payload_bytes
+from mlx_relay.transport.tensor import TensorGroup
 
 log = logging.getLogger("mlx_relay.worker")
 
@@ -41,9 +49,10 @@ class StepError(Exception):
 
 
 class Worker:
-    def __init__(self, ring: Ring, link: ControlLink) -> None:
+    def __init__(self, ring: Ring, link: ControlLink, tensor: TensorGroup | None = None) -> None:
         self.ring = ring
         self.link = link
+        self.tensor = tensor
         self.rank = ring.rank
         self.is_last = ring.rank == ring.size - 1
         self.shard: sharding.Shard | None = None
@@ -82,6 +91,12 @@ class Worker:
             timeline.mark("header", header.step_id)
             self.link.state = "busy"
             started = time.perf_counter()
+            if header.flags & hdr.FLAG_TENSOR:
+                self._tensor_step(header)
+                self.steps += 1
+                self.step_seconds += time.perf_counter() - started
+                self.link.done_step = header.step_id
+                continue
             try:
                 payload = self.ring.post_recv_payload(header)
                 if payload is not None:
@@ -118,6 +133,23 @@ class Worker:
                 fenced = f" ({self.ring.fenced} hops waited for a shape change)"
                 log.info("rank %d: shutdown%s", self.rank, fenced if self.ring.fences else "")
                 return
+
+    def _tensor_step(self, header: hdr.StepHeader) -> None:
+        """A FLAG_TENSOR forward step: the header on (see the module's docstring), then
+        this rank's slices of every layer on rank 0's hidden state, posted."""
+        try:
+            self.ring.send_header(header)
+            if self.tensor is None:
+                raise StepError(hdr.ERR_BAD_HEADER, "a tensor step reached a rank with no group")
+            h, sides = self.tensor.receive(header)
+            out = self._forward(header, h, sides)
+        except Exception as e:  # noqa: BLE001 - the group cannot go on without this rank
+            message = str(e) if isinstance(e, StepError) else f"{type(e).__name__}: {e}"
+            log.error("rank %d: %s failed: %s", self.rank, header.describe(), message)
+            self.link.send(control.ERROR, step_id=header.step_id, message=message)
+            raise SystemExit(EXIT_TENSOR_STEP_FAILED) from None
+        mx.async_eval(out)
+        self._posted = out  # (alive until it ran: the next step's posting drops it)
 
     def timings(self) -> dict[str, float]:
         """For the side channel's stats (read from the heartbeat thread)."""
@@ -206,9 +238,13 @@ class Worker:
                 raise ValueError(
                     f"model at {path} differs from rank 0's (config or weight files differ)"
                 )
-            memory.check_fits(path, start, end)
+            tensor = spec.get("tensor", 1)  # (rank 0 chose the layout: pipeline.py)
+            if tensor > 1 and (self.tensor is None or self.tensor.size != tensor):
+                raise ValueError(f"rank 0 asked for a tensor group of {tensor}: not this rank's")
+            memory.check_fits(path, start, end, tensor=tensor)
             kv = spec.get("kv")  # rank 0's KV quantization, not this rank's flags
-            self.shard = sharding.load_shard(path, start, end, has_ends=False, kv=kv)
+            group = self.tensor.group if tensor > 1 and self.tensor is not None else None
+            self.shard = sharding.load_shard(path, start, end, has_ends=False, kv=kv, tensor=group)
             layout = memory.check_measured(path, start, end, self.shard)
             self.caches = SlotCaches(self.shard)
         except StepError:
@@ -217,7 +253,8 @@ class Worker:
             raise StepError(hdr.ERR_OUT_OF_MEMORY, str(e)) from e
         except Exception as e:
             raise StepError(hdr.ERR_LOAD, str(e)) from e
-        log.info("rank %d: loaded layers [%d, %d) of %s", self.rank, start, end, path)
+        split = f", each split across {tensor} ranks" if tensor > 1 else ""
+        log.info("rank %d: loaded layers [%d, %d)%s of %s", self.rank, start, end, split, path)
         proctitle.show_layers(start, end)
         # (the layout of caches measured here, for rank 0's admission check: always
         # sent, so a reload's replaces an earlier model's)

@@ -1,0 +1,110 @@
+"""The tensor group: ranks that split every layer of one stage between them.
+
+mlx-lm's `model.shard(group)` gives each rank a slice of every attention and MLP
+projection (MLX's sharded linear layers) and sums the slices' outputs across the group
+with an all-sum, twice a layer. Every rank of the group must therefore run the same
+step at the same time, on the same input: rank 0 decides the step as always, and its
+header goes round the ring alone (FLAG_TENSOR: the announcement out, the
+acknowledgement back); the hidden state enters the layers through `broadcast`, an
+all-sum to which rank 0 gives the state and every other rank zeros (x + 0 == x, so
+every rank holds rank 0's values exactly).
+
+Where the group's collectives run: on CUDA GPUs of their own, an NCCL communicator of
+the ranks (collective.nccl_world; NVLink where the GPUs share it); elsewhere the ring
+group itself (MLX's ring backend on CPUs and Macs over Thunderbolt or Ethernet; JACCL's
+RDMA where launched with it). A group is the whole world here: a stage x tensor grid
+needs each stage's ranks as a sub-group (`Group.split`), which MLX's NCCL backend has
+and its ring backend has not (mlx 0.32.4: "[ring] Group split not supported").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mlx_relay.protocol import header as hdr
+from mlx_relay.transport.collective import nccl_world, on_gpus_of_their_own
+from mlx_relay.transport.ring import mx_dtype
+
+
+class TensorLayoutError(ValueError):
+    """A `--tensor-parallel` this cluster cannot have (the message says why)."""
+
+
+@dataclass
+class TensorGroup:
+    """This rank's tensor group: `group` (every rank of the stage), `backend` (what its
+    collectives run over, for status and logs)."""
+
+    group: mx.distributed.Group
+    backend: str
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    def broadcast(self, x: mx.array) -> mx.array:
+        """Rank 0 of the group gives `x`; every rank gets it (an all-sum of it and zeros)."""
+        if self.rank != 0:
+            x = mx.zeros_like(x)
+        return mx.distributed.all_sum(x, group=self.group)
+
+    def receive(self, header: hdr.StepHeader) -> tuple[mx.array, list[mx.array]]:
+        """A peer's side of rank 0's broadcasts for a FLAG_TENSOR step: the hidden state
+        whose shape and dtype the header's payload fields give, then each side array the
+        header lists, in order."""
+        dtype = mx_dtype(header.payload_dtype)
+        h = mx.distributed.all_sum(mx.zeros(header.payload_shape, dtype), group=self.group)
+        sides = [
+            mx.distributed.all_sum(mx.zeros(side.shape, mx_dtype(side.dtype)), group=self.group)
+            for side in header.sides
+        ]
+        return h, sides
+
+    def send_all(self, sides: Sequence[mx.array]) -> list[mx.array]:
+        """Rank 0's side of `receive` for the side arrays."""
+        return [self.broadcast(side) for side in sides]
+
+
+def check_layout(tensor: int, ranks: int) -> None:
+    """TensorLayoutError unless `tensor` ranks a stage fit a cluster of `ranks` as built:
+    1 (a pipeline) or every rank one stage."""
+    if tensor < 1:
+        raise TensorLayoutError(f"--tensor-parallel {tensor}: expected 1 or more")
+    if tensor == 1 or tensor == ranks:
+        return
+    if tensor > ranks or ranks % tensor:
+        raise TensorLayoutError(
+            f"--tensor-parallel {tensor} does not divide a cluster of {ranks} ranks into stages"
+        )
+    raise TensorLayoutError(
+        f"--tensor-parallel {tensor} on {ranks} ranks asks for {ranks // tensor} stages of "
+        f"{tensor}: a stage x tensor grid needs each stage's ranks as an mx.distributed "
+        f"sub-group (Group.split), which MLX's ring backend does not have; use "
+        f"--tensor-parallel {ranks} (one stage) or 1 (a pipeline)"
+    )
+
+
+def tensor_group(
+    world: mx.distributed.Group, tensor: int, rank0_host: str, tags: list[int]
+) -> TensorGroup | None:
+    """This rank's tensor group for `--tensor-parallel tensor` (check_layout first; None
+    for 1), given every rank's gpu_tags: NCCL where every rank has a CUDA GPU of its
+    own, else the world group itself. A collective of every rank on CUDA."""
+    check_layout(tensor, world.size())
+    if tensor == 1:
+        return None
+    if on_gpus_of_their_own(tags):
+        return TensorGroup(nccl_world(world, rank0_host), "nccl")
+    if any(tags):
+        raise TensorLayoutError(
+            "tensor parallelism on CUDA needs every rank on a GPU of its own (give each "
+            "rank its GPU with CUDA_VISIBLE_DEVICES)"
+        )
+    return TensorGroup(world, "world")
