@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_pipeline.py [--model default | --shape tiny] [--tokens 128]
         [--rounds 5] [--ranks 1,2,3] [--gpus G] [--hop-modes eager,ready]
+        [--layouts pipeline,tensor]
 
 Every configuration runs in this one invocation on the same model and prompt, so the
 printed ratios compare like with like on whatever machine runs it. All of them stay
@@ -241,6 +242,12 @@ def main() -> int:
         default="auto",
         help="comma-separated --hop-mode values: each multi-rank size runs once per mode",
     )
+    ap.add_argument(
+        "--layouts",
+        default="pipeline",
+        help="comma-separated: pipeline (a layer range a rank), tensor (--tensor-parallel N: "
+        "every layer split across the N ranks); each multi-rank size runs once per layout",
+    )
     ap.add_argument("--prompt-tokens", type=int, default=0, help="lengthen the prompt to about N")
     ap.add_argument(
         "--client-core",
@@ -283,8 +290,14 @@ def main() -> int:
         stack.callback(base.close)
         runners["mlx_lm (1 process)"] = accounted(base.run, [base.proc.pid], args.tokens)
         modes = args.hop_modes.split(",")
-        configs = [(n, mode) for n in sizes for mode in (modes if n > 1 else ["auto"])]
-        for n, mode in configs:  # every cluster stays up, idle on its doorbells, between turns
+        layouts = args.layouts.split(",")
+        configs = [
+            (n, mode, layout)
+            for n in sizes
+            for layout in (layouts if n > 1 else ["pipeline"])
+            for mode in (modes if n > 1 and layout == "pipeline" else ["auto"])
+        ]
+        for n, mode, layout in configs:  # every cluster stays up, idle between turns
             address = f"127.0.0.1:{free_ports(1)[0]}"
             logs = Path(tempfile.mkdtemp(prefix="bench-logs-"))
             cluster = stack.enter_context(
@@ -292,6 +305,7 @@ def main() -> int:
                     n,
                     [
                         *("--model", args.model, "--no-prompt-cache", "--hop-mode", mode),
+                        *(("--tensor-parallel", str(n)) if layout == "tensor" else ()),
                         *args.serve_args.split(),
                     ],
                     grpc_address=address,
@@ -302,7 +316,8 @@ def main() -> int:
             cluster.wait_serving(600)
             client = stack.enter_context(Client(address, timeout=600))
             label = f"mlx-relay {n} rank{'s' if n > 1 else ''}"
-            label += f" {mode}" if len(modes) > 1 and n > 1 else ""
+            label += f" {mode}" if len(modes) > 1 and n > 1 and layout == "pipeline" else ""
+            label += f" TP{n}" if layout == "tensor" else ""
             for rank, proc in enumerate(cluster.procs if per_rank else []):
                 on = pin_all_threads(proc.pid, core_set(rank, per_rank))
                 print(f"{label}: rank {rank}'s threads on core(s) {on}", file=sys.stderr)

@@ -3,7 +3,7 @@
 #     bash bench/gpu/measure.sh [warm] [load] [timeline] [single] [diagnose] [exact] [channels] [trace]
 #                               [nranks] [nprefill] [nexact] [nload] [n70b] [nserver] [nchunk]
 #                               [ptrace] [vloop] [spec] [specmodel] [specload]
-#                               [n8decode] [n8load] [n8prefill]
+#                               [n8decode] [n8load] [n8prefill] [tensor] [tensor70]
 #     (none: load timeline single; the n* parts need GPUS=4 GPUs or more)
 # (`warm` first: a fresh machine's first cluster spends ~2 minutes compiling kernels.)
 # Installs the carried wheels, builds the random 4-bit Llama-3-8B shape, and runs issue
@@ -74,6 +74,20 @@ fi
 if wants single; then
   t single; timeout 200 python3 bench/bench_pipeline.py --shape llama3-8b --gpus 2 --ranks 1,2 \
     --hop-modes auto --tokens 128 --rounds 2 2>&1 | tee "$OUT/single.log" | tail -12
+fi
+# Issue 51: a single stream on 2 (and GPUS=4: 4) GPUs as a pipeline and with every layer
+# split (TPn) against mlx-lm on one, the 8B shape (`tensor`) and the 70B shape (`tensor70`).
+tp_ranks=1,2; [[ ${GPUS:-2} -ge 4 ]] && tp_ranks=1,2,4
+if wants tensor; then
+  t tensor; timeout 400 python3 bench/bench_pipeline.py --shape llama3-8b --gpus "${GPUS:-2}" \
+    --ranks "$tp_ranks" --layouts pipeline,tensor --tokens 128 --rounds 3 2>&1 \
+    | tee "$OUT/tensor.log" | tail -12
+fi
+if wants tensor70; then
+  t tensor70 build; python3 bench/shapes.py llama3-70b /root/bench/llama3-70b > /dev/null
+  t tensor70; timeout 560 python3 bench/bench_pipeline.py --shape llama3-70b --gpus "${GPUS:-2}" \
+    --ranks "$tp_ranks" --layouts pipeline,tensor --tokens 64 --rounds 3 2>&1 \
+    | tee "$OUT/tensor70.log" | tail -12
 fi
 # 16 streams on 2 ranks, NCCL with the channels it picks and with one channel
 # (NCCL_MAX_NCHANNELS=1: fewer SMs spinning while a receive waits), interleaved, ROUNDS times.

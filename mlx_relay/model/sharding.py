@@ -431,6 +431,10 @@ def load_shard(
                 inner.pop(name)
     if tensor is not None and tensor.size() > 1:
         tensor_split.split(model, config, tensor)
+        # (a layer at a time: each slice is cut from its whole tensor, read in full,
+        # so evaluating them all at once would hold the whole model for a moment)
+        for layer in _attr_path(inner, parts.layers):
+            mx.eval(layer.parameters())
     mx.eval(model.parameters())
     shard = Shard(
         model,
