@@ -138,6 +138,19 @@ def test_launch_refuses_a_bad_hostfile_naming_the_entry(tmp_path):
     assert r.returncode == 2 and "MLX_HOSTFILE address list" in r.stderr
 
 
+def test_local_refuses_a_tensor_split_the_ranks_cannot_make(tiny_model):
+    """Said before any rank starts: 3 ranks cannot be stages of 2."""
+    model = tiny_model("llama", 4)
+    r = subprocess.run(
+        [*MLX_RELAY, "local", "-n", "3", "--model", str(model), "--tensor-parallel", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "--tensor-parallel 2 does not divide a cluster of 3 ranks" in r.stderr, r.stderr
+
+
 # ---------------------------------------------------------------- clusters
 
 

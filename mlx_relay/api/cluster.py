@@ -162,6 +162,20 @@ class Cluster:
             tokens_per_round=(rounds + kept) / rounds if rounds else 0.0,
         )
 
+    def layout(self) -> pb.LayoutStatus:
+        """How the loaded model is spread over the ranks (empty with none loaded)."""
+        pipeline = self._engine.pipeline
+        loaded = pipeline.loaded
+        if loaded is None:
+            return pb.LayoutStatus()
+        layout = loaded.layout
+        return pb.LayoutStatus(
+            stages=layout.stages,
+            tensor_parallel=layout.tensor,
+            tensor_backend=pipeline.tensor.backend if layout.tensor > 1 else "",
+            note=layout.why,
+        )
+
     def steps(self) -> dict[str, StepCount]:
         """Forward steps round the ring so far, by kind (prefill, decode ...)."""
         return self._engine.stats.steps()
@@ -420,6 +434,7 @@ class Cluster:
             out.num_layers = loaded.num_layers
         out.requests.extend(pb.RequestStatus(**row) for row in self._engine.scheduler.snapshot())
         out.speculation.CopyFrom(self.speculation())
+        out.layout.CopyFrom(self.layout())
         out.ranks.append(_rank0_status(loaded))
         now = time.monotonic()
         for rank, info in sorted(self.workers().items()):

@@ -56,6 +56,15 @@ class _ClusterGauges(Collector):
             "1 while the engine serves a model, else 0.",
             value=1 if cluster.state == "serving" and cluster.running else 0,
         )
+        layout = cluster.layout()
+        yield GaugeMetricFamily(
+            PREFIX + "tensor_parallel",
+            "Ranks splitting every layer of a stage (1: each rank a layer range; 0: no model).",
+            value=layout.tensor_parallel,
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "pipeline_stages", "Pipeline stages (0: no model).", value=layout.stages
+        )
         yield from _step_timings(cluster)
         yield from _speculation(cluster)
 

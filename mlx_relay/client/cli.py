@@ -318,7 +318,14 @@ def run_load(args: argparse.Namespace) -> int:
     with _client(args) as client, _explained(client):
         status = client.stub.LoadModel(request, timeout=args.timeout).status
     ranges = ", ".join(f"[{r.layer_start}, {r.layer_end})" for r in status.ranks)
-    print(f"serving {status.model_path} on {status.world_size} rank(s), layers {ranges}")
+    layout = status.layout
+    split = (
+        f", every layer split across {layout.tensor_parallel}" if layout.tensor_parallel > 1 else ""
+    )
+    note = f" ({layout.note})" if layout.note else ""
+    print(
+        f"serving {status.model_path} on {status.world_size} rank(s), layers {ranges}{split}{note}"
+    )
     return 0
 
 

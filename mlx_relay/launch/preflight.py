@@ -95,6 +95,17 @@ def check_hop_mode(mode: str, n: int) -> None:
             raise UserError(str(e)) from None
 
 
+def check_tensor_parallel(tensor: int, n: int) -> None:
+    """`--tensor-parallel tensor` fits a cluster of `n` ranks (transport/tensor.py's
+    check_layout), said before any rank starts."""
+    from mlx_relay.transport.tensor import TensorLayoutError, check_layout
+
+    try:
+        check_layout(tensor, n)
+    except TensorLayoutError as e:
+        raise UserError(str(e)) from None
+
+
 def check_listen(address: str) -> None:
     """Nothing listens on the gRPC address `host:port` yet, and it is this machine's."""
     host, _, port = address.rpartition(":")

@@ -1,0 +1,135 @@
+"""`--tensor-parallel`: every layer split across the ranks, token-exact with mlx-lm's own
+tensor-parallel generation (tests/tensor_oracle.py), on real rank processes.
+
+Splitting a layer changes the order of its sums, so the oracle is mlx-lm's
+`sharded_load(path, tensor_group=...)` run as the same number of ring ranks, not
+single-process mlx-lm. Two ranks: on this 2-core machine a third rank's busy-polling
+all-sums share the cores with the other two (3 ranks took ~2 s a token here).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import grpc
+import pytest
+from oracle import chat_request, chat_tokens, generate_concurrently, mlx_lm_tokens
+from tensor_oracle import tensor_tokens
+
+from mlx_relay.protocol import relay_pb2 as pb
+
+pytestmark = pytest.mark.cluster
+
+RANKS = 2
+TP = ("--tensor-parallel", str(RANKS))
+MESSAGES = [{"role": "user", "content": "Tell me a story about a lighthouse and 3 cats."}]
+
+
+def _chat(messages: list[dict], **params) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        messages=[pb.ChatMessage(**m) for m in messages], params=pb.SamplingParams(**params)
+    )
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_and_seeded_tokens_equal_mlx_lm_tensor_parallel(family, tiny_model, cluster_pool):
+    model = tiny_model(family, 4)
+    running = cluster_pool.serving(model, RANKS, *TP)
+    layout = running.client.status().layout
+    assert (layout.stages, layout.tensor_parallel, layout.note) == (1, RANKS, "")
+    assert [(r.layer_start, r.layer_end) for r in running.client.status().ranks] == [(0, 4)] * 2
+    prompt = chat_tokens(model, MESSAGES)
+    reply = running.client.generate(_chat(MESSAGES, max_tokens=48))
+    assert list(reply.token_ids) == tensor_tokens(model, prompt, 48, RANKS)
+    sampler = {"temp": 0.8, "top_p": 0.95, "top_k": 40}
+    seeded = running.client.generate(
+        _chat(MESSAGES, max_tokens=24, temperature=0.8, top_p=0.95, top_k=40, seed=7)
+    )
+    assert list(seeded.token_ids) == tensor_tokens(
+        model, prompt, 24, RANKS, seed=7, sampler=sampler
+    )
+
+
+def test_concurrent_requests_and_a_reused_prompt(tiny_model, cluster_pool):
+    """Continuous batching (one decode group of three rows) and the prompt cache under a
+    tensor split: each answer is the one it gets alone from mlx-lm's split generation."""
+    model = tiny_model("llama", 4)
+    running = cluster_pool.serving(model, RANKS, *TP, fresh=True)
+    texts = ["Name a colour.", "Tell me about the sea and the harbour.", "Count to five."]
+    replies = generate_concurrently(running.client, [chat_request(t, None, 20) for t in texts])
+    for text, tokens in zip(texts, replies, strict=True):
+        prompt = chat_tokens(model, [{"role": "user", "content": text}])
+        assert tokens == tensor_tokens(model, prompt, 20, RANKS), text
+    first = running.client.generate(_chat(MESSAGES, max_tokens=12))
+    again = running.client.generate(_chat(MESSAGES, max_tokens=12))
+    assert again.usage.cached_tokens == len(chat_tokens(model, MESSAGES)) - 1
+    assert again.token_ids == first.token_ids
+
+
+def test_speculation_keeps_the_greedy_tokens(tiny_model, cluster_pool):
+    """Verify steps (several positions a step) split across the ranks too."""
+    model = tiny_model("llama", 4)
+    running = cluster_pool.serving(model, RANKS, *TP, "--draft", "ngram")
+    messages = [{"role": "user", "content": "Repeat after me: one two three one two three."}]
+    reply = running.client.generate(_chat(messages, max_tokens=40))
+    assert list(reply.token_ids) == tensor_tokens(model, chat_tokens(model, messages), 40, RANKS)
+    assert running.client.status().speculation.rounds > 0
+
+
+def test_a_family_mlx_lm_cannot_shard_runs_as_a_pipeline(tiny_model, cluster_pool):
+    model = tiny_model("gemma3_text", 4)
+    running = cluster_pool.serving(model, RANKS, *TP)
+    layout = running.client.status().layout
+    assert (layout.stages, layout.tensor_parallel) == (RANKS, 1)
+    assert "no shard()" in layout.note, layout.note
+    reply = running.client.generate(_chat(MESSAGES, max_tokens=24))
+    assert list(reply.token_ids) == mlx_lm_tokens(model, chat_tokens(model, MESSAGES), 24)
+
+
+def test_a_killed_tensor_peer_is_named(tiny_model, cluster_factory):
+    running = cluster_factory(tiny_model("llama", 4), RANKS, *TP)
+    stream = running.client.stub.GenerateStream(
+        pb.GenerateRequest(
+            prompt="hi", params=pb.SamplingParams(max_tokens=100_000, ignore_eos=True)
+        ),
+        timeout=120,
+    )
+    for _ in range(3):
+        next(stream)
+    running.cluster.procs[1].kill()
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in stream:
+            pass
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
+    assert f"rank 1 ({socket.gethostname()})" in info.value.details(), info.value.details()
+
+
+def test_a_stopped_tensor_peer_is_named(tiny_model, cluster_factory):
+    """A peer alive but silent (SIGSTOP) holds rank 0 in a layer's all-sum: the missing
+    heartbeat names it, and rank 0 ends the stream instead of waiting forever."""
+    running = cluster_factory(tiny_model("llama", 4), RANKS, *TP)
+    stream = running.client.stub.GenerateStream(
+        pb.GenerateRequest(
+            prompt="hi", params=pb.SamplingParams(max_tokens=100_000, ignore_eos=True)
+        ),
+        timeout=120,
+    )
+    for _ in range(3):
+        next(stream)
+    worker = running.cluster.procs[1]
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in stream:
+                pass
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
+        assert f"rank 1 ({socket.gethostname()})" in info.value.details(), info.value.details()
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while running.cluster.procs[0].poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert running.cluster.procs[0].poll() is not None, "rank 0 still running"

@@ -1,0 +1,51 @@
+"""The tensor layout's rules, in process: which models split, what each rank holds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlx_relay.model import memory, tensor_split
+from mlx_relay.transport.tensor import TensorLayoutError, check_layout
+
+
+def _config(model) -> dict:
+    return json.loads((model / "config.json").read_text())
+
+
+def test_families_mlx_lm_shards_split_and_others_say_why(tiny_model):
+    assert tensor_split.refusal(_config(tiny_model("llama", 2)), 2) is None
+    assert tensor_split.refusal(_config(tiny_model("qwen3", 2)), 2) is None
+    why = tensor_split.refusal(_config(tiny_model("gemma3_text", 2)), 2)
+    assert why == "mlx-lm's gemma3_text has no shard(): its layers cannot be split"
+    # (4 attention heads, 2 KV heads: 4 ranks cannot each take a whole KV head)
+    why = tensor_split.refusal(_config(tiny_model("llama", 2)), 4)
+    assert why == "llama's num_key_value_heads (2) does not divide by 4"
+
+
+def test_a_split_rank_counts_its_share_of_the_layers(tiny_model):
+    model = tiny_model("llama", 4)
+    layers = memory.shard_nbytes(model, 0, 4)
+    ends = memory.shard_nbytes(model, 0, 4, ends=True) - layers
+    assert memory.shard_nbytes(model, 0, 4, tensor=2) == (layers + 1) // 2
+    assert memory.shard_nbytes(model, 0, 4, ends=True, tensor=2) == (layers + 1) // 2 + ends
+
+
+@pytest.mark.parametrize(
+    ("tensor", "ranks", "says"),
+    [
+        (0, 2, "expected 1 or more"),
+        (3, 2, "does not divide a cluster of 2 ranks"),
+        (3, 4, "does not divide a cluster of 4 ranks"),
+        (2, 4, "2 stages of 2: a stage x tensor grid needs"),
+    ],
+)
+def test_layouts_not_built_are_refused_with_the_reason(tensor, ranks, says):
+    with pytest.raises(TensorLayoutError, match=says):
+        check_layout(tensor, ranks)
+
+
+def test_one_stage_and_plain_pipelines_are_layouts():
+    for tensor, ranks in ((1, 1), (1, 3), (2, 2), (4, 4)):
+        check_layout(tensor, ranks)
