@@ -91,6 +91,61 @@ for line in sys.stdin:  # one run per line, so runs interleave with the clusters
 """
 
 
+# mlx-lm's own tensor parallelism (`sharded_load(path, tensor_group=...)`), one process
+# a rank, each reading the same run lines: the reference `--layouts mlx-lm-tensor` adds.
+# (sharded_load's own steps less its closing barrier, an all-sum on the CPU stream that
+# MLX's NCCL backend refuses: "There is no Stream(gpu, 1) in current thread")
+TENSOR_BASELINE = BASELINE.replace(
+    "model, tok = load(path)\n",
+    "group = mx.distributed.init(backend=os.environ['BENCH_BACKEND'], strict=True)\n"
+    "model, tok = load(path, lazy=True)\n"
+    "model.shard(group)\n"
+    "mx.eval(model.parameters())\n",
+)
+
+
+class ShardedBaseline:
+    """mlx-lm's own split generation on `n` processes (NCCL between GPUs, else the ring
+    backend on this machine), kept loaded; rank 0's timings are the run's."""
+
+    def __init__(self, path: Path, tokens: int, prompt: str, n: int, gpus: int) -> None:
+        ports = free_ports(n + 1)
+        self.hostfile = Path(tempfile.mkdtemp()) / "hosts.json"
+        self.hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports[:n]]))
+        common = {"MLX_HOSTFILE": str(self.hostfile), "MLX_WORLD_SIZE": str(n)}
+        if gpus:
+            common |= {"BENCH_BACKEND": "nccl", "NCCL_HOST_IP": "127.0.0.1"}
+            common["NCCL_PORT"] = str(ports[n])
+        else:
+            common["BENCH_BACKEND"] = "ring"
+        self.ranks = [
+            Baseline(
+                path,
+                tokens,
+                prompt,
+                {**common, "MLX_RANK": str(r), **gpu_env(r, gpus)},
+                script=TENSOR_BASELINE,
+                wait=False,
+            )  # fmt: skip
+            for r in range(n)
+        ]
+        for rank in self.ranks:
+            rank.started()
+        self.proc = self.ranks[0].proc
+        self.prompt_tokens = self.ranks[0].prompt_tokens
+
+    def run(self) -> dict:
+        for rank in self.ranks:
+            rank.proc.stdin.write("run\n")
+            rank.proc.stdin.flush()
+        results = [json.loads(rank.proc.stdout.readline()) for rank in self.ranks]
+        return results[0]
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            rank.close()
+
+
 class Baseline:
     """Single-process mlx-lm kept loaded in a subprocess, one run per request (`script`:
     what it runs, given the model, the tokens, the prompt and `extra`)."""
@@ -103,6 +158,7 @@ class Baseline:
         env: dict[str, str],
         script: str = BASELINE,
         extra: tuple[str, ...] = (),
+        wait: bool = True,
     ) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", script, str(path), str(tokens), prompt, *extra],
@@ -111,6 +167,12 @@ class Baseline:
             text=True,
             env={**os.environ, **env},
         )
+        self.prompt_tokens = 0
+        if wait:  # (`wait=False`: one of several that load together; `started` later)
+            self.started()
+
+    def started(self) -> None:
+        """Wait for the loaded process's first line."""
         self.prompt_tokens = json.loads(self.proc.stdout.readline())["prompt_tokens"]
 
     def run(self) -> dict:
@@ -246,7 +308,8 @@ def main() -> int:
         "--layouts",
         default="pipeline",
         help="comma-separated: pipeline (a layer range a rank), tensor (--tensor-parallel N: "
-        "every layer split across the N ranks); each multi-rank size runs once per layout",
+        "every layer split across the N ranks), mlx-lm-tensor (mlx-lm's own sharded_load "
+        "generation on N processes, a reference); each multi-rank size runs once per layout",
     )
     ap.add_argument("--prompt-tokens", type=int, default=0, help="lengthen the prompt to about N")
     ap.add_argument(
@@ -297,6 +360,14 @@ def main() -> int:
             for layout in (layouts if n > 1 else ["pipeline"])
             for mode in (modes if n > 1 and layout == "pipeline" else ["auto"])
         ]
+        for n in sizes if "mlx-lm-tensor" in layouts else ():
+            if n > 1:
+                sharded = ShardedBaseline(path, args.tokens, prompt, n, args.gpus)
+                stack.callback(sharded.close)
+                runners[f"mlx_lm TP{n} ({n} processes)"] = accounted(
+                    sharded.run, [r.proc.pid for r in sharded.ranks], args.tokens
+                )
+        configs = [c for c in configs if c[2] != "mlx-lm-tensor"]
         for n, mode, layout in configs:  # every cluster stays up, idle between turns
             address = f"127.0.0.1:{free_ports(1)[0]}"
             logs = Path(tempfile.mkdtemp(prefix="bench-logs-"))

@@ -76,17 +76,18 @@ if wants single; then
     --hop-modes auto --tokens 128 --rounds 2 2>&1 | tee "$OUT/single.log" | tail -12
 fi
 # Issue 51: a single stream on 2 (and GPUS=4: 4) GPUs as a pipeline and with every layer
-# split (TPn) against mlx-lm on one, the 8B shape (`tensor`) and the 70B shape (`tensor70`).
+# split (TPn) against mlx-lm on one, the 8B shape (`tensor`) and the 70B shape (`tensor70`);
+# LAYOUTS=tensor,mlx-lm-tensor adds mlx-lm's own split generation as a reference.
 tp_ranks=1,2; [[ ${GPUS:-2} -ge 4 ]] && tp_ranks=1,2,4
 if wants tensor; then
   t tensor; timeout 400 python3 bench/bench_pipeline.py --shape llama3-8b --gpus "${GPUS:-2}" \
-    --ranks "$tp_ranks" --layouts pipeline,tensor --tokens 128 --rounds 3 2>&1 \
+    --ranks "$tp_ranks" --layouts "${LAYOUTS:-pipeline,tensor}" --tokens 128 --rounds 3 2>&1 \
     | tee "$OUT/tensor.log" | tail -12
 fi
 if wants tensor70; then
   t tensor70 build; python3 bench/shapes.py llama3-70b /root/bench/llama3-70b > /dev/null
   t tensor70; timeout 560 python3 bench/bench_pipeline.py --shape llama3-70b --gpus "${GPUS:-2}" \
-    --ranks "$tp_ranks" --layouts pipeline,tensor --tokens 64 --rounds 3 2>&1 \
+    --ranks "$tp_ranks" --layouts "${LAYOUTS:-pipeline,tensor}" --tokens 64 --rounds 3 2>&1 \
     | tee "$OUT/tensor70.log" | tail -12
 fi
 # 16 streams on 2 ranks, NCCL with the channels it picks and with one channel
