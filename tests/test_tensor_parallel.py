@@ -53,6 +53,20 @@ def test_greedy_and_seeded_tokens_equal_mlx_lm_tensor_parallel(family, tiny_mode
     )
 
 
+def test_eager_hops_and_a_prompt_in_several_chunks(tiny_model, cluster_pool):
+    """Eager hops (what `auto` picks on a Mac with cores to spare) and a long prompt
+    prefilled 64 tokens a step: each chunk's step is split across the ranks."""
+    model = tiny_model("llama", 4)
+    running = cluster_pool.serving(
+        model, RANKS, *TP, "--hop-mode", "eager", "--prefill-chunk", "64"
+    )
+    messages = [{"role": "user", "content": "Tell me a story about three cats. " * 20}]
+    prompt = chat_tokens(model, messages)
+    assert len(prompt) > 5 * 64
+    reply = running.client.generate(_chat(messages, max_tokens=24))
+    assert list(reply.token_ids) == tensor_tokens(model, prompt, 24, RANKS)
+
+
 def test_concurrent_requests_and_a_reused_prompt(tiny_model, cluster_pool):
     """Continuous batching (one decode group of three rows) and the prompt cache under a
     tensor split: each answer is the one it gets alone from mlx-lm's split generation."""
