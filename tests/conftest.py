@@ -296,6 +296,7 @@ def pytest_addoption(parser):
 # worker idle at the end.
 LONGEST_FIRST = (
     "test_default_model_cluster",  # ~200 s: 200 tokens of the default model on 3 ranks
+    "test_tensor_parallel",  # 60 s: eight clusters split across two ranks, and the oracle's
     "test_reliability",  # 60 s
     "test_door_schemas",  # 60
     "test_families",  # 51
