@@ -258,8 +258,11 @@ def test_health_status_and_metrics_read_the_cluster(served):
     assert status["tokens"]["prefill"] > 0 and status["tokens"]["decode"] > 0
     assert status["ring_steps"]["decode"]["steps"] > 0
     assert status["ranks"][0]["steps"] == sum(s["steps"] for s in status["ring_steps"].values())
+    assert status["layout"] == {"stages": 1, "tensor_parallel": 1, "tensor_backend": "", "note": ""}
     families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
     assert families["mlx_relay:engine_serving"].samples[0].value == 1
+    assert families["mlx_relay:tensor_parallel"].samples[0].value == 1
+    assert families["mlx_relay:pipeline_stages"].samples[0].value == 1
     assert families["mlx_relay:num_requests_running"].samples[0].value == 0
     kinds = {s.labels["kind"] for s in families["mlx_relay:ring_steps"].samples}
     assert {"prefill", "decode"} <= kinds
