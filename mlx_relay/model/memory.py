@@ -18,7 +18,6 @@ rank has left (`admission_shortfall`).
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 import logging
 import math
@@ -215,13 +214,8 @@ def _position_values(kind: str | None, config: dict[str, Any]) -> int:
 
 def _plain_caches(family: str) -> bool:
     """An mlx-lm model that makes no caches of its own keeps a plain KVCache per layer."""
-    try:
-        from mlx_lm.utils import MODEL_REMAPPING
-
-        arch = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(family, family)}")
-    except Exception:  # noqa: BLE001 - no such family: nothing known of its caches
-        return False
-    return not hasattr(arch.Model, "make_cache")
+    model_class = families.mlx_lm_model_class(family)  # (None: nothing known of its caches)
+    return model_class is not None and not hasattr(model_class, "make_cache")
 
 
 def _dtype_bytes(path: Path, config: dict[str, Any]) -> int:

@@ -11,28 +11,13 @@ runs as a pipeline, and `refusal` says why.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.utils import MODEL_REMAPPING
 
 from mlx_relay.model import vision
-from mlx_relay.model.families import adapter_of
-
-
-def _text_config(config: dict[str, Any]) -> dict[str, Any]:
-    return config.get("text_config") or config
-
-
-def _model_class(config: dict[str, Any]) -> type | None:
-    family = config.get("model_type", "")
-    try:
-        module = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(family, family)}")
-    except ImportError:
-        return None
-    return getattr(module, "Model", None)
+from mlx_relay.model.families import adapter_of, mlx_lm_model_class
 
 
 def refusal(config: dict[str, Any], tensor: int) -> str | None:
@@ -43,10 +28,10 @@ def refusal(config: dict[str, Any], tensor: int) -> str | None:
         return f"{family} is a vision model: its layers run as a pipeline"
     if adapter_of(config).passes == 2:
         return f"{family} runs each step's layers twice: it runs as a pipeline"
-    model_class = _model_class(config)
+    model_class = mlx_lm_model_class(family)
     if model_class is None or not callable(getattr(model_class, "shard", None)):
         return f"mlx-lm's {family} has no shard(): its layers cannot be split"
-    text = _text_config(config)
+    text = config.get("text_config") or config
     for key in ("num_attention_heads", "num_key_value_heads"):
         value = text.get(key)
         if isinstance(value, int) and value % tensor:

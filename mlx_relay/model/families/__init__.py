@@ -72,6 +72,18 @@ def family_of(config: dict[str, Any]) -> str:
     return _WRAPPED.get(model_type, model_type)
 
 
+def mlx_lm_model_class(family: str) -> type | None:
+    """mlx-lm's `Model` class of `family` (a model type, remapped as mlx-lm remaps it);
+    None where mlx-lm has no such family (or its module does not import here)."""
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    try:
+        module = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(family, family)}")
+    except Exception:  # noqa: BLE001 - no such family, or one whose imports fail here
+        return None
+    return getattr(module, "Model", None)
+
+
 def wraps_text(model_type: Any) -> bool:
     """Whether this model type's ModelArgs only wrap a text family's config (gemma4)."""
     return model_type in _WRAPPED
