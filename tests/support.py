@@ -3,15 +3,21 @@
 `Served`: a running cluster with its HTTP doors and the SDK clients pointed at them.
 `greedy`: the gRPC door's greedy answer to a chat, the value an HTTP door or a client
 must give back for the same request (the server's default sampling is greedy).
+`stream_started`, `error_of`, `assert_names`: a long stream under way, the error that
+ends it, and that error naming the rank at fault (the failure tests').
 """
 
 from __future__ import annotations
 
+import socket
+import time
 from typing import Any
 
 import anthropic
+import grpc
 import httpx
 import openai
+import pytest
 
 from mlx_relay.protocol import relay_pb2 as pb
 
@@ -68,3 +74,32 @@ def greedy(
             **request,
         )
     )
+
+
+HOST = socket.gethostname()
+LONG = pb.SamplingParams(max_tokens=100_000, ignore_eos=True)  # runs until something breaks
+
+
+def stream_started(client, chunks: int = 3, timeout: float = 60):
+    """A long greedy stream on `client` (mlx_relay's Client) that has produced `chunks`
+    chunks."""
+    stream = client.stub.GenerateStream(
+        pb.GenerateRequest(prompt="hi", params=LONG), timeout=timeout
+    )
+    for _ in range(chunks):
+        next(stream)
+    return stream
+
+
+def error_of(stream) -> tuple[grpc.RpcError, float]:
+    """Drain a stream that must fail; the error and when it arrived."""
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in stream:
+            pass
+    return info.value, time.monotonic()
+
+
+def assert_names(error: grpc.RpcError, rank: int) -> None:
+    """`error` is UNAVAILABLE and names `rank` on this machine."""
+    assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+    assert f"rank {rank} ({HOST})" in error.details(), error.details()

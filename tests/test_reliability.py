@@ -25,6 +25,7 @@ import zmq
 from conftest import RunningCluster, start_cluster, stop_cluster
 from launching import rank_processes
 from oracle import mlx_lm_tokens, tokenizer_for
+from support import HOST, LONG, assert_names, error_of, stream_started
 from tiny_models import make_tiny_model
 
 from mlx_relay.client.client import Client, wait_serving
@@ -42,8 +43,6 @@ from mlx_relay.transport.hub import ControlHub
 pytestmark = pytest.mark.cluster
 
 HEARTBEAT_TIMEOUT = 3.0  # the default of --heartbeat-timeout
-HOST = socket.gethostname()
-LONG = pb.SamplingParams(max_tokens=100_000, ignore_eos=True)  # runs until something breaks
 
 
 @pytest.fixture
@@ -69,24 +68,6 @@ def model(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("llama-4"), "llama", num_layers=4)
 
 
-def _stream_started(client: Client, chunks: int = 3, timeout: float = 60):
-    """A long greedy stream that has produced `chunks` chunks."""
-    stream = client.stub.GenerateStream(
-        pb.GenerateRequest(prompt="hi", params=LONG), timeout=timeout
-    )
-    for _ in range(chunks):
-        next(stream)
-    return stream
-
-
-def _error_of(stream) -> tuple[grpc.RpcError, float]:
-    """Drain a stream that must fail; the error and when it arrived."""
-    with pytest.raises(grpc.RpcError) as info:
-        for _ in stream:
-            pass
-    return info.value, time.monotonic()
-
-
 def _wait_exit(procs: list, timeout: float, t0: float | None = None) -> list[float]:
     """Seconds from `t0` (now) until each process exited; all must within `timeout`."""
     t0 = time.monotonic() if t0 is None else t0
@@ -99,11 +80,6 @@ def _wait_exit(procs: list, timeout: float, t0: float | None = None) -> list[flo
             raise AssertionError(f"pid {p.pid} still running after {timeout:.1f} s") from None
         out.append(time.monotonic() - t0)
     return out
-
-
-def _assert_names(error: grpc.RpcError, rank: int) -> None:
-    assert error.code() == grpc.StatusCode.UNAVAILABLE, error
-    assert f"rank {rank} ({HOST})" in error.details(), error.details()
 
 
 # --- supervision (plain processes: fast) ---------------------------------------------
@@ -441,12 +417,12 @@ def test_kill_9_of_a_worker_mid_stream_with_restarts(model, tmp_path, kills):
             wait_serving(address, 120, check=lambda: _alive(launcher, log_path))
             ranks = _ranks_of(launcher, 2)
             with Client(address) as client:
-                stream = _stream_started(client)
+                stream = stream_started(client)
                 killed = time.monotonic()
                 ranks[1].kill()
-                error, at = _error_of(stream)
+                error, at = error_of(stream)
             detect.append(at - killed)
-            _assert_names(error, 1)
+            assert_names(error, 1)
             assert "side-channel connection closed" in error.details(), error.details()
             assert detect[-1] < 60, f"attempt {attempt}: UNAVAILABLE after {detect[-1]:.2f} s"
             gone = psutil.wait_procs(list(ranks.values()), timeout=60)[1]
@@ -488,7 +464,7 @@ def test_requests_in_flight_end_unavailable_and_health_is_not_serving_during_a_r
         wait_serving(address, 120, check=lambda: _alive(launcher, log_path))
         ranks = _ranks_of(launcher, 2)
         client = Client(address, timeout=60)
-        streams = [_stream_started(client) for _ in range(2)]  # the two slots
+        streams = [stream_started(client) for _ in range(2)]  # the two slots
 
         def unary(_: int) -> grpc.StatusCode:
             try:
@@ -528,7 +504,7 @@ def test_requests_in_flight_end_unavailable_and_health_is_not_serving_during_a_r
             time.sleep(0.01)
         ranks[1].kill()
         for stream in streams:
-            error, at = _error_of(stream)
+            error, at = error_of(stream)
             assert error.code() == grpc.StatusCode.UNAVAILABLE, error
             assert at - killed < HEARTBEAT_TIMEOUT + 2
         assert [f.result(timeout=HEARTBEAT_TIMEOUT + 5) for f in queued] == [
@@ -577,11 +553,11 @@ def _hops(*modes: str, exhaustive: tuple[str, ...]):
 def test_kill_9_of_the_middle_rank_of_three(model, clusters, hops):
     running = clusters(model, 3, "--hop-mode", hops)
     procs = running.cluster.procs
-    stream = _stream_started(running.client)
+    stream = stream_started(running.client)
     killed = time.monotonic()
     procs[1].kill()
-    error, at = _error_of(stream)
-    _assert_names(error, 1)
+    error, at = error_of(stream)
+    assert_names(error, 1)
     # Found by the closed connection (at once), not by a missed heartbeat; within a
     # deadline a loaded machine keeps.
     assert "side-channel connection closed" in error.details(), error.details()
@@ -597,12 +573,12 @@ def test_kill_9_of_the_middle_rank_of_three(model, clusters, hops):
 def test_sigstop_of_a_worker_mid_stream(model, clusters, hops):
     running = clusters(model, 2, "--hop-mode", hops)
     rank0, worker = running.cluster.procs
-    stream = _stream_started(running.client)
+    stream = stream_started(running.client)
     stopped = time.monotonic()
     os.kill(worker.pid, signal.SIGSTOP)
     try:
-        error, at = _error_of(stream)
-        _assert_names(error, 1)
+        error, at = error_of(stream)
+        assert_names(error, 1)
         assert "no heartbeat" in error.details()
         assert at - stopped < 60
         assert rank0.wait(5) == EXIT_CLUSTER_FAILED
@@ -632,7 +608,7 @@ def test_a_worker_lost_while_idle_fails_the_cluster_too(model, clusters):
 def test_rank0_killed_every_worker_exits(model, clusters):
     running = clusters(model, 3)
     procs = running.cluster.procs
-    stream = _stream_started(running.client)
+    stream = stream_started(running.client)
     killed = time.monotonic()
     procs[0].kill()
     with pytest.raises(grpc.RpcError):
@@ -650,12 +626,12 @@ def test_an_overdue_step_fails_the_cluster_naming_the_rank(model, clusters, hops
         model, 2, "--heartbeat-timeout", "60", "--step-timeout", "1", "--hop-mode", hops
     )
     rank0, worker = running.cluster.procs
-    stream = _stream_started(running.client)
+    stream = stream_started(running.client)
     stopped = time.monotonic()
     os.kill(worker.pid, signal.SIGSTOP)
     try:
-        error, at = _error_of(stream)
-        _assert_names(error, 1)
+        error, at = error_of(stream)
+        assert_names(error, 1)
         assert "overdue" in error.details() and "--step-timeout" in error.details()
         assert at - stopped < 30  # (not the 60 s heartbeat's: the step's timeout found it)
         assert rank0.wait(5) == EXIT_CLUSTER_FAILED
@@ -777,7 +753,7 @@ def test_sigterm_drains_then_every_rank_exits_0(model, clusters):
         pb.GenerateRequest(prompt="hi", params=pb.SamplingParams(max_tokens=40, ignore_eos=True)),
         timeout=60,
     )
-    endless = _stream_started(client)
+    endless = stream_started(client)
     next(short)
     t0 = time.monotonic()
     running.cluster.procs[0].send_signal(signal.SIGTERM)
@@ -791,7 +767,7 @@ def test_sigterm_drains_then_every_rank_exits_0(model, clusters):
     chunks = list(short)  # the running request finishes
     assert chunks[-1].finish_reason == "length"
     assert chunks[-1].usage.completion_tokens == 40
-    error, at = _error_of(endless)  # the one that cannot finish in time is told so
+    error, at = error_of(endless)  # the one that cannot finish in time is told so
     assert error.code() == grpc.StatusCode.UNAVAILABLE
     assert 2.5 < at - t0 < 3 + 5
     codes = [p.wait(30) for p in running.cluster.procs]

@@ -48,6 +48,11 @@ class StepError(Exception):
         self.code = code
 
 
+def _described(e: Exception) -> str:
+    """A step's failure as rank 0 is told it: a StepError's own words, else its type too."""
+    return str(e) if isinstance(e, StepError) else f"{type(e).__name__}: {e}"
+
+
 class Worker:
     def __init__(self, ring: Ring, link: ControlLink, tensor: TensorGroup | None = None) -> None:
         self.ring = ring
@@ -93,38 +98,8 @@ class Worker:
             started = time.perf_counter()
             if header.flags & hdr.FLAG_TENSOR:
                 self._tensor_step(header)
-                self.steps += 1
-                self.step_seconds += time.perf_counter() - started
-                self.link.done_step = header.step_id
-                continue
-            try:
-                payload = self.ring.post_recv_payload(header)
-                if payload is not None:
-                    timeline.mark_when_computed("received", header.step_id, payload)
-                # (side arrays: received after the payload, passed on as far as later
-                # ranks need them; the last rank sends none back. Most models' steps
-                # have none.)
-                sides = self.ring.post_recv_sides(header) if header.sides else []
-                received = [payload, *sides]
-                out = self.step(header, payload, sides)
-                timeline.mark("built", header.step_id)
-                if out is not None and header.cmd == hdr.CMD_FORWARD:
-                    timeline.mark_when_computed("output", header.step_id, out)
-                if header.sides:  # (what the next ranks need of them)
-                    layers = len(self.shard.layers) if self.shard is not None else 0
-                    sides = pass_on(header, sides, layers)
-                self._posted = self.ring.send(
-                    header, out, sides if header.sides else (), reads=received
-                )
-                # (The last step's sends are dropped here: on CUDA a ring send's event
-                # is freed, which waits for the whole GPU; the mark shows how long.)
-                timeline.mark("released", header.step_id)
-                if header.cmd == hdr.CMD_SHUTDOWN:
-                    self.ring.flush()  # (rank 0 waits for the step to come back)
-            except RuntimeError as e:  # mx.distributed: a neighbour's connection is gone
-                log.error("rank %d: the ring broke: %s; waiting for rank 0's word", self.rank, e)
-                self.link.ring_broken(str(e))
-                raise SystemExit(EXIT_RING_BROKEN) from None
+            else:
+                self._ring_step(header)
             if header.cmd == hdr.CMD_FORWARD:
                 self.steps += 1
                 self.step_seconds += time.perf_counter() - started
@@ -133,6 +108,38 @@ class Worker:
                 fenced = f" ({self.ring.fenced} hops waited for a shape change)"
                 log.info("rank %d: shutdown%s", self.rank, fenced if self.ring.fences else "")
                 return
+
+    def _ring_step(self, header: hdr.StepHeader) -> None:
+        """A step of the ring: its payload and side arrays received, acted on, passed on
+        (any failure of the step itself travels in the header: see `step`)."""
+        try:
+            payload = self.ring.post_recv_payload(header)
+            if payload is not None:
+                timeline.mark_when_computed("received", header.step_id, payload)
+            # (side arrays: received after the payload, passed on as far as later
+            # ranks need them; the last rank sends none back. Most models' steps
+            # have none.)
+            sides = self.ring.post_recv_sides(header) if header.sides else []
+            received = [payload, *sides]
+            out = self.step(header, payload, sides)
+            timeline.mark("built", header.step_id)
+            if out is not None and header.cmd == hdr.CMD_FORWARD:
+                timeline.mark_when_computed("output", header.step_id, out)
+            if header.sides:  # (what the next ranks need of them)
+                layers = len(self.shard.layers) if self.shard is not None else 0
+                sides = pass_on(header, sides, layers)
+            self._posted = self.ring.send(
+                header, out, sides if header.sides else (), reads=received
+            )
+            # (The last step's sends are dropped here: on CUDA a ring send's event
+            # is freed, which waits for the whole GPU; the mark shows how long.)
+            timeline.mark("released", header.step_id)
+            if header.cmd == hdr.CMD_SHUTDOWN:
+                self.ring.flush()  # (rank 0 waits for the step to come back)
+        except RuntimeError as e:  # mx.distributed: a neighbour's connection is gone
+            log.error("rank %d: the ring broke: %s; waiting for rank 0's word", self.rank, e)
+            self.link.ring_broken(str(e))
+            raise SystemExit(EXIT_RING_BROKEN) from None
 
     def _tensor_step(self, header: hdr.StepHeader) -> None:
         """A FLAG_TENSOR forward step: the header on (see the module's docstring), then
@@ -144,7 +151,7 @@ class Worker:
             h, sides = self.tensor.receive(header)
             out = self._forward(header, h, sides)
         except Exception as e:  # noqa: BLE001 - the group cannot go on without this rank
-            message = str(e) if isinstance(e, StepError) else f"{type(e).__name__}: {e}"
+            message = _described(e)
             log.error("rank %d: %s failed: %s", self.rank, header.describe(), message)
             self.link.send(control.ERROR, step_id=header.step_id, message=message)
             raise SystemExit(EXIT_TENSOR_STEP_FAILED) from None
@@ -169,7 +176,7 @@ class Worker:
             out = self._act(header, payload, sides or [])
         except Exception as e:  # noqa: BLE001 - every failure must still complete the step
             code = e.code if isinstance(e, StepError) else hdr.ERR_EXCEPTION
-            message = str(e) if isinstance(e, StepError) else f"{type(e).__name__}: {e}"
+            message = _described(e)
             log.error("rank %d: %s failed: %s", self.rank, header.describe(), message)
             log.debug("%s", traceback.format_exc())
             header.mark_failed(self.rank, code)
