@@ -46,6 +46,13 @@ def test_layouts_not_built_are_refused_with_the_reason(tensor, ranks, says):
         check_layout(tensor, ranks)
 
 
+def test_a_split_refuses_hops_that_pair_ranks_for_payloads():
+    for mode in ("collective", "adaptive"):
+        with pytest.raises(TensorLayoutError, match=f"--hop-mode {mode} has no payloads"):
+            check_layout(2, 2, mode)
+    check_layout(1, 2, "collective")  # (a pipeline may)
+
+
 def test_one_stage_and_plain_pipelines_are_layouts():
     for tensor, ranks in ((1, 1), (1, 3), (2, 2), (4, 4)):
         check_layout(tensor, ranks)

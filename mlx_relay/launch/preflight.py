@@ -95,13 +95,13 @@ def check_hop_mode(mode: str, n: int) -> None:
             raise UserError(str(e)) from None
 
 
-def check_tensor_parallel(tensor: int, n: int) -> None:
-    """`--tensor-parallel tensor` fits a cluster of `n` ranks (transport/tensor.py's
-    check_layout), said before any rank starts."""
+def check_tensor_parallel(tensor: int, n: int, hop_mode: str) -> None:
+    """`--tensor-parallel tensor` fits a cluster of `n` ranks with `--hop-mode hop_mode`
+    (transport/tensor.py's check_layout), said before any rank starts."""
     from mlx_relay.transport.tensor import TensorLayoutError, check_layout
 
     try:
-        check_layout(tensor, n)
+        check_layout(tensor, n, hop_mode)
     except TensorLayoutError as e:
         raise UserError(str(e)) from None
 

@@ -402,12 +402,7 @@ def _serve(args: argparse.Namespace) -> int:
     ring = None
     tensor = None
     try:
-        check_layout(args.tensor_parallel, size)
-        if args.tensor_parallel > 1 and args.hop_mode in PAIRED_MODES:
-            raise TensorLayoutError(
-                f"--tensor-parallel sends only headers round the ring: --hop-mode "
-                f"{args.hop_mode} has no payloads to carry (use auto, eager or ready)"
-            )
+        check_layout(args.tensor_parallel, size, args.hop_mode)
     except TensorLayoutError as e:
         return _fatal(rank, UserError(str(e)))
     if size > 1:

@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from mlx_relay.protocol import header as hdr
 from mlx_relay.transport.collective import nccl_world, on_gpus_of_their_own
-from mlx_relay.transport.ring import mx_dtype
+from mlx_relay.transport.ring import PAIRED_MODES, mx_dtype
 
 
 class TensorLayoutError(ValueError):
@@ -72,9 +72,15 @@ class TensorGroup:
         return [self.broadcast(side) for side in sides]
 
 
-def check_layout(tensor: int, ranks: int) -> None:
+def check_layout(tensor: int, ranks: int, hop_mode: str = "auto") -> None:
     """TensorLayoutError unless `tensor` ranks a stage fit a cluster of `ranks` as built:
-    1 (a pipeline) or every rank one stage."""
+    1 (a pipeline) or every rank one stage, whose steps send only headers round the ring
+    (so `hop_mode` must not be one that pairs ranks to carry payloads)."""
+    if tensor > 1 and hop_mode in PAIRED_MODES:
+        raise TensorLayoutError(
+            f"--tensor-parallel sends only headers round the ring: --hop-mode "
+            f"{hop_mode} has no payloads to carry (use auto, eager or ready)"
+        )
     if tensor < 1:
         raise TensorLayoutError(f"--tensor-parallel {tensor}: expected 1 or more")
     if tensor == 1 or tensor == ranks:
