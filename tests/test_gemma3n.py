@@ -27,15 +27,13 @@ from family_checks import (
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 from oracle import generate_concurrently, tokenizer_for
+from staged import Staged, greedy_forward
 from tiny_models import GEMMA3N_KV_SHARED, GEMMA3N_PER_LAYER_VOCAB
 
 from mlx_relay.coordinator.requests import encode_text
 from mlx_relay.model import checkpoint, sharding
-from mlx_relay.model.kvcache import SlotCaches
 from mlx_relay.model.split import default_split, keep_kv_shared_together, model_layers
-from mlx_relay.model.stage import forward_stage
-from mlx_relay.model.step_inputs import LayerInputs, pass_on
-from mlx_relay.protocol import header as hdr
+from mlx_relay.model.step_inputs import LayerInputs
 
 NUM_LAYERS = 6
 HIDDEN = 64
@@ -58,33 +56,6 @@ def model(tiny_model):
     return tiny_model("gemma3n", NUM_LAYERS)
 
 
-def _staged(shards: list[sharding.Shard], caches: list[SlotCaches]):
-    """One sequence's forward through the stages as the ranks run it: rank 0 embeds
-    (into AltUp streams) and computes every layer's per-layer input, each stage takes a
-    step's header (through the wire format) and what the rank before passed on."""
-    position = 0
-
-    def forward(tokens: mx.array) -> mx.array:
-        nonlocal position
-        n = tokens.shape[1]
-        header = hdr.StepHeader(cmd=hdr.CMD_FORWARD, slots=[0], offsets=[position], lengths=[n])
-        h = sharding.embed(shards[0], tokens)
-        assert h.shape == (1, n, STREAMS * HIDDEN)  # the payload: streams folded
-        per_layer = sharding.per_layer_inputs(shards[0], tokens, h)
-        dtype = str(per_layer.dtype).removeprefix("mlx.core.")
-        header.sides = [hdr.SideArray(hdr.SIDE_PER_LAYER, dtype, tuple(per_layer.shape))]
-        sides = [per_layer]
-        for shard, c in zip(shards, caches, strict=True):
-            header = hdr.decode(hdr.encode(header))
-            h = forward_stage(shard, c, header, h, sides)
-            assert h.shape == (1, n, STREAMS * HIDDEN)
-            sides = pass_on(header, sides, len(shard.layers))
-        position += n
-        return sharding.head(shards[0], h)[:, -1]
-
-    return forward
-
-
 @pytest.mark.parametrize("dtype", [None, mx.bfloat16], ids=["float32", "bfloat16"])
 def test_stages_equal_the_whole_model(model, dtype):
     """Logits bit-identical to mlx-lm's for a 40-token prefill (ids past the per-layer
@@ -99,13 +70,18 @@ def test_stages_equal_the_whole_model(model, dtype):
     cache = make_prompt_cache(whole)
     expected = [whole(prompt, cache=cache)[:, -1]] + [whole(t, cache=cache)[:, -1] for t in steps]
     for split in SPLITS:
-        shards = [sharding.load_shard(model, a, b, has_ends=a == 0) for a, b in split]
-        for s in shards if dtype is not None else ():
-            s.model.set_dtype(dtype)
+        staged = Staged(model, split, dtype)
+        shards = staged.shards
         assert all(s.takes_inputs for s in shards)
         assert len(shards[-1].make_caches()) == split[-1][1] - split[-1][0] - GEMMA3N_KV_SHARED
-        forward = _staged(shards, [SlotCaches(s) for s in shards])
-        got = [forward(prompt)] + [forward(t) for t in steps]
+        forward = greedy_forward(staged)
+        got = [forward(prompt)]
+        # (the payload between ranks: the AltUp streams folded into its width)
+        on, back = (1, 40, STREAMS * HIDDEN), (1, 1, STREAMS * HIDDEN)
+        assert [h.payload_shape for h in staged.hops] == [on] * (len(split) - 1) + [back] * (
+            len(split) > 1
+        )
+        got += [forward(t) for t in steps]
         for i, (a, b) in enumerate(zip(got, expected, strict=True)):
             assert mx.array_equal(a, b).item(), f"split {split}: step {i} differs"
 

@@ -24,15 +24,12 @@ import pytest
 from family_checks import SPLITS, family_oracle, family_request, whole_model
 from mlx_lm.models.cache import make_prompt_cache
 from oracle import generate_concurrently
+from staged import Staged, greedy_forward
 from tiny_models import VOCAB_SIZE
 
 from mlx_relay.coordinator.pipeline import Pipeline
 from mlx_relay.model import checkpoint, memory, sharding
-from mlx_relay.model.kvcache import SlotCaches
 from mlx_relay.model.split import default_split, keep_kv_shared_together, model_layers
-from mlx_relay.model.stage import forward_stage
-from mlx_relay.model.step_inputs import pass_on
-from mlx_relay.protocol import header as hdr
 
 NUM_LAYERS = 6
 PER_LAYER = (("hidden_size_per_layer_input", 8), ("vocab_size_per_layer_input", VOCAB_SIZE))
@@ -72,31 +69,6 @@ def wrapped(model, tmp_path_factory):
     return path
 
 
-def _staged(shards: list[sharding.Shard], caches: list[SlotCaches]):
-    """One sequence's forward through the stages as the ranks run it: rank 0 embeds and
-    computes every layer's per-layer input, each stage takes a step's header (through
-    the wire format) and what the rank before passed on, and passes on the rest."""
-    position = 0
-
-    def forward(tokens: mx.array) -> mx.array:
-        nonlocal position
-        n = tokens.shape[1]
-        header = hdr.StepHeader(cmd=hdr.CMD_FORWARD, slots=[0], offsets=[position], lengths=[n])
-        h = sharding.embed(shards[0], tokens)
-        per_layer = sharding.per_layer_inputs(shards[0], tokens, h)
-        header.sides = [hdr.SideArray(hdr.SIDE_PER_LAYER, "float32", tuple(per_layer.shape))]
-        sides = [per_layer]
-        for shard, c in zip(shards, caches, strict=True):
-            header = hdr.decode(hdr.encode(header))
-            assert header.sides[0].shape[2] == NUM_LAYERS - shard.start
-            h = forward_stage(shard, c, header, h, sides)
-            sides = pass_on(header, sides, len(shard.layers))
-        position += n
-        return sharding.head(shards[0], h)[:, -1]
-
-    return forward
-
-
 @pytest.mark.parametrize(("overrides", "splits"), [(PER_LAYER, SPLITS), (KV_SHARED, SHARED_SPLITS)])
 def test_stages_equal_the_whole_model(tiny_model, overrides, splits):
     """Logits bit-identical to mlx-lm's for a 40-token prefill and 10 decode steps, with
@@ -108,13 +80,19 @@ def test_stages_equal_the_whole_model(tiny_model, overrides, splits):
     cache = make_prompt_cache(whole)
     expected = [whole(prompt, cache=cache)[:, -1]] + [whole(t, cache=cache)[:, -1] for t in steps]
     for split in splits:
-        shards = [sharding.load_shard(model, a, b, has_ends=a == 0) for a, b in split]
+        staged = Staged(model, split)
+        shards = staged.shards
         assert all(s.takes_inputs for s in shards)
         assert [len(s.make_caches()) for s in shards][-1] == split[-1][1] - split[-1][0] - (
             2 if overrides == KV_SHARED else 0
         )
-        forward = _staged(shards, [SlotCaches(s) for s in shards])
-        got = [forward(prompt)] + [forward(t) for t in steps]
+        forward = greedy_forward(staged)
+        got = [forward(prompt)]
+        # (each rank receives the per-layer inputs of its layers and the later ones')
+        assert [h.sides[0].shape[2] for h in staged.hops[:-1]] == [
+            NUM_LAYERS - a for a, _ in split[1:]
+        ]
+        got += [forward(t) for t in steps]
         for i, (a, b) in enumerate(zip(got, expected, strict=True)):
             assert mx.array_equal(a, b).item(), f"split {split}: step {i} differs"
 
@@ -129,9 +107,9 @@ def test_a_gemma4_checkpoint_splits_as_its_text_model(wrapped):
     expected = [whole(prompt, cache=cache)[:, -1]] + [whole(t, cache=cache)[:, -1] for t in steps]
     assert sharding.kv_shared_tail(sharding.read_config(wrapped)) == TAIL
     for split in SHARED_SPLITS:
-        shards = [sharding.load_shard(wrapped, a, b, has_ends=a == 0) for a, b in split]
-        assert all(s.takes_inputs for s in shards)
-        forward = _staged(shards, [SlotCaches(s) for s in shards])
+        staged = Staged(wrapped, split)
+        assert all(s.takes_inputs for s in staged.shards)
+        forward = greedy_forward(staged)
         got = [forward(prompt)] + [forward(t) for t in steps]
         for i, (a, b) in enumerate(zip(got, expected, strict=True)):
             assert mx.array_equal(a, b).item(), f"split {split}: step {i} differs"

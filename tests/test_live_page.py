@@ -224,7 +224,7 @@ def test_live_page_in_a_browser(scripted, tmp_path):
             )
             _shot(browser, tmp_path, "live-slow")
         finally:
-            os.kill(stopped.pid, signal.SIGCONT)
+            stopped.send_signal(signal.SIGCONT)  # (none if it has exited)
         _wait(
             "rank 2 back to normal",
             lambda: browser.find_element("id", "rank-2").get_attribute("data-status") == "ok",

@@ -166,7 +166,6 @@ def test_a_rank_stopped_or_killed_mid_prefill_is_named(model, tmp_path, how):
         found = "side-channel connection closed" if how == "SIGKILL" else "no heartbeat"
         assert found in error.details() and when - at < 60, (when - at, error.details())
     finally:
-        if worker.poll() is None:
-            os.kill(worker.pid, signal.SIGCONT)
+        worker.send_signal(signal.SIGCONT)  # (none if it has exited)
         running.stop()
     print(f"\n{how} of rank 2 mid-prefill: UNAVAILABLE after {when - at:.2f} s")

@@ -58,8 +58,7 @@ def clusters(tmp_path):
     yield make
     for running in started:
         for p in running.cluster.procs:  # a test may leave a rank stopped on purpose
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGCONT)
+            p.send_signal(signal.SIGCONT)  # (none to one that has exited, even just now)
         stop_cluster(running)
 
 
@@ -583,7 +582,7 @@ def test_sigstop_of_a_worker_mid_stream(model, clusters, hops):
         assert at - stopped < 60
         assert rank0.wait(5) == EXIT_CLUSTER_FAILED
     finally:
-        os.kill(worker.pid, signal.SIGCONT)
+        worker.send_signal(signal.SIGCONT)  # (none if it has exited)
     # Woken up, the worker finds rank 0 gone and leaves by itself.
     woke = time.monotonic()
     worker.wait(HEARTBEAT_TIMEOUT + 2)

@@ -120,5 +120,5 @@ def test_a_stopped_tensor_peer_is_named(tiny_model, cluster_factory):
         error, _ = error_of(stream)
         assert_names(error, 1)
     finally:
-        os.kill(worker.pid, signal.SIGCONT)
+        worker.send_signal(signal.SIGCONT)  # (none if it has exited)
     running.cluster.procs[0].wait(60)  # rank 0 gives up and exits (else TimeoutExpired)

@@ -16,14 +16,10 @@ import numpy as np
 from mlx_vlm.generate.ar import generate_step
 from mlx_vlm.utils import load_model, load_processor
 from PIL import Image
+from staged import Staged
 
-from mlx_relay.model import sharding, vision
-from mlx_relay.model.kvcache import SlotCaches
-from mlx_relay.model.stage import forward_stage
-from mlx_relay.model.step_inputs import PromptInputs, pass_on
-from mlx_relay.protocol import header as hdr
+from mlx_relay.model import vision
 from mlx_relay.protocol import relay_pb2 as pb
-from mlx_relay.transport.ring import dtype_name
 
 MAX_TOKENS = 12
 QUESTION = "Describe the picture."
@@ -125,57 +121,28 @@ def staged_tokens(
     ranges: list[tuple[int, int]],
     chunk: int = 0,
 ) -> list[int]:
-    """Greedy tokens of the model cut into `ranges` in one process, as the ranks run it:
-    rank 0's merged image embeddings (and, for a multimodal-rope model, its positions as
-    a side array and its rope delta in every header; for gemma4 its per-layer inputs
-    and, with the prompt, its token types), prefill chunks of `chunk` tokens (0: the
-    whole prompt), each stage a forward step's `forward_stage` on its own slot caches,
-    each header through the wire format, each stage passing on what the next need of
-    the side arrays; the stages after rank 0 hold no vision tower."""
+    """Greedy tokens of the model cut into `ranges` in one process, run by the ranks' own
+    code (tests/staged.py): rank 0's merged image embeddings (and, for a multimodal-rope
+    model, its positions as a side array and its rope delta in every header; for gemma4
+    its per-layer inputs and, with the prompt, its token types), prefill chunks of
+    `chunk` tokens (0: the whole prompt); the stages after rank 0 hold no vision tower."""
     images = image if isinstance(image, list) else [image]
     encoded = vision.processor_for(str(path)).encode(prompt, images)
-    shards = [sharding.load_shard(path, a, b, has_ends=a == 0) for a, b in ranges]
+    staged = Staged(path, ranges)
+    shards = staged.shards
     assert all(not any(p in s.model for p in vision.ENCODER_PARTS) for s in shards[1:])
-    caches = [SlotCaches(s) for s in shards]
     prompt_in = vision.prompt_inputs(shards[0].model, encoded.token_ids, encoded.pixel_values)
     size = len(encoded.token_ids)
-
-    def step(h: mx.array, tokens: mx.array, offset: int, part: PromptInputs | None) -> mx.array:
-        header = hdr.StepHeader(
-            cmd=hdr.CMD_FORWARD, slots=[3], offsets=[offset], lengths=[h.shape[1]]
-        )
-        sides: list[tuple[int, mx.array]] = []
-        if part is not None and part.positions is not None:
-            sides.append((hdr.SIDE_POSITIONS, part.positions.astype(mx.int32)))
-        if part is not None and part.token_types is not None:
-            sides.append((hdr.SIDE_TOKEN_TYPES, part.token_types.astype(mx.int32)))
-        if sharding.computes_per_layer_inputs(shards[0]):
-            ids_part = part.per_layer if part is not None else None
-            per_layer = sharding.per_layer_inputs(shards[0], tokens, h, ids_part)
-            sides.append((hdr.SIDE_PER_LAYER, per_layer))
-        header.sides = [
-            hdr.SideArray(kind, dtype_name(a.dtype), tuple(a.shape)) for kind, a in sides
-        ]
-        header.deltas = [prompt_in.delta] if prompt_in.delta else []
-        arrays = [a for _, a in sides]
-        for shard, c in zip(shards, caches, strict=True):
-            header = hdr.decode(hdr.encode(header))
-            h = forward_stage(shard, c, header, h, arrays)
-            arrays = pass_on(header, arrays, len(shard.layers)) if arrays else []
-        return h
-
-    position, h = 0, None
+    slot, position, logits = 3, 0, None
     while position < size:
         n = min(chunk or size, size - position)
-        part = prompt_in.chunk(position, n)
         ids = mx.array([encoded.token_ids[position : position + n]])
-        h = step(part.embeddings, ids, position, part)
+        logits = staged.logits(slot, position, ids, prompt_in.chunk(position, n))
         position += n
     got = []
     for _ in range(MAX_TOKENS):
-        token = int(mx.argmax(sharding.head(shards[0], h)[:, -1], axis=-1).item())
+        token = int(mx.argmax(logits, axis=-1).item())
         got.append(token)
-        tokens = mx.array([[token]])
-        h = step(sharding.embed(shards[0], tokens), tokens, position, None)
+        logits = staged.logits(slot, position, mx.array([[token]]), decode=True)
         position += 1
     return got
