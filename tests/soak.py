@@ -41,6 +41,11 @@ class SoakSettings:
     seed: int = 0
     rss_slack: float = 20.0  # MB of resident memory growth allowed
     solo_stream: bool = False  # the solo reference runs streamed
+    # The soak goes on past `seconds` (for at most `overtime` more) until this many
+    # requests completed and one was cut short (cancelled or disconnected): a count a
+    # slow or busy machine also reaches, later, where a time alone would not.
+    at_least: int = 0
+    overtime: float = 300
 
 
 SHORT = ["hi", "Once upon a time", "The capital of France is", "def add(a, b):"]
@@ -106,6 +111,12 @@ class Tally:
     mismatches: list[str] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
     tokens: int = 0
+
+    def reached(self, count: int) -> bool:
+        """`count` requests completed and one cut short (SoakSettings.at_least)."""
+        with self.lock:
+            cut = self.cancelled + self.disconnected
+            return count <= 0 or (self.completed >= count and cut > 0)
 
     def error(self, what: str) -> None:
         with self.lock:
@@ -257,6 +268,9 @@ def soak(args: SoakSettings) -> dict:
                 t.start()
             try:
                 stop.wait(args.seconds)
+                until = started + args.seconds + args.overtime
+                while not tally.reached(args.at_least) and time.monotonic() < until:
+                    time.sleep(0.1)
             except KeyboardInterrupt:
                 print("interrupted: stopping the clients", file=sys.stderr)
             stop.set()

@@ -13,9 +13,18 @@ usage), so that a shape cannot pass by being empty.
 
 from __future__ import annotations
 
+import json
+
 import mlx.core as mx
 import pytest
-from api_schemas import check_ndjson, check_sse, validate, validate_open_responses_event
+from api_schemas import (
+    check_ndjson,
+    check_sse,
+    sse_events,
+    validate,
+    validate_open_responses_event,
+)
+from fake_pipeline import FakePipeline
 from fastapi.testclient import TestClient
 from mlx_lm.utils import load_tokenizer
 from scripted import script_model
@@ -27,6 +36,7 @@ from mlx_relay.coordinator.config import EngineConfig
 from mlx_relay.coordinator.engine import Engine
 from mlx_relay.coordinator.pipeline import Pipeline
 from mlx_relay.coordinator.requests import encode_text
+from mlx_relay.protocol import header as hdr
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {
@@ -245,3 +255,74 @@ def test_ollama_generate_and_the_listings(scripted_doors):
     missing = scripted_doors.post("/api/show", json={"model": "no-such-model"})
     assert missing.status_code == 404
     validate("ollama", "ErrorResponse", missing.json())
+
+
+# --- a stream that fails after it began ------------------------------------------------
+
+
+def _decode_step(step) -> bool:
+    return step.header.cmd == hdr.CMD_FORWARD and step.header.group != hdr.NO_GROUP
+
+
+@pytest.fixture(scope="module")
+def failing_doors(tmp_path_factory):
+    """(the HTTP app, its pipeline) over a one-rank engine whose pipeline fails the steps
+    it is told to (tests/fake_pipeline.py): a rank's failure reaches a stream already
+    under way, which must end in its door's own error event."""
+    path = make_tiny_model(tmp_path_factory.mktemp("failing"), "llama", num_layers=2)
+    pipeline = FakePipeline(depth=1)
+    engine = Engine(pipeline, EngineConfig(default_max_tokens=MAX))
+    engine.start()
+    cluster = Cluster(engine, model=str(path))
+    cluster.load()
+    with TestClient(create_app(cluster)) as http:
+        yield http, pipeline
+    cluster.free(shutdown=True)
+    engine.join(10)
+
+
+FAILING = [
+    ("/v1/chat/completions", {"messages": USER, "max_tokens": MAX}),
+    ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": MAX}),
+    ("/v1/responses", {"input": "Once upon a time", "max_output_tokens": MAX}),
+    ("/v1/messages", {"messages": USER, "max_tokens": MAX}),
+    ("/api/chat", {"messages": USER, "options": {"num_predict": MAX}}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), FAILING, ids=[p for p, _ in FAILING])
+def test_a_failed_stream_ends_in_its_doors_error_event(failing_doors, path, body):
+    """Rank 1 fails the stream's second decode step: the stream began (status 200, its
+    first events sent), so the failure arrives as the door's error event, shaped as its
+    owner's document says (OpenAI: an ErrorResponse chunk; Responses: OpenAI's
+    ResponseErrorEvent and the Open Responses specification's error event at once;
+    Anthropic: its ErrorResponse; Ollama: a line with an error string), saying what failed,
+    and is the stream's last event."""
+    http, pipeline = failing_doors
+    calls = iter(range(2))
+    pipeline.fail_step(
+        1, "rank 1 lost its cache", lambda s: _decode_step(s) and next(calls, 1) == 1
+    )
+    if path in ("/api/chat", "/v1/messages"):
+        body = {**body, "model": _model(http)}
+    if path == "/api/chat":
+        reply = http.post(path, json={**body, "stream": True})
+        assert reply.status_code == 200, reply.text
+        lines = [json.loads(line) for line in reply.text.splitlines() if line.strip()]
+        assert len(lines) >= 2 and all("error" not in line for line in lines[:-1]), lines
+        assert set(lines[-1]) == {"error"} and "rank 1 lost its cache" in lines[-1]["error"]
+        return
+    events = sse_events(_stream(http, path, body))
+    name, last = events[-1] if events[-1][1] != "[DONE]" else events[-2]
+    assert len(events) >= 3, events
+    assert "rank 1 lost its cache" in json.dumps(last), last
+    if path == "/v1/responses":
+        assert name == "error"
+        validate("openai", "ResponseErrorEvent", last)
+        validate_open_responses_event(last)
+        assert last["sequence_number"] == events[-2][1]["sequence_number"] + 1
+    elif path == "/v1/messages":
+        assert name == "error"
+        validate("anthropic", "ErrorResponse", last)
+    else:
+        validate("openai", "ErrorResponse", last)

@@ -321,10 +321,13 @@ class ResponseStream:
         ]
 
     def failed(self, error: HttpError) -> Events:
+        """The stream's error event, in both documents' shapes at once: OpenAI's puts the
+        error's code, message and param on the event, the Open Responses specification
+        nests the whole error (its type too) under `error`."""
         self.status = "failed"
-        return [
-            ("error", {"type": "error", "sequence_number": self.seq, **error_body(error)["error"]})
-        ]
+        payload = error_body(error)["error"]
+        fields = {k: payload[k] for k in ("code", "message", "param")}
+        return [self._event("error", **fields, error=payload)]
 
     def feed(self, chunk: Chunk) -> Events:
         events = []
