@@ -2,9 +2,10 @@
 
 Splitting a layer across ranks changes the order of its sums, so single-process mlx-lm
 is no longer the reference: mlx-lm's `sharded_load(path, tensor_group=group)` with the
-same group is. `tensor_tokens` runs this file as every rank of a ring group on this
-machine (MLX_RANK, MLX_HOSTFILE, as mlx.launch would set them) and returns rank 0's
-tokens: `mlx_lm.stream_generate`'s, the EOS token itself left out, as oracle.py's.
+same group is. `tensor_generations` runs this file as every rank of a ring group on
+this machine (MLX_RANK, MLX_HOSTFILE, as mlx.launch would set them), which loads the
+model once and generates each answer asked for in turn, and returns rank 0's tokens:
+`mlx_lm.stream_generate`'s, the EOS token itself left out, as oracle.py's.
 """
 
 from __future__ import annotations
@@ -13,9 +14,22 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mlx_relay.launch.local import free_ports
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One answer to generate: from `prompt` (token ids), at most `max_tokens`; with a
+    `seed`, the random state seeded just before it (as a fresh process would be), and
+    `sampler`: mlx-lm's make_sampler arguments (none: greedy)."""
+
+    prompt: list[int]
+    max_tokens: int
+    seed: int | None = None
+    sampler: dict = field(default_factory=dict)
 
 
 def tensor_tokens(
@@ -26,14 +40,21 @@ def tensor_tokens(
     *,
     seed: int | None = None,
     sampler: dict | None = None,
-    timeout: float = 300,
 ) -> list[int]:
     """Rank 0's tokens of mlx-lm's generation on `ranks` processes splitting every layer."""
+    generation = Generation(prompt, max_tokens, seed, sampler or {})
+    return tensor_generations(path, [generation], ranks)[0]
+
+
+def tensor_generations(
+    path: Path, generations: list[Generation], ranks: int, timeout: float = 300
+) -> list[list[int]]:
+    """Rank 0's tokens of each of `generations`, in order, from one run of the `ranks`
+    processes (one start and one load for them all)."""
     ports = free_ports(ranks)
     hostfile = Path(os.environ.get("TMPDIR", "/tmp")) / f"tensor-oracle-{ports[0]}.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
-    job = json.dumps({"path": str(path), "prompt": prompt, "max_tokens": max_tokens,
-                      "seed": seed, "sampler": sampler or {}})  # fmt: skip
+    job = json.dumps({"path": str(path), "generations": [asdict(g) for g in generations]})
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, job],
@@ -64,22 +85,25 @@ def _rank() -> None:
     job = json.loads(sys.argv[1])
     group = mx.distributed.init(backend="ring", strict=True)
     model, tokenizer = sharded_load(job["path"], tensor_group=group)
-    if job["seed"] is not None:
-        mx.random.seed(job["seed"])
-    responses = list(
-        stream_generate(
-            model,
-            tokenizer,
-            mx.array(job["prompt"]),
-            max_tokens=job["max_tokens"],
-            sampler=make_sampler(**job["sampler"]),
+    answers = []
+    for g in job["generations"]:
+        if g["seed"] is not None:
+            mx.random.seed(g["seed"])
+        responses = list(
+            stream_generate(
+                model,
+                tokenizer,
+                mx.array(g["prompt"]),
+                max_tokens=g["max_tokens"],
+                sampler=make_sampler(**g["sampler"]),
+            )
         )
-    )
-    tokens = [r.token for r in responses]
-    if responses and responses[-1].finish_reason == "stop":
-        tokens = tokens[:-1]
+        tokens = [r.token for r in responses]
+        if responses and responses[-1].finish_reason == "stop":
+            tokens = tokens[:-1]
+        answers.append(tokens)
     if group.rank() == 0:
-        print(json.dumps(tokens), flush=True)
+        print(json.dumps(answers), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import signal
 import pytest
 from oracle import chat_request, chat_tokens, generate_concurrently, mlx_lm_tokens
 from support import assert_names, error_of, stream_started
-from tensor_oracle import tensor_tokens
+from tensor_oracle import Generation, tensor_generations
 
 from mlx_relay.protocol import relay_pb2 as pb
 
@@ -24,6 +24,39 @@ pytestmark = pytest.mark.cluster
 RANKS = 2
 TP = ("--tensor-parallel", str(RANKS))
 MESSAGES = [{"role": "user", "content": "Tell me a story about a lighthouse and 3 cats."}]
+LONG = [{"role": "user", "content": "Tell me a story about three cats. " * 20}]
+TEXTS = ["Name a colour.", "Tell me about the sea and the harbour.", "Count to five."]
+REPEAT = [{"role": "user", "content": "Repeat after me: one two three one two three."}]
+SEED, SAMPLER = 7, {"temp": 0.8, "top_p": 0.95, "top_k": 40}
+
+
+def _user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+@pytest.fixture(scope="module")
+def split_answers(tiny_model):
+    """family -> {answer: tokens}: mlx-lm's split generation of every answer this file
+    checks of the family, from one run of the oracle's ranks (one start, one load)."""
+    answers: dict[str, dict[str, list[int]]] = {}
+
+    def of(family: str) -> dict[str, list[int]]:
+        if family not in answers:
+            model = tiny_model(family, 4)
+            prompt = chat_tokens(model, MESSAGES)
+            jobs = {
+                "greedy": Generation(prompt, 48),
+                "seeded": Generation(prompt, 24, SEED, SAMPLER),
+            }
+            if family == "llama":  # (the other tests' answers)
+                jobs["chunked"] = Generation(chat_tokens(model, LONG), 24)
+                jobs |= {t: Generation(chat_tokens(model, _user(t)), 20) for t in TEXTS}
+                jobs["repeat"] = Generation(chat_tokens(model, REPEAT), 40)
+            tokens = tensor_generations(model, list(jobs.values()), RANKS)
+            answers[family] = dict(zip(jobs, tokens, strict=True))
+        return answers[family]
+
+    return of
 
 
 def _chat(messages: list[dict], **params) -> pb.GenerateRequest:
@@ -33,61 +66,54 @@ def _chat(messages: list[dict], **params) -> pb.GenerateRequest:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_greedy_and_seeded_tokens_equal_mlx_lm_tensor_parallel(family, tiny_model, cluster_pool):
+def test_greedy_and_seeded_tokens_equal_mlx_lm_tensor_parallel(
+    family, tiny_model, cluster_pool, split_answers
+):
     model = tiny_model(family, 4)
     running = cluster_pool.serving(model, RANKS, *TP)
     layout = running.client.status().layout
     assert (layout.stages, layout.tensor_parallel, layout.note) == (1, RANKS, "")
     assert [(r.layer_start, r.layer_end) for r in running.client.status().ranks] == [(0, 4)] * 2
-    prompt = chat_tokens(model, MESSAGES)
     reply = running.client.generate(_chat(MESSAGES, max_tokens=48))
-    assert list(reply.token_ids) == tensor_tokens(model, prompt, 48, RANKS)
-    sampler = {"temp": 0.8, "top_p": 0.95, "top_k": 40}
+    assert list(reply.token_ids) == split_answers(family)["greedy"]
     seeded = running.client.generate(
-        _chat(MESSAGES, max_tokens=24, temperature=0.8, top_p=0.95, top_k=40, seed=7)
+        _chat(MESSAGES, max_tokens=24, temperature=0.8, top_p=0.95, top_k=40, seed=SEED)
     )
-    assert list(seeded.token_ids) == tensor_tokens(
-        model, prompt, 24, RANKS, seed=7, sampler=sampler
-    )
+    assert list(seeded.token_ids) == split_answers(family)["seeded"]
 
 
-def test_eager_hops_and_a_prompt_in_several_chunks(tiny_model, cluster_pool):
+def test_eager_hops_and_a_prompt_in_several_chunks(tiny_model, cluster_pool, split_answers):
     """Eager hops (what `auto` picks on a Mac with cores to spare) and a long prompt
     prefilled 64 tokens a step: each chunk's step is split across the ranks."""
     model = tiny_model("llama", 4)
     running = cluster_pool.serving(
         model, RANKS, *TP, "--hop-mode", "eager", "--prefill-chunk", "64"
     )
-    messages = [{"role": "user", "content": "Tell me a story about three cats. " * 20}]
-    prompt = chat_tokens(model, messages)
-    assert len(prompt) > 5 * 64
-    reply = running.client.generate(_chat(messages, max_tokens=24))
-    assert list(reply.token_ids) == tensor_tokens(model, prompt, 24, RANKS)
+    assert len(chat_tokens(model, LONG)) > 5 * 64
+    reply = running.client.generate(_chat(LONG, max_tokens=24))
+    assert list(reply.token_ids) == split_answers("llama")["chunked"]
 
 
-def test_concurrent_requests_and_a_reused_prompt(tiny_model, cluster_pool):
+def test_concurrent_requests_and_a_reused_prompt(tiny_model, cluster_pool, split_answers):
     """Continuous batching (one decode group of three rows) and the prompt cache under a
     tensor split: each answer is the one it gets alone from mlx-lm's split generation."""
     model = tiny_model("llama", 4)
     running = cluster_pool.serving(model, RANKS, *TP, fresh=True)
-    texts = ["Name a colour.", "Tell me about the sea and the harbour.", "Count to five."]
-    replies = generate_concurrently(running.client, [chat_request(t, None, 20) for t in texts])
-    for text, tokens in zip(texts, replies, strict=True):
-        prompt = chat_tokens(model, [{"role": "user", "content": text}])
-        assert tokens == tensor_tokens(model, prompt, 20, RANKS), text
+    replies = generate_concurrently(running.client, [chat_request(t, None, 20) for t in TEXTS])
+    for text, tokens in zip(TEXTS, replies, strict=True):
+        assert tokens == split_answers("llama")[text], text
     first = running.client.generate(_chat(MESSAGES, max_tokens=12))
     again = running.client.generate(_chat(MESSAGES, max_tokens=12))
     assert again.usage.cached_tokens == len(chat_tokens(model, MESSAGES)) - 1
     assert again.token_ids == first.token_ids
 
 
-def test_speculation_keeps_the_greedy_tokens(tiny_model, cluster_pool):
+def test_speculation_keeps_the_greedy_tokens(tiny_model, cluster_pool, split_answers):
     """Verify steps (several positions a step) split across the ranks too."""
     model = tiny_model("llama", 4)
     running = cluster_pool.serving(model, RANKS, *TP, "--draft", "ngram")
-    messages = [{"role": "user", "content": "Repeat after me: one two three one two three."}]
-    reply = running.client.generate(_chat(messages, max_tokens=40))
-    assert list(reply.token_ids) == tensor_tokens(model, chat_tokens(model, messages), 40, RANKS)
+    reply = running.client.generate(_chat(REPEAT, max_tokens=40))
+    assert list(reply.token_ids) == split_answers("llama")["repeat"]
     assert running.client.status().speculation.rounds > 0
 
 
