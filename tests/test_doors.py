@@ -258,7 +258,17 @@ def test_health_status_and_metrics_read_the_cluster(served):
     assert status["tokens"]["prefill"] > 0 and status["tokens"]["decode"] > 0
     assert status["ring_steps"]["decode"]["steps"] > 0
     assert status["ranks"][0]["steps"] == sum(s["steps"] for s in status["ring_steps"].values())
-    assert status["layout"] == {"stages": 1, "tensor_parallel": 1, "tensor_backend": "", "note": ""}
+    assert status["layout"] == {
+        "stages": 1,
+        "tensor_parallel": 1,
+        "tensor_backend": "",
+        "note": "",
+        "chosen_at_load": False,
+        "all_sum_seconds": 0.0,
+        "read_bytes_per_second": 0.0,
+        "pipeline_token_seconds": 0.0,
+        "tensor_token_seconds": 0.0,
+    }
     families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
     assert families["mlx_relay:engine_serving"].samples[0].value == 1
     assert families["mlx_relay:tensor_parallel"].samples[0].value == 1

@@ -12,12 +12,15 @@ from __future__ import annotations
 import os
 import signal
 
+import httpx
 import pytest
 from oracle import chat_request, chat_tokens, generate_concurrently, mlx_lm_tokens
 from support import assert_names, error_of, stream_started
 from tensor_oracle import Generation, tensor_generations
 
+from mlx_relay.launch.local import free_ports
 from mlx_relay.protocol import relay_pb2 as pb
+from mlx_relay.protocol.control import HOST_NAME_ENV
 
 pytestmark = pytest.mark.cluster
 
@@ -148,3 +151,44 @@ def test_a_stopped_tensor_peer_is_named(tiny_model, cluster_factory):
     finally:
         worker.send_signal(signal.SIGCONT)  # (none if it has exited)
     running.cluster.procs[0].wait(60)  # rank 0 gives up and exits (else TimeoutExpired)
+
+
+@pytest.mark.parametrize("machines", [1, 2], ids=["one-machine", "posing-as-two"])
+def test_auto_measures_the_group_and_chooses(machines, tiny_model, cluster_factory, split_answers):
+    """`--tensor-parallel auto`: the load times an all-sum over the group (every rank at
+    once) and rank 0's weight reading, and says so in status and /metrics. Ranks of one
+    machine always run as a pipeline; posing as two machines, whichever layout the
+    figures chose serves exactly its own oracle's tokens (the split's or mlx-lm's)."""
+    model = tiny_model("llama", 4)
+    env = {1: {HOST_NAME_ENV: "other-mac"}} if machines == 2 else {}
+    port = free_ports(1)[0]
+    running = cluster_factory(
+        model,
+        RANKS,
+        "--tensor-parallel",
+        "auto",
+        "--http-address",
+        f"127.0.0.1:{port}",
+        rank_env=env,
+    )
+    layout = running.client.status().layout
+    print(f"\nauto on {machines} machine(s): {layout.note}")
+    assert layout.chosen_at_load and layout.note.startswith("auto ("), layout
+    assert layout.all_sum_seconds > 0 and layout.read_bytes_per_second > 0, layout
+    assert 0 < layout.tensor_token_seconds and 0 < layout.pipeline_token_seconds, layout
+    if machines == 1:
+        assert (layout.stages, layout.tensor_parallel) == (RANKS, 1)
+        assert "share one machine" in layout.note
+    reply = running.client.generate(_chat(MESSAGES, max_tokens=48))
+    if layout.tensor_parallel == RANKS:
+        assert layout.stages == 1 and layout.note.endswith(": split"), layout.note
+        assert list(reply.token_ids) == split_answers("llama")["greedy"]
+    else:
+        assert layout.stages == RANKS
+        expected = mlx_lm_tokens(model, chat_tokens(model, MESSAGES), 48)
+        assert list(reply.token_ids) == expected
+    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    gauge = [
+        ln for ln in metrics.splitlines() if ln.startswith("mlx_relay:tensor_all_sum_seconds ")
+    ]
+    assert [float(ln.split()[1]) for ln in gauge] == [pytest.approx(layout.all_sum_seconds)]

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
+from mlx_relay.launch.serve import add_serve_options, serve_argv
 from mlx_relay.model import memory, tensor_split
-from mlx_relay.transport.tensor import TensorLayoutError, check_layout
+from mlx_relay.transport.tensor import (
+    AUTO,
+    TensorLayoutError,
+    check_layout,
+    group_size,
+    parse_tensor_parallel,
+)
 
 
 def _config(model) -> dict:
@@ -35,7 +43,7 @@ def test_a_split_rank_counts_its_share_of_the_layers(tiny_model):
 @pytest.mark.parametrize(
     ("tensor", "ranks", "says"),
     [
-        (0, 2, "expected 1 or more"),
+        (-1, 2, "expected 1 or more"),
         (3, 2, "does not divide a cluster of 2 ranks"),
         (3, 4, "does not divide a cluster of 4 ranks"),
         (2, 4, "2 stages of 2: a stage x tensor grid needs"),
@@ -54,5 +62,28 @@ def test_a_split_refuses_hops_that_pair_ranks_for_payloads():
 
 
 def test_one_stage_and_plain_pipelines_are_layouts():
-    for tensor, ranks in ((1, 1), (1, 3), (2, 2), (4, 4)):
+    for tensor, ranks in ((1, 1), (1, 3), (2, 2), (4, 4), (AUTO, 1), (AUTO, 3)):
         check_layout(tensor, ranks)
+
+
+def test_tensor_parallel_takes_ranks_or_auto():
+    assert parse_tensor_parallel("auto") == AUTO and parse_tensor_parallel("AUTO") == AUTO
+    assert parse_tensor_parallel("2") == 2 and group_size(AUTO, 3) == 3 and group_size(2, 4) == 2
+    for bad in ("0", "-2", "two"):
+        with pytest.raises(ValueError, match="ranks, or auto|number of ranks or auto"):
+            parse_tensor_parallel(bad)
+    with pytest.raises(TensorLayoutError, match="has no payloads"):  # (auto may split)
+        check_layout(AUTO, 2, "collective")
+
+
+def test_auto_reaches_the_ranks_command_lines_as_auto():
+    """A launcher passes `--tensor-parallel auto` on to its ranks as it was given."""
+    parser = argparse.ArgumentParser()
+    add_serve_options(parser)
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(["--tensor-parallel", "auto"])
+    argv = serve_argv(args)
+    assert argv[argv.index("--tensor-parallel") + 1] == "auto"
+    assert parser.parse_args(argv).tensor_parallel == AUTO
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tensor-parallel", "0"])

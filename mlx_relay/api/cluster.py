@@ -168,12 +168,24 @@ class Cluster:
         loaded = pipeline.loaded
         if loaded is None:
             return pb.LayoutStatus()
-        layout = loaded.layout
+        layout, choice = loaded.layout, loaded.layout.choice
+        measured = (
+            dict(
+                chosen_at_load=True,
+                all_sum_seconds=choice.all_sum_s,
+                read_bytes_per_second=choice.read_bytes_per_s,
+                pipeline_token_seconds=choice.pipeline_s,
+                tensor_token_seconds=choice.tensor_s,
+            )
+            if choice is not None
+            else {}
+        )
         return pb.LayoutStatus(
             stages=layout.stages,
             tensor_parallel=layout.tensor,
             tensor_backend=pipeline.tensor.backend if layout.tensor > 1 else "",
-            note=layout.why,
+            note=layout.note,
+            **measured,
         )
 
     def steps(self) -> dict[str, StepCount]:

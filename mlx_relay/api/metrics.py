@@ -65,6 +65,12 @@ class _ClusterGauges(Collector):
         yield GaugeMetricFamily(
             PREFIX + "pipeline_stages", "Pipeline stages (0: no model).", value=layout.stages
         )
+        yield GaugeMetricFamily(
+            PREFIX + "tensor_all_sum_seconds",
+            "One all-sum of a token's hidden state over the tensor group, as "
+            "--tensor-parallel auto measured it at load (0: not measured).",
+            value=layout.all_sum_seconds,
+        )
         yield from _step_timings(cluster)
         yield from _speculation(cluster)
 

@@ -22,11 +22,14 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
 from mlx_relay import timeline
+from mlx_relay.coordinator import layout_choice
+from mlx_relay.coordinator.layout_choice import Choice
 from mlx_relay.coordinator.pace import StepPace, step_cost
 from mlx_relay.coordinator.returns import Completion
 from mlx_relay.coordinator.ring_driver import WATCH_INTERVAL_S, RingDriver, Step
@@ -65,12 +68,19 @@ class Layout:
     stages: int
     tensor: int = 1
     why: str = ""
+    choice: Choice | None = None  # what `--tensor-parallel auto` measured and chose
+
+    @property
+    def note(self) -> str:
+        """Why a requested split is not in use, or what `auto` chose by ('' otherwise)."""
+        return self.why or (self.choice.describe() if self.choice is not None else "")
 
     def describe(self) -> str:
         if self.tensor > 1:
-            return f"tensor parallel: every layer split across {self.tensor} ranks"
+            split = f"tensor parallel: every layer split across {self.tensor} ranks"
+            return f"{split} ({self.note})" if self.note else split
         pipeline = f"pipeline of {self.stages} stage{'s' if self.stages > 1 else ''}"
-        return f"{pipeline} ({self.why})" if self.why else pipeline
+        return f"{pipeline} ({self.note})" if self.note else pipeline
 
 
 @dataclass
@@ -164,7 +174,7 @@ class Pipeline:
         path = resolve_model(spec)
         config = sharding.read_config(path)
         num_layers = sharding.count_layers(config)
-        layout = self._layout(config, layers)
+        layout = self._layout(path, config, layers)
         tensor = self.tensor if layout.tensor > 1 else None
         if tensor is not None:  # (every rank every layer, each its slice)
             ranges = [(0, num_layers)] * self.world_size
@@ -196,10 +206,11 @@ class Pipeline:
         log.info("%s: %s", spec, layout.describe())
         return self.loaded
 
-    def _layout(self, config: dict[str, Any], layers: list[int] | str | None) -> Layout:
+    def _layout(self, path: Path, config: dict[str, Any], layers: list[int] | str | None) -> Layout:
         """The layout a load of the model of `config` gets: split across the tensor
         group where one was asked for and the family can split its layers (else a
-        pipeline, and why)."""
+        pipeline, and why); with `--tensor-parallel auto`, only where what this load
+        measures says the split pays (layout_choice.py)."""
         if self.tensor is None:
             return Layout(stages=self.world_size)
         why = tensor_split.refusal(config, self.tensor.size)
@@ -208,7 +219,32 @@ class Pipeline:
         if why is not None:
             log.warning("tensor parallel refused, the model runs as a pipeline: %s", why)
             return Layout(stages=self.world_size, why=why)
-        return Layout(stages=1, tensor=self.tensor.size)
+        if not self.tensor.auto:
+            return Layout(stages=1, tensor=self.tensor.size)
+        choice = self._choose(path, config)
+        if choice.tensor > 1:
+            return Layout(stages=1, tensor=choice.tensor, choice=choice)
+        return Layout(stages=self.world_size, choice=choice)
+
+    def _choose(self, path: Path, config: dict[str, Any]) -> Choice:
+        """`auto`'s measurements for this model, and its choice: one all-sum of a token's
+        hidden state over the group (every rank at once), rank 0's weight-reading speed,
+        the layers' bytes from the safetensors headers."""
+        assert self.tensor is not None
+        num_layers = sharding.count_layers(config)
+        on_gpu = mx.default_device() == mx.gpu
+        shape = (1, 1, sharding.hidden_size(config))
+        dtype = mx.bfloat16 if on_gpu else mx.float32
+        all_sum_s = self.driver.time_all_sum(self.tensor, shape, dtype)
+        hosts = [control.host_name(), *(self.watch.host(r) for r in range(1, self.world_size))]
+        return layout_choice.choose(
+            memory.shard_nbytes(path, 0, num_layers),
+            num_layers,
+            self.tensor.size,
+            all_sum_s,
+            speed.probe() * 1e6,
+            shared_machine=len(set(hosts)) < len(hosts) and self.tensor.backend != "nccl",
+        )
 
     def _rank_stats(self) -> list[dict[str, Any] | None]:
         """Every rank's memory figures: rank 0's own, each worker's latest report."""

@@ -35,7 +35,8 @@ from mlx_relay.coordinator.runner import StageRunner
 from mlx_relay.protocol import header as hdr
 from mlx_relay.transport.doorbell import DoorbellTimeout, NeighbourGone
 from mlx_relay.transport.hub import ControlHub
-from mlx_relay.transport.ring import Ring
+from mlx_relay.transport.ring import Ring, dtype_name
+from mlx_relay.transport.tensor import TensorGroup
 
 log = logging.getLogger("mlx_relay.pipeline")
 
@@ -375,6 +376,30 @@ class RingDriver:
         finally:
             self.done(step)  # failed or not: nothing more will come of it
         return back
+
+    def time_all_sum(self, tensor: TensorGroup, shape: tuple[int, ...], dtype: mx.Dtype) -> float:
+        """Seconds one all-sum of `shape` takes over the tensor group, timed by every rank
+        of it at once (CMD_TIME_ALL_SUM goes round first, as a tensor step's header
+        does), once nothing else is in flight."""
+        assert self.ring is not None
+        self.complete_all()
+        header = hdr.StepHeader(cmd=hdr.CMD_TIME_ALL_SUM, flags=hdr.FLAG_TENSOR)
+        header.payload_dtype = dtype_name(dtype)
+        header.payload_shape = shape
+        step = Step(header, want_logits=False)
+        self._step_id += 1
+        header.step_id = self._step_id
+        self.watch.launched(step)
+        try:
+            self.ring.send_header(header)
+        except RuntimeError as e:
+            raise self.watch.ring_broken(e, self.ring.next) from e
+        try:
+            seconds = tensor.time_all_sum(shape, dtype)
+            self._receive(step)  # (the peers' acknowledgement)
+        finally:
+            self.done(step)
+        return seconds
 
     # --- the ring ----------------------------------------------------------------------
     def _receive(self, step: Step, host_bytes: bool = False) -> tuple[hdr.StepHeader, Any]:

@@ -187,14 +187,16 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     (
         "--tensor-parallel",
         dict(
-            type=int,
+            type=lambda text: _tensor_parallel(text),
             default=1,
             metavar="T",
             help="split every layer across T ranks (mlx-lm's model.shard: each rank keeps "
             "1/T of every projection, two all-sums a layer) instead of giving each rank a "
             "layer range; T = the number of ranks (one stage). Pays where the ranks share a "
             "fast link (NVLink, Thunderbolt 5 RDMA) and the model's layers are large; a "
-            "family mlx-lm cannot shard runs as a pipeline, and status says why",
+            "family mlx-lm cannot shard runs as a pipeline, and status says why. auto: "
+            "each load measures the group's all-sum and the ranks' weight-reading speed "
+            "and splits only where that pays (status shows the figures)",
         ),
     ),
     (
@@ -278,6 +280,23 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
 _NOT_ON_COMMAND_LINES = ("--grpc-address", "--auth-token")
 
 
+def _tensor_parallel(text: str) -> int:
+    """--tensor-parallel's value: ranks, or auto (transport/tensor.py's AUTO)."""
+    from mlx_relay.transport.tensor import parse_tensor_parallel
+
+    try:
+        return parse_tensor_parallel(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _argv_value(flag: str, value: Any) -> str:
+    """An option's parsed value as its command line gives it again."""
+    if flag == "--tensor-parallel" and value == 0:  # (AUTO)
+        return "auto"
+    return str(value)
+
+
 def add_serve_options(p: argparse.ArgumentParser) -> None:
     """Options shared by `serve` and the launchers that pass them through."""
     for flag, kwargs in SERVE_OPTIONS:
@@ -294,7 +313,7 @@ def serve_argv(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag.removeprefix("--").replace("-", "_"))
         if flag in _NOT_ON_COMMAND_LINES or value is None or value == "" or value is False:
             continue
-        out += [flag] if kwargs.get("action") == "store_true" else [flag, str(value)]
+        out += [flag] if kwargs.get("action") == "store_true" else [flag, _argv_value(flag, value)]
     return [*out, "--log-level", args.log_level]
 
 
@@ -395,7 +414,12 @@ def _serve(args: argparse.Namespace) -> int:
     from mlx_relay.transport.collective import gpu_tags, on_gpus_of_their_own, payload_groups
     from mlx_relay.transport.doorbell import Doorbell, DoorbellError, doorbell_endpoints
     from mlx_relay.transport.ring import AUTO, PAIRED_MODES, Ring, choose_hop_mode, fences_here
-    from mlx_relay.transport.tensor import TensorLayoutError, check_layout, tensor_group
+    from mlx_relay.transport.tensor import (
+        TensorLayoutError,
+        check_layout,
+        group_size,
+        tensor_group,
+    )
 
     secret = control.cluster_secret()
     hosts = rank_hosts(size)
@@ -409,7 +433,7 @@ def _serve(args: argparse.Namespace) -> int:
         # (every rank asks once, over the ring, whose GPU each other one has: on CUDA
         # GPUs of their own, each neighbouring pair hops over NCCL, or the tensor group
         # all-sums over it)
-        split = args.tensor_parallel > 1
+        split = group_size(args.tensor_parallel, size) > 1
         paired = args.hop_mode in (AUTO, *PAIRED_MODES) and not split
         tags = gpu_tags(group) if paired or split else []
         backend = _backend_in_use(args.backend)

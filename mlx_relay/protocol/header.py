@@ -53,8 +53,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 # 4: side arrays and deltas; 5: laps, widths that change on the way; 6: token types;
-# 8: CMD_PROBE; 9: FLAG_ALL_POSITIONS
-PROTOCOL_VERSION = 9
+# 8: CMD_PROBE; 9: FLAG_ALL_POSITIONS; 10: CMD_TIME_ALL_SUM
+PROTOCOL_VERSION = 10
 MAGIC = 0x4D4C5200 | PROTOCOL_VERSION  # "MLR" + version
 
 MAX_SEQS = 16
@@ -68,6 +68,9 @@ CMD_FREE = 4  # free the KV caches of the announced slots
 CMD_SHUTDOWN = 6  # release everything and leave the loop: the last step a worker takes
 CMD_PING = 7  # no-op round trip (tests, health)
 CMD_PROBE = 8  # each worker measures its speed and writes it into `lengths` at its rank
+# FLAG_TENSOR: the tensor group times all-sums of the payload fields' shape and dtype, every
+# rank at once (--tensor-parallel auto; transport/tensor.py's time_all_sum)
+CMD_TIME_ALL_SUM = 9
 
 COMMAND_NAMES = {
     CMD_FORWARD: "FORWARD",
@@ -77,6 +80,7 @@ COMMAND_NAMES = {
     CMD_SHUTDOWN: "SHUTDOWN",
     CMD_PING: "PING",
     CMD_PROBE: "PROBE",
+    CMD_TIME_ALL_SUM: "TIME_ALL_SUM",
 }
 
 # Flags.

@@ -19,6 +19,7 @@ and its ring backend has not (mlx 0.32.4: "[ring] Group split not supported").
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,18 +29,42 @@ from mlx_relay.protocol import header as hdr
 from mlx_relay.transport.collective import nccl_world, on_gpus_of_their_own
 from mlx_relay.transport.ring import PAIRED_MODES, mx_dtype
 
+# `--tensor-parallel auto`: every rank one stage if the load's measurements say a split
+# pays (coordinator/layout_choice.py), else a pipeline.
+AUTO = 0
+
 
 class TensorLayoutError(ValueError):
     """A `--tensor-parallel` this cluster cannot have (the message says why)."""
 
 
+def parse_tensor_parallel(text: str) -> int:
+    """`--tensor-parallel`'s value: a number of ranks, or `auto` (AUTO)."""
+    if text.strip().lower() == "auto":
+        return AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"expected a number of ranks or auto, not {text!r}") from None
+    if value < 1:
+        raise ValueError(f"expected 1 or more ranks, or auto, not {value}")
+    return value
+
+
+def group_size(tensor: int, ranks: int) -> int:
+    """The ranks a tensor group of `--tensor-parallel tensor` holds (auto: every rank)."""
+    return ranks if tensor == AUTO else tensor
+
+
 @dataclass
 class TensorGroup:
     """This rank's tensor group: `group` (every rank of the stage), `backend` (what its
-    collectives run over, for status and logs)."""
+    collectives run over, for status and logs), `auto`: used only where a load's
+    measurements say a split pays (coordinator/layout_choice.py)."""
 
     group: mx.distributed.Group
     backend: str
+    auto: bool = False  # --tensor-parallel auto: each load decides whether to split
 
     @property
     def size(self) -> int:
@@ -71,11 +96,31 @@ class TensorGroup:
         """Rank 0's side of `receive` for the side arrays."""
         return [self.broadcast(side) for side in sides]
 
+    def time_all_sum(self, shape: tuple[int, ...], dtype: mx.Dtype, chain: int = 16) -> float:
+        """Seconds one all-sum of an array of `shape` takes over the group, as a split
+        layer's are run: `chain` of them each on the one before (so none overlaps the
+        next), the best of three runs after a warm-up. Every rank of the group must call
+        it at once, with the same arguments (FLAG_TENSOR's CMD_TIME_ALL_SUM)."""
+        x = mx.ones(shape, dtype)
+        scale = 1.0 / self.size  # (keeps the values where they started)
+        best = float("inf")
+        for run in range(4):
+            start = time.perf_counter()
+            y = x
+            for _ in range(chain):
+                y = mx.distributed.all_sum(y, group=self.group) * scale
+            mx.eval(y)
+            if run:  # (the first: a warm-up)
+                best = min(best, (time.perf_counter() - start) / chain)
+        return best
+
 
 def check_layout(tensor: int, ranks: int, hop_mode: str = "auto") -> None:
     """TensorLayoutError unless `tensor` ranks a stage fit a cluster of `ranks` as built:
-    1 (a pipeline) or every rank one stage, whose steps send only headers round the ring
-    (so `hop_mode` must not be one that pairs ranks to carry payloads)."""
+    1 (a pipeline) or every rank one stage (auto: either, chosen at load), whose steps
+    send only headers round the ring (so `hop_mode` must not be one that pairs ranks to
+    carry payloads)."""
+    tensor = group_size(tensor, ranks)
     if tensor > 1 and hop_mode in PAIRED_MODES:
         raise TensorLayoutError(
             f"--tensor-parallel sends only headers round the ring: --hop-mode "
@@ -104,13 +149,14 @@ def tensor_group(
     for 1), given every rank's gpu_tags: NCCL where every rank has a CUDA GPU of its
     own, else the world group itself. A collective of every rank on CUDA."""
     check_layout(tensor, world.size())
+    auto, tensor = tensor == AUTO, group_size(tensor, world.size())
     if tensor == 1:
         return None
     if on_gpus_of_their_own(tags):
-        return TensorGroup(nccl_world(world, rank0_host), "nccl")
+        return TensorGroup(nccl_world(world, rank0_host), "nccl", auto)
     if any(tags):
         raise TensorLayoutError(
             "tensor parallelism on CUDA needs every rank on a GPU of its own (give each "
             "rank its GPU with CUDA_VISIBLE_DEVICES)"
         )
-    return TensorGroup(world, "world")
+    return TensorGroup(world, "world", auto)

@@ -30,7 +30,7 @@ from mlx_relay.protocol import header as hdr
 from mlx_relay.protocol.exits import EXIT_RING_BROKEN, EXIT_TENSOR_STEP_FAILED
 from mlx_relay.transport.doorbell import DoorbellTimeout, NeighbourGone
 from mlx_relay.transport.link import ControlLink
-from mlx_relay.transport.ring import Ring
+from mlx_relay.transport.ring import Ring, mx_dtype
 from mlx_relay.transport.tensor import TensorGroup
 from mlx_relay.worker.stage import StepError, Taken, WorkerStage, described
 
@@ -126,6 +126,9 @@ class Worker:
             self.ring.send_header(header)
             if self.tensor is None:
                 raise StepError(hdr.ERR_BAD_HEADER, "a tensor step reached a rank with no group")
+            if header.cmd == hdr.CMD_TIME_ALL_SUM:  # (--tensor-parallel auto, at load)
+                self.tensor.time_all_sum(header.payload_shape, mx_dtype(header.payload_dtype))
+                return
             h, sides = self.tensor.receive(header)
             out = self.stage.forward(header, h, sides)
         except Exception as e:  # noqa: BLE001 - the group cannot go on without this rank
