@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_pipeline.py [--model default | --shape tiny] [--tokens 128]
         [--rounds 5] [--ranks 1,2,3] [--gpus G] [--hop-modes eager,ready]
-        [--layouts pipeline,tensor]
+        [--layouts pipeline,tensor,auto]
 
 Every configuration runs in this one invocation on the same model and prompt, so the
 printed ratios compare like with like on whatever machine runs it. All of them stay
@@ -308,7 +308,8 @@ def main() -> int:
         "--layouts",
         default="pipeline",
         help="comma-separated: pipeline (a layer range a rank), tensor (--tensor-parallel N: "
-        "every layer split across the N ranks), mlx-lm-tensor (mlx-lm's own sharded_load "
+        "every layer split across the N ranks), auto (--tensor-parallel auto: the load "
+        "measures and chooses; its figures go to stderr), mlx-lm-tensor (mlx-lm's own sharded_load "
         "generation on N processes, a reference); each multi-rank size runs once per layout",
     )
     ap.add_argument("--prompt-tokens", type=int, default=0, help="lengthen the prompt to about N")
@@ -377,6 +378,7 @@ def main() -> int:
                     [
                         *("--model", args.model, "--no-prompt-cache", "--hop-mode", mode),
                         *(("--tensor-parallel", str(n)) if layout == "tensor" else ()),
+                        *(("--tensor-parallel", "auto") if layout == "auto" else ()),
                         *args.serve_args.split(),
                     ],
                     grpc_address=address,
@@ -389,6 +391,10 @@ def main() -> int:
             label = f"mlx-relay {n} rank{'s' if n > 1 else ''}"
             label += f" {mode}" if len(modes) > 1 and n > 1 and layout == "pipeline" else ""
             label += f" TP{n}" if layout == "tensor" else ""
+            if layout == "auto":  # (what the load measured and chose)
+                chosen = client.status().layout
+                label += f" auto:TP{n}" if chosen.tensor_parallel > 1 else " auto:PP"
+                print(f"{label}: {chosen.note}", file=sys.stderr)
             for rank, proc in enumerate(cluster.procs if per_rank else []):
                 on = pin_all_threads(proc.pid, core_set(rank, per_rank))
                 print(f"{label}: rank {rank}'s threads on core(s) {on}", file=sys.stderr)

@@ -77,7 +77,8 @@ if wants single; then
 fi
 # Issue 51: a single stream on 2 (and GPUS=4: 4) GPUs as a pipeline and with every layer
 # split (TPn) against mlx-lm on one, the 8B shape (`tensor`) and the 70B shape (`tensor70`);
-# LAYOUTS=tensor,mlx-lm-tensor adds mlx-lm's own split generation as a reference.
+# LAYOUTS=tensor,mlx-lm-tensor adds mlx-lm's own split generation as a reference,
+# LAYOUTS=pipeline,tensor,auto what --tensor-parallel auto measures and chooses.
 tp_ranks=1,2; [[ ${GPUS:-2} -ge 4 ]] && tp_ranks=1,2,4
 if wants tensor; then
   t tensor; timeout 400 python3 bench/bench_pipeline.py --shape llama3-8b --gpus "${GPUS:-2}" \
