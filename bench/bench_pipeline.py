@@ -359,7 +359,7 @@ def main() -> int:
             (n, mode, layout)
             for n in sizes
             for layout in (layouts if n > 1 else ["pipeline"])
-            for mode in (modes if n > 1 and layout == "pipeline" else ["auto"])
+            for mode in (modes if n > 1 and layout in ("pipeline", "auto") else ["auto"])
         ]
         for n in sizes if "mlx-lm-tensor" in layouts else ():
             if n > 1:
@@ -389,7 +389,9 @@ def main() -> int:
             cluster.wait_serving(600)
             client = stack.enter_context(Client(address, timeout=600))
             label = f"mlx-relay {n} rank{'s' if n > 1 else ''}"
-            label += f" {mode}" if len(modes) > 1 and n > 1 and layout == "pipeline" else ""
+            label += (
+                f" {mode}" if len(modes) > 1 and n > 1 and layout in ("pipeline", "auto") else ""
+            )
             label += f" TP{n}" if layout == "tensor" else ""
             if layout == "auto":  # (what the load measured and chose)
                 chosen = client.status().layout

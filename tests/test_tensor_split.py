@@ -72,8 +72,7 @@ def test_tensor_parallel_takes_ranks_or_auto():
     for bad in ("0", "-2", "two"):
         with pytest.raises(ValueError, match="ranks, or auto|number of ranks or auto"):
             parse_tensor_parallel(bad)
-    with pytest.raises(TensorLayoutError, match="has no payloads"):  # (auto may split)
-        check_layout(AUTO, 2, "collective")
+    check_layout(AUTO, 2, "collective")  # (auto then runs a pipeline, and says why)
 
 
 def test_auto_reaches_the_ranks_command_lines_as_auto():

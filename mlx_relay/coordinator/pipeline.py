@@ -213,7 +213,7 @@ class Pipeline:
         measures says the split pays (layout_choice.py)."""
         if self.tensor is None:
             return Layout(stages=self.world_size)
-        why = tensor_split.refusal(config, self.tensor.size)
+        why = self.tensor.why_not or tensor_split.refusal(config, self.tensor.size)
         if why is None and layers is not None:
             why = "--layers gives each rank a layer range"
         if why is not None:

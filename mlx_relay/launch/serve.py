@@ -414,6 +414,7 @@ def _serve(args: argparse.Namespace) -> int:
     from mlx_relay.transport.collective import gpu_tags, on_gpus_of_their_own, payload_groups
     from mlx_relay.transport.doorbell import Doorbell, DoorbellError, doorbell_endpoints
     from mlx_relay.transport.ring import AUTO, PAIRED_MODES, Ring, choose_hop_mode, fences_here
+    from mlx_relay.transport.tensor import AUTO as TENSOR_AUTO
     from mlx_relay.transport.tensor import (
         TensorLayoutError,
         check_layout,
@@ -433,9 +434,12 @@ def _serve(args: argparse.Namespace) -> int:
         # (every rank asks once, over the ring, whose GPU each other one has: on CUDA
         # GPUs of their own, each neighbouring pair hops over NCCL, or the tensor group
         # all-sums over it)
-        split = group_size(args.tensor_parallel, size) > 1
+        grouped = group_size(args.tensor_parallel, size) > 1
+        # (--tensor-parallel auto: the hops a pipeline would have; a split is then chosen
+        # only where they carry headers alone, see below)
+        split = grouped and args.tensor_parallel != TENSOR_AUTO
         paired = args.hop_mode in (AUTO, *PAIRED_MODES) and not split
-        tags = gpu_tags(group) if paired or split else []
+        tags = gpu_tags(group) if paired or grouped else []
         backend = _backend_in_use(args.backend)
         mode = choose_hop_mode(
             args.hop_mode,
@@ -454,6 +458,11 @@ def _serve(args: argparse.Namespace) -> int:
             tensor = tensor_group(group, args.tensor_parallel, hosts[0], tags)
         except ValueError as e:
             return _fatal(rank, UserError(str(e)))
+        if tensor is not None and tensor.auto and mode in PAIRED_MODES:
+            tensor.why_not = (
+                f"{mode} hops pair the ranks to carry payloads, which a split does not "
+                f"send: start with --hop-mode eager or ready to let auto split"
+            )
         if tensor is not None:
             log.info("rank %d: tensor group of %d over %s", rank, tensor.size, tensor.backend)
         log.info(

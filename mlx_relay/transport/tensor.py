@@ -65,6 +65,7 @@ class TensorGroup:
     group: mx.distributed.Group
     backend: str
     auto: bool = False  # --tensor-parallel auto: each load decides whether to split
+    why_not: str = ""  # why `auto` may not split on this cluster ('' where it may)
 
     @property
     def size(self) -> int:
@@ -120,8 +121,8 @@ def check_layout(tensor: int, ranks: int, hop_mode: str = "auto") -> None:
     1 (a pipeline) or every rank one stage (auto: either, chosen at load), whose steps
     send only headers round the ring (so `hop_mode` must not be one that pairs ranks to
     carry payloads)."""
-    tensor = group_size(tensor, ranks)
-    if tensor > 1 and hop_mode in PAIRED_MODES:
+    auto, tensor = tensor == AUTO, group_size(tensor, ranks)
+    if tensor > 1 and hop_mode in PAIRED_MODES and not auto:  # (auto: then no split)
         raise TensorLayoutError(
             f"--tensor-parallel sends only headers round the ring: --hop-mode "
             f"{hop_mode} has no payloads to carry (use auto, eager or ready)"
