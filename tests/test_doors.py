@@ -265,7 +265,7 @@ def test_health_status_and_metrics_read_the_cluster(served):
         "note": "",
         "chosen_at_load": False,
         "all_sum_seconds": 0.0,
-        "read_bytes_per_second": 0.0,
+        "layer_seconds": 0.0,
         "pipeline_token_seconds": 0.0,
         "tensor_token_seconds": 0.0,
     }

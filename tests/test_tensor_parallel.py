@@ -174,7 +174,7 @@ def test_auto_measures_the_group_and_chooses(machines, tiny_model, cluster_facto
     layout = running.client.status().layout
     print(f"\nauto on {machines} machine(s): {layout.note}")
     assert layout.chosen_at_load and layout.note.startswith("auto ("), layout
-    assert layout.all_sum_seconds > 0 and layout.read_bytes_per_second > 0, layout
+    assert layout.all_sum_seconds > 0 and layout.layer_seconds > 0, layout
     assert 0 < layout.tensor_token_seconds and 0 < layout.pipeline_token_seconds, layout
     if machines == 1:
         assert (layout.stages, layout.tensor_parallel) == (RANKS, 1)

@@ -173,7 +173,7 @@ class Cluster:
             dict(
                 chosen_at_load=True,
                 all_sum_seconds=choice.all_sum_s,
-                read_bytes_per_second=choice.read_bytes_per_s,
+                layer_seconds=choice.layer_s,
                 pipeline_token_seconds=choice.pipeline_s,
                 tensor_token_seconds=choice.tensor_s,
             )

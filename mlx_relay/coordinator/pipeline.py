@@ -35,7 +35,7 @@ from mlx_relay.coordinator.returns import Completion
 from mlx_relay.coordinator.ring_driver import WATCH_INTERVAL_S, RingDriver, Step
 from mlx_relay.coordinator.ring_watch import ClusterFailure, RankFailure
 from mlx_relay.coordinator.runner import StageRunner
-from mlx_relay.model import memory, sharding, speed, tensor_split
+from mlx_relay.model import layer_timing, memory, sharding, speed, tensor_split
 from mlx_relay.model.default_model import resolve_model
 from mlx_relay.model.split_plan import host_speeds, plan_ranges, probes_speed
 from mlx_relay.model.step_inputs import PromptInputs
@@ -228,8 +228,8 @@ class Pipeline:
 
     def _choose(self, path: Path, config: dict[str, Any]) -> Choice:
         """`auto`'s measurements for this model, and its choice: one all-sum of a token's
-        hidden state over the group (every rank at once), rank 0's weight-reading speed,
-        the layers' bytes from the safetensors headers."""
+        hidden state over the group (every rank at once), one decode step of the model's
+        first layer on rank 0."""
         assert self.tensor is not None
         num_layers = sharding.count_layers(config)
         on_gpu = mx.default_device() == mx.gpu
@@ -238,11 +238,10 @@ class Pipeline:
         all_sum_s = self.driver.time_all_sum(self.tensor, shape, dtype)
         hosts = [control.host_name(), *(self.watch.host(r) for r in range(1, self.world_size))]
         return layout_choice.choose(
-            memory.shard_nbytes(path, 0, num_layers),
+            layer_timing.decode_step_seconds(path),
             num_layers,
             self.tensor.size,
             all_sum_s,
-            speed.probe() * 1e6,
             shared_machine=len(set(hosts)) < len(hosts) and self.tensor.backend != "nccl",
         )
 

@@ -314,14 +314,14 @@ class StatusResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., world_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., state: _Optional[str] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., backend: _Optional[str] = ..., error: _Optional[str] = ..., cached_prompts: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., speculation: _Optional[_Union[SpeculationStatus, _Mapping]] = ..., layout: _Optional[_Union[LayoutStatus, _Mapping]] = ...) -> None: ...
 
 class LayoutStatus(_message.Message):
-    __slots__ = ("stages", "tensor_parallel", "tensor_backend", "note", "chosen_at_load", "all_sum_seconds", "read_bytes_per_second", "pipeline_token_seconds", "tensor_token_seconds")
+    __slots__ = ("stages", "tensor_parallel", "tensor_backend", "note", "chosen_at_load", "all_sum_seconds", "layer_seconds", "pipeline_token_seconds", "tensor_token_seconds")
     STAGES_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     TENSOR_BACKEND_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
     CHOSEN_AT_LOAD_FIELD_NUMBER: _ClassVar[int]
     ALL_SUM_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    READ_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     stages: int
@@ -330,10 +330,10 @@ class LayoutStatus(_message.Message):
     note: str
     chosen_at_load: bool
     all_sum_seconds: float
-    read_bytes_per_second: float
+    layer_seconds: float
     pipeline_token_seconds: float
     tensor_token_seconds: float
-    def __init__(self, stages: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., tensor_backend: _Optional[str] = ..., note: _Optional[str] = ..., chosen_at_load: _Optional[bool] = ..., all_sum_seconds: _Optional[float] = ..., read_bytes_per_second: _Optional[float] = ..., pipeline_token_seconds: _Optional[float] = ..., tensor_token_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, stages: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., tensor_backend: _Optional[str] = ..., note: _Optional[str] = ..., chosen_at_load: _Optional[bool] = ..., all_sum_seconds: _Optional[float] = ..., layer_seconds: _Optional[float] = ..., pipeline_token_seconds: _Optional[float] = ..., tensor_token_seconds: _Optional[float] = ...) -> None: ...
 
 class SpeculationStatus(_message.Message):
     __slots__ = ("source", "num_draft_tokens", "adaptive", "off_reason", "rounds", "draft_tokens", "accepted_draft_tokens", "acceptance_rate", "tokens_per_round")
