@@ -93,7 +93,7 @@ class Worker:
 
     def _ring_step(self, header: hdr.StepHeader) -> None:
         """A step of the ring: its payload and side arrays received, acted on, passed on
-        (any failure of the step itself travels in the header: see `step`)."""
+        (any failure of the step itself travels in the header: see WorkerStage.take)."""
         try:
             payload = self.ring.post_recv_payload(header)
             if payload is not None:
