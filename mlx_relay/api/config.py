@@ -32,6 +32,9 @@ class ServeConfig:
     heartbeat_timeout: float = 3.0
     step_timeout: float = 30.0
     steps_in_flight: int = 0
+    # --stage-weights: rank 0 ships each worker its shard (coordinator/staging.py)
+    stage_weights: bool = False
+    stage_keep_free: int = 1_000_000_000
     # The process: how long the workers may take to say hello, draining, stopping.
     startup_timeout: float = 120.0
     drain_timeout: float = 30.0

@@ -53,6 +53,8 @@ def run(
         step_timeout=config.step_timeout,
         steps_in_flight=config.steps_in_flight,
         tensor=tensor,
+        stage_weights=config.stage_weights,
+        stage_keep_free=config.stage_keep_free,
     )
     engine = Engine(pipeline, config.engine)
     health_servicer = health.HealthServicer()

@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_relay import timeline
-from mlx_relay.coordinator import layout_choice
+from mlx_relay.coordinator import layout_choice, staging
 from mlx_relay.coordinator.layout_choice import Choice
 from mlx_relay.coordinator.pace import StepPace, step_cost
 from mlx_relay.coordinator.returns import Completion
@@ -103,10 +103,16 @@ class Pipeline:
         step_timeout: float = 0.0,
         steps_in_flight: int = 0,
         tensor: TensorGroup | None = None,
+        stage_weights: bool = False,
+        stage_keep_free: int = 0,
     ) -> None:
         self.ring = ring
         self.hub = hub
         self.tensor = tensor
+        # --stage-weights: rank 0 ships each worker its shard's files (staging.py)
+        self.stage_weights = stage_weights and ring is not None and ring.size > 1
+        self.stage_keep_free = stage_keep_free
+        self.staged: dict[int, dict[str, Any]] = {}  # each worker's last staging report
         if tensor is not None:  # (one stage: a step at a time, as on one machine)
             steps_in_flight = 1
         self.heartbeat_timeout = heartbeat_timeout
@@ -190,6 +196,17 @@ class Pipeline:
         kv = memory.plan().kv_quantization()  # quantized KV caches: the same on every rank
         document = {"model": spec, "ranges": ranges, "fingerprint": fp, "kv": kv}
         document["tensor"] = layout.tensor
+        if self.stage_weights:
+            assert self.hub is not None
+            self.staged = staging.stage_weights(
+                lambda cmd, data: self.driver.command(cmd, bytes_payload(data)),
+                self.hub,
+                path,
+                ranges,
+                keep_free=self.stage_keep_free,
+                heartbeat_timeout=self.heartbeat_timeout,
+            )
+            document["staged"] = True
         try:
             if self.world_size > 1:
                 self.driver.command(hdr.CMD_LOAD, bytes_payload(json.dumps(document).encode()))
@@ -370,4 +387,14 @@ def hub_ready(hub: ControlHub, world_size: int, timeout: float) -> None:
         raise RuntimeError(
             f"ranks {missing} never reached rank 0's side channel within {timeout:.0f} s"
         )
-    log.info("all %d workers said hello", world_size - 1)
+    mine = control.versions()
+    for _, info in sorted(hub.snapshot().items()):
+        if differ := control.version_differences(mine, info.versions):
+            raise RuntimeError(
+                f"{info.where} would not give rank 0's tokens: "
+                + "; ".join(differ)
+                + " (install the same versions on every machine)"
+            )
+    log.info(
+        "all %d workers said hello (mlx %s, mlx-lm %s)", world_size - 1, mine["mlx"], mine["mlx-lm"]
+    )

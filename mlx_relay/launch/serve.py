@@ -185,6 +185,26 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
         ),
     ),
     (
+        "--stage-weights",
+        dict(
+            action="store_true",
+            help="rank 0 ships each worker the files of its own layers, read from rank 0's "
+            "model (workers need no copy of it): kept in each machine's cache "
+            "($MLX_RELAY_CACHE/shards, else ~/.cache/mlx-relay/shards) by content, so a "
+            "relaunch sends nothing and another split only the layers a worker lacks",
+        ),
+    ),
+    (
+        "--stage-keep-free",
+        dict(
+            type=lambda text: _size(text),
+            default="1GB",
+            metavar="SIZE",
+            help="with --stage-weights: a worker refuses to stage where its disk would keep "
+            "less free than this (default 1GB)",
+        ),
+    ),
+    (
         "--tensor-parallel",
         dict(
             type=lambda text: _tensor_parallel(text),
@@ -278,6 +298,16 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
 # Passed on another way: `local` gives each rank its gRPC address itself, and the auth
 # token travels in the environment, never on a command line (`ps` shows those).
 _NOT_ON_COMMAND_LINES = ("--grpc-address", "--auth-token")
+
+
+def _size(text: str) -> int:
+    """A size option's bytes ('8GB'), as argparse wants its type: an error it shows."""
+    from mlx_relay.model.memory import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _tensor_parallel(text: str) -> int:
@@ -382,7 +412,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     facts = None
-    if args.model:
+    # (--stage-weights: a worker's model comes from rank 0 and is never looked for here)
+    shipped = args.stage_weights and _rank_before_init() not in (0, "?")
+    if args.model and not shipped:
         # Before joining the ring: a rank without the model leaves at once, and its
         # launcher stops the rest, instead of every rank waiting for it.
         try:
@@ -604,6 +636,8 @@ def serve_config(
         heartbeat_timeout=args.heartbeat_timeout,
         step_timeout=args.step_timeout,
         steps_in_flight=args.steps_in_flight,
+        stage_weights=args.stage_weights,
+        stage_keep_free=args.stage_keep_free,
         startup_timeout=args.startup_timeout,
         drain_timeout=args.drain_timeout,
         shutdown_timeout=args.shutdown_timeout,

@@ -25,10 +25,13 @@ _SECOND_LIST = re.compile(r"(?:^|\.)kv_reuse_layers\.(\d+)\.")
 class Tensor:
     dtype: str  # as safetensors names it: "F16", "BF16", "U32" ...
     nbytes: int
+    shape: tuple[int, ...] = ()
+    file: Path | None = None  # the safetensors file that holds it
+    offset: int = 0  # where its bytes start in that file
 
 
 def tensors(path: Path) -> dict[str, Tensor]:
-    """Every tensor in the checkpoint at `path`, by name."""
+    """Every tensor in the checkpoint at `path`, by name, and where its bytes lie."""
     found: dict[str, Tensor] = {}
     for f in sorted(Path(path).glob("*.safetensors")):
         with open(f, "rb") as fh:
@@ -37,7 +40,10 @@ def tensors(path: Path) -> dict[str, Tensor]:
         for name, info in header.items():
             if name != "__metadata__":
                 first, last = info["data_offsets"]
-                found[name] = Tensor(info.get("dtype", ""), last - first)
+                shape = tuple(info.get("shape", ()))
+                found[name] = Tensor(
+                    info.get("dtype", ""), last - first, shape, f, 8 + size + first
+                )
     return found
 
 

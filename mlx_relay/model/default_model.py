@@ -77,11 +77,16 @@ class ModelNotFoundError(ModelError):
     """The requested model is neither the built-in default nor a local MLX model directory."""
 
 
-def default_model_dir() -> Path:
-    """Where the converted default model is cached (`$MLX_RELAY_CACHE` overrides ~/.cache)."""
+def cache_root() -> Path:
+    """This machine's mlx-relay cache: ~/.cache/mlx-relay, or `$MLX_RELAY_CACHE`."""
     cache = os.environ.get("MLX_RELAY_CACHE")
     root = Path(cache).expanduser() if cache else Path.home() / ".cache" / "mlx-relay"
-    return root.resolve() / "models" / DEFAULT_MODEL_NAME
+    return root.resolve()
+
+
+def default_model_dir() -> Path:
+    """Where the converted default model is cached (in cache_root())."""
+    return cache_root() / "models" / DEFAULT_MODEL_NAME
 
 
 def is_default_spec(spec: str) -> bool:

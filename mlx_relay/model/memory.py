@@ -338,18 +338,25 @@ def shard_nbytes(path: Path, start: int, end: int, *, ends: bool = False, tensor
     return math.ceil(layers / tensor) + outside
 
 
-def memory_limit() -> int | None:
-    """MLX_RELAY_MEMORY_LIMIT in bytes ('8GB', '512MiB', '1000000'), or None if unset."""
-    raw = os.environ.get(MEMORY_LIMIT_ENV, "").strip().upper().removesuffix("B")
-    if not raw:
-        return None
+def parse_size(text: str) -> int:
+    """A size in bytes from '8GB', '512MiB', '1000000'; ValueError if it is none."""
+    raw = text.strip().upper().removesuffix("B")
     number = raw.rstrip("KMGTI")
     try:
         return int(float(number) * _UNITS[raw[len(number) :]])
     except (KeyError, ValueError):
-        raise ValueError(
-            f"{MEMORY_LIMIT_ENV}={os.environ[MEMORY_LIMIT_ENV]!r} is not a size"
-        ) from None
+        raise ValueError(f"{text!r} is not a size (e.g. 8GB, 512MiB, 1000000)") from None
+
+
+def memory_limit() -> int | None:
+    """MLX_RELAY_MEMORY_LIMIT in bytes ('8GB', '512MiB', '1000000'), or None if unset."""
+    raw = os.environ.get(MEMORY_LIMIT_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        return parse_size(raw)
+    except ValueError:
+        raise ValueError(f"{MEMORY_LIMIT_ENV}={raw!r} is not a size") from None
 
 
 def shard_need(path: Path, start: int, end: int, *, ends: bool = False) -> int:

@@ -376,6 +376,7 @@ def load_shard(
     has_ends: bool,
     kv: KVQuant | dict[str, int] | None = None,
     tensor: mx.distributed.Group | None = None,
+    partial: bool = False,
 ) -> Shard:
     """Load only layers [start, end) (plus the ends on rank 0) and evaluate only those.
 
@@ -383,7 +384,8 @@ def load_shard(
     anything is evaluated, so peak memory is about the shard, not the whole model.
     `kv`: quantize the plain KV caches (see KVQuant). `tensor`: this rank's tensor group
     (transport/tensor.py): every layer kept is split across it (tensor_split.py), this
-    rank evaluating only its slice.
+    rank evaluating only its slice. `partial`: the checkpoint holds only this stage's
+    tensors (a worker's staged files, shard_files.py), so the others' are not looked for.
     """
     kv = KVQuant.of(kv)
     config = read_config(Path(path))
@@ -392,7 +394,7 @@ def load_shard(
         model, config = vlm
         inner, outer = model.language_model.model, model.language_model
     else:  # (a text model; a Gemma 4 without its tower's weights too: vision.text_only)
-        model, config = load_model(Path(path), lazy=True)
+        model, config = load_model(Path(path), lazy=True, strict=not partial)
         config = vision.text_only(config)
         try:
             inner = inner_model(model, parts_of(config))

@@ -16,10 +16,11 @@ import socket
 from typing import Any
 
 # Message kinds.
-HELLO = "hello"  # worker -> rank 0: rank, host, pid, free memory
+HELLO = "hello"  # worker -> rank 0: rank, host, pid, free memory, library versions
 HEARTBEAT = "heartbeat"  # worker -> rank 0: memory and state, every interval
 ERROR = "error"  # worker -> rank 0: details of a failed step (step_id, message)
 LOADED = "loaded"  # worker -> rank 0: model fingerprint and memory after CMD_LOAD
+STAGING = "staging"  # worker -> rank 0: how far its shard's staging is (--stage-weights)
 BYE = "bye"  # rank 0 -> worker: rank 0 is gone or stopping; exit
 
 SECRET_ENV = "MLX_RELAY_SECRET"
@@ -38,6 +39,33 @@ def host_name() -> str:
     ranks of one machine posing as machines of their own). Ranks with the same name are
     on one machine, which the default split counts as equally fast."""
     return os.environ.get(HOST_NAME_ENV) or socket.gethostname()
+
+
+# The libraries whose versions decide a rank's tokens: ranks that differ in one may not
+# serve together (rank 0 compares every worker's hello with its own).
+TOKEN_LIBRARIES = ("mlx", "mlx-lm", "mlx-relay")
+
+
+def versions() -> dict[str, str]:
+    """This rank's versions of TOKEN_LIBRARIES ("" for one not installed)."""
+    from importlib import metadata
+
+    found = {}
+    for name in TOKEN_LIBRARIES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = ""
+    return found
+
+
+def version_differences(mine: dict[str, str], theirs: dict[str, str]) -> list[str]:
+    """What differs between two ranks' versions(), as "mlx 0.29.1 here, 0.29.0 there"."""
+    return [
+        f"{name} {mine.get(name) or 'missing'} on rank 0, {theirs.get(name) or 'missing'} there"
+        for name in TOKEN_LIBRARIES
+        if mine.get(name) != theirs.get(name)
+    ]
 
 
 def identity(rank: int, role: str) -> bytes:

@@ -53,8 +53,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 # 4: side arrays and deltas; 5: laps, widths that change on the way; 6: token types;
-# 8: CMD_PROBE; 9: FLAG_ALL_POSITIONS; 10: CMD_TIME_ALL_SUM
-PROTOCOL_VERSION = 10
+# 8: CMD_PROBE; 9: FLAG_ALL_POSITIONS; 10: CMD_TIME_ALL_SUM; 11: CMD_STAGE
+PROTOCOL_VERSION = 11
 MAGIC = 0x4D4C5200 | PROTOCOL_VERSION  # "MLR" + version
 
 MAX_SEQS = 16
@@ -71,6 +71,9 @@ CMD_PROBE = 8  # each worker measures its speed and writes it into `lengths` at 
 # FLAG_TENSOR: the tensor group times all-sums of the payload fields' shape and dtype, every
 # rank at once (--tensor-parallel auto; transport/tensor.py's time_all_sum)
 CMD_TIME_ALL_SUM = 9
+# payload: JSON staging document (--stage-weights): each worker starts fetching its shard's
+# files from rank 0 in the background and passes the step on at once (worker/staging.py).
+CMD_STAGE = 10
 
 COMMAND_NAMES = {
     CMD_FORWARD: "FORWARD",
@@ -81,6 +84,7 @@ COMMAND_NAMES = {
     CMD_PING: "PING",
     CMD_PROBE: "PROBE",
     CMD_TIME_ALL_SUM: "TIME_ALL_SUM",
+    CMD_STAGE: "STAGE",
 }
 
 # Flags.

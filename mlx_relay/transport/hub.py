@@ -51,6 +51,8 @@ class RankInfo:
     gone: str = ""  # why rank 0 counts it as gone ("" while it is there)
     ring_broken: str = ""  # what its mx.distributed connection reported, if it broke
     ring_broken_at: float = 0.0
+    versions: dict[str, str] = field(default_factory=dict)  # its hello's control.versions()
+    staging: dict[str, Any] = field(default_factory=dict)  # its last control.STAGING
 
     @property
     def where(self) -> str:
@@ -81,6 +83,7 @@ class ControlHub:
     ) -> None:
         self.world_size = world_size
         self.secret = secret
+        self.host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0]  # (where it binds)
         self.heartbeat_interval = heartbeat_interval
         self.ranks: dict[int, RankInfo] = {}
         self.rejected = 0
@@ -207,6 +210,12 @@ class ControlHub:
         """Workers are being shut down: their closing connections are no failure."""
         with self._cond:
             self._exits_expected = True
+
+    def clear_staging(self) -> None:
+        """Forget every worker's staging report (a new staging starts)."""
+        with self._cond:
+            for info in self.ranks.values():
+                info.staging = {}
 
     def snapshot(self) -> dict[int, RankInfo]:
         with self._cond:
@@ -344,7 +353,10 @@ class ControlHub:
                 self._said_hello.add(rank)
                 info.host = str(message.get("host", ""))
                 info.pid = int(message.get("pid", 0))
+                info.versions = dict(message.get("versions") or {})
                 info.state = "ready"
+            if kind == control.STAGING:
+                info.staging = dict(message.get("staging") or {})
             if kind in (control.HELLO, control.HEARTBEAT, control.LOADED):
                 info.stats.update(message.get("stats") or {})
                 info.state = str(message.get("state", info.state))

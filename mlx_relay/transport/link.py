@@ -67,8 +67,26 @@ class ControlLink:
         self._cmd.send_multipart(control.encode(kind, self._body(**extra), self.secret))
 
     def hello(self) -> None:
-        self.send(control.HELLO, host=control.host_name(), pid=os.getpid(), stats=self._stats())
+        self.send(
+            control.HELLO,
+            host=control.host_name(),
+            pid=os.getpid(),
+            stats=self._stats(),
+            versions=control.versions(),
+        )
         self._hb_thread.start()
+
+    def reporter(self, role: str) -> Callable[[str, dict[str, Any]], None]:
+        """A sender for another thread of this worker (a zmq socket serves one thread at
+        a time): its own DEALER, opened on its first message, in that thread."""
+        sock: list[zmq.Socket] = []
+
+        def send(kind: str, body: dict[str, Any]) -> None:
+            if not sock:
+                sock.append(self._dealer(self._hb_endpoint, role))
+            sock[0].send_multipart(control.encode(kind, self._body(**body), self.secret))
+
+        return send
 
     def ring_broken(self, message: str) -> None:
         """Tell rank 0 this rank's mx.distributed connection broke, then wait for its bye.
@@ -81,6 +99,11 @@ class ControlLink:
         self.send(control.ERROR, step_id=-1, ring=True, message=message)
         while not self.bye_received():
             self._cmd.poll(1000)
+
+    @property
+    def rank0_host(self) -> str:
+        """Rank 0's address as this rank reaches its side channel."""
+        return self._hb_endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
 
     @property
     def socket(self) -> zmq.Socket:

@@ -33,6 +33,7 @@ from mlx_relay.transport.link import ControlLink
 from mlx_relay.transport.ring import Ring, mx_dtype
 from mlx_relay.transport.tensor import TensorGroup
 from mlx_relay.worker.stage import StepError, Taken, WorkerStage, described
+from mlx_relay.worker.staging import Stager
 
 log = logging.getLogger("mlx_relay.worker")
 
@@ -43,7 +44,11 @@ class Worker:
         self.link = link
         self.tensor = tensor
         self.rank = ring.rank
-        self.stage = WorkerStage(ring.rank, ring.size, tensor)
+        send = link.reporter("stage")  # (the staging thread's own socket)
+        stager = Stager(
+            ring.rank, link.secret, link.rank0_host, lambda p: send(control.STAGING, {"staging": p})
+        )
+        self.stage = WorkerStage(ring.rank, ring.size, tensor, stager)
         self._posted: Any = None  # the last step's sends, alive until they ran
         # Forward steps taken, and the seconds from each one's header arriving to its output
         # computed (receiving its input included; with eager hops, to its part queued):

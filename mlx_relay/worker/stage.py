@@ -31,6 +31,7 @@ from mlx_relay.model.step_inputs import pass_on
 from mlx_relay.protocol import header as hdr
 from mlx_relay.transport.ring import mx_dtype, payload_bytes
 from mlx_relay.transport.tensor import TensorGroup
+from mlx_relay.worker.staging import Stager
 
 log = logging.getLogger("mlx_relay.worker")
 
@@ -66,12 +67,20 @@ class Taken:
 class WorkerStage:
     """One worker rank's shard and slot caches, and its part of each step rank 0 sends.
 
-    `tensor`: the rank's tensor group, where it has one (every layer split across it)."""
+    `tensor`: the rank's tensor group, where it has one (every layer split across it).
+    `stager`: where CMD_STAGE's files go (--stage-weights; worker/staging.py)."""
 
-    def __init__(self, rank: int, size: int, tensor: TensorGroup | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        tensor: TensorGroup | None = None,
+        stager: Stager | None = None,
+    ) -> None:
         self.rank = rank
         self.is_last = rank == size - 1
         self.tensor = tensor
+        self.stager = stager
         self.shard: sharding.Shard | None = None
         self.caches: SlotCaches | None = None
 
@@ -86,6 +95,11 @@ class WorkerStage:
         try:
             if header.cmd == hdr.CMD_LOAD:
                 loaded, out = self.load(json.loads(payload_bytes(payload))), payload
+            elif header.cmd == hdr.CMD_STAGE:  # (staged in the background: the step goes on)
+                if self.stager is None:
+                    raise StepError(hdr.ERR_LOAD, "this rank cannot stage weights")
+                self.stager.start(json.loads(payload_bytes(payload)))
+                out = payload
             else:
                 out = self._act(header, payload, sides)
         except Exception as e:  # noqa: BLE001 - every failure must still complete the step
@@ -116,24 +130,33 @@ class WorkerStage:
 
     def load(self, spec: dict[str, Any]) -> dict[str, Any]:
         """Load this rank's layers of rank 0's LOAD document (pipeline.py writes it): its
-        model (which must be rank 0's, by fingerprint), layer ranges, KV settings and
-        layout. Returns the report for rank 0 (control.LOADED's fields); StepError with
-        the header's code where it cannot."""
+        model (which must be rank 0's, by fingerprint; or, `staged`, the files rank 0
+        shipped this rank, by digest), layer ranges, KV settings and layout. Returns the
+        report for rank 0 (control.LOADED's fields); StepError with the header's code
+        where it cannot."""
         self.unload()
         start, end = spec["ranges"][self.rank]
+        staged = bool(spec.get("staged"))
         try:
-            path = resolve_model(spec["model"], progress=False)
-            if sharding.fingerprint(path) != spec["fingerprint"]:
-                raise ValueError(
-                    f"model at {path} differs from rank 0's (config or weight files differ)"
-                )
+            if staged:  # (never rank 0's path, even where this machine sees it)
+                if self.stager is None:
+                    raise ValueError("rank 0 staged weights this rank cannot take")
+                path = self.stager.wait()
+            else:
+                path = resolve_model(spec["model"], progress=False)
+                if sharding.fingerprint(path) != spec["fingerprint"]:
+                    raise ValueError(
+                        f"model at {path} differs from rank 0's (config or weight files differ)"
+                    )
             tensor = spec.get("tensor", 1)  # (rank 0 chose the layout: pipeline.py)
             if tensor > 1 and (self.tensor is None or self.tensor.size != tensor):
                 raise ValueError(f"rank 0 asked for a tensor group of {tensor}: not this rank's")
             memory.check_fits(path, start, end, tensor=tensor)
             kv = spec.get("kv")  # rank 0's KV quantization, not this rank's flags
             group = self.tensor.group if tensor > 1 and self.tensor is not None else None
-            self.shard = sharding.load_shard(path, start, end, has_ends=False, kv=kv, tensor=group)
+            self.shard = sharding.load_shard(
+                path, start, end, has_ends=False, kv=kv, tensor=group, partial=staged
+            )
             layout = memory.check_measured(path, start, end, self.shard)
             self.caches = SlotCaches(self.shard)
         except memory.ShardTooBig as e:
