@@ -195,8 +195,8 @@ def test_progress_reads_as_a_bar():
     line = progress_line(
         {"state": "fetching", "total": 4e9, "ready": 1e9, "fetched": 1e9, "seconds": 2.0}
     )
-    assert line.startswith("[######------------------] 1.00/4.00 GB fetching"), line
-    assert "500 MB/s, 6 s left" in line
+    assert line.startswith("[######------------------] 1.00 GB of 4.00 GB fetching"), line
+    assert "500.0 MB/s, 6 s left" in line
 
 
 def test_versions_that_differ_are_named():

@@ -464,6 +464,8 @@ class Cluster:
                     free_memory_bytes=info.stats.get("free_memory", 0),
                     state=info.state,
                     last_seen_s=now - info.last_seen,
+                    staging=_staging(info.staging),
+                    versions=info.versions,
                 )
             )
         return out
@@ -510,6 +512,21 @@ def not_serving(state: str, error: str) -> str:
     return f"no model is being served ({state}{': ' + error if error else ''})"
 
 
+def _staging(report: dict[str, Any]) -> pb.RankStaging:
+    """A worker's last staging report (worker/staging.py's StageProgress) as the RPC's."""
+    return pb.RankStaging(
+        state=str(report.get("state", "")),
+        total_bytes=int(report.get("total", 0)),
+        ready_bytes=int(report.get("ready", 0)),
+        fetched_bytes=int(report.get("fetched", 0)),
+        reused_bytes=int(report.get("reused", 0)),
+        source=str(report.get("source", "")),
+        cache=str(report.get("cache", "")),
+        error=str(report.get("error", "")),
+        seconds=float(report.get("seconds", 0.0)),
+    )
+
+
 def _rank0_status(loaded: Any) -> pb.RankStatus:
     stats = memory.stats()
     start, end = loaded.ranges[0] if loaded else (0, 0)
@@ -524,4 +541,5 @@ def _rank0_status(loaded: Any) -> pb.RankStatus:
         rss_bytes=stats["rss"],
         free_memory_bytes=stats["free_memory"],
         state="coordinator",
+        versions=control.versions(),
     )

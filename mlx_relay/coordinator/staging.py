@@ -132,7 +132,7 @@ def _follow(
             for rank, report in reports.items():
                 log.info("staging rank %d (%s): %s", rank, ranks[rank].host, progress_line(report))
         if done:
-            log.info("staging: %.2f GB sent by rank 0", server.sent_bytes / 1e9)
+            log.info("staging: %s sent by rank 0", size_text(server.sent_bytes))
             return reports
 
 
@@ -146,11 +146,18 @@ def progress_line(report: dict[str, Any]) -> str:
     seconds = float(report.get("seconds", 0.0))
     fetched = int(report.get("fetched", 0))
     rate = fetched / seconds if seconds > 0 else 0.0
-    line = f"{bar} {ready / 1e9:.2f}/{total / 1e9:.2f} GB {state}"
+    line = f"{bar} {size_text(ready)} of {size_text(total)} {state}"
     if state == "fetching" and rate > 0:
-        line += f", {rate / 1e6:.0f} MB/s, {(total - ready) / rate:.0f} s left"
+        line += f", {size_text(rate)}/s, {(total - ready) / rate:.0f} s left"
     elif state == "staged":
-        line += (
-            f" ({fetched / 1e9:.2f} GB fetched, {int(report.get('reused', 0)) / 1e9:.2f} GB kept)"
-        )
+        kept = int(report.get("reused", 0))
+        line += f" ({size_text(fetched)} fetched in {seconds:.1f} s, {size_text(kept)} kept)"
     return line
+
+
+def size_text(n: float) -> str:
+    """Bytes for a person: '512 kB', '34.6 MB', '1.20 GB'."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}" if unit == "GB" else f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"

@@ -8,6 +8,7 @@ signed with the per-cluster secret so a stranger on the network cannot inject on
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -46,6 +47,7 @@ def host_name() -> str:
 TOKEN_LIBRARIES = ("mlx", "mlx-lm", "mlx-relay")
 
 
+@functools.cache
 def versions() -> dict[str, str]:
     """This rank's versions of TOKEN_LIBRARIES ("" for one not installed)."""
     from importlib import metadata

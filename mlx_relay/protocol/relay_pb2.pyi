@@ -254,7 +254,14 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank", "host", "pid", "layer_start", "layer_end", "active_memory_bytes", "peak_memory_bytes", "rss_bytes", "state", "last_seen_s", "free_memory_bytes")
+    __slots__ = ("rank", "host", "pid", "layer_start", "layer_end", "active_memory_bytes", "peak_memory_bytes", "rss_bytes", "state", "last_seen_s", "free_memory_bytes", "staging", "versions")
+    class VersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     RANK_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +273,8 @@ class RankStatus(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_S_FIELD_NUMBER: _ClassVar[int]
     FREE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STAGING_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     host: str
     pid: int
@@ -277,7 +286,31 @@ class RankStatus(_message.Message):
     state: str
     last_seen_s: float
     free_memory_bytes: int
-    def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., active_memory_bytes: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., free_memory_bytes: _Optional[int] = ...) -> None: ...
+    staging: RankStaging
+    versions: _containers.ScalarMap[str, str]
+    def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., active_memory_bytes: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., state: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., free_memory_bytes: _Optional[int] = ..., staging: _Optional[_Union[RankStaging, _Mapping]] = ..., versions: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class RankStaging(_message.Message):
+    __slots__ = ("state", "total_bytes", "ready_bytes", "fetched_bytes", "reused_bytes", "source", "cache", "error", "seconds")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    READY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REUSED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    total_bytes: int
+    ready_bytes: int
+    fetched_bytes: int
+    reused_bytes: int
+    source: str
+    cache: str
+    error: str
+    seconds: float
+    def __init__(self, state: _Optional[str] = ..., total_bytes: _Optional[int] = ..., ready_bytes: _Optional[int] = ..., fetched_bytes: _Optional[int] = ..., reused_bytes: _Optional[int] = ..., source: _Optional[str] = ..., cache: _Optional[str] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("model", "model_path", "world_size", "num_layers", "ranks", "state", "active_requests", "queued_requests", "backend", "error", "cached_prompts", "cached_prompt_tokens", "requests", "speculation", "layout")
