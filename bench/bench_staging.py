@@ -41,8 +41,8 @@ HIDDEN = 64
 def make_checkpoint(directory: Path, shard_bytes: int) -> Path:
     """A llama config and one safetensors file whose layers 1..LAYERS-1 weigh
     `shard_bytes` together (the worker's share); layer 0 and the ends are rank 0's."""
-    from mlx_relay.model.shard_files import compose_header
     from mlx_relay.model.checkpoint import Tensor
+    from mlx_relay.model.shard_files import compose_header
 
     directory.mkdir(parents=True, exist_ok=True)
     per_layer = shard_bytes // (LAYERS - 1)
