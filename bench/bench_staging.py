@@ -101,6 +101,10 @@ def serve(model: Path, host: str, secret: bytes) -> None:
     print(json.dumps(document), flush=True)
     sys.stdin.read()
     server.close()
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (Linux: kB)
+    print(json.dumps({"peak_rss": peak}), flush=True)
 
 
 def fetch(host: str, secret: bytes, document_file: Path) -> None:
@@ -144,9 +148,12 @@ def run_pair(
         )  # fmt: skip
         report = json.loads(out.stdout.strip().splitlines()[-1])
         report["hash_seconds"] = document["hash_seconds"]
+        server.stdin.close()
+        report["server_peak_rss"] = json.loads(server.stdout.readline())["peak_rss"]
         return report
     finally:
-        server.stdin.close()
+        if not server.stdin.closed:
+            server.stdin.close()
         server.wait(timeout=30)
 
 
@@ -188,12 +195,14 @@ def main() -> None:
         print(
             f"\nrank 0 hashes the {mb:.0f} MB shard once per checkpoint: {cold['hash_seconds']:.2f} s"
         )
-        print("| link | shard | fetched | seconds | MB/s | of the link's rate |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        print(
+            "| link | shard | fetched | seconds | MB/s | of the link's rate | rank 0's peak RSS |"
+        )
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         for name, r in (("loopback, empty cache", cold), ("loopback, relaunch", warm)):
             rate = r["fetched"] / r["wall"] / 1e6
             print(f"| {name} | {r['total'] / 1e6:.0f} MB | {r['fetched'] / 1e6:.0f} MB | "
-                  f"{r['wall']:.2f} | {rate:.0f} | |")  # fmt: skip
+                  f"{r['wall']:.2f} | {rate:.0f} | | {r['server_peak_rss'] / 1e6:.0f} MB |")  # fmt: skip
 
         from netns import NetnsHosts, unavailable_reason
 
@@ -209,7 +218,8 @@ def main() -> None:
                 )  # fmt: skip
             got = r["fetched"] / r["wall"]
             print(f"| netns, tbf {rate} | {r['total'] / 1e6:.0f} MB | {r['fetched'] / 1e6:.0f} MB | "
-                  f"{r['wall']:.2f} | {got / 1e6:.0f} | {got / _rate_bytes(rate):.2f} |")  # fmt: skip
+                  f"{r['wall']:.2f} | {got / 1e6:.0f} | {got / _rate_bytes(rate):.2f} | "
+                  f"{r['server_peak_rss'] / 1e6:.0f} MB |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -88,6 +88,10 @@ def test_digests_are_computed_once_per_checkpoint(model, tmp_path):
     again = DigestCache(tmp_path / "digests.json")  # (as a relaunch reads it)
     assert again._known == cache._known
     assert again.digests(units) == first
+    # Entries of checkpoints that are gone are dropped.
+    cache._known["gone"] = {"digest": "0" * 64, "file": str(tmp_path / "deleted.safetensors")}
+    cache._save()
+    assert "gone" not in DigestCache(tmp_path / "digests.json")._known
 
 
 def test_a_fetch_resumes_where_it_stopped_and_checks_the_digest(model, server, tmp_path):
@@ -205,3 +209,33 @@ def test_versions_that_differ_are_named():
     assert control.version_differences(mine, dict(mine)) == []
     other = {**mine, "mlx": "0.0.1"}
     assert control.version_differences(mine, other) == [f"mlx {mine['mlx']} on rank 0, 0.0.1 there"]
+
+
+def test_rank_0_refuses_a_rank_with_other_versions_naming_it():
+    """The real hub and the check rank 0 makes after every hello (pipeline.hub_ready)."""
+    import zmq
+
+    from mlx_relay.coordinator.pipeline import hub_ready
+    from mlx_relay.launch.local import free_ports
+    from mlx_relay.transport.hub import ControlHub
+
+    port = free_ports(1)[0]
+    hub = ControlHub(f"tcp://127.0.0.1:{port}", world_size=2, secret=SECRET)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, control.identity(1, "cmd"))
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        hello = {"rank": 1, "host": "mac-2", "pid": 1, "versions": control.versions()}
+        sock.send_multipart(control.encode(control.HELLO, hello, SECRET))
+        hub_ready(hub, 2, timeout=5)  # the same versions: taken
+        older = {**control.versions(), "mlx-lm": "0.20.0"}
+        sock.send_multipart(control.encode(control.HELLO, {**hello, "versions": older}, SECRET))
+        assert hub.wait_for(lambda: hub.snapshot()[1].versions == older, timeout=5)
+        with pytest.raises(RuntimeError) as refused:
+            hub_ready(hub, 2, timeout=5)
+        assert str(refused.value).startswith("rank 1 (mac-2) would not give rank 0's tokens: ")
+        assert f"mlx-lm {control.versions()['mlx-lm']} on rank 0, 0.20.0 there" in str(refused.value)
+    finally:
+        sock.close(0)
+        hub.close()

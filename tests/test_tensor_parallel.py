@@ -19,6 +19,7 @@ from support import assert_names, error_of, stream_started
 from tensor_oracle import Generation, tensor_generations
 
 from mlx_relay.launch.local import free_ports
+from mlx_relay.model import checkpoint
 from mlx_relay.protocol import relay_pb2 as pb
 from mlx_relay.protocol.control import HOST_NAME_ENV
 
@@ -83,6 +84,26 @@ def test_greedy_and_seeded_tokens_equal_mlx_lm_tensor_parallel(
         _chat(MESSAGES, max_tokens=24, temperature=0.8, top_p=0.95, top_k=40, seed=SEED)
     )
     assert list(seeded.token_ids) == split_answers(family)["seeded"]
+
+
+def test_a_peer_staged_from_rank_0s_copy_gives_the_same_tokens(
+    tiny_model, cluster_factory, split_answers, tmp_path
+):
+    """--stage-weights with a tensor group: the peer gets every layer whole (it cuts its
+    own slices) and nothing of rank 0's ends."""
+    model = tiny_model("llama", 4)
+    env = {1: {"MLX_RELAY_CACHE": str(tmp_path / "peer-cache")}}
+    running = cluster_factory(model, RANKS, *TP, "--stage-weights", rank_env=env)
+    reply = running.client.generate(_chat(MESSAGES, max_tokens=48))
+    assert list(reply.token_ids) == split_answers("llama")["greedy"]
+    staging = running.client.status().ranks[1].staging
+    layers = sum(
+        nbytes
+        for name, nbytes in checkpoint.tensor_bytes(model).items()
+        if checkpoint.layer_of(name) is not None
+    )
+    assert staging.state == "staged" and staging.fetched_bytes == staging.total_bytes
+    assert layers <= staging.total_bytes <= 1.05 * layers
 
 
 def test_eager_hops_and_a_prompt_in_several_chunks(tiny_model, cluster_pool, split_answers):

@@ -39,13 +39,18 @@ BAR_WIDTH = 24
 
 
 class DigestCache:
-    """Unit digests rank 0 has computed, by what the unit is made of (Unit.source_key)."""
+    """Unit digests rank 0 has computed, by what the unit is made of (Unit.source_key),
+    each with the checkpoint file it came from: an entry whose file is gone is dropped
+    when the cache is read, so the file does not grow with every model ever staged."""
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or cache_root() / "staging" / "digests.json"
         try:
-            self._known: dict[str, str] = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+            known = json.loads(self.path.read_text())
+            self._known: dict[str, dict[str, str]] = {
+                key: entry for key, entry in known.items() if Path(entry["file"]).exists()
+            }
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             self._known = {}
 
     def digests(self, units: list[Unit]) -> dict[str, str]:
@@ -56,12 +61,11 @@ class DigestCache:
         if todo:
             log.info("hashing %d shard files for staging (once per checkpoint)", len(todo))
             with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-                for key, digest in zip(
-                    todo, pool.map(lambda k: keys[k].digest(), todo), strict=True
-                ):
-                    self._known[key] = digest
+                hashed = pool.map(lambda k: keys[k].digest(), todo)
+                for key, digest in zip(todo, hashed, strict=True):
+                    self._known[key] = {"digest": digest, "file": str(keys[key].source_file)}
             self._save()
-        return {k: self._known[k] for k in keys}
+        return {k: self._known[k]["digest"] for k in keys}
 
     def _save(self) -> None:
         try:

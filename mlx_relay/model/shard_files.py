@@ -48,6 +48,11 @@ class Unit:
     def size(self) -> int:
         return len(self.header) + sum(t.nbytes for _, t in self.tensors)
 
+    @property
+    def source_file(self) -> Path | None:
+        """The checkpoint file its first tensor lies in."""
+        return self.tensors[0][1].file if self.tensors else None
+
     def chunks(self, offset: int = 0, chunk: int = READ_CHUNK) -> Iterator[bytes]:
         """The unit's bytes from `offset` on, read from the checkpoint a chunk at a time
         (rank 0's memory does not grow with the model)."""

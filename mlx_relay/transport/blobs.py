@@ -18,9 +18,11 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -106,17 +108,21 @@ def fetch(
         os.fchmod(fd, 0o600)  # (the serving user's alone, whoever made the part file)
         have = min(os.fstat(fd).st_size, size)
         os.ftruncate(fd, have)
-        h = hashlib.sha256()
+        h = _Hasher()
         for block in iter(lambda: os.read(fd, CHUNK), b""):  # (the bytes already here)
             h.update(block)
         progress(have)
-        moved = _pull(endpoint, secret, digest, size, have, fd, h, progress)
-        if h.hexdigest() != digest:
+        try:
+            moved = _pull(endpoint, secret, digest, size, have, fd, h, progress)
+        finally:
+            got = h.hexdigest()
+        if got != digest:
             os.close(fd)
             fd = -1
             part.unlink(missing_ok=True)
             raise FetchError(f"{into.name}: the bytes received do not match their digest")
-        os.fsync(fd)
+        # (no fsync: a file a crash tore no longer matches its digest, which every use
+        # checks first, and is fetched again)
     finally:
         if fd >= 0:
             os.close(fd)
@@ -131,7 +137,7 @@ def _pull(
     size: int,
     offset: int,
     fd: int,
-    h: hashlib._Hash,
+    h: _Hasher,
     progress: Callable[[int], None],
 ) -> int:
     """Request `size - offset` bytes a window of chunks at a time, writing and hashing
@@ -149,11 +155,12 @@ def _pull(
                 asked += length
             if not sock.poll(int(REPLY_TIMEOUT_S * 1000)):
                 raise FetchError(f"no reply from rank 0 in {REPLY_TIMEOUT_S:.0f} s")
-            status, where, data = sock.recv_multipart()[:3]
-            if status != b"ok":
-                raise FetchError(f"rank 0 refused: {where.decode(errors='replace')}")
-            if int(where) != written:  # (one connection, one server thread: in order)
-                raise FetchError(f"chunk at {int(where)} arrived when {written} was due")
+            status, where, frame = sock.recv_multipart(copy=False)[:3]
+            if status.bytes != b"ok":
+                raise FetchError(f"rank 0 refused: {where.bytes.decode(errors='replace')}")
+            if int(where.bytes) != written:  # (one connection, one server thread: in order)
+                raise FetchError(f"chunk at {int(where.bytes)} arrived when {written} was due")
+            data = frame.buffer
             os.pwrite(fd, data, written)
             h.update(data)
             written += len(data)
@@ -161,6 +168,30 @@ def _pull(
     finally:
         sock.close(linger=0)
     return written - offset
+
+
+class _Hasher:
+    """SHA-256 in a thread of its own, so that hashing a chunk overlaps receiving and
+    writing the next (hashlib lets go of the GIL; where the CPU has no SHA instructions
+    hashing is the slowest part of a fetch)."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=WINDOW)
+        self._thread = threading.Thread(target=self._run, name="fetch-hash", daemon=True)
+        self._thread.start()
+
+    def update(self, data: Any) -> None:
+        self._queue.put(data)
+
+    def hexdigest(self) -> str:
+        self._queue.put(None)
+        self._thread.join()
+        return self._h.hexdigest()
+
+    def _run(self) -> None:
+        while (data := self._queue.get()) is not None:
+            self._h.update(data)
 
 
 def file_digest(path: Path) -> str:
