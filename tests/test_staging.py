@@ -235,7 +235,9 @@ def test_rank_0_refuses_a_rank_with_other_versions_naming_it():
         with pytest.raises(RuntimeError) as refused:
             hub_ready(hub, 2, timeout=5)
         assert str(refused.value).startswith("rank 1 (mac-2) would not give rank 0's tokens: ")
-        assert f"mlx-lm {control.versions()['mlx-lm']} on rank 0, 0.20.0 there" in str(refused.value)
+        assert f"mlx-lm {control.versions()['mlx-lm']} on rank 0, 0.20.0 there" in str(
+            refused.value
+        )
     finally:
         sock.close(0)
         hub.close()
