@@ -241,3 +241,70 @@ def test_rank_0_refuses_a_rank_with_other_versions_naming_it():
     finally:
         sock.close(0)
         hub.close()
+
+
+KILLED_FETCH = """
+import sys
+from pathlib import Path
+from mlx_relay.transport import blobs
+blobs.fetch(sys.argv[1], sys.argv[2].encode(), sys.argv[3], int(sys.argv[4]), Path(sys.argv[5]))
+"""
+
+
+def test_a_fetch_killed_midway_resumes_from_its_bytes(server, tmp_path):
+    """A worker process killed (SIGKILL) while its file arrives; the next fetch sends
+    only the rest, and the whole is its digest."""
+    import hashlib
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    data = os.urandom(48 << 20)
+    digest = hashlib.sha256(data).hexdigest()
+    server.offer(digest, len(data), lambda offset, n: data[offset : offset + n])
+    endpoint = f"tcp://127.0.0.1:{server.port}"
+    into = tmp_path / "big.safetensors"
+    part = tmp_path / "big.safetensors.part"
+    cmd = [sys.executable, "-c", KILLED_FETCH, endpoint, SECRET.decode(), digest]
+    worker = subprocess.Popen([*cmd, str(len(data)), str(into)])
+    deadline = time.monotonic() + 60
+    while not (part.exists() and part.stat().st_size >= 4 << 20):
+        assert time.monotonic() < deadline and worker.poll() is None, "it never started"
+        time.sleep(0.001)
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    kept = part.stat().st_size
+    assert 0 < kept < len(data) and not into.exists()
+    moved = blobs.fetch(endpoint, SECRET, digest, len(data), into)
+    assert moved == len(data) - kept
+    assert into.read_bytes() == data
+
+
+def test_a_new_staging_stops_one_under_way(tmp_path, monkeypatch):
+    """Rank 0 gave up on a load (its blob server is gone, so the fetch waits); the next
+    CMD_STAGE stops the waiting fetch at once instead of after its reply timeout."""
+    import threading
+    import time
+
+    import zmq
+
+    monkeypatch.setenv("MLX_RELAY_CACHE", str(tmp_path / "cache"))
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # (takes requests, never replies)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    stager = Stager(1, SECRET, "127.0.0.1")
+    unit = {"name": "layer-00000", "digest": "ab" * 32, "size": 1 << 20}
+    document = {"port": port, "config": "{}", "keep_free": 0, "ranks": {"1": [unit]}}
+    try:
+        stager.start(document)
+        deadline = time.monotonic() + 10
+        while stager.progress.state != "fetching":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        stopped = threading.Thread(target=stager.start, args=({**document, "ranks": {"1": []}},))
+        stopped.start()
+        stopped.join(timeout=10)
+        assert time.monotonic() - t0 < 2, "the old fetch was not stopped"
+    finally:
+        silent.close(0)

@@ -103,6 +103,7 @@ def stage_weights(
                 server.offer(digest, unit.size, unit.read)
                 listed[str(rank)].append({"name": unit.name, "digest": digest, "size": unit.size})
         document = {
+            "id": os.urandom(8).hex(),  # (a report of an earlier staging is not this one's)
             "port": server.port,
             "config": (path / "config.json").read_text(),
             "keep_free": keep_free,
@@ -110,13 +111,13 @@ def stage_weights(
         }
         hub.clear_staging()
         command(hdr.CMD_STAGE, json.dumps(document).encode())
-        return _follow(hub, len(ranges), heartbeat_timeout, server)
+        return _follow(hub, len(ranges), heartbeat_timeout, server, document["id"])
     finally:
         server.close()
 
 
 def _follow(
-    hub: ControlHub, world_size: int, heartbeat_timeout: float, server: BlobServer
+    hub: ControlHub, world_size: int, heartbeat_timeout: float, server: BlobServer, ident: str
 ) -> dict[int, dict[str, Any]]:
     """Wait for every worker's staging to end, drawing progress; RankFailure on a failed
     or vanished worker."""
@@ -126,7 +127,10 @@ def _follow(
         if failure := hub.failure(heartbeat_timeout):
             raise RankFailure(failure.rank, failure.host, failure.reason, hdr.ERR_LOAD)
         ranks = hub.snapshot()
-        reports = {r: ranks[r].staging if r in ranks else {} for r in range(1, world_size)}
+        reports = {
+            r: ranks[r].staging if r in ranks and ranks[r].staging.get("id") == ident else {}
+            for r in range(1, world_size)
+        }
         for rank, report in reports.items():
             if report.get("state") == "failed":
                 raise RankFailure(rank, ranks[rank].host, report.get("error", ""), hdr.ERR_LOAD)

@@ -33,6 +33,7 @@ log = logging.getLogger("mlx_relay.blobs")
 CHUNK = 4 * 1024 * 1024
 WINDOW = 8  # chunks in flight per fetch: 32 MB, enough to fill a Thunderbolt link
 REPLY_TIMEOUT_S = 60.0  # no reply for this long: rank 0 is gone or stuck
+POLL_S = 0.2  # how often a waiting fetch looks whether it was stopped
 
 Reader = Callable[[int, int], bytes]  # (offset, length) -> bytes
 
@@ -97,11 +98,13 @@ def fetch(
     size: int,
     into: Path,
     progress: Callable[[int], None] = lambda _: None,
+    stop: threading.Event | None = None,
 ) -> int:
     """Fetch the file `digest` of `size` bytes from rank 0 into `into`, resuming the
     partial file `into`.part where an earlier fetch stopped; the whole file is checked
     against `digest` before it takes its name. Returns the bytes transferred;
-    `progress(n)` is told of every chunk written."""
+    `progress(n)` is told of every chunk written; `stop` set ends it (FetchError), the
+    bytes so far kept for the next one."""
     part = into.with_name(into.name + ".part")
     fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -113,7 +116,7 @@ def fetch(
             h.update(block)
         progress(have)
         try:
-            moved = _pull(endpoint, secret, digest, size, have, fd, h, progress)
+            moved = _pull(endpoint, secret, digest, size, have, fd, h, progress, stop)
         finally:
             got = h.hexdigest()
         if got != digest:
@@ -139,6 +142,7 @@ def _pull(
     fd: int,
     h: _Hasher,
     progress: Callable[[int], None],
+    stop: threading.Event | None,
 ) -> int:
     """Request `size - offset` bytes a window of chunks at a time, writing and hashing
     them in order."""
@@ -153,8 +157,13 @@ def _pull(
                 request = json.dumps({"blob": digest, "offset": asked, "length": length})
                 sock.send_multipart(control.sign(request.encode(), secret))
                 asked += length
-            if not sock.poll(int(REPLY_TIMEOUT_S * 1000)):
-                raise FetchError(f"no reply from rank 0 in {REPLY_TIMEOUT_S:.0f} s")
+            waited = 0.0
+            while not sock.poll(int(POLL_S * 1000)):
+                waited += POLL_S
+                if stop is not None and stop.is_set():
+                    raise FetchError("stopped: rank 0 started another staging")
+                if waited >= REPLY_TIMEOUT_S:
+                    raise FetchError(f"no reply from rank 0 in {REPLY_TIMEOUT_S:.0f} s")
             status, where, frame = sock.recv_multipart(copy=False)[:3]
             if status.bytes != b"ok":
                 raise FetchError(f"rank 0 refused: {where.bytes.decode(errors='replace')}")

@@ -44,6 +44,7 @@ class StagingError(RuntimeError):
 class StageProgress:
     """What a worker tells rank 0 about its staging (control.STAGING's `staging`)."""
 
+    id: str = ""  # the staging's (rank 0's CMD_STAGE document names it)
     state: str = "checking"  # checking -> fetching -> staged, or failed
     total: int = 0  # bytes of the rank's shard files
     ready: int = 0  # of them, on this rank's disk and checked
@@ -78,12 +79,16 @@ class Stager:
         self.progress = StageProgress()
         self._view: Path | None = None
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
         self._last_report = 0.0
 
     def start(self, document: dict[str, Any]) -> None:
-        """Start staging what rank 0's CMD_STAGE document lists for this rank."""
+        """Start staging what rank 0's CMD_STAGE document lists for this rank (an
+        earlier staging still under way is stopped first: rank 0 gave up on it)."""
+        self._stop.set()
         self.wait_quietly()
-        self.progress = StageProgress(started=time.monotonic())
+        self._stop = threading.Event()
+        self.progress = StageProgress(id=str(document.get("id", "")), started=time.monotonic())
         self._view = None
         self._thread = threading.Thread(
             target=self._run, args=(document,), name="staging", daemon=True
@@ -145,7 +150,7 @@ class Stager:
                 self._send()
 
             p.fetched += blobs.fetch(
-                endpoint, self.secret, u["digest"], u["size"], files[u["name"]], moved
+                endpoint, self.secret, u["digest"], u["size"], files[u["name"]], moved, self._stop
             )
             p.ready = before + u["size"]
         p.seconds = time.monotonic() - p.started
