@@ -5,6 +5,7 @@ the engine (`engine`) and the pipeline. Nothing below reads the command line."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from mlx_relay.coordinator.config import EngineConfig
 from mlx_relay.protocol.rpc import DEFAULT_GRPC_ADDRESS
@@ -35,6 +36,8 @@ class ServeConfig:
     # --stage-weights: rank 0 ships each worker its shard (coordinator/staging.py)
     stage_weights: bool = False
     stage_keep_free: int = 1_000_000_000
+    # --prompt-cache-dir: {"dir", "budget"} of every rank's prompt blocks (prefix_store.py)
+    prompt_store: dict[str, Any] | None = None
     # The process: how long the workers may take to say hello, draining, stopping.
     startup_timeout: float = 120.0
     drain_timeout: float = 30.0

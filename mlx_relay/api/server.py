@@ -55,6 +55,7 @@ def run(
         tensor=tensor,
         stage_weights=config.stage_weights,
         stage_keep_free=config.stage_keep_free,
+        prompt_store=config.prompt_store,
     )
     engine = Engine(pipeline, config.engine)
     health_servicer = health.HealthServicer()

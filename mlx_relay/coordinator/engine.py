@@ -34,12 +34,24 @@ from mlx_relay import timeline
 from mlx_relay.coordinator.config import EngineConfig
 from mlx_relay.coordinator.model_context import ModelContext
 from mlx_relay.coordinator.pipeline import ClusterFailure, Pipeline, RankFailure, Step
-from mlx_relay.coordinator.plan import DecodeGroup, Forward, Free, Outputs, Park, StepResult, Verify
+from mlx_relay.coordinator.plan import (
+    DecodeGroup,
+    Forward,
+    Outputs,
+    Park,
+    Restore,
+    SlotAction,
+    StepResult,
+    Store,
+    Verify,
+)
 from mlx_relay.coordinator.policy import StepOutput
 from mlx_relay.coordinator.scheduler import Scheduler
 from mlx_relay.coordinator.sequence import EngineError, Request, Sequence
 from mlx_relay.coordinator.stats import EngineStats
 from mlx_relay.coordinator.step_sampling import Sampled, sample_step
+from mlx_relay.model.kvcache import CacheError
+from mlx_relay.model.prefix_store import StoreError
 from mlx_relay.protocol import header as hdr
 
 __all__ = ["Engine"]  # (the request model is sequence.py's)
@@ -60,6 +72,7 @@ class Engine:
         groups = max(pipeline.depth, math.ceil(config.max_active / hdr.MAX_SEQS))
         self.scheduler = Scheduler(config, groups, self.stats)
         self._launched: deque[Step] = deque()
+        self._restores: dict[int, int] = {}  # id of a Restore step in flight -> its slot
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
         self._cv = threading.Condition()  # the commands, the stop, and waking the loop
         self._stop = False
@@ -167,11 +180,39 @@ class Engine:
             request.out.put(item)
         self._launch_slots(out.slots)
 
-    def _launch_slots(self, slots: list[Free | Park]) -> None:
+    def _launch_slots(self, slots: list[SlotAction]) -> None:
         for action in slots:
+            if isinstance(action, Store | Restore):
+                self._launch_blocks(action)
+                continue
             step = self.pipeline.launch_free([action.slot], park=isinstance(action, Park))
             if step is not None:
                 self._launched.append(step)
+
+    def _launch_blocks(self, action: Store | Restore) -> None:
+        """A slot's prompt blocks stored or restored on every rank. A restore rank 0
+        cannot do itself is not sent: its sequence prefills instead; one a worker cannot
+        do fails its step (RankFailure in _complete_oldest), with the same outcome."""
+        if isinstance(action, Store):
+            document: dict[str, Any] = {"blocks": [list(b) for b in action.blocks]}
+            cmd = hdr.CMD_STORE
+        else:
+            document, cmd = {"keys": list(action.keys)}, hdr.CMD_RESTORE
+        try:
+            step = self.pipeline.launch_blocks(cmd, action.slot, document)
+        except (StoreError, CacheError) as e:
+            log.warning("restoring slot %d's prompt blocks failed on rank 0: %s", action.slot, e)
+            failed = StepResult(None, failed=str(e), lost_slots=[action.slot])
+            self._carry_out(self.scheduler.update_from_output(failed))
+            return
+        if step is None:  # (one rank: done)
+            if isinstance(action, Restore):
+                restored = StepResult(None, restored=[action.slot])
+                self._carry_out(self.scheduler.update_from_output(restored))
+            return
+        if isinstance(action, Restore):
+            self._restores[id(step)] = action.slot
+        self._launched.append(step)
 
     # --- launching -----------------------------------------------------------------
     def _launch_ready(self) -> None:
@@ -311,6 +352,7 @@ class Engine:
             raise
         except RankFailure as e:
             sampled = None  # (nothing of this step is read: it is done with)
+            self._restores.pop(id(step), None)
             log.error("%s failed: %s", step.header.describe(), e)
             failed = StepResult(step.tag, failed=str(e), lost_slots=list(step.header.slots))
             self._carry_out(self.scheduler.update_from_output(failed))
@@ -320,6 +362,9 @@ class Engine:
                 self.pipeline.done(step)
         if sampled is not None:
             self._emit_sampled(step, sampled)
+        if (slot := self._restores.pop(id(step), None)) is not None:
+            restored = StepResult(None, restored=[slot])
+            self._carry_out(self.scheduler.update_from_output(restored))
         self._timed(step)
         self.pipeline.announce()
 

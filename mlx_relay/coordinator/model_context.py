@@ -15,6 +15,7 @@ from mlx_lm.utils import load_tokenizer
 
 from mlx_relay.coordinator.admission import MemoryCheck
 from mlx_relay.coordinator.output import OutputProcessor
+from mlx_relay.coordinator.prefix_index import PrefixIndex
 from mlx_relay.model import vision
 from mlx_relay.model.sharding import Shard
 from mlx_relay.text.markup import ChatMarkup
@@ -30,6 +31,8 @@ class ModelContext:
     memory: MemoryCheck | None = None  # whether a new sequence's caches fit now
     # an image prompt goes in one step (vision.prefills_whole: gemma4's image mask)
     whole_images: bool = False
+    # --prompt-cache-dir: the blocks every rank keeps on disk (None: none for this model)
+    prefixes: PrefixIndex | None = None
 
     @classmethod
     def of(
@@ -52,7 +55,7 @@ class ModelContext:
         with the memory check for its sequences (`max_context`: --max-context)."""
         model = cls.of(load_tokenizer(loaded.path), pipeline.shard, pipeline.hidden_size)
         check = MemoryCheck(loaded, model.context_length, max_context, pipeline.hub)
-        return dataclasses.replace(model, memory=check)
+        return dataclasses.replace(model, memory=check, prefixes=pipeline.prefix_index())
 
     @property
     def context_length(self) -> int:

@@ -31,11 +31,12 @@ from mlx_relay import timeline
 from mlx_relay.coordinator import layout_choice, staging
 from mlx_relay.coordinator.layout_choice import Choice
 from mlx_relay.coordinator.pace import StepPace, step_cost
+from mlx_relay.coordinator.prefix_index import PrefixIndex
 from mlx_relay.coordinator.returns import Completion
 from mlx_relay.coordinator.ring_driver import WATCH_INTERVAL_S, RingDriver, Step
 from mlx_relay.coordinator.ring_watch import ClusterFailure, RankFailure
 from mlx_relay.coordinator.runner import StageRunner
-from mlx_relay.model import layer_timing, memory, sharding, speed, tensor_split
+from mlx_relay.model import layer_timing, memory, prefix_store, sharding, speed, tensor_split
 from mlx_relay.model.default_model import resolve_model
 from mlx_relay.model.split_plan import host_speeds, plan_ranges, probes_speed
 from mlx_relay.model.step_inputs import PromptInputs
@@ -105,6 +106,7 @@ class Pipeline:
         tensor: TensorGroup | None = None,
         stage_weights: bool = False,
         stage_keep_free: int = 0,
+        prompt_store: dict[str, Any] | None = None,
     ) -> None:
         self.ring = ring
         self.hub = hub
@@ -113,6 +115,8 @@ class Pipeline:
         self.stage_weights = stage_weights and ring is not None and ring.size > 1
         self.stage_keep_free = stage_keep_free
         self.staged: dict[int, dict[str, Any]] = {}  # each worker's last staging report
+        # --prompt-cache-dir: {"dir", "budget"} for every rank's blocks (prefix_store.py)
+        self.prompt_store = prompt_store
         if tensor is not None:  # (one stage: a step at a time, as on one machine)
             steps_in_flight = 1
         self.heartbeat_timeout = heartbeat_timeout
@@ -196,6 +200,8 @@ class Pipeline:
         kv = memory.plan().kv_quantization()  # quantized KV caches: the same on every rank
         document = {"model": spec, "ranges": ranges, "fingerprint": fp, "kv": kv}
         document["tensor"] = layout.tensor
+        if self.prompt_store:
+            document["prompt_store"] = self.prompt_store
         if self.stage_weights:
             assert self.hub is not None
             self.staged = staging.stage_weights(
@@ -211,6 +217,7 @@ class Pipeline:
             if self.world_size > 1:
                 self.driver.command(hdr.CMD_LOAD, bytes_payload(json.dumps(document).encode()))
             self.runner.load(path, *ranges[0], kv, tensor)
+            self.runner.store = prefix_store.open_for(document, 0, self.runner.shard.not_storable)
         except Exception:
             if self.world_size > 1:  # the ranks that did load let go again
                 self.driver.command(hdr.CMD_UNLOAD)
@@ -361,6 +368,25 @@ class Pipeline:
     def launch_free(self, slots: list[int], park: bool = False) -> Step | None:
         """RingDriver.launch_free: the slots' caches dropped (or parked) on every rank."""
         return self.driver.launch_free(slots, park)
+
+    def launch_blocks(self, cmd: int, slot: int, document: dict[str, Any]) -> Step | None:
+        """RingDriver.launch_blocks: a slot's prompt-cache blocks stored or restored."""
+        return self.driver.launch_blocks(cmd, slot, document)
+
+    def prefix_index(self) -> PrefixIndex | None:
+        """Rank 0's index of the blocks every rank keeps (None: no store for this
+        model), from what its own store holds: found again after a restart."""
+        store = self.runner.store
+        return PrefixIndex(store.ident, store.keys()) if store is not None else None
+
+    def prompt_store_off(self) -> str:
+        """Why the loaded model keeps no prompt blocks although --prompt-cache-dir asks."""
+        if not self.prompt_store or self.runner.shard is None:
+            return ""
+        store = self.runner.store
+        if store is None:
+            return self.runner.shard.not_storable
+        return store.why_not
 
     def complete(self, step: Step, *, early: bool = False) -> Completion:
         """RingDriver.complete: the oldest step taken back, as a Completion."""

@@ -92,6 +92,27 @@ class Park:
     slot: int
 
 
+@dataclass(frozen=True)
+class Store:
+    """Write the parked slot's whole blocks not stored yet, (index, key), to every
+    rank's prompt store (--prompt-cache-dir)."""
+
+    slot: int
+    blocks: tuple[tuple[int, str], ...]
+
+
+@dataclass(frozen=True)
+class Restore:
+    """Load stored blocks into the slot on every rank, before its sequence's first
+    step (which waits for this one to come back)."""
+
+    slot: int
+    keys: tuple[str, ...]
+
+
+SlotAction = Free | Park | Store | Restore
+
+
 @dataclass
 class Outputs:
     """What the engine carries out after a call: chunks and errors for the requests'
@@ -100,7 +121,7 @@ class Outputs:
 
     emit: list[tuple[Request, Chunk | Exception]] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)
-    slots: list[Free | Park] = field(default_factory=list)
+    slots: list[SlotAction] = field(default_factory=list)
 
 
 @dataclass
@@ -111,7 +132,7 @@ class StepPlan:
 
     before: Outputs = field(default_factory=Outputs)
     forward: Forward | None = None
-    after: list[Free | Park] = field(default_factory=list)
+    after: list[SlotAction] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -122,7 +143,8 @@ class StepResult:
     it came back (one a row; a verify step's, one a position), with `logprobs` where a
     request wants them, or None where nothing was read. `took`: what the step took, for
     the pace, in a result of its own once its tokens are streamed. `failed`: why it failed ('' if it did not), with
-    `lost_slots`, the slots a rank failed it on (none where rank 0 failed at launch)."""
+    `lost_slots`, the slots a rank failed it on (none where rank 0 failed at launch).
+    `restored`: a Restore step came back from every rank."""
 
     forward: Forward | None  # (None: a free or park step, which serves no sequence)
     seqs: list[Sequence] = field(default_factory=list)
@@ -131,3 +153,4 @@ class StepResult:
     took: StepOutput | None = None
     failed: str = ""
     lost_slots: list[int] = field(default_factory=list)
+    restored: list[int] = field(default_factory=list)  # slots a Restore filled everywhere

@@ -20,6 +20,7 @@ to start the peers, and comes back as their acknowledgement.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import deque
@@ -35,7 +36,7 @@ from mlx_relay.coordinator.runner import StageRunner
 from mlx_relay.protocol import header as hdr
 from mlx_relay.transport.doorbell import DoorbellTimeout, NeighbourGone
 from mlx_relay.transport.hub import ControlHub
-from mlx_relay.transport.ring import Ring, dtype_name
+from mlx_relay.transport.ring import Ring, bytes_payload, dtype_name
 from mlx_relay.transport.tensor import TensorGroup
 
 log = logging.getLogger("mlx_relay.pipeline")
@@ -227,6 +228,24 @@ class RingDriver:
         else:
             self._release_deferred()  # (any still waiting go first, in order)
             self._free(step, slots, park)
+        return step
+
+    def launch_blocks(self, cmd: int, slot: int, document: dict[str, Any]) -> Step | None:
+        """CMD_STORE / CMD_RESTORE of `slot` (model/prefix_store.py): rank 0's part now
+        (StoreError or CacheError where its restore cannot: then nothing is sent), each
+        worker's when the step reaches it. None with no worker."""
+        self.runner.blocks(cmd, slot, document)
+        if self.world_size == 1 or self.runner.shard is None:
+            return None
+        header = hdr.StepHeader(cmd=cmd, slots=[slot])
+        header.offsets = header.lengths = [0]
+        payload = bytes_payload(json.dumps(document).encode())
+        header.payload_kind = hdr.PAYLOAD_BYTES
+        header.payload_dtype = "uint8"
+        header.payload_shape = (payload.size, 0, 0)
+        step = Step(header, want_logits=False)
+        self._release_deferred()
+        self.launch(step, payload)
         return step
 
     def _first_lap_in_flight(self) -> bool:

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
 from mlx_relay.coordinator.ring_watch import RankFailure
-from mlx_relay.model import memory, sharding
+from mlx_relay.model import memory, prefix_store, sharding
 from mlx_relay.model.kvcache import CacheError, SlotCaches
 from mlx_relay.model.stage import forward_stage
 from mlx_relay.model.step_inputs import PromptInputs, pass_on
@@ -66,6 +67,7 @@ class StageRunner:
         self._deltas: dict[int, int] = {}
         self._per_layer = False  # the model's layers take per-layer inputs (gemma4 2B/4B)
         self.tensor: TensorGroup | None = None  # the loaded model's layers split across it
+        self.store: prefix_store.BlockStore | None = None  # --prompt-cache-dir: its blocks
 
     # --- the model -------------------------------------------------------------------
     def load(
@@ -91,6 +93,7 @@ class StageRunner:
         self.hidden_size = sharding.hidden_size(self.shard.config)
 
     def unload(self) -> None:
+        self.store = None
         self.shard = None
         self.caches = None
         self.tensor = None
@@ -188,6 +191,19 @@ class StageRunner:
             self._deltas.pop(slot, None)
         if self.caches is not None:
             (self.caches.park if park else self.caches.free)(slots)
+
+    def blocks(self, cmd: int, slot: int, document: dict[str, Any]) -> None:
+        """Rank 0's part of CMD_STORE / CMD_RESTORE (worker/stage.py does the same on
+        each worker); StoreError or CacheError where a restore cannot."""
+        if self.caches is None or self.store is None:
+            if cmd == hdr.CMD_RESTORE:
+                raise prefix_store.StoreError("rank 0 keeps no prompt store")
+            return
+        if cmd == hdr.CMD_STORE:
+            self.caches.store(slot, self.store, [tuple(b) for b in document["blocks"]])
+        else:
+            self._deltas.pop(slot, None)
+            self.caches.restore(slot, self.store, list(document["keys"]))
 
     # --- a family's inputs -------------------------------------------------------------
     def _embed_with_ids(

@@ -71,6 +71,7 @@ class Scheduler:
         with self._lock:
             self.model = model
             self.slots.reset()
+            self._slot_steps.prefixes = model.prefixes
             # (quantized KV caches: a prompt alone goes in --prefill-chunk chunks)
             self.policy.reset(model.hidden, fixed_alone=shard.kv is not None)
             self.slots.usable = shard.usable_prefix
@@ -80,6 +81,7 @@ class Scheduler:
         """The ranks' caches were dropped: parked slots are empty again."""
         with self._lock:
             self.slots.reset()
+            self._slot_steps.prefixes = None
             self.model = None
 
     # --- other threads -------------------------------------------------------------------
@@ -151,11 +153,14 @@ class Scheduler:
             if short:
                 out.emit.append((request, EngineError("exhausted", f"not enough memory: {short}")))
                 continue
-            taken = self.slots.take(request.prompt_tokens)
+            taken = self._slot_steps.restorable(
+                request, self.slots.take(request.prompt_tokens), out
+            )
             try:
                 assert self.model is not None
                 spec = self.speculator.start(request, len(self.running))
                 seq = new_sequence(request, taken, self.model, spec)
+                seq.restoring = bool(taken.restore)
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the engine
                 log.exception("request %s cannot start: %s", request.request_id, e)
                 out.emit.append(
@@ -182,7 +187,7 @@ class Scheduler:
         units += [
             Unit("prefill", s, len(s.pending), whole_images and s.has_images, s.position)
             for s in self.running
-            if s.group is None and s.prefilling
+            if s.group is None and s.prefilling and not s.restoring
         ]
         units += [
             Unit("verify", s)
@@ -258,6 +263,10 @@ class Scheduler:
             out = self._reap()
             if result.failed:
                 self._step_failed(result, out)
+            elif result.restored:
+                for seq in self.running:
+                    if seq.restoring and seq.slot in result.restored:
+                        self._slot_steps.restored(seq)
             elif isinstance(result.forward, Verify) and result.tokens is not None:
                 self._verified(result, out)
             elif result.tokens is not None:
@@ -357,7 +366,9 @@ class Scheduler:
         for seq in [s for s in (result.forward.seqs if result.forward else []) if not s.finished]:
             self._finish(seq, EngineError("internal", result.failed), out)
         for seq in self.running:
-            if seq.taken and seq.cached_tokens and seq.taken.source in result.lost_slots:
+            if seq.restoring and seq.slot in result.lost_slots:
+                self._slot_steps.restore_failed(seq, out)
+            elif seq.taken and seq.cached_tokens and seq.taken.source in result.lost_slots:
                 self._slot_steps.restart(seq, out)
         self._slot_steps.forget(result.lost_slots, out)
 

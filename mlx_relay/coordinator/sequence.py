@@ -91,6 +91,9 @@ class Request:
     created: float = field(default_factory=time.perf_counter)
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # Tenants whose prompts must not share cached prefixes give different salts (vLLM's
+    # `cache_salt`): the prompt store's block keys start from it (prefix_index.py).
+    cache_salt: str = ""
     # The scheduler's cancellation queue, once submitted: it reads them once a step.
     cancels: queue.SimpleQueue | None = field(default=None, repr=False, compare=False)
 
@@ -128,6 +131,7 @@ class Sequence:
     next_input: mx.array | None = None
     cached_tokens: int = 0  # prompt tokens found in a parked cache; the first step reuses it
     taken: Taken | None = None  # how the slot was taken, until the first step launches
+    restoring: bool = False  # its slot's stored blocks are being loaded: no step yet
     reasoning_tokens: int = 0
     group: int | None = None
     first_token_at: float | None = None

@@ -8,15 +8,18 @@ free or parked here as soon as its step is asked for.
 
 from __future__ import annotations
 
-from mlx_relay.coordinator.plan import Free, Outputs, Park
-from mlx_relay.coordinator.sequence import Sequence
+from mlx_relay.coordinator.plan import Free, Outputs, Park, Restore, Store
+from mlx_relay.coordinator.prefix_index import PrefixIndex
+from mlx_relay.coordinator.sequence import Request, Sequence
 from mlx_relay.coordinator.slots import SlotTable, Taken
+from mlx_relay.model.prefix_store import BLOCK_TOKENS
 
 
 class SlotSteps:
     def __init__(self, table: SlotTable, budget: int) -> None:
         self.table = table
         self.budget = budget  # --prompt-cache-tokens (0: as many as the slots hold)
+        self.prefixes: PrefixIndex | None = None  # --prompt-cache-dir: the stored blocks
 
     def end(self, seq: Sequence, normally: bool, reuse: bool, out: Outputs) -> None:
         """`seq` ended (`normally`: with a chunk, not an error): its slot is given back,
@@ -51,7 +54,43 @@ class SlotSteps:
         its steps still in flight: the park step follows them everywhere)."""
         out.slots.append(Park(seq.slot))
         self.table.park(seq.slot, seq.context[: seq.position])
+        if self.prefixes is not None:  # (its whole blocks to disk too, those not there)
+            blocks = self.prefixes.missing(seq.context[: seq.position], seq.request.cache_salt)
+            if blocks:
+                out.slots.append(Store(seq.slot, tuple(blocks)))
         self.keep_to_budget(out)
+
+    def restorable(self, request: Request, taken: Taken, out: Outputs) -> Taken:
+        """`taken`, or, where the prompt store holds a longer prefix of the prompt than
+        the parked caches give, the same slot filled with those blocks first (a Restore
+        step; the sequence waits for it). A taken-over parked cache is given up for it,
+        a copy source unpinned."""
+        if self.prefixes is None or request.pixel_values is not None:
+            return taken
+        keys = self.prefixes.longest(request.prompt_tokens, request.cache_salt)
+        if len(keys) * BLOCK_TOKENS <= taken.cached:
+            return taken
+        if taken.source is not None and taken.source != taken.slot:
+            self.table.unpin(taken.source)
+        out.slots.append(Restore(taken.slot, tuple(keys)))
+        return Taken(taken.slot, len(keys) * BLOCK_TOKENS, taken.slot, restore=tuple(keys))
+
+    def restored(self, seq: Sequence) -> None:
+        """Its Restore came back from every rank: its first step may go."""
+        seq.restoring = False
+        if self.prefixes is not None:
+            self.prefixes.restores += 1
+            self.prefixes.restored_tokens += seq.cached_tokens
+
+    def restore_failed(self, seq: Sequence, out: Outputs) -> None:
+        """Some rank could not load the blocks: the whole prompt is prefilled, and the
+        keys asked for are forgotten (the next park writes them again)."""
+        keys = seq.taken.restore if seq.taken is not None else ()
+        if self.prefixes is not None:
+            self.prefixes.forget(list(keys))
+            self.prefixes.failed_restores += 1
+        seq.restoring = False
+        self.restart(seq, out)
 
     def give_back(self, taken: Taken, out: Outputs) -> None:
         """A slot taken for a sequence that never ran a step: no rank touched its caches."""

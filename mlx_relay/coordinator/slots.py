@@ -31,6 +31,7 @@ class Taken:
     cached: int = 0  # prompt tokens already in parked caches
     source: int | None = None  # the parked slot holding them (== slot: taken over)
     held: list[int] | None = None  # a taken-over slot's tokens, to park it again unused
+    restore: tuple[str, ...] = ()  # stored blocks loaded into the slot first (prefix_index)
 
 
 class SlotTable:

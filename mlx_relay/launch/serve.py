@@ -250,6 +250,27 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
         ),
     ),
     (
+        "--prompt-cache-dir",
+        dict(
+            default="",
+            metavar="DIR",
+            help="also keep prompt caches on disk, each rank its own layers' in blocks of "
+            "128 tokens under DIR (its own disk; '~' is each rank's home), least recently "
+            "used out first: a prefix pushed out of the kept caches, or one from before a "
+            "restart with the same model and split, is loaded instead of prefilled "
+            "(default: off)",
+        ),
+    ),
+    (
+        "--prompt-cache-disk-bytes",
+        dict(
+            type=lambda text: _size(text),
+            default="10GB",
+            metavar="SIZE",
+            help="with --prompt-cache-dir: the most each rank keeps there (default 10GB)",
+        ),
+    ),
+    (
         "--heartbeat-timeout",
         dict(
             type=float,
@@ -638,6 +659,11 @@ def serve_config(
         steps_in_flight=args.steps_in_flight,
         stage_weights=args.stage_weights,
         stage_keep_free=args.stage_keep_free,
+        prompt_store=(
+            {"dir": args.prompt_cache_dir, "budget": args.prompt_cache_disk_bytes}
+            if args.prompt_cache_dir and not args.no_prompt_cache
+            else None
+        ),
         startup_timeout=args.startup_timeout,
         drain_timeout=args.drain_timeout,
         shutdown_timeout=args.shutdown_timeout,

@@ -25,6 +25,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from mlx_relay.model import sharding
+from mlx_relay.model.prefix_store import BLOCK_TOKENS, BlockStore
 
 
 class CacheError(ValueError):
@@ -208,6 +209,24 @@ class SlotCaches:
                     self.single[slot] = own
                     self.at[slot] = g.positions[i]
         self.free_groups(slots)
+
+    def store(self, slot: int, store: BlockStore, blocks: list[tuple[int, str]]) -> int:
+        """Write blocks (index, key) of a parked slot's caches to this rank's store;
+        the bytes written (0 where it holds none: nothing to keep, no failure)."""
+        caches = self.single.get(slot)
+        return store.save(caches, blocks) if caches is not None else 0
+
+    def restore(self, slot: int, store: BlockStore, keys: list[str]) -> None:
+        """The slot's caches become the blocks `keys` from this rank's store, as one
+        sequence's at position len(keys) * BLOCK_TOKENS; StoreError where they cannot."""
+        caches = store.load(keys)
+        if len(caches) != len(self.shard.layers):
+            raise CacheError(
+                f"the store holds {len(caches)} layers, this rank has {len(self.shard.layers)}"
+            )
+        self.free([slot])
+        self.single[slot] = caches
+        self.at[slot] = len(keys) * BLOCK_TOKENS
 
     def free(self, slots: list[int]) -> None:
         self._drop(slots)

@@ -217,6 +217,10 @@ class Shard:
     # each new sequence. A model may choose a layer's cache by its index (baichuan_m1's
     # sliding layers), which only the whole layer list gives right.
     cache_template: tuple[Any, ...] = ()
+    # Why the model's caches cannot be kept on disk in blocks (prefix_store.py: only
+    # plain KV, every layer's, no quantized ones, no ids rank 0's embedding reads);
+    # "" where they can.
+    not_storable: str = ""
 
     @property
     def passes(self) -> int:
@@ -454,10 +458,21 @@ def load_shard(
         kv_sources,
         _keeps_cache(_attr_path(inner, parts.layers), config),
         template,
+        _not_storable(caches, kv, adapter),
     )
     if kv is not None:  # (its probe step: not with a tensor group, whose collectives
         check_quantizable(shard, caches, probe=tensor is None)  # no other rank is in)
     return shard
+
+
+def _not_storable(caches: list[Any], kv: KVQuant | None, adapter: FamilyAdapter) -> str:
+    """Shard.not_storable, from the whole model's caches as made at load."""
+    if kv is not None:
+        return "its KV caches are quantized (--kv-bits)"
+    if adapter.embed_reads_ids or adapter.passes != 1:
+        return "its steps need more than the keys and values (ids, two passes)"
+    kinds = {type(c).__name__ for c in caches if type(c) is not KVCache}
+    return f"its caches include {', '.join(sorted(kinds))}" if kinds else ""
 
 
 def second_list_from(config: dict[str, Any]) -> int:

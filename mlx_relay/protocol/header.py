@@ -53,8 +53,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 # 4: side arrays and deltas; 5: laps, widths that change on the way; 6: token types;
-# 8: CMD_PROBE; 9: FLAG_ALL_POSITIONS; 10: CMD_TIME_ALL_SUM; 11: CMD_STAGE
-PROTOCOL_VERSION = 11
+# 8: CMD_PROBE; 9: FLAG_ALL_POSITIONS; 10: CMD_TIME_ALL_SUM; 11: CMD_STAGE;
+# 12: CMD_STORE, CMD_RESTORE
+PROTOCOL_VERSION = 12
 MAGIC = 0x4D4C5200 | PROTOCOL_VERSION  # "MLR" + version
 
 MAX_SEQS = 16
@@ -74,6 +75,12 @@ CMD_TIME_ALL_SUM = 9
 # payload: JSON staging document (--stage-weights): each worker starts fetching its shard's
 # files from rank 0 in the background and passes the step on at once (worker/staging.py).
 CMD_STAGE = 10
+# --prompt-cache-dir (model/prefix_store.py), payload a JSON document, the step's one slot:
+# STORE writes the listed blocks ({"blocks": [[index, key], ...]}) of the parked slot's
+# caches to each rank's disk; RESTORE loads blocks ({"keys": [...]}) into the slot as one
+# sequence's caches (a rank that cannot fails the step, and rank 0 prefills instead).
+CMD_STORE = 11
+CMD_RESTORE = 12
 
 COMMAND_NAMES = {
     CMD_FORWARD: "FORWARD",
@@ -85,6 +92,8 @@ COMMAND_NAMES = {
     CMD_PROBE: "PROBE",
     CMD_TIME_ALL_SUM: "TIME_ALL_SUM",
     CMD_STAGE: "STAGE",
+    CMD_STORE: "STORE",
+    CMD_RESTORE: "RESTORE",
 }
 
 # Flags.

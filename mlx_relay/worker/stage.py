@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_relay import proctitle
-from mlx_relay.model import memory, sharding, speed
+from mlx_relay.model import memory, prefix_store, sharding, speed
 from mlx_relay.model.default_model import resolve_model
 from mlx_relay.model.kvcache import CacheError, SlotCaches
 from mlx_relay.model.stage import forward_stage
@@ -81,6 +81,7 @@ class WorkerStage:
         self.is_last = rank == size - 1
         self.tensor = tensor
         self.stager = stager
+        self.store: prefix_store.BlockStore | None = None  # --prompt-cache-dir
         self.shard: sharding.Shard | None = None
         self.caches: SlotCaches | None = None
 
@@ -159,6 +160,7 @@ class WorkerStage:
             )
             layout = memory.check_measured(path, start, end, self.shard)
             self.caches = SlotCaches(self.shard)
+            self.store = prefix_store.open_for(spec, self.rank, self.shard.not_storable)
         except memory.ShardTooBig as e:
             raise StepError(hdr.ERR_OUT_OF_MEMORY, str(e)) from e
         except Exception as e:
@@ -179,7 +181,27 @@ class WorkerStage:
             "stats": {**memory.stats(), "cache_layout": measured},
         }
 
+    def _blocks(self, header: hdr.StepHeader, document: dict[str, Any]) -> None:
+        """CMD_STORE / CMD_RESTORE of the step's slot (model/prefix_store.py): a store
+        never fails (what it cannot write stays in RAM only); a restore that cannot
+        fails the step, and rank 0 prefills the prompt instead."""
+        if self.caches is None:
+            raise StepError(hdr.ERR_NO_MODEL, "no model loaded on this rank")
+        if self.store is None:
+            if header.cmd == hdr.CMD_RESTORE:
+                raise StepError(hdr.ERR_BAD_HEADER, "this rank keeps no prompt store")
+            return
+        slot = header.slots[0]
+        if header.cmd == hdr.CMD_STORE:
+            self.caches.store(slot, self.store, [tuple(b) for b in document["blocks"]])
+        else:
+            try:
+                self.caches.restore(slot, self.store, list(document["keys"]))
+            except (prefix_store.StoreError, CacheError) as e:
+                raise StepError(hdr.ERR_EXCEPTION, str(e)) from e
+
     def unload(self) -> None:
+        self.store = None
         proctitle.show_layers(None)
         self.shard = None
         self.caches = None
@@ -203,6 +225,9 @@ class WorkerStage:
             self.unload()
             return payload
         if cmd == hdr.CMD_PING:
+            return payload
+        if cmd in (hdr.CMD_STORE, hdr.CMD_RESTORE):
+            self._blocks(header, json.loads(payload_bytes(payload)))
             return payload
         if cmd == hdr.CMD_PROBE:  # (the default split weighs the ranks by these)
             header.lengths[self.rank] = round(speed.probe())
