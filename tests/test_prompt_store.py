@@ -68,6 +68,9 @@ def test_a_prefix_pushed_out_or_from_before_a_restart_is_loaded(
     second = _ask(running, _messages(QUESTIONS[1]))
     assert list(second.token_ids) == expected[1]
     assert second.usage.cached_tokens == whole * BLOCK_TOKENS > 0
+    shown = running.client.status().prompt_store
+    assert (shown.dir, shown.off_reason, shown.restores) == (str(store), "", 1)
+    assert shown.restored_tokens == whole * BLOCK_TOKENS and shown.blocks >= blocks
     running.stop()
 
     # Started again with the same model, split and store: the blocks are found.

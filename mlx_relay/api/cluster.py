@@ -162,6 +162,26 @@ class Cluster:
             tokens_per_round=(rounds + kept) / rounds if rounds else 0.0,
         )
 
+    def prompt_store(self) -> pb.PromptStoreStatus:
+        """The prompt blocks kept on disk (--prompt-cache-dir) and what they gave."""
+        pipeline, model = self._engine.pipeline, self._engine.model
+        settings = pipeline.prompt_store
+        if not settings:
+            return pb.PromptStoreStatus()
+        out = pb.PromptStoreStatus(
+            dir=str(settings["dir"]),
+            budget_bytes=int(settings["budget"]),
+            off_reason=pipeline.prompt_store_off(),
+        )
+        store = pipeline.runner.store
+        if store is not None:
+            out.blocks, out.bytes = len(store.keys()), store.bytes
+        index = model.prefixes if model is not None else None
+        if index is not None:
+            out.restores, out.restored_tokens = index.restores, index.restored_tokens
+            out.failed_restores, out.stored_blocks = index.failed_restores, index.stored_blocks
+        return out
+
     def layout(self) -> pb.LayoutStatus:
         """How the loaded model is spread over the ranks (empty with none loaded)."""
         pipeline = self._engine.pipeline
@@ -262,6 +282,7 @@ class Cluster:
                 tokenizer, request, prompt, starts_in_reasoning, request_id
             ),
             pixel_values=prompt.pixel_values,  # rank 0 encodes them as the prefill starts
+            cache_salt=request.cache_salt,
         )
 
     def _constraint(
@@ -447,6 +468,7 @@ class Cluster:
         out.requests.extend(pb.RequestStatus(**row) for row in self._engine.scheduler.snapshot())
         out.speculation.CopyFrom(self.speculation())
         out.layout.CopyFrom(self.layout())
+        out.prompt_store.CopyFrom(self.prompt_store())
         out.ranks.append(_rank0_status(loaded))
         now = time.monotonic()
         for rank, info in sorted(self.workers().items()):

@@ -72,6 +72,7 @@ def generate_request(request: pb.GenerateRequest) -> GenerationRequest:
         ),
         grammar=request.grammar,
         request_id=request.request_id,
+        cache_salt=request.cache_salt,
     )
 
 

@@ -73,6 +73,35 @@ class _ClusterGauges(Collector):
         )
         yield from _step_timings(cluster)
         yield from _speculation(cluster)
+        yield from _prompt_store(cluster)
+
+
+def _prompt_store(cluster: Cluster) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """The prompt blocks kept on disk (--prompt-cache-dir; rank 0's store) and what
+    requests got from them: the disk tier's hits beside the parked caches' (RAM)."""
+    store = cluster.prompt_store()
+    if not store.dir:
+        return
+    yield GaugeMetricFamily(
+        PREFIX + "prompt_store_blocks", "Prompt blocks of 128 tokens on disk.", value=store.blocks
+    )
+    yield GaugeMetricFamily(
+        PREFIX + "prompt_store_bytes", "Bytes of rank 0's prompt store.", value=store.bytes
+    )
+    for name, doc, value in (
+        ("prompt_store_restores", "Prompts that started from stored blocks.", store.restores),
+        (
+            "prompt_store_restored_tokens",
+            "Prompt tokens loaded from disk instead of prefilled.",
+            store.restored_tokens,
+        ),
+        (
+            "prompt_store_failed_restores",
+            "Restores some rank could not do (the prompt was prefilled).",
+            store.failed_restores,
+        ),
+    ):
+        yield CounterMetricFamily(PREFIX + name, doc, value=value)
 
 
 def _speculation(cluster: Cluster) -> Iterator[CounterMetricFamily]:

@@ -112,6 +112,7 @@ class GenerationRequest:
     response_format: Mapping[str, Any] | None = None
     grammar: str = ""
     request_id: str = ""
+    cache_salt: str = ""  # prompts with other salts share no cached prefix with it
 
     def with_seed(self, seed: int) -> GenerationRequest:
         """The same request sampled with another seed (OpenAI's `n` copies)."""

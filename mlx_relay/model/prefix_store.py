@@ -26,6 +26,7 @@ import io
 import json
 import logging
 import os
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -68,6 +69,7 @@ class BlockStore:
             self._stop_writing(f"cannot make {self.dir}: {e}")
         self._files: dict[str, Path] = {}  # key -> its file
         self._sizes: dict[str, int] = {}
+        self._lock = threading.Lock()  # (status pages read from other threads)
         self._scan()
 
     # --- what is here ----------------------------------------------------------------
@@ -82,11 +84,13 @@ class BlockStore:
             self._sizes[parts[0]] = f.stat().st_size
 
     def keys(self) -> set[str]:
-        return set(self._files)
+        with self._lock:
+            return set(self._files)
 
     @property
     def bytes(self) -> int:
-        return sum(self._sizes.values())
+        with self._lock:
+            return sum(self._sizes.values())
 
     # --- writing ---------------------------------------------------------------------
     def save(self, caches: list[Any], blocks: list[tuple[int, str]]) -> int:
@@ -130,7 +134,8 @@ class BlockStore:
         finally:
             os.close(fd)
         os.replace(scratch, path)
-        self._files[key], self._sizes[key] = path, len(data)
+        with self._lock:
+            self._files[key], self._sizes[key] = path, len(data)
         return len(data)
 
     def _stop_writing(self, why: str) -> None:
@@ -152,8 +157,9 @@ class BlockStore:
 
     def discard(self, keys: list[str]) -> None:
         for key in keys:
-            path = self._files.pop(key, None)
-            self._sizes.pop(key, None)
+            with self._lock:
+                path = self._files.pop(key, None)
+                self._sizes.pop(key, None)
             if path is not None:
                 path.unlink(missing_ok=True)
 

@@ -94,7 +94,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., xtc_probability: _Optional[float] = ..., xtc_threshold: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., repetition_context_size: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "params", "tools_json", "tool_choice", "chat_template_kwargs_json", "request_id", "prompt_bytes", "response_format_json", "grammar")
+    __slots__ = ("prompt", "messages", "params", "tools_json", "tool_choice", "chat_template_kwargs_json", "request_id", "prompt_bytes", "response_format_json", "grammar", "cache_salt")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class GenerateRequest(_message.Message):
     PROMPT_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_JSON_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     params: SamplingParams
@@ -115,7 +116,8 @@ class GenerateRequest(_message.Message):
     prompt_bytes: bytes
     response_format_json: str
     grammar: str
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., tools_json: _Optional[str] = ..., tool_choice: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ..., request_id: _Optional[str] = ..., prompt_bytes: _Optional[bytes] = ..., response_format_json: _Optional[str] = ..., grammar: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., tools_json: _Optional[str] = ..., tool_choice: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ..., request_id: _Optional[str] = ..., prompt_bytes: _Optional[bytes] = ..., response_format_json: _Optional[str] = ..., grammar: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token", "token_id", "logprob")
@@ -313,7 +315,7 @@ class RankStaging(_message.Message):
     def __init__(self, state: _Optional[str] = ..., total_bytes: _Optional[int] = ..., ready_bytes: _Optional[int] = ..., fetched_bytes: _Optional[int] = ..., reused_bytes: _Optional[int] = ..., source: _Optional[str] = ..., cache: _Optional[str] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("model", "model_path", "world_size", "num_layers", "ranks", "state", "active_requests", "queued_requests", "backend", "error", "cached_prompts", "cached_prompt_tokens", "requests", "speculation", "layout")
+    __slots__ = ("model", "model_path", "world_size", "num_layers", "ranks", "state", "active_requests", "queued_requests", "backend", "error", "cached_prompts", "cached_prompt_tokens", "requests", "speculation", "layout", "prompt_store")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -329,6 +331,7 @@ class StatusResponse(_message.Message):
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_STORE_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_path: str
     world_size: int
@@ -344,7 +347,30 @@ class StatusResponse(_message.Message):
     requests: _containers.RepeatedCompositeFieldContainer[RequestStatus]
     speculation: SpeculationStatus
     layout: LayoutStatus
-    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., world_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., state: _Optional[str] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., backend: _Optional[str] = ..., error: _Optional[str] = ..., cached_prompts: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., speculation: _Optional[_Union[SpeculationStatus, _Mapping]] = ..., layout: _Optional[_Union[LayoutStatus, _Mapping]] = ...) -> None: ...
+    prompt_store: PromptStoreStatus
+    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., world_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., state: _Optional[str] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., backend: _Optional[str] = ..., error: _Optional[str] = ..., cached_prompts: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., speculation: _Optional[_Union[SpeculationStatus, _Mapping]] = ..., layout: _Optional[_Union[LayoutStatus, _Mapping]] = ..., prompt_store: _Optional[_Union[PromptStoreStatus, _Mapping]] = ...) -> None: ...
+
+class PromptStoreStatus(_message.Message):
+    __slots__ = ("dir", "off_reason", "blocks", "bytes", "budget_bytes", "restores", "restored_tokens", "failed_restores", "stored_blocks")
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    OFF_REASON_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESTORES_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_RESTORES_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    dir: str
+    off_reason: str
+    blocks: int
+    bytes: int
+    budget_bytes: int
+    restores: int
+    restored_tokens: int
+    failed_restores: int
+    stored_blocks: int
+    def __init__(self, dir: _Optional[str] = ..., off_reason: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., restores: _Optional[int] = ..., restored_tokens: _Optional[int] = ..., failed_restores: _Optional[int] = ..., stored_blocks: _Optional[int] = ...) -> None: ...
 
 class LayoutStatus(_message.Message):
     __slots__ = ("stages", "tensor_parallel", "tensor_backend", "note", "chosen_at_load", "all_sum_seconds", "layer_seconds", "pipeline_token_seconds", "tensor_token_seconds")

@@ -134,6 +134,7 @@ class SamplingFields(Lenient):
 
 class ChatRequest(SamplingFields):
     messages: list[MessageIn]
+    cache_salt: str | None = None  # vLLM's: no cached prefix shared across salts
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -144,6 +145,7 @@ class ChatRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str]
+    cache_salt: str | None = None
     logprobs: int | None = None
     echo: bool = False
 
@@ -342,6 +344,7 @@ def router(door: Door) -> APIRouter:
             tool_choice=body.tool_choice or "",
             chat_template_kwargs=body.chat_template_kwargs or {},
             response_format=body.format(),
+            cache_salt=body.cache_salt or "",
         )
         choices = await door.generate_n(req, API, body.n or 1)
         head = Head(f"chatcmpl-{choices.request_id}", "chat.completion.chunk", name)
@@ -378,6 +381,7 @@ def router(door: Door) -> APIRouter:
                 max_tokens=body.max_tokens,
                 sampling=body.params(top is not None, top),
                 response_format=body.format(),
+                cache_salt=body.cache_salt or "",
             )
             for prompt in prompts
         ]
