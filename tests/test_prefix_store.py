@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
