@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -68,7 +70,9 @@ def _ask(client: Client, messages: list[dict], max_tokens: int = MAX_TOKENS) -> 
 @contextlib.contextmanager
 def _cluster(model: str, ranks: int, logs: Path, *args: str):
     address = f"127.0.0.1:{free_ports(1)[0]}"
-    cluster = LocalCluster(ranks, ["--model", model, *args], grpc_address=address, log_dir=logs, pin=True)
+    cluster = LocalCluster(
+        ranks, ["--model", model, *args], grpc_address=address, log_dir=logs, pin=True
+    )
     cluster.start()
     try:
         cluster.wait_serving(600)
@@ -120,17 +124,23 @@ def part_one(args: argparse.Namespace, work: Path) -> None:
 
 
 def part_two(args: argparse.Namespace, work: Path) -> None:
-    model = str(shapes.make_shape(args.session_model, shapes.cache_dir() / args.session_model))
+    made = shapes.make_shape(args.session_model, shapes.cache_dir() / args.session_model)
+    model = work / "session-model"  # (the shape with room for the sessions' contexts)
+    shutil.copytree(made, model)
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = 16384
+    (model / "config.json").write_text(json.dumps(config))
     flags = ("--prompt-cache-dir", str(work / "sessions"), "--max-active", "2")
     flags += ("--prompt-cache-disk-bytes", "20GB", "--max-context", "16384")
     sessions = [
-        [{"role": "system", "content": f"Agent {s}. " + PARAGRAPH * 75}] for s in range(args.sessions)
+        [{"role": "system", "content": f"Agent {s}. " + PARAGRAPH * 28}]
+        for s in range(args.sessions)
     ]
     totals = {"all turns": [0, 0], "after each session's first": [0, 0]}
-    with _cluster(model, args.ranks, work / "logs3", *flags) as client:
+    with _cluster(str(model), args.ranks, work / "logs3", *flags) as client:
         for turn in range(args.turns):
             for history in sessions:
-                history.append({"role": "user", "content": f"Step {turn}: " + PARAGRAPH * 4})
+                history.append({"role": "user", "content": f"Step {turn}: " + PARAGRAPH * 2})
                 reply = _ask(client, history, max_tokens=4)
                 history.append({"role": "assistant", "content": reply.text})
                 for label in totals if turn else ["all turns"]:

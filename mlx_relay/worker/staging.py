@@ -37,7 +37,7 @@ REPORT_EVERY_S = 0.25
 
 
 class StagingError(RuntimeError):
-    """This rank could not stage its shard (the message names the rank and why)."""
+    """This rank could not stage its shard (why; rank 0 names the rank)."""
 
 
 @dataclass
