@@ -72,7 +72,7 @@ class Engine:
         groups = max(pipeline.depth, math.ceil(config.max_active / hdr.MAX_SEQS))
         self.scheduler = Scheduler(config, groups, self.stats)
         self._launched: deque[Step] = deque()
-        self._restores: dict[int, int] = {}  # id of a Restore step in flight -> its slot
+        self._restores: dict[int, Restore] = {}  # id of a Restore step in flight -> it
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
         self._cv = threading.Condition()  # the commands, the stop, and waking the loop
         self._stop = False
@@ -207,11 +207,11 @@ class Engine:
             return
         if step is None:  # (one rank: done)
             if isinstance(action, Restore):
-                restored = StepResult(None, restored=[action.slot])
+                restored = StepResult(None, restored=[action])
                 self._carry_out(self.scheduler.update_from_output(restored))
             return
         if isinstance(action, Restore):
-            self._restores[id(step)] = action.slot
+            self._restores[id(step)] = action
         self._launched.append(step)
 
     # --- launching -----------------------------------------------------------------
@@ -362,8 +362,8 @@ class Engine:
                 self.pipeline.done(step)
         if sampled is not None:
             self._emit_sampled(step, sampled)
-        if (slot := self._restores.pop(id(step), None)) is not None:
-            restored = StepResult(None, restored=[slot])
+        if (done := self._restores.pop(id(step), None)) is not None:
+            restored = StepResult(None, restored=[done])
             self._carry_out(self.scheduler.update_from_output(restored))
         self._timed(step)
         self.pipeline.announce()

@@ -153,4 +153,4 @@ class StepResult:
     took: StepOutput | None = None
     failed: str = ""
     lost_slots: list[int] = field(default_factory=list)
-    restored: list[int] = field(default_factory=list)  # slots a Restore filled everywhere
+    restored: list[Restore] = field(default_factory=list)  # Restores done on every rank

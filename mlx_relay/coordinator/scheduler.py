@@ -265,7 +265,9 @@ class Scheduler:
                 self._step_failed(result, out)
             elif result.restored:
                 for seq in self.running:
-                    if seq.restoring and seq.slot in result.restored:
+                    if seq.restoring and any(
+                        seq.taken and seq.taken.restore is r.keys for r in result.restored
+                    ):
                         self._slot_steps.restored(seq)
             elif isinstance(result.forward, Verify) and result.tokens is not None:
                 self._verified(result, out)

@@ -72,8 +72,9 @@ class SlotSteps:
             return taken
         if taken.source is not None and taken.source != taken.slot:
             self.table.unpin(taken.source)
-        out.slots.append(Restore(taken.slot, tuple(keys)))
-        return Taken(taken.slot, len(keys) * BLOCK_TOKENS, taken.slot, restore=tuple(keys))
+        wanted = tuple(keys)  # (the one tuple: its Restore's return is matched by it)
+        out.slots.append(Restore(taken.slot, wanted))
+        return Taken(taken.slot, len(keys) * BLOCK_TOKENS, taken.slot, restore=wanted)
 
     def restored(self, seq: Sequence) -> None:
         """Its Restore came back from every rank: its first step may go."""
