@@ -85,7 +85,8 @@ def _cluster(model: str, ranks: int, logs: Path, *args: str):
 def part_one(args: argparse.Namespace, work: Path) -> None:
     path = resolve_model(args.model)
     store = work / "store"
-    flags = ("--prompt-cache-dir", str(store), "--max-active", "1", "--max-context", "8192")
+    context = max(8192, args.prefix_tokens + 512)
+    flags = ("--prompt-cache-dir", str(store), "--max-active", "1", "--max-context", str(context))
     words = len(PARAGRAPH.split())
     repeats = max(1, round(args.prefix_tokens / (words * 1.25)))
     systems = [f"Round {r}. " + PARAGRAPH * repeats for r in range(args.rounds)]
@@ -166,7 +167,10 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--session-model", default="tiny", choices=shapes.NAMES)
     ap.add_argument("--skip", choices=["one", "two"], default=None)
+    ap.add_argument("--gpus", type=int, default=0, help="CUDA: rank r on GPU r mod G")
     args = ap.parse_args()
+    global GPUS
+    GPUS = args.gpus
     print(f"cores {os.cpu_count()}")
     with tempfile.TemporaryDirectory(prefix="bench-prompt-store-") as tmp:
         if args.skip != "one":
