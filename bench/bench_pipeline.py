@@ -202,8 +202,11 @@ def pin_all_threads(pid: int, cores: list[int]) -> list[int]:
     its threads are on, read back, for the run's log."""
     on: set[int] = set()
     for tid in os.listdir(f"/proc/{pid}/task"):
-        os.sched_setaffinity(int(tid), cores)
-        on |= os.sched_getaffinity(int(tid))
+        try:
+            os.sched_setaffinity(int(tid), cores)
+            on |= os.sched_getaffinity(int(tid))
+        except ProcessLookupError:  # (a thread that ended since the listing)
+            continue
     return sorted(on)
 
 
