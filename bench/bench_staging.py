@@ -87,8 +87,7 @@ def serve(model: Path, host: str, secret: bytes) -> None:
     hashed = time.perf_counter() - t0
     server = BlobServer(host, secret)
     listed = []
-    for unit in units:
-        digest = digests[unit.source_key()]
+    for unit, digest in zip(units, digests, strict=True):
         server.offer(digest, unit.size, unit.read)
         listed.append({"name": unit.name, "digest": digest, "size": unit.size})
     document = {

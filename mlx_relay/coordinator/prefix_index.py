@@ -15,6 +15,7 @@ rank 0 forgets the keys it asked for (`forget`); they are written again on the n
 from __future__ import annotations
 
 import hashlib
+import struct
 from dataclasses import dataclass, field
 
 from mlx_relay.model.prefix_store import BLOCK_TOKENS
@@ -37,7 +38,7 @@ class PrefixIndex:
         for i in range(len(tokens) // BLOCK_TOKENS):
             block = tokens[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS]
             h = hashlib.sha256(last.encode())
-            h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in block))
+            h.update(struct.pack(f"<{len(block)}i", *block))
             last = h.hexdigest()[:40]
             out.append(last)
         return out

@@ -193,17 +193,16 @@ class StageRunner:
             (self.caches.park if park else self.caches.free)(slots)
 
     def blocks(self, cmd: int, slot: int, document: dict[str, Any]) -> None:
-        """Rank 0's part of CMD_STORE / CMD_RESTORE (worker/stage.py does the same on
-        each worker); StoreError or CacheError where a restore cannot."""
-        if self.caches is None or self.store is None:
-            if cmd == hdr.CMD_RESTORE:
-                raise prefix_store.StoreError("rank 0 keeps no prompt store")
+        """Rank 0's part of CMD_STORE / CMD_RESTORE (SlotCaches.blocks, as each worker's
+        stage does); StoreError or CacheError where a restore cannot."""
+        restore = cmd == hdr.CMD_RESTORE
+        if self.caches is None:
+            if restore:
+                raise prefix_store.StoreError("rank 0 holds no model")
             return
-        if cmd == hdr.CMD_STORE:
-            self.caches.store(slot, self.store, [tuple(b) for b in document["blocks"]])
-        else:
+        if restore:
             self._deltas.pop(slot, None)
-            self.caches.restore(slot, self.store, list(document["keys"]))
+        self.caches.blocks(restore, slot, self.store, document)
 
     # --- a family's inputs -------------------------------------------------------------
     def _embed_with_ids(

@@ -27,6 +27,7 @@ from typing import Any
 
 from mlx_relay.coordinator.ring_watch import RankFailure
 from mlx_relay.model.default_model import cache_root
+from mlx_relay.model.memory import size_text
 from mlx_relay.model.shard_files import Unit, worker_units
 from mlx_relay.protocol import header as hdr
 from mlx_relay.transport.blobs import BlobServer
@@ -53,19 +54,19 @@ class DigestCache:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             self._known = {}
 
-    def digests(self, units: list[Unit]) -> dict[str, str]:
-        """Every unit's digest by source key: cached ones read from the file, the others
+    def digests(self, units: list[Unit]) -> list[str]:
+        """Every unit's digest, in order: cached ones read from the file, the others
         hashed (several at once: hashlib lets go of the GIL) and remembered."""
-        keys = {unit.source_key(): unit for unit in units}
-        todo = [k for k in keys if k not in self._known]
+        keys = [unit.source_key() for unit in units]
+        todo = {k: u for k, u in zip(keys, units, strict=True) if k not in self._known}
         if todo:
             log.info("hashing %d shard files for staging (once per checkpoint)", len(todo))
             with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-                hashed = pool.map(lambda k: keys[k].digest(), todo)
-                for key, digest in zip(todo, hashed, strict=True):
-                    self._known[key] = {"digest": digest, "file": str(keys[key].source_file)}
+                hashed = pool.map(lambda u: u.digest(), todo.values())
+                for (key, unit), digest in zip(todo.items(), hashed, strict=True):
+                    self._known[key] = {"digest": digest, "file": str(unit.source_file)}
             self._save()
-        return {k: self._known[k]["digest"] for k in keys}
+        return [self._known[k]["digest"] for k in keys]
 
     def _save(self) -> None:
         try:
@@ -89,17 +90,16 @@ def stage_weights(
     """Ship every worker its layers of the checkpoint at `path` (`ranges[rank]`); returns
     each worker's last staging report. `command(cmd, payload)` sends a ring command
     (RingDriver.command). RankFailure names a worker that could not stage or is gone."""
-    cache = DigestCache()
     per_rank = {rank: worker_units(path, *ranges[rank]) for rank in range(1, len(ranges))}
     all_units = [u for units in per_rank.values() for u in units]
-    digests = cache.digests(all_units)
+    digests = iter(DigestCache().digests(all_units))
     server = BlobServer(hub.host, hub.secret)
     try:
         listed: dict[str, list[dict[str, Any]]] = {}
         for rank, units in per_rank.items():
             listed[str(rank)] = []
             for unit in units:
-                digest = digests[unit.source_key()]
+                digest = next(digests)
                 server.offer(digest, unit.size, unit.read)
                 listed[str(rank)].append({"name": unit.name, "digest": digest, "size": unit.size})
         document = {
@@ -161,11 +161,3 @@ def progress_line(report: dict[str, Any]) -> str:
         kept = int(report.get("reused", 0))
         line += f" ({size_text(fetched)} fetched in {seconds:.1f} s, {size_text(kept)} kept)"
     return line
-
-
-def size_text(n: float) -> str:
-    """Bytes for a person: '512 kB', '34.6 MB', '1.20 GB'."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}" if unit == "GB" else f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"

@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from mlx_relay.model import sharding
-from mlx_relay.model.prefix_store import BLOCK_TOKENS, BlockStore
+from mlx_relay.model.prefix_store import BLOCK_TOKENS, BlockStore, StoreError
 
 
 class CacheError(ValueError):
@@ -209,6 +209,18 @@ class SlotCaches:
                     self.single[slot] = own
                     self.at[slot] = g.positions[i]
         self.free_groups(slots)
+
+    def blocks(self, restore: bool, slot: int, store: BlockStore | None, document: dict) -> None:
+        """One rank's part of CMD_STORE / CMD_RESTORE (`restore`) of `slot`, from rank 0's
+        document ({"blocks": [[index, key], ...]} / {"keys": [...]}): a store never fails
+        (a rank with no store keeps nothing); StoreError or CacheError where a restore
+        cannot."""
+        if restore:
+            if store is None:
+                raise StoreError("this rank keeps no prompt store")
+            self.restore(slot, store, list(document["keys"]))
+        elif store is not None:
+            self.store(slot, store, [tuple(b) for b in document["blocks"]])
 
     def store(self, slot: int, store: BlockStore, blocks: list[tuple[int, str]]) -> int:
         """Write blocks (index, key) of a parked slot's caches to this rank's store;

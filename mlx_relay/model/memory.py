@@ -398,8 +398,8 @@ def check_fits(path: Path, start: int, end: int, *, ends: bool = False, tensor: 
     what = f"layers [{start}, {end})" + (" with embedding and head" if ends else "")
     if weights > allowed:
         raise ShardTooBig(
-            f"{what} need {_size(weights)} of weights but this rank may use "
-            f"{_size(allowed)} ({why}); use more ranks or a smaller model"
+            f"{what} need {size_text(weights)} of weights but this rank may use "
+            f"{size_text(allowed)} ({why}); use more ranks or a smaller model"
         )
     if not _plan.max_active:
         return
@@ -412,20 +412,20 @@ def check_fits(path: Path, start: int, end: int, *, ends: bool = False, tensor: 
     need = int((weights + caches) * (1 + HEADROOM))
     if need > allowed:
         raise ShardTooBig(
-            f"{what} need {_size(need)}: {_size(weights)} of weights + {_size(caches)} of "
+            f"{what} need {size_text(need)}: {size_text(weights)} of weights + {size_text(caches)} of "
             f"caches for --max-active {_plan.max_active} sequences of --max-context "
             f"{context:,} tokens + {HEADROOM:.0%} headroom, but this rank may use "
-            f"{_size(allowed)} ({why}); lower --max-active or --max-context, or use more "
+            f"{size_text(allowed)} ({why}); lower --max-active or --max-context, or use more "
             "ranks or a smaller model"
         )
     log.info(
         "%s: %s of weights + %s of caches (%d x %d tokens) fit in %s",
         what,
-        _size(weights),
-        _size(caches),
+        size_text(weights),
+        size_text(caches),
         _plan.max_active,
         context,
-        _size(allowed),
+        size_text(allowed),
     )
 
 
@@ -446,13 +446,15 @@ def check_draft_fits(path: Path, streams: int, context: int) -> None:
     if need > room:
         limit = f" ({MEMORY_LIMIT_ENV}={os.environ[MEMORY_LIMIT_ENV]})" if memory_limit() else ""
         raise ShardTooBig(
-            f"the draft model {path.name} needs {_size(need)}: {_size(weights)} of weights + "
-            f"{_size(caches)} of caches for --draft-max-streams {streams} sequences of "
-            f"{context:,} tokens + {HEADROOM:.0%} headroom, but rank 0 has {_size(room)} "
+            f"the draft model {path.name} needs {size_text(need)}: {size_text(weights)} of weights + "
+            f"{size_text(caches)} of caches for --draft-max-streams {streams} sequences of "
+            f"{context:,} tokens + {HEADROOM:.0%} headroom, but rank 0 has {size_text(room)} "
             f"left beside its shard{limit}; use a smaller draft, fewer --draft-max-streams, "
             "a lower --max-context, or --draft ngram"
         )
-    log.info("draft model %s: %s fits in rank 0's %s left", path.name, _size(need), _size(room))
+    log.info(
+        "draft model %s: %s fits in rank 0's %s left", path.name, size_text(need), size_text(room)
+    )
 
 
 def admission_shortfall(
@@ -494,13 +496,14 @@ def admission_shortfall(
         spare = headroom(figures) + reclaimable - growth - int(RUNTIME_RESERVE * allowance)
         if need > spare:
             return (
-                f"rank {rank} has {_size(max(spare, 0))} left for new caches and this "
-                f"sequence of {tokens:,} tokens needs {_size(need)}"
+                f"rank {rank} has {size_text(max(spare, 0))} left for new caches and this "
+                f"sequence of {tokens:,} tokens needs {size_text(need)}"
             )
     return ""
 
 
-def _size(n: float) -> str:
+def size_text(n: float) -> str:
+    """Bytes for a person: '512 B', '34.6 MB', '1.2 GB'."""
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1000:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"

@@ -56,7 +56,6 @@ class Unit:
     def chunks(self, offset: int = 0, chunk: int = READ_CHUNK) -> Iterator[bytes]:
         """The unit's bytes from `offset` on, read from the checkpoint a chunk at a time
         (rank 0's memory does not grow with the model)."""
-        position = 0
         if offset < len(self.header):
             yield self.header[offset:]
         position = len(self.header)
@@ -124,18 +123,22 @@ def compose_header(tensors: list[tuple[str, checkpoint.Tensor]]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-def rank0_tensor(name: str, config: dict[str, Any]) -> bool:
-    """Whether a tensor outside every layer is one only rank 0 holds: the embedding,
-    final norm and LM head, what the family computes on rank 0 alone (its root parts),
-    and a vision model's tower and projector."""
-    if vision.encoder_tensor(name):
-        return True
+def rank0_parts(config: dict[str, Any]) -> set[str]:
+    """The names of the parts outside every layer only rank 0 holds: the embedding,
+    final norm and LM head, and what the family computes on rank 0 alone (its root
+    parts)."""
     adapter = adapter_of(config)
     parts = adapter.parts
     own = {parts.embed, parts.head_name, *adapter.root_parts}
     if parts.norm is not None:
         own.add(parts.norm)
-    return any(component in own for component in name.split("."))
+    return own
+
+
+def rank0_tensor(name: str, own: set[str]) -> bool:
+    """Whether a tensor outside every layer is one only rank 0 holds: in one of its
+    parts (`own`: rank0_parts), or a vision model's tower and projector."""
+    return vision.encoder_tensor(name) or any(part in own for part in name.split("."))
 
 
 def worker_units(path: Path, start: int, end: int) -> list[Unit]:
@@ -143,12 +146,13 @@ def worker_units(path: Path, start: int, end: int) -> list[Unit]:
     one per layer, then the tensors outside every layer a worker's stage holds (if any)."""
     config = sharding.read_config(path)
     second = sharding.second_list_from(config)
+    own = rank0_parts(config)
     by_layer: dict[int, list[tuple[str, checkpoint.Tensor]]] = {}
     shared: list[tuple[str, checkpoint.Tensor]] = []
     for name, t in sorted(checkpoint.tensors(path).items()):
         layer = checkpoint.layer_of(name, second)
         if layer is None:
-            if not rank0_tensor(name, config):
+            if not rank0_tensor(name, own):
                 shared.append((name, t))
         elif start <= layer < end:
             by_layer.setdefault(layer, []).append((name, t))

@@ -182,23 +182,16 @@ class WorkerStage:
         }
 
     def _blocks(self, header: hdr.StepHeader, document: dict[str, Any]) -> None:
-        """CMD_STORE / CMD_RESTORE of the step's slot (model/prefix_store.py): a store
-        never fails (what it cannot write stays in RAM only); a restore that cannot
-        fails the step, and rank 0 prefills the prompt instead."""
+        """CMD_STORE / CMD_RESTORE of the step's slot (SlotCaches.blocks): a store never
+        fails (what it cannot write stays in RAM only); a restore that cannot fails the
+        step, and rank 0 prefills the prompt instead."""
         if self.caches is None:
             raise StepError(hdr.ERR_NO_MODEL, "no model loaded on this rank")
-        if self.store is None:
-            if header.cmd == hdr.CMD_RESTORE:
-                raise StepError(hdr.ERR_BAD_HEADER, "this rank keeps no prompt store")
-            return
-        slot = header.slots[0]
-        if header.cmd == hdr.CMD_STORE:
-            self.caches.store(slot, self.store, [tuple(b) for b in document["blocks"]])
-        else:
-            try:
-                self.caches.restore(slot, self.store, list(document["keys"]))
-            except (prefix_store.StoreError, CacheError) as e:
-                raise StepError(hdr.ERR_EXCEPTION, str(e)) from e
+        restore = header.cmd == hdr.CMD_RESTORE
+        try:
+            self.caches.blocks(restore, header.slots[0], self.store, document)
+        except (prefix_store.StoreError, CacheError) as e:
+            raise StepError(hdr.ERR_EXCEPTION, str(e)) from e
 
     def unload(self) -> None:
         self.store = None

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_relay.model.default_model import cache_root
+from mlx_relay.model.memory import size_text
 from mlx_relay.model.shard_files import build_view
 from mlx_relay.transport import blobs
 
@@ -176,8 +177,8 @@ class Stager:
         free = shutil.disk_usage(store).free
         if need and free - keep_free < need:
             raise StagingError(
-                f"its shard needs {_gb(need)} more in {store}, which has {_gb(free)} free"
-                + (f" (keeping {_gb(keep_free)} free)" if keep_free else "")
+                f"its shard needs {size_text(need)} more in {store}, which has {size_text(free)} free"
+                + (f" (keeping {size_text(keep_free)} free)" if keep_free else "")
             )
 
     def _send(self, force: bool = False) -> None:
@@ -186,7 +187,3 @@ class Stager:
             self._last_report = now
             self.progress.seconds = now - self.progress.started
             self.report(asdict(self.progress))
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB"
