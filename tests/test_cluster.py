@@ -15,14 +15,15 @@ MESSAGES = [
     {"role": "user", "content": "Tell me a story about a café in Tokyo 🙂 with 3 cats."},
 ]
 
-# (ranks, family, layers, uneven explicit split, hop mode): layer counts that do not
-# divide evenly; on a 2-core machine `auto` gives ready hops, so eager ones are asked for.
+# (ranks, family, layers, uneven explicit split, hop mode, warm-up): layer counts that do
+# not divide evenly; on a 2-core machine `auto` gives ready hops, so eager ones are asked
+# for, and no warm-up at load (the CPU compiles nothing per shape), so one config asks.
 CONFIGS = [
-    (1, "llama", 5, None, "auto"),
-    (2, "qwen3", 5, None, "auto"),
-    (3, "gemma3_text", 7, None, "auto"),
-    (3, "llama", 7, "1,4,2", "eager"),
-    (2, "qwen2", 5, "4,1", "eager"),
+    (1, "llama", 5, None, "auto", "auto"),
+    (2, "qwen3", 5, None, "auto", "auto"),
+    (3, "gemma3_text", 7, None, "auto", "auto"),
+    (3, "llama", 7, "1,4,2", "eager", "on"),
+    (2, "qwen2", 5, "4,1", "eager", "auto"),
 ]
 
 
@@ -33,11 +34,12 @@ CONFIGS = [
 def config_cluster(request, tiny_model, cluster_pool):
     """(model, cluster, ranks): one of CONFIGS, from the session's pool (each test asks
     again: a test in between may have loaded another model into the same shape)."""
-    n, family, num_layers, layers, hops = request.param
+    n, family, num_layers, layers, hops, warm = request.param
     model = tiny_model(family, num_layers)
-    running = cluster_pool.serving(model, n, "--hop-mode", hops, layers=layers)
+    running = cluster_pool.serving(model, n, "--hop-mode", hops, "--warm-up", warm, layers=layers)
     if n > 1 and hops != "auto":  # every rank says which hops it took
         assert running.logs().count(f"{hops} hops") == n, running.logs()
+    assert ("warmed up in" in running.logs()) == (warm == "on")
     return model, running, n
 
 

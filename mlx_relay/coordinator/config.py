@@ -22,6 +22,7 @@ class EngineConfig:
     prompt_cache: bool = True  # not --no-prompt-cache: finished caches kept for reuse
     prompt_cache_tokens: int = 0  # --prompt-cache-tokens (0: as many as the slots hold)
     speculation: SpecConfig | None = None  # --draft ... (None: off)
+    warm_up: str = "auto"  # --warm-up: run a first prompt's steps at load (warmup.py)
     # --max-active, --max-context, --kv-bits ...: what each load checks and quantizes
     # (max_active 0 there: the caches are not checked, as for a bare Pipeline in tests)
     memory: Plan = field(default_factory=Plan)

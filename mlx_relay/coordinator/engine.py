@@ -31,6 +31,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_relay import timeline
+from mlx_relay.coordinator import warmup
 from mlx_relay.coordinator.config import EngineConfig
 from mlx_relay.coordinator.model_context import ModelContext
 from mlx_relay.coordinator.pipeline import ClusterFailure, Pipeline, RankFailure, Step
@@ -50,6 +51,7 @@ from mlx_relay.coordinator.scheduler import Scheduler
 from mlx_relay.coordinator.sequence import EngineError, Request, Sequence
 from mlx_relay.coordinator.stats import EngineStats
 from mlx_relay.coordinator.step_sampling import Sampled, sample_step
+from mlx_relay.model import memory
 from mlx_relay.model.kvcache import CacheError
 from mlx_relay.model.prefix_store import StoreError
 from mlx_relay.protocol import header as hdr
@@ -396,12 +398,32 @@ class Engine:
             model = ModelContext.at_load(self.pipeline, loaded, self.config.memory.max_context)
             self.scheduler.load(model)
             self.model = model
+            self._warm_up(model)
         except Exception:
             self._set_state("unloaded")
             raise
         self.error = ""
         self._set_state("serving")
         return loaded
+
+    def _warm_up(self, model: ModelContext) -> None:
+        """A first prompt's steps on every rank before serving (warmup.py); the pace of
+        its warm chunk is the pacer's first, in place of a probe chunk."""
+        config = self.config
+        if not warmup.wanted(config.warm_up):
+            return
+        spec, speculates = config.speculation, not self.scheduler.speculator.blocked
+        width = spec.num_draft_tokens + 1 if spec is not None and speculates else 0
+        bound = memory.sequence_bound(model.context_length, config.memory.max_context)
+        done = warmup.warm_up(self.pipeline, config.prefill_chunk, bound, width)
+        self.scheduler.warmed(done.chunk_seconds, done.chunk_tokens, done.chunk_units)
+        log.info(
+            "warmed up in %.2f s (%d steps; a %d-token chunk takes %.3f s warm)",
+            done.seconds,
+            done.steps,
+            done.chunk_tokens,
+            done.chunk_seconds,
+        )
 
     def _free(self, shutdown: bool) -> str:
         self._cancel_all("the model was freed")

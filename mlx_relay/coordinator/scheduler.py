@@ -77,6 +77,13 @@ class Scheduler:
             self.slots.usable = shard.usable_prefix
         self.speculator.load(model, self.config.memory.max_context)
 
+    def warmed(self, seconds: float, tokens: int, units: float) -> None:
+        """A warm-up (warmup.py) timed a prompt chunk of `tokens` (`units` of work) at
+        `seconds` with its kernels compiled: the first pace prompts are paced by (no
+        probe chunk, timed while kernels compile)."""
+        with self._lock:
+            self.policy.pacer.prefill_chunk_took(seconds, tokens, units)
+
     def unload(self) -> None:
         """The ranks' caches were dropped: parked slots are empty again."""
         with self._lock:

@@ -123,6 +123,17 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ),
     ("--prefill-chunk", dict(type=int, default=512, help="prompt tokens per step")),
     (
+        "--warm-up",
+        dict(
+            default="auto",
+            choices=["auto", "on", "off"],
+            help="run a first prompt's steps (full --prefill-chunk chunks, a decode step, "
+            "a verify step with --draft) on every rank at load, so the first request does "
+            "not wait for kernels to compile; auto: on a GPU (Metal, CUDA), not on the CPU, "
+            "which compiles nothing per shape",
+        ),
+    ),
+    (
         "--draft",
         dict(
             default="off",
@@ -638,6 +649,7 @@ def serve_config(
         prompt_cache=not args.no_prompt_cache,
         prompt_cache_tokens=args.prompt_cache_tokens,
         speculation=spec_config(args),
+        warm_up=args.warm_up,
         memory=plan,
     )
     return ServeConfig(

@@ -1,0 +1,116 @@
+"""Warm at load: the steps a first prompt meets, run once on every rank before serving.
+
+On a GPU the first use of a kernel compiles it (Metal builds its pipelines, CUDA its
+kernels through NVRTC, and cuDNN an attention graph for each query and key length), so
+a fresh cluster's first long prompt paid for all of it: on one H200, the Llama-3-8B
+shape's first ~11,000-token prompt took 1.7-2.6 s against 0.57-0.64 s for the tenth
+(bench/bench_first_prompt.py). Worse, the prefill pacer (policy.py) timed its first
+probe chunk while it compiled, took the model for slow and cut the next prompt chunks
+small: shapes no later prompt meets, compiled again. So `warm_up` runs, on one slot
+of every rank, a prompt in full `--prefill-chunk` chunks, its last chunk's logits, a
+decode step and (with speculation) a verify step, then one more full chunk timed warm,
+which gives the pacer its pace (no probe chunk after it), and drops the slot. On CUDA
+the prompt runs on to CUDA_CONTEXT tokens, so cuDNN has each chunk's graph at every
+offset a prompt of that length reaches (CUDA only: Metal's and the CPU's attention
+kernels do not depend on lengths).
+
+On the CPU nothing is compiled per shape (MLX's CPU kernels are built in; `mx.compile`d
+functions are shapeless), so `auto` does not warm up there: loads stay as fast as they
+were. The tokens are exact either way: the slot is dropped on every rank before the
+first request takes one, and no sampling runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mlx_relay.coordinator.pipeline import Pipeline, Step
+from mlx_relay.device import on_cuda
+from mlx_relay.protocol import header as hdr
+
+log = logging.getLogger("mlx_relay.warmup")
+
+MODES = ("auto", "on", "off")
+CUDA_CONTEXT = 4096  # tokens a CUDA warm-up prompt runs to (cuDNN's graphs per length)
+SLOT = 0  # the slot it runs on (every slot is free at load)
+TOKEN = 0  # its prompt's every token (any id the embedding has)
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """What a warm-up ran and measured."""
+
+    steps: int  # forward steps round the ring
+    seconds: float  # all of it, the slot's drop included
+    chunk_tokens: int  # the timed chunk's tokens
+    chunk_seconds: float  # that chunk, warm, launch to logits read
+    chunk_units: float  # its work in the pacer's units (pace.step_cost)
+
+
+def wanted(mode: str) -> bool:
+    """Whether to warm up: `on`, or `auto` on a GPU (Metal or CUDA)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown warm-up mode {mode!r} ({', '.join(MODES)})")
+    return mode == "on" or (mode == "auto" and mx.default_device() == mx.gpu)
+
+
+def warm_up(pipeline: Pipeline, chunk: int, context_length: int, verify_width: int = 0) -> WarmUp:
+    """Run the warm-up's steps on every rank (`chunk`: --prefill-chunk; `verify_width`:
+    a speculative round's positions, 0 without speculation) and drop its slot."""
+    started = time.monotonic()
+    limit = max(1, context_length - 2) if context_length else 2 * chunk + 2
+    size = max(1, min(chunk, (limit - 1) // 2))  # two chunks and a decode step fit
+    length = CUDA_CONTEXT if on_cuda() else 2 * size
+    length = max(2 * size, min(length, limit - 1) // size * size)
+    steps = 0
+    for offset in range(0, length, size):  # the prompt, its last chunk with logits
+        _run(pipeline, offset, size, want_logits=offset + size >= length)
+        steps += 1
+    _run(pipeline, length, 1, want_logits=True, group=0)  # a decode step, its token read
+    steps += 1
+    if verify_width > 1 and length + 1 + verify_width <= limit:
+        _run(pipeline, length + 1, verify_width, want_logits=True, all_positions=True)
+        steps += 1
+    t0 = time.monotonic()  # a chunk again, warm: the pace prompts start from
+    units = _run(pipeline, 0, size, want_logits=True)
+    chunk_seconds = time.monotonic() - t0
+    steps += 1
+    freed = pipeline.launch_free([SLOT])
+    if freed is not None:
+        pipeline.complete(freed)
+        pipeline.done(freed)
+    return WarmUp(steps, time.monotonic() - started, size, chunk_seconds, units)
+
+
+def _run(
+    pipeline: Pipeline,
+    offset: int,
+    length: int,
+    *,
+    want_logits: bool,
+    group: int = hdr.NO_GROUP,
+    all_positions: bool = False,
+) -> float:
+    """One step of `length` tokens at `offset` on the warm-up's slot, waited for (its
+    logits computed where it wants them); returns its work in the pacer's units."""
+    step: Step = pipeline.launch_forward(
+        [SLOT],
+        [offset],
+        mx.full((1, length), TOKEN, dtype=mx.int32),
+        [length],
+        group=group,
+        want_logits=want_logits,
+        all_positions=all_positions,
+    )
+    back = pipeline.complete(step)
+    if back.logits is not None:  # (as a greedy token and its log-probabilities are)
+        back.settle()
+        logits = back.logits[:, -1, :] if back.logits.ndim == 3 else back.logits
+        mx.eval(mx.argmax(logits, axis=-1), logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    pipeline.done(step)
+    pipeline.announce()
+    return step.units
