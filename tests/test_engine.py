@@ -157,6 +157,23 @@ def test_the_prompt_cache_keeps_to_its_budget(model, start):
     assert [park for _, park in pipeline.frees] == [True, True, False]  # parked, evicted
 
 
+def test_the_prompt_cache_keeps_to_its_budget_in_bytes(model, start):
+    """--prompt-cache-bytes: the parked caches' budget is what fits that many bytes at the
+    model's bytes per token (its caches as mlx-lm makes them), the oldest go first."""
+    import math
+
+    from mlx_relay.model import memory
+
+    per_token = memory.cache_nbytes(model, 0, 2, 16384) / 16384
+    engine, pipeline = start(prompt_cache_bytes=math.ceil(40 * per_token))
+    assert engine.scheduler._slot_steps.budget == 40
+    for text in ("Alpha beta gamma delta " * 3, "Zeta eta theta iota " * 3):
+        read(engine.submit(request(prompt(model, text), 4)))
+    wait_for(lambda: engine.scheduler.counts() == (0, 0))
+    assert engine.scheduler.cached_prompts()[0] == 1
+    assert [park for _, park in pipeline.frees] == [True, True, False]  # parked, evicted
+
+
 def test_without_the_prompt_cache_nothing_is_parked(model, start):
     engine, pipeline = start(prompt_cache=False)
     text = "You are a helpful assistant. " * 4

@@ -63,6 +63,11 @@ class MemoryCheck:
         self._last = (now, request, short)
         return short
 
+    def tokens_in(self, budget: int) -> int:
+        """The most parked tokens whose caches fit `budget` bytes on every rank
+        (memory.tokens_in; CacheUnknown where a rank's caches are not known)."""
+        return memory.tokens_in(self.path, self.ranges, budget)
+
     def figures(self) -> dict[int, dict[str, Any]]:
         """Each rank's latest memory figures: rank 0's now, the workers' last heartbeat's."""
         figures = {0: memory.stats()}

@@ -21,6 +21,7 @@ class EngineConfig:
     default_max_tokens: int = 256  # --default-max-tokens: a request's when it has none
     prompt_cache: bool = True  # not --no-prompt-cache: finished caches kept for reuse
     prompt_cache_tokens: int = 0  # --prompt-cache-tokens (0: as many as the slots hold)
+    prompt_cache_bytes: int = 0  # --prompt-cache-bytes: the same in bytes on each rank
     speculation: SpecConfig | None = None  # --draft ... (None: off)
     warm_up: str = "auto"  # --warm-up: run a first prompt's steps at load (warmup.py)
     # --max-active, --max-context, --kv-bits ...: what each load checks and quantizes

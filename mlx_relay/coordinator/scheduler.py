@@ -44,6 +44,7 @@ from mlx_relay.coordinator.slot_steps import SlotSteps
 from mlx_relay.coordinator.slots import SlotTable
 from mlx_relay.coordinator.speculator import Speculator
 from mlx_relay.coordinator.stats import EngineStats
+from mlx_relay.model.memory import CacheUnknown, size_text
 from mlx_relay.protocol import header as hdr
 
 log = logging.getLogger("mlx_relay.scheduler")
@@ -75,7 +76,22 @@ class Scheduler:
             # (quantized KV caches: a prompt alone goes in --prefill-chunk chunks)
             self.policy.reset(model.hidden, fixed_alone=shard.kv is not None)
             self.slots.usable = shard.usable_prefix
+            self._slot_steps.budget = self._ram_budget(model)
         self.speculator.load(model, self.config.memory.max_context)
+
+    def _ram_budget(self, model: ModelContext) -> int:
+        """The parked caches' token budget: --prompt-cache-tokens, and within
+        --prompt-cache-bytes on every rank at this model's bytes per token (0: none)."""
+        tokens, nbytes = self.config.prompt_cache_tokens, self.config.prompt_cache_bytes
+        if not nbytes or model.memory is None:
+            return tokens
+        try:
+            fit = max(1, model.memory.tokens_in(nbytes))
+        except CacheUnknown as e:
+            log.warning("--prompt-cache-bytes not applied: this model's caches are unknown (%s)", e)
+            return tokens
+        log.info("kept prompt caches: at most %d tokens (%s on each rank)", fit, size_text(nbytes))
+        return min(tokens, fit) if tokens else fit
 
     def warmed(self, seconds: float, tokens: int, units: float) -> None:
         """A warm-up (warmup.py) timed a prompt chunk of `tokens` (`units` of work) at

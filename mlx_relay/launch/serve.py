@@ -261,6 +261,16 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
         ),
     ),
     (
+        "--prompt-cache-bytes",
+        dict(
+            type=lambda text: _size(text),
+            default=0,
+            help="at most this much memory (e.g. 8GB) in kept caches on each rank, oldest "
+            "dropped first, at the loaded model's bytes per token on its rank's layers (0: "
+            "no limit beyond the slots and --prompt-cache-tokens)",
+        ),
+    ),
+    (
         "--prompt-cache-dir",
         dict(
             default="",
@@ -648,6 +658,7 @@ def serve_config(
         default_max_tokens=args.default_max_tokens,
         prompt_cache=not args.no_prompt_cache,
         prompt_cache_tokens=args.prompt_cache_tokens,
+        prompt_cache_bytes=args.prompt_cache_bytes,
         speculation=spec_config(args),
         warm_up=args.warm_up,
         memory=plan,

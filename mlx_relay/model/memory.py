@@ -254,6 +254,16 @@ def cache_nbytes(path: Path, start: int, end: int, tokens: int) -> int:
     return sum(full * held if w is None else per_position * min(held, w) for w in windows)
 
 
+def tokens_in(path: Path, ranges: list[tuple[int, int]], budget: int) -> int:
+    """The most cached tokens (summed over sequences) whose caches fit `budget` bytes on
+    every rank (each holding the layers of its range in `ranges`), at each rank's bytes
+    per token over a long sequence (a sliding window's cap then counts as it would for
+    one sequence: the bound errs low). CacheUnknown if a rank's caches are not known."""
+    sample = 64 * CACHE_STEP
+    per_token = max(cache_nbytes(path, s, e, sample) / sample for s, e in ranges)
+    return int(budget // per_token) if per_token > 0 else 1 << 40
+
+
 # A shard's caches as measured (`measure_caches`): per cache, (bytes whatever the
 # length, bytes per position, the most positions it keeps or 0 for all of them).
 CacheLayout = list[tuple[int, int, int]]
