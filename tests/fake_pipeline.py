@@ -35,6 +35,8 @@ class FakePipeline(Pipeline):
         self.gate.set()
         self.launched: list[hdr.StepHeader] = []  # every forward step's header, in order
         self.frees: list[tuple[list[int], bool]] = []  # (slots, park) of every free
+        self.at_load: list[hdr.StepHeader] = []  # the forward steps the load ran (engines)
+        self.frees_at_load: list[tuple[list[int], bool]] = []
         self._complete_faults: list[tuple[Match, RankFailure]] = []
         self._launch_faults: list[tuple[bool, Exception]] = []
         self._pending: list[tuple[Match, RankFailure]] = []
@@ -99,6 +101,9 @@ def engines(model: Path | str) -> Iterator[Callable[..., tuple[Engine, FakePipel
         engine.start()
         running.append(engine)
         engine.load(str(model)).result(120)
+        # (what the load itself ran, a warm-up's or drafting's timed steps, kept apart)
+        pipeline.at_load, pipeline.launched = pipeline.launched, []
+        pipeline.frees_at_load, pipeline.frees = pipeline.frees, []
         return engine, pipeline
 
     try:

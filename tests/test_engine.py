@@ -307,10 +307,9 @@ def test_a_warm_up_at_load_runs_a_first_prompts_steps_then_exact_tokens(model, s
     from mlx_relay.coordinator.speculation import SpecConfig
 
     chunk = 2 * PROBE_CHUNK
-    engine, pipeline = start(
-        prefill_chunk=chunk, warm_up="on", speculation=SpecConfig("ngram", num_draft_tokens=3)
-    )
-    steps = [(h.slots, h.offsets, h.lengths, h.flags) for h in pipeline.launched]
+    spec = SpecConfig("ngram", num_draft_tokens=3, adaptive=False)  # (no widths timed)
+    engine, pipeline = start(prefill_chunk=chunk, warm_up="on", speculation=spec)
+    steps = [(h.slots, h.offsets, h.lengths, h.flags) for h in pipeline.at_load]
     verify = hdr.FLAG_WANT_OUTPUT | hdr.FLAG_ALL_POSITIONS
     assert [s[:3] for s in steps] == [
         ([0], [0], [chunk]),
@@ -319,10 +318,9 @@ def test_a_warm_up_at_load_runs_a_first_prompts_steps_then_exact_tokens(model, s
         ([0], [2 * chunk + 1], [4]),
         ([0], [0], [chunk]),
     ]
-    assert steps[3][3] & verify == verify and pipeline.launched[2].group == 0
-    assert pipeline.frees == [([0], False)]
+    assert steps[3][3] & verify == verify and pipeline.at_load[2].group == 0
+    assert pipeline.frees_at_load == [([0], False)]
     assert engine.scheduler.policy.pacer.prefill_unit_s > 0
-    del pipeline.launched[:]
     req = request(prompt(model, "Once upon a time " * 20), 8, num_draft_tokens=0)
     assert read(engine.submit(req))[0] == oracle(model, req)
     assert pipeline.launched[0].lengths == [chunk]  # (not a probe chunk of PROBE_CHUNK)
@@ -332,4 +330,4 @@ def test_no_warm_up_on_the_cpu_by_default(start):
     """`auto` warms up on a GPU only: on the CPU nothing compiles per shape, and a load
     runs no step."""
     _, pipeline = start()
-    assert pipeline.launched == [] and pipeline.frees == []
+    assert pipeline.at_load == [] and pipeline.frees_at_load == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -269,3 +270,54 @@ def test_a_draft_model_that_does_not_fit_beside_rank_0s_shard_is_refused(
         start(SpecConfig("model", 3, str(other_draft)))
     monkeypatch.delenv(memory.MEMORY_LIMIT_ENV)
     memory.check_draft_fits(other_draft, 2, 2048)  # (no limit: it fits)
+
+
+def test_never_pays_where_every_position_costs_a_step():
+    """The load-time rule: drafting is off where even 95% of proposals kept would not
+    beat plain decoding at the measured step costs, and says so; it stays on where a
+    wider step costs less than its positions (a GPU, a small model's fixed costs)."""
+    from mlx_relay.coordinator.speculation import never_pays
+
+    linear = {1: 0.180, 5: 0.858, 8: 1.334, 16: 2.651}  # (this CPU, the default model)
+    why = never_pays(linear, 4)
+    assert "measured at load" in why and "single steps here" in why
+    cuda = {1: 0.0074, 5: 0.0290, 8: 0.0185, 16: 0.0195}  # (an H100, the 8B shape)
+    assert never_pays(cuda, 4) == ""
+    fixed_costs = {1: 0.010, 5: 0.012}  # (a tiny model: the step's own costs dominate)
+    assert never_pays(fixed_costs, 4) == ""
+    assert never_pays({}, 4) == "" and never_pays({5: 1.0}, 4) == ""
+
+
+def test_drafting_turns_itself_off_at_load_where_verify_steps_cost_their_width(
+    model, start, monkeypatch
+):
+    """Verify-like steps of 1 and K + 1 positions are timed at load (on the CPU no wider
+    ones: nothing is cheaper there); where each position costs about a step, as on a
+    compute-bound device (here: every position of an all-positions step made to take
+    100 ms more), drafting is off for the load, the status's reason says why, and
+    requests decode plainly, their tokens mlx-lm's."""
+    launch = FakePipeline.launch_forward
+
+    def compute_bound(self, slots, offsets, tokens, lengths, **kw):
+        if kw.get("all_positions"):
+            time.sleep(0.1 * lengths[0])
+        return launch(self, slots, offsets, tokens, lengths, **kw)
+
+    monkeypatch.setattr(FakePipeline, "launch_forward", compute_bound)
+    engine, pipeline = start(SpecConfig("ngram", 4))
+    timed = {h.lengths[0] for h in pipeline.at_load if h.flags & hdr.FLAG_ALL_POSITIONS}
+    assert timed == {1, 5}
+    assert "measured at load" in engine.scheduler.speculator.blocked
+    req = engine.submit(request(model, TEXTS[0], 8))
+    ids, whole = read(req)
+    assert ids == mlx_lm_tokens(model, req.prompt_tokens, 8)
+    assert whole.usage["draft_tokens"] == 0 and not verify_steps(pipeline)
+
+
+def test_drafting_stays_on_where_a_round_pays(model, start):
+    """The tiny model on the CPU: a step's own costs dominate, so a round of K + 1
+    positions costs far less than K + 1 steps; drafting stays on, its round costs
+    already measured."""
+    engine, pipeline = start(SpecConfig("ngram", 4))
+    speculator = engine.scheduler.speculator
+    assert speculator.blocked == "" and set(speculator.round_cost.seconds) == {1, 5}

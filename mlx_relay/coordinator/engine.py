@@ -407,23 +407,35 @@ class Engine:
         return loaded
 
     def _warm_up(self, model: ModelContext) -> None:
-        """A first prompt's steps on every rank before serving (warmup.py); the pace of
-        its warm chunk is the pacer's first, in place of a probe chunk."""
-        config = self.config
-        if not warmup.wanted(config.warm_up):
-            return
-        spec, speculates = config.speculation, not self.scheduler.speculator.blocked
-        width = spec.num_draft_tokens + 1 if spec is not None and speculates else 0
+        """A first prompt's steps on every rank before serving (warmup.py), whose warm
+        chunk's pace is the pacer's first, in place of a probe chunk; with drafting,
+        what verify steps cost here, which may turn it off for this load."""
+        config, speculator = self.config, self.scheduler.speculator
         bound = memory.sequence_bound(model.context_length, config.memory.max_context)
-        done = warmup.warm_up(self.pipeline, config.prefill_chunk, bound, width)
-        self.scheduler.warmed(done.chunk_seconds, done.chunk_tokens, done.chunk_units)
-        log.info(
-            "warmed up in %.2f s (%d steps; a %d-token chunk takes %.3f s warm)",
-            done.seconds,
-            done.steps,
-            done.chunk_tokens,
-            done.chunk_seconds,
-        )
+        warm = warmup.wanted(config.warm_up)
+        if warm:
+            spec = config.speculation
+            width = spec.num_draft_tokens + 1 if spec is not None and not speculator.blocked else 0
+            done = warmup.warm_up(self.pipeline, config.prefill_chunk, bound, width)
+            self.scheduler.warmed(done.chunk_seconds, done.chunk_tokens, done.chunk_units)
+            log.info(
+                "warmed up in %.2f s (%d steps; a %d-token chunk takes %.3f s warm)",
+                done.seconds,
+                done.steps,
+                done.chunk_tokens,
+                done.chunk_seconds,
+            )
+        # (on the CPU, where every position costs compute, no wider step is cheaper)
+        compiles = warm or mx.default_device() == mx.gpu
+        widths = speculator.widths_to_time(wider=compiles)
+        widths = [w for w in widths if not bound or w + 8 < bound]
+        if widths:
+            seconds = warmup.time_widths(self.pipeline, widths, compiles)
+            speculator.measured(seconds)
+            log.info(
+                "verify steps here: %s",
+                ", ".join(f"{w} positions {s * 1000:.1f} ms" for w, s in seconds.items()),
+            )
 
     def _free(self, shutdown: bool) -> str:
         self._cancel_all("the model was freed")

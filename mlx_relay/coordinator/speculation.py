@@ -111,6 +111,37 @@ class SpecState:
         return 0 if self.leaving else max(0, min(self.k, remaining))
 
 
+# The acceptance a load-time check credits drafting with: a round must pay at this (a
+# model repeating itself, the best prompt lookup meets) or it never pays.
+BEST_ACCEPTANCE = 0.95
+
+
+def never_pays(seconds: dict[int, float], limit: int) -> str:
+    """Why no round of 1..`limit` proposals can pay here, from a step's measured time by
+    its width (1: a plain decode step's), or '' where one can: at BEST_ACCEPTANCE a
+    round of k proposals gives expected_tokens(k) tokens for one step of k + 1
+    positions (or of a wider measured one that costs less), against one token a step."""
+    one = seconds.get(1)
+    rates = {
+        k: expected_tokens(k, BEST_ACCEPTANCE) * one / cheapest(seconds, k + 1)
+        for k in range(1, limit + 1)
+        if one and any(w >= k + 1 for w in seconds)
+    }
+    if not rates or max(rates.values()) > 1.0:
+        return ""
+    k = max(rates, key=rates.__getitem__)
+    return (
+        f"a verify step of {k + 1} positions costs {cheapest(seconds, k + 1) / one:.1f} "
+        f"single steps here (measured at load): even with {BEST_ACCEPTANCE:.0%} of "
+        f"proposals kept, drafting would decode at {rates[k]:.2f}x plain decoding"
+    )
+
+
+def cheapest(seconds: dict[int, float], width: int) -> float:
+    """The cheapest measured step at least `width` positions wide."""
+    return min(t for w, t in seconds.items() if w >= width)
+
+
 def expected_tokens(proposals: int, acceptance: float) -> float:
     """Tokens a round of `proposals` gives on average: the first always, each proposal
     while every one before it was kept."""

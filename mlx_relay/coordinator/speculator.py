@@ -15,7 +15,14 @@ from mlx_relay.coordinator.drafting import Drafter, make_drafter
 from mlx_relay.coordinator.model_context import ModelContext
 from mlx_relay.coordinator.plan import Verify
 from mlx_relay.coordinator.sequence import Request
-from mlx_relay.coordinator.speculation import RoundCost, SpecConfig, SpecState, blocker
+from mlx_relay.coordinator.speculation import (
+    PROBE_WIDTHS,
+    RoundCost,
+    SpecConfig,
+    SpecState,
+    blocker,
+    never_pays,
+)
 from mlx_relay.coordinator.stats import EngineStats
 from mlx_relay.model import memory
 
@@ -41,6 +48,26 @@ class Speculator:
         elif self.config is not None:
             bound = memory.sequence_bound(model.context_length, max_context)
             self.drafter = make_drafter(self.config, model.tokenizer, bound)
+
+    def widths_to_time(self, wider: bool = True) -> list[int]:
+        """The step widths to time at load (`measured`): one position, a round of K
+        proposals, and (`wider`) the wider steps that may cost less; none where drafting
+        is off or fixed (--draft-fixed: proposals every round, as asked)."""
+        config = self.config
+        if config is None or self.blocked or not config.adaptive:
+            return []
+        return sorted({1, config.num_draft_tokens + 1, *(PROBE_WIDTHS if wider else ())})
+
+    def measured(self, seconds: dict[int, float]) -> None:
+        """Steps timed at load by width: where no round can pay here, drafting is off for
+        this load (`blocked` says why: the status shows it); else the rounds' costs
+        start from these figures instead of probing them on requests."""
+        assert self.config is not None
+        for width, took in seconds.items():
+            self.round_cost.took(width, took)
+        self.blocked = never_pays(seconds, self.config.num_draft_tokens)
+        if self.blocked:
+            log.warning("this load decodes without speculation: %s", self.blocked)
 
     def start(self, request: Request, running: int) -> SpecState | None:
         """A new sequence's speculation: on where the server has it and the model allows

@@ -38,6 +38,7 @@ MODES = ("auto", "on", "off")
 CUDA_CONTEXT = 4096  # tokens a CUDA warm-up prompt runs to (cuDNN's graphs per length)
 SLOT = 0  # the slot it runs on (every slot is free at load)
 TOKEN = 0  # its prompt's every token (any id the embedding has)
+TIMINGS = 3  # rounds of verify-like steps timed at load, the least of each width's kept
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def warm_up(pipeline: Pipeline, chunk: int, context_length: int, verify_width: i
     for offset in range(0, length, size):  # the prompt, its last chunk with logits
         _run(pipeline, offset, size, want_logits=offset + size >= length)
         steps += 1
-    _run(pipeline, length, 1, want_logits=True, group=0)  # a decode step, its token read
+    _run(pipeline, length, 1, want_logits=True, group=0)  # a decode step
     steps += 1
     if verify_width > 1 and length + 1 + verify_width <= limit:
         _run(pipeline, length + 1, verify_width, want_logits=True, all_positions=True)
@@ -79,11 +80,36 @@ def warm_up(pipeline: Pipeline, chunk: int, context_length: int, verify_width: i
     units = _run(pipeline, 0, size, want_logits=True)
     chunk_seconds = time.monotonic() - t0
     steps += 1
+    _drop(pipeline)
+    return WarmUp(steps, time.monotonic() - started, size, chunk_seconds, units)
+
+
+def time_widths(pipeline: Pipeline, widths: list[int], compiles: bool) -> dict[int, float]:
+    """Each width's step (every position's logits, as a speculative verify step) timed on
+    the warm-up's slot after a short prompt, each from the same position (the slot cut
+    back to it), so drafting can be judged at load (speculation.never_pays) and its
+    round costs start measured: the least of TIMINGS rounds, the widths taking turns
+    (a busy moment then slows one timing, not a width's figure). `compiles`: the device
+    builds kernels per shape (a GPU): a round runs first untimed. The slot is dropped."""
+    prompt = 8
+    _run(pipeline, 0, prompt, want_logits=False)
+    seconds: dict[int, float] = {}
+    for round_ in range(TIMINGS + (1 if compiles else 0)):
+        for width in widths:
+            t0 = time.monotonic()
+            _run(pipeline, prompt, width, want_logits=True, all_positions=True, reuse=True)
+            took = time.monotonic() - t0
+            if round_ or not compiles:
+                seconds[width] = min(took, seconds.get(width, took))
+    _drop(pipeline)
+    return seconds
+
+
+def _drop(pipeline: Pipeline) -> None:
     freed = pipeline.launch_free([SLOT])
     if freed is not None:
         pipeline.complete(freed)
         pipeline.done(freed)
-    return WarmUp(steps, time.monotonic() - started, size, chunk_seconds, units)
 
 
 def _run(
@@ -94,6 +120,7 @@ def _run(
     want_logits: bool,
     group: int = hdr.NO_GROUP,
     all_positions: bool = False,
+    reuse: bool = False,
 ) -> float:
     """One step of `length` tokens at `offset` on the warm-up's slot, waited for (its
     logits computed where it wants them); returns its work in the pacer's units."""
@@ -105,6 +132,7 @@ def _run(
         group=group,
         want_logits=want_logits,
         all_positions=all_positions,
+        reuse_from=SLOT if reuse else None,
     )
     back = pipeline.complete(step)
     if back.logits is not None:  # (as a greedy token and its log-probabilities are)
