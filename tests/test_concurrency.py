@@ -236,7 +236,9 @@ def test_a_long_prompt_does_not_stall_running_streams(tiny_model, cluster_factor
         f" the longest gap was {max(during) * 1000:.1f} ms over {len(during)} tokens"
     )
     assert len(during) > 10  # the stream went on while the prompt was prefilled
-    assert max(during) < max(20 * step, 0.4)
+    # (measured against this run's own prefill, so a loaded machine slows both: one
+    # unpaced 1024-token chunk alone would hold the stream for over half of it)
+    assert max(during) < 0.25 * (finished - started)
 
 
 def test_a_cancelled_long_prompt_stops_prefilling(tiny_model, cluster_factory):

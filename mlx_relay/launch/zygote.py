@@ -25,6 +25,7 @@ answers like `subprocess.Popen` (`poll`, `wait`, `send_signal`, `returncode`, `s
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import importlib
 import json
@@ -89,7 +90,10 @@ class ForkedProcess:
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:  # (as Popen: never signal a pid that may be reused)
-            os.kill(self.pid, sig)
+            # (the zygote reaps its children: one that exited since our last look is
+            # gone already, with nothing left to signal)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

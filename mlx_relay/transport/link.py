@@ -27,6 +27,9 @@ from mlx_relay.transport.droplog import DropLog
 log = logging.getLogger("mlx_relay.sidechannel")
 
 
+FIRST_ANSWER_S = 30.0  # silence allowed before rank 0's first answer (see _heartbeats)
+
+
 class ControlLink:
     """A worker's end: hello, error details, rank 0's bye, and heartbeats."""
 
@@ -132,14 +135,18 @@ class ControlLink:
         """Beat every interval; exit the process when rank 0 is gone or silent.
 
         Rank 0 counts as gone when its connection closes (its process died) and stays
-        closed for control.LINK_GRACE_S, or when nothing came from it for `rank0_timeout`.
+        closed for control.LINK_GRACE_S, or when nothing came from it for `rank0_timeout`
+        (before its first answer, for FIRST_ANSWER_S at least: a rank 0 still starting,
+        importing and loading beside the other ranks of a busy machine, answered its
+        first heartbeat after more than 3 s; a rank 0 that died is found by its closed
+        connection all the same).
         """
         sock = self._dealer(self._hb_endpoint, "hb")
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        last_rank0 = time.monotonic()
+        last_rank0, answered = time.monotonic(), False
         closed_at: float | None = None
         try:
             while not self._stop.is_set():
@@ -161,13 +168,15 @@ class ControlLink:
                     if sock in events:
                         try:
                             control.decode(sock.recv_multipart(), self.secret)
-                            last_rank0 = time.monotonic()
+                            last_rank0, answered = time.monotonic(), True
                         except control.BadMessage as e:
                             self.dropped.drop("rank 0's end", e)
                 now = time.monotonic()
                 if closed_at is not None and now - closed_at >= control.LINK_GRACE_S:
                     why = "rank 0's side-channel connection closed (its process exited or died)"
-                elif now - last_rank0 > self._rank0_timeout:
+                elif now - last_rank0 > (
+                    self._rank0_timeout if answered else max(self._rank0_timeout, FIRST_ANSWER_S)
+                ):
                     why = f"rank 0 silent for {now - last_rank0:.1f} s"
                 else:
                     continue
