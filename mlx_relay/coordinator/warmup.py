@@ -3,8 +3,9 @@
 On a GPU the first use of a kernel compiles it (Metal builds its pipelines, CUDA its
 kernels through NVRTC, and cuDNN an attention graph for each query and key length), so
 a fresh cluster's first long prompt paid for all of it: on one H200, the Llama-3-8B
-shape's first ~11,000-token prompt took 1.7-2.6 s against 0.57-0.64 s for the tenth
-(bench/bench_first_prompt.py). Worse, the prefill pacer (policy.py) timed its first
+shape's first ~3,800-token prompt took 2.4 s on 2 ranks against 0.66 s for the tenth,
+and 74 s on a machine whose kernels had never been compiled (bench/bench_first_prompt.py,
+bench/RESULTS.md). Worse, the prefill pacer (policy.py) timed its first
 probe chunk while it compiled, took the model for slow and cut the next prompt chunks
 small: shapes no later prompt meets, compiled again. So `warm_up` runs, on one slot
 of every rank, a prompt in full `--prefill-chunk` chunks, its last chunk's logits, a
@@ -17,12 +18,12 @@ kernels do not depend on lengths).
 On the CPU nothing is compiled per shape (MLX's CPU kernels are built in; `mx.compile`d
 functions are shapeless), so `auto` does not warm up there: loads stay as fast as they
 were. The tokens are exact either way: the slot is dropped on every rank before the
-first request takes one, and no sampling runs.
+first request takes one, and what the warm-up computes from its logits (a greedy token,
+log-probabilities) goes nowhere.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 
@@ -31,8 +32,6 @@ import mlx.core as mx
 from mlx_relay.coordinator.pipeline import Pipeline, Step
 from mlx_relay.device import on_cuda
 from mlx_relay.protocol import header as hdr
-
-log = logging.getLogger("mlx_relay.warmup")
 
 MODES = ("auto", "on", "off")
 CUDA_CONTEXT = 4096  # tokens a CUDA warm-up prompt runs to (cuDNN's graphs per length)
