@@ -300,17 +300,28 @@ def test_a_local_clusters_wiring_never_takes_its_own_doors_ports(monkeypatch, tm
     """Rank 0's door ports are free until it listens, after the ranks are wired: the
     wiring must not take them (a restarted cluster once found its gRPC port taken by its
     own ring)."""
+    from mlx_relay.launch import local
     from mlx_relay.launch.lifeline import Lifeline
-    from mlx_relay.launch.local import PORTS_ENV, LocalCluster
 
-    monkeypatch.setenv(PORTS_ENV, "23800-23808")  # 8 ports: 6 of wiring and 2 doors
-    cluster = LocalCluster(2, ["--http-address", "127.0.0.1:23801"], grpc_address="127.0.0.1:23805")
+    # 8 ports, 6 of wiring and 2 doors: a window of this worker's own range that binds
+    # now and that nothing here handed out (the other test worker has a range of its own)
+    low, high = local.port_range()
+    start = next(
+        p
+        for p in range(low, high - 8)
+        if all(local._binds(q) and q not in local._handed_out for q in range(p, p + 8))
+    )
+    monkeypatch.setenv(local.PORTS_ENV, f"{start}-{start + 8}")
+    doors = {start + 1, start + 5}
+    cluster = local.LocalCluster(
+        2, ["--http-address", f"127.0.0.1:{start + 1}"], grpc_address=f"127.0.0.1:{start + 5}"
+    )
     cluster._workdir, cluster._lifeline = tmp_path, Lifeline()
     env = cluster._rank_env_base()
     wiring = [cluster.control_endpoint, *cluster.doorbell_endpoints, f":{env['NCCL_PORT']}"]
     wiring += [entry[0] for entry in json.loads((tmp_path / "hostfile.json").read_text())]
     taken = {int(address.rsplit(":", 1)[1]) for address in wiring}
-    assert taken == set(range(23800, 23808)) - {23801, 23805}
+    assert taken == set(range(start, start + 8)) - doors
 
 
 def test_local_passes_every_serve_option_on_from_one_table():
