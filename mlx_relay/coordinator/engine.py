@@ -412,10 +412,15 @@ class Engine:
         what verify steps cost here, which may turn it off for this load."""
         config, speculator = self.config, self.scheduler.speculator
         bound = memory.sequence_bound(model.context_length, config.memory.max_context)
-        warm = warmup.wanted(config.warm_up)
-        if warm:
+        # (on the CPU, where every position costs compute, no wider step is cheaper)
+        compiles = warmup.compiles_per_shape()
+        widths = speculator.widths_to_time(wider=compiles)
+        widths = [w for w in widths if not bound or w + 8 < bound]
+        if warmup.wanted(config.warm_up):
             spec = config.speculation
-            width = spec.num_draft_tokens + 1 if spec is not None and not speculator.blocked else 0
+            # (a verify step's width, unless timing the widths below runs it anyway)
+            verify = not widths and spec is not None and not speculator.blocked
+            width = spec.num_draft_tokens + 1 if verify and spec is not None else 0
             done = warmup.warm_up(self.pipeline, config.prefill_chunk, bound, width)
             self.scheduler.warmed(done.chunk_seconds, done.chunk_tokens, done.chunk_units)
             log.info(
@@ -425,10 +430,6 @@ class Engine:
                 done.chunk_tokens,
                 done.chunk_seconds,
             )
-        # (on the CPU, where every position costs compute, no wider step is cheaper)
-        compiles = warm or mx.default_device() == mx.gpu
-        widths = speculator.widths_to_time(wider=compiles)
-        widths = [w for w in widths if not bound or w + 8 < bound]
         if widths:
             seconds = warmup.time_widths(self.pipeline, widths, compiles)
             speculator.measured(seconds)

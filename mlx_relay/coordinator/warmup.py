@@ -9,8 +9,9 @@ bench/RESULTS.md). Worse, the prefill pacer (policy.py) timed its first
 probe chunk while it compiled, took the model for slow and cut the next prompt chunks
 small: shapes no later prompt meets, compiled again. So `warm_up` runs, on one slot
 of every rank, a prompt in full `--prefill-chunk` chunks, its last chunk's logits, a
-decode step and (with speculation) a verify step, then one more full chunk timed warm,
-which gives the pacer its pace (no probe chunk after it), and drops the slot. On CUDA
+decode step and (with fixed speculation; adaptive speculation's verify steps run in
+`time_widths`) a verify step, then one more full chunk timed warm, which gives the
+pacer its pace (no probe chunk after it), and drops the slot. On CUDA
 the prompt runs on to CUDA_CONTEXT tokens, so cuDNN has each chunk's graph at every
 offset a prompt of that length reaches (CUDA only: Metal's and the CPU's attention
 kernels do not depend on lengths).
@@ -51,11 +52,17 @@ class WarmUp:
     chunk_units: float  # its work in the pacer's units (pace.step_cost)
 
 
+def compiles_per_shape() -> bool:
+    """Whether this device builds kernels for the shapes it meets (a GPU: Metal, CUDA),
+    not the CPU, whose kernels are built in."""
+    return mx.default_device() == mx.gpu
+
+
 def wanted(mode: str) -> bool:
-    """Whether to warm up: `on`, or `auto` on a GPU (Metal or CUDA)."""
+    """Whether to warm up: `on`, or `auto` where kernels compile per shape."""
     if mode not in MODES:
         raise ValueError(f"unknown warm-up mode {mode!r} ({', '.join(MODES)})")
-    return mode == "on" or (mode == "auto" and mx.default_device() == mx.gpu)
+    return mode == "on" or (mode == "auto" and compiles_per_shape())
 
 
 def warm_up(pipeline: Pipeline, chunk: int, context_length: int, verify_width: int = 0) -> WarmUp:
