@@ -35,10 +35,11 @@ from mlx_relay.launch.supervise import Supervisor, describe_exit, run_with_resta
 from mlx_relay.model.memory import shard_nbytes
 from mlx_relay.protocol import control
 from mlx_relay.protocol import relay_pb2 as pb
-from mlx_relay.protocol.exits import EXIT_CLUSTER_FAILED, EXIT_RANK_FAILED
+from mlx_relay.protocol.exits import EXIT_CLUSTER_FAILED, EXIT_RANK0_SILENT, EXIT_RANK_FAILED
 from mlx_relay.transport.doorbell import Doorbell, DoorbellError, DoorbellTimeout, NeighbourGone
 from mlx_relay.transport.droplog import WINDOW_ENV, window_s
 from mlx_relay.transport.hub import ControlHub
+from mlx_relay.transport.link import rank0_patience
 
 pytestmark = pytest.mark.cluster
 
@@ -617,6 +618,42 @@ def test_rank0_killed_every_worker_exits(model, clusters):
     codes = [describe_exit(p.returncode) for p in procs[1:]]
     assert all(p.returncode != 0 for p in procs[1:]), codes
     print(f"\nrank 0 killed: workers exited after {[f'{t:.2f}' for t in exits]} s ({codes})")
+
+
+def test_a_rank_0_held_up_past_the_heartbeat_timeout_keeps_its_cluster(model, clusters):
+    """Rank 0 names failures; a worker bears a silent rank 0 longer than that
+    (`link.rank0_patience`), and rank 0 counts no silence across a hold-up of its own
+    (`control.HELD_UP_S`). So a rank 0 held up past the heartbeat timeout (an overloaded machine
+    starved its side-channel thread 3.4 s in CI; a laptop lid; a debugger) resumes with
+    its cluster whole, blames nobody and answers exactly. Held up past the worker's
+    patience, the worker leaves and says why."""
+    running = clusters(model, 2)
+    rank0, worker = running.cluster.procs
+    os.kill(rank0.pid, signal.SIGSTOP)
+    time.sleep(HEARTBEAT_TIMEOUT + 2)  # (the hold-up itself: the condition is time passing)
+    os.kill(rank0.pid, signal.SIGCONT)
+    prompt = encode_text(tokenizer_for(model), "Once upon a time")
+    response = running.client.generate(
+        pb.GenerateRequest(prompt="Once upon a time", params=pb.SamplingParams(max_tokens=10))
+    )
+    assert list(response.token_ids) == mlx_lm_tokens(model, prompt, 10)
+    assert rank0.poll() is None and worker.poll() is None
+    assert "no heartbeat" not in (running.log_dir / "rank0.log").read_text()
+
+    patience = rank0_patience(HEARTBEAT_TIMEOUT)
+    stopped = time.monotonic()
+    os.kill(rank0.pid, signal.SIGSTOP)
+    try:
+        (left,) = _wait_exit([worker], patience + 30, t0=stopped)
+    finally:
+        os.kill(rank0.pid, signal.SIGCONT)
+    # (silent since rank 0's last heartbeat, up to an interval before it was stopped)
+    assert worker.returncode == EXIT_RANK0_SILENT and left >= patience - 1, (
+        worker.returncode,
+        left,
+    )
+    assert "rank 0 silent for" in (running.log_dir / "rank1.log").read_text()
+    print(f"\nrank 0 stopped: its worker left after {left:.2f} s (patience {patience:.0f} s)")
 
 
 @_hops("auto", "eager", exhaustive=())

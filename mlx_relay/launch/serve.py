@@ -594,7 +594,7 @@ def _run_worker(
     rank: int,
 ) -> NoReturn:
     from mlx_relay.model import memory
-    from mlx_relay.transport.link import ControlLink
+    from mlx_relay.transport.link import ControlLink, rank0_patience
     from mlx_relay.worker.loop import Worker
 
     worker: Worker | None = None
@@ -602,7 +602,9 @@ def _run_worker(
     def stats() -> dict:
         return {**memory.stats(), **(worker.timings() if worker else {})}
 
-    link = ControlLink(endpoint, rank, secret, rank0_timeout=args.heartbeat_timeout, stats=stats)
+    link = ControlLink(
+        endpoint, rank, secret, rank0_timeout=rank0_patience(args.heartbeat_timeout), stats=stats
+    )
     link.hello()
     try:
         worker = Worker(ring, link, tensor)

@@ -33,6 +33,12 @@ CONTROL_ENV = "MLX_RELAY_CONTROL"  # tcp://host:port of rank 0's side channel
 # long (a process that died); both ends use it, so that neither outlives the other long.
 LINK_GRACE_S = 0.5
 
+# A side-channel thread that found itself more than this late on its own schedule was
+# held up (its process stopped, or its thread starved on a busy machine): what it has not
+# heard meanwhile may be waiting unread in zmq's own I/O thread, which was held up too. So
+# silence is counted again from the end of such a hold-up, never across it.
+HELD_UP_S = 1.0
+
 
 def host_name() -> str:
     """The name of this rank's machine, in its hello, errors and status: the hostname,

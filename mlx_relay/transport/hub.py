@@ -106,6 +106,11 @@ class ControlHub:
         self._wakeup_push = self._ctx.socket(zmq.PUSH)
         self._wakeup_push.connect(self._wakeup_addr)
         self._stop = threading.Event()
+        # The hub thread's last turn, and the end of its last hold-up (control.HELD_UP_S):
+        # a worker's silence is counted from neither before, so that a rank 0 starved on
+        # a busy machine, or stopped and resumed, blames no worker whose heartbeats it has
+        # not read yet.
+        self._turned_at = self._held_up_until = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="control-hub", daemon=True)
         self._thread.start()
 
@@ -163,7 +168,7 @@ class ControlHub:
             for rank, info in sorted(self.ranks.items()):
                 if info.gone and not self._exits_expected:
                     return LinkFailure(rank, info.host, f"{info.gone} (pid {info.pid})")
-                silent = now - info.last_seen
+                silent = self._silence(info, now)
                 if silent > heartbeat_timeout:
                     return LinkFailure(
                         rank,
@@ -177,6 +182,13 @@ class ControlHub:
                         rank, info.host, f"its ring connection broke: {info.ring_broken}"
                     )
         return None
+
+    def _silence(self, info: RankInfo, now: float) -> float:
+        """How long `info`'s rank has been silent as far as this hub can tell: not
+        counting a hold-up of the hub's own, past or still going on (zero while it is)."""
+        if now - self._turned_at > self.heartbeat_interval + control.HELD_UP_S:
+            return 0.0  # the hub thread itself is behind: it cannot tell
+        return now - max(info.last_seen, self._held_up_until)
 
     def wait_failure(self, heartbeat_timeout: float, timeout: float) -> LinkFailure | None:
         """`failure()`, waiting up to `timeout` for one to show (after the ring broke)."""
@@ -192,13 +204,12 @@ class ControlHub:
     def suspect(self, step_id: int) -> LinkFailure | None:
         """The first rank (in ring order) that has not passed step `step_id` on, and how
         it looks from here: silent, or alive but not done (slow or hung)."""
-        now = time.monotonic()
         with self._cond:
             for rank in sorted(self.ranks):
                 info = self.ranks[rank]
                 if info.done_step >= step_id:
                     continue
-                silent = now - info.last_seen
+                silent = self._silence(info, time.monotonic())
                 if silent > 1.5 * self.heartbeat_interval:
                     how = f"silent for {silent:.1f} s"
                 else:
@@ -243,6 +254,10 @@ class ControlHub:
             if self._retry:
                 timeout_ms = min(timeout_ms, 10)
             events = dict(poller.poll(timeout_ms))
+            turned = time.monotonic()
+            if turned - self._turned_at > self.heartbeat_interval + control.HELD_UP_S:
+                self._held_up_until = turned
+            self._turned_at = turned
             if self._wakeup_pull in events:
                 while self._wakeup_pull.poll(0):
                     self._wakeup_pull.recv()

@@ -28,6 +28,22 @@ log = logging.getLogger("mlx_relay.sidechannel")
 
 
 FIRST_ANSWER_S = 30.0  # silence allowed before rank 0's first answer (see _heartbeats)
+RANK0_PATIENCE = 3.0  # a worker waits this many heartbeat timeouts on a silent rank 0
+RANK0_PATIENCE_MIN_S = 10.0  # and never less than this
+
+
+def rank0_patience(heartbeat_timeout: float) -> float:
+    """How long a worker bears a rank 0 that is silent but still connected before leaving.
+
+    Longer than rank 0 waits on a worker, on purpose: rank 0 is the one that detects a
+    failure and names it, and a worker leaving on its own is only the last resort that
+    frees the memory of a machine whose rank 0 is gone for good (a rank 0 that died is
+    found by its closed connection within control.LINK_GRACE_S all the same). With the
+    same 3 s on both sides, a rank 0 whose side-channel thread was starved 3.4 s on an
+    overloaded machine (two test workers' clusters on two cores) lost its whole cluster
+    to a worker that gave up on it.
+    """
+    return max(RANK0_PATIENCE * heartbeat_timeout, RANK0_PATIENCE_MIN_S)
 
 
 class ControlLink:
@@ -146,7 +162,8 @@ class ControlLink:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        last_rank0, answered = time.monotonic(), False
+        last_rank0 = turned = time.monotonic()
+        answered = False
         closed_at: float | None = None
         try:
             while not self._stop.is_set():
@@ -172,6 +189,9 @@ class ControlLink:
                         except control.BadMessage as e:
                             self.dropped.drop("rank 0's end", e)
                 now = time.monotonic()
+                if now - turned > self._interval + control.HELD_UP_S:
+                    last_rank0 = max(last_rank0, now)  # this thread was held up: start again
+                turned = now
                 if closed_at is not None and now - closed_at >= control.LINK_GRACE_S:
                     why = "rank 0's side-channel connection closed (its process exited or died)"
                 elif now - last_rank0 > (
