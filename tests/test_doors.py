@@ -371,3 +371,63 @@ def test_a_folded_stream_is_the_grpc_answer(served):
         "/v1/completions", json={"prompt": _xs(5), "max_tokens": 6, "temperature": 0}
     ).json()
     assert chat["choices"][0]["text"] == reply.text
+
+
+# --- cache_salt, every door --------------------------------------------------------------
+
+
+def _hits(served: Served) -> float:
+    """Prompt tokens the HTTP doors found in a cache so far (/metrics)."""
+    text = served.http.get("/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    return sum(s.value for s in families["mlx_relay:prefix_cache_hits"].samples)
+
+
+def _cached_by(served: Served, door: str, text: str, salt: str) -> int:
+    """Ask `door` for `text` with `salt`; the cached prompt tokens it reports (Ollama has
+    no such field: its share of the /metrics hits)."""
+    ask = {"max_tokens": 2, "temperature": 0, "cache_salt": salt}
+    if door == "grpc":
+        params = pb.SamplingParams(max_tokens=2)
+        reply = served.relay.Generate(
+            pb.GenerateRequest(prompt=text, params=params, cache_salt=salt), timeout=60
+        )
+        return reply.usage.cached_tokens
+    if door == "openai completions":
+        usage = served.http.post("/v1/completions", json={"prompt": text, **ask}).json()["usage"]
+        return usage["prompt_tokens_details"]["cached_tokens"]
+    if door == "openai chat":
+        body = {"messages": [{"role": "user", "content": text}], **ask}
+        usage = served.http.post("/v1/chat/completions", json=body).json()["usage"]
+        return usage["prompt_tokens_details"]["cached_tokens"]
+    if door == "responses":
+        body = {"input": text, "max_output_tokens": 2, "temperature": 0, "cache_salt": salt}
+        usage = served.http.post("/v1/responses", json={**body, "store": False}).json()["usage"]
+        return usage["input_tokens_details"]["cached_tokens"]
+    if door == "anthropic":
+        body = {"model": served.model, "messages": [{"role": "user", "content": text}], **ask}
+        return served.http.post("/v1/messages", json=body).json()["usage"][
+            "cache_read_input_tokens"
+        ]
+    assert door == "ollama", door
+    before = _hits(served)
+    body = {"model": served.model, "prompt": text, "raw": True, "stream": False}
+    reply = served.http.post(
+        "/api/generate", json={**body, "options": {"num_predict": 2}, "cache_salt": salt}
+    )
+    assert reply.status_code == 200, reply.text
+    return int(_hits(served) - before)
+
+
+@pytest.mark.parametrize(
+    "door", ["grpc", "openai completions", "openai chat", "responses", "anthropic", "ollama"]
+)
+def test_every_door_takes_a_cache_salt_and_salts_share_no_cached_prefix(served, door):
+    """vLLM's `cache_salt`: a prompt is served from a kept cache only of its own salt
+    (tenants that must not share prefixes, RAM tier here; the disk tier keys its blocks
+    by it too, test_prompt_store.py)."""
+    text = door.replace(" ", "") + "y" * 20  # (one prompt per door: no other test's cache)
+    assert _cached_by(served, door, text, "tenant-a") == 0
+    assert _cached_by(served, door, text, "tenant-a") > 0
+    assert _cached_by(served, door, text, "tenant-b") == 0
+    assert _cached_by(served, door, text, "tenant-b") > 0

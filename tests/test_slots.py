@@ -99,3 +99,20 @@ def test_budget_forget_and_reset():
         table.release(slot)
     table.reset()
     assert table.stats() == (0, 0) and sorted(table.free) == [0, 1, 2, 3]
+
+
+def test_salts_keep_parked_caches_apart():
+    """A prompt is served only by parked caches of its own cache salt; a taken-over slot
+    given back unused is parked again under the salt it had."""
+    table = SlotTable(2)
+    a = table.take(SYSTEM, "t1").slot
+    table.park(a, SYSTEM + [1], "t1")
+    other = table.take(SYSTEM + [1, 2], "t2")
+    assert other.slot != a and (other.cached, other.source) == (0, None)
+    same = table.take(SYSTEM + [1, 2], "t1")
+    assert (same.slot, same.source, same.cached, same.salt) == (a, a, len(SYSTEM) + 1, "t1")
+    table.park(same.slot, same.held, same.salt)  # (what SlotSteps.give_back does)
+    assert table.take(SYSTEM + [1, 2], "t1").cached == len(SYSTEM) + 1
+    table.park(a, SYSTEM + [1], "t1")
+    evicting = table.take(SYSTEM + [1, 2], "t2")
+    assert (evicting.slot, evicting.cached, evicting.source) == (a, 0, None)

@@ -177,7 +177,7 @@ class Scheduler:
                 out.emit.append((request, EngineError("exhausted", f"not enough memory: {short}")))
                 continue
             taken = self._slot_steps.restorable(
-                request, self.slots.take(request.prompt_tokens), out
+                request, self.slots.take(request.prompt_tokens, request.cache_salt), out
             )
             try:
                 assert self.model is not None

@@ -53,7 +53,7 @@ class SlotSteps:
         """It ended normally: its caches stay for a later prompt sharing a prefix (after
         its steps still in flight: the park step follows them everywhere)."""
         out.slots.append(Park(seq.slot))
-        self.table.park(seq.slot, seq.context[: seq.position])
+        self.table.park(seq.slot, seq.context[: seq.position], seq.request.cache_salt)
         if self.prefixes is not None:  # (its whole blocks to disk too, those not there)
             blocks = self.prefixes.missing(seq.context[: seq.position], seq.request.cache_salt)
             if blocks:
@@ -74,7 +74,8 @@ class SlotSteps:
             self.table.unpin(taken.source)
         wanted = tuple(keys)  # (the one tuple: its Restore's return is matched by it)
         out.slots.append(Restore(taken.slot, wanted))
-        return Taken(taken.slot, len(keys) * BLOCK_TOKENS, taken.slot, restore=wanted)
+        cached = len(keys) * BLOCK_TOKENS
+        return Taken(taken.slot, cached, taken.slot, restore=wanted, salt=taken.salt)
 
     def restored(self, seq: Sequence) -> None:
         """Its Restore came back from every rank: its first step may go."""
@@ -96,7 +97,7 @@ class SlotSteps:
     def give_back(self, taken: Taken, out: Outputs) -> None:
         """A slot taken for a sequence that never ran a step: no rank touched its caches."""
         if taken.held is not None:
-            self.table.park(taken.slot, taken.held)
+            self.table.park(taken.slot, taken.held, taken.salt)
             return
         if taken.source is not None:  # a copy source, pinned for this sequence
             self.table.unpin(taken.source)

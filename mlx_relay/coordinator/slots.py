@@ -32,6 +32,7 @@ class Taken:
     source: int | None = None  # the parked slot holding them (== slot: taken over)
     held: list[int] | None = None  # a taken-over slot's tokens, to park it again unused
     restore: tuple[str, ...] = ()  # stored blocks loaded into the slot first (prefix_index)
+    salt: str = ""  # the request's cache salt: a taken-over slot is parked again under it
 
 
 class SlotTable:
@@ -39,6 +40,9 @@ class SlotTable:
         self.free: list[int] = list(range(n))  # no caches worth keeping
         self.parked: OrderedDict[int, list[int]] = OrderedDict()  # least recent first
         self.pinned: Counter[int] = Counter()  # parked slots a pending copy will read
+        # Each parked slot's cache salt: a prompt is served only from parked caches of
+        # its own salt (tenants that must not share prefixes give different ones).
+        self.salts: dict[int, str] = {}
         # (held, shared) -> whether a parked cache of `held` tokens serves its first
         # `shared` exactly (Shard.usable_prefix: an SSM state only whole, say).
         self.usable: Callable[[int, int], bool] = lambda held, shared: True
@@ -47,8 +51,9 @@ class SlotTable:
         """Slots a new sequence can take now: empty ones and unpinned parked ones."""
         return len(self.free) + sum(1 for s in self.parked if not self.pinned[s])
 
-    def take(self, prompt: list[int]) -> Taken:
-        """A slot for a new sequence, and what of its prompt parked caches already hold.
+    def take(self, prompt: list[int], salt: str = "") -> Taken:
+        """A slot for a new sequence, and what of its prompt parked caches of the same
+        `salt` already hold.
 
         The parked slot sharing the longest prefix serves: taken over when the new
         sequence keeps all it holds (the next turn of a chat), else copied into an empty
@@ -59,6 +64,8 @@ class SlotTable:
         """
         best, shared = None, 0
         for slot, tokens in self.parked.items():
+            if self.salts.get(slot, "") != salt:
+                continue
             n = common_prefix_len(tokens, prompt)
             if n > shared and self.usable(len(tokens), min(n, len(prompt) - 1)):
                 best, shared = slot, n
@@ -67,22 +74,23 @@ class SlotTable:
             if self.free and (cached < len(self.parked[best]) or self.pinned[best]):
                 self.parked.move_to_end(best)
                 self.pinned[best] += 1
-                return Taken(self.free.pop(0), cached, best)
+                return Taken(self.free.pop(0), cached, best, salt=salt)
             if not self.pinned[best]:
-                return Taken(best, cached, best, self.parked.pop(best))
+                return Taken(best, cached, best, self.parked.pop(best), salt=salt)
         if self.free:
-            return Taken(self.free.pop(0))
+            return Taken(self.free.pop(0), salt=salt)
         slot = next(s for s in self.parked if not self.pinned[s])
         del self.parked[slot]
-        return Taken(slot)
+        return Taken(slot, salt=salt)
 
     def unpin(self, slot: int) -> None:
         self.pinned[slot] -= 1
         if self.pinned[slot] <= 0:
             del self.pinned[slot]
 
-    def park(self, slot: int, tokens: list[int]) -> None:
+    def park(self, slot: int, tokens: list[int], salt: str = "") -> None:
         self.parked[slot] = tokens
+        self.salts[slot] = salt
 
     def release(self, slot: int) -> None:
         """The slot's caches are gone (or never were) on every rank."""

@@ -107,11 +107,15 @@ class MessagesRequest(CountRequest):
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False
+    # vLLM's: prompts of different salts share no cached prefix (tenants kept apart). Not
+    # Anthropic's field; its SDKs send it with extra_body.
+    cache_salt: str | None = None
 
     def generate_request(self) -> GenerationRequest:
         return replace(
             prompt_request(self),
             max_tokens=self.max_tokens,
+            cache_salt=self.cache_salt or "",
             response_format=self.response_format(),
             sampling=sampling(
                 temperature=self.temperature,

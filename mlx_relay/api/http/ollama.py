@@ -106,6 +106,7 @@ class Common(Lenient):
     format: str | dict[str, Any] | None = None
     options: Options | None = None
     think: bool | None = None
+    cache_salt: str | None = None  # vLLM's, not Ollama's: no cached prefix shared across salts
 
     def response_format(self) -> dict[str, Any] | None:
         if not self.format:
@@ -128,6 +129,7 @@ class Common(Lenient):
             sampling=options.params(),
             chat_template_kwargs=self.kwargs(),
             response_format=self.response_format(),
+            cache_salt=self.cache_salt or "",
             **fields,
         )
 

@@ -75,6 +75,7 @@ class ResponsesRequest(Lenient):
     previous_response_id: str | None = None
     store: bool = True
     text: dict[str, Any] | None = None
+    cache_salt: str | None = None  # vLLM's: no cached prefix shared across salts
 
     def generate_request(self, before: list[Message] = ()) -> GenerationRequest:
         """The engine's request; `before` is the stored conversation that
@@ -100,6 +101,7 @@ class ResponsesRequest(Lenient):
             tools=generation.tools(tools),
             tool_choice=choice or "",
             response_format=response_format(fmt),
+            cache_salt=self.cache_salt or "",
         )
 
     def messages(self, before: list[Message] = ()) -> list[Message]:
