@@ -431,3 +431,33 @@ def test_every_door_takes_a_cache_salt_and_salts_share_no_cached_prefix(served, 
     assert _cached_by(served, door, text, "tenant-a") > 0
     assert _cached_by(served, door, text, "tenant-b") == 0
     assert _cached_by(served, door, text, "tenant-b") > 0
+
+
+def test_status_and_metrics_show_the_ram_tier_its_bytes_and_what_it_served(served):
+    """The prompt cache's tiers in /v1/status and /metrics: entries, tokens, bytes (at
+    the model's cache bytes per token) and the prompt tokens each served, of every door."""
+
+    def ram() -> tuple[dict, int]:
+        status = served.http.get("/v1/status").json()
+        tiers = {t["tier"]: t for t in status["prompt_cache_tiers"]}
+        assert set(tiers) == {"ram"}  # (no --prompt-cache-dir here)
+        return tiers["ram"], status["prompt_tokens"]
+
+    before, seen = ram()
+    text = "tiers" + "z" * 20
+    first = _cached_by(served, "grpc", text, "tiers")
+    again = _cached_by(served, "grpc", text, "tiers")
+    after, now_seen = ram()
+    prompt = served.relay.Tokenize(pb.TokenizeRequest(text=text), timeout=60).token_ids
+    assert (first, again) == (0, len(prompt) - 1)
+    assert now_seen - seen == 2 * len(prompt)
+    assert after["hit_tokens"] - before["hit_tokens"] == again
+    assert after["hit_rate"] == pytest.approx(after["hit_tokens"] / now_seen)
+    per_token = memory.bytes_per_token(Path(served.model), [(0, 2)])
+    assert after["entries"] >= 1 and after["tokens"] > 0
+    assert after["bytes"] == int(after["tokens"] * per_token) > 0
+    families = {f.name: f for f in text_string_to_metric_families(served.http.get("/metrics").text)}
+    by_tier = {s.labels["tier"]: s.value for s in families["mlx_relay:prompt_cache_bytes"].samples}
+    hits = families["mlx_relay:prompt_cache_hit_tokens"].samples
+    assert by_tier == {"ram": after["bytes"]}
+    assert {s.labels["tier"]: s.value for s in hits} == {"ram": after["hit_tokens"]}

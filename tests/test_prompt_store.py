@@ -68,9 +68,22 @@ def test_a_prefix_pushed_out_or_from_before_a_restart_is_loaded(
     second = _ask(running, _messages(QUESTIONS[1]))
     assert list(second.token_ids) == expected[1]
     assert second.usage.cached_tokens == whole * BLOCK_TOKENS > 0
-    shown = running.client.status().prompt_store
+    status = running.client.status()
+    shown = status.prompt_store
     assert (shown.dir, shown.off_reason, shown.restores) == (str(store), "", 1)
     assert shown.restored_tokens == whole * BLOCK_TOKENS and shown.blocks >= blocks
+    # The tiers: the disk's served the second prompt's prefix; the three prompts' tokens
+    # are what hit rates are of.
+    tiers = {t.tier: t for t in status.prompt_cache_tiers}
+    disk = tiers["disk"]
+    assert (disk.entries, disk.bytes, disk.hit_tokens) == (
+        shown.blocks,
+        shown.bytes,
+        shown.restored_tokens,
+    )
+    asked = len(prompts[0]) + len(prompts[1]) + len(chat_tokens(model, OTHER))
+    assert status.prompt_tokens == asked and tiers["ram"].hit_tokens == 0
+    assert disk.hit_rate == pytest.approx(disk.hit_tokens / asked)
     running.stop()
 
     # Started again with the same model, split and store: the blocks are found.

@@ -38,6 +38,7 @@ from mlx_relay.coordinator.sequence import EngineError, Request
 from mlx_relay.coordinator.stats import StepCount
 from mlx_relay.model import memory
 from mlx_relay.model.default_model import ModelError
+from mlx_relay.model.prefix_store import BLOCK_TOKENS
 from mlx_relay.model.split import model_layers
 from mlx_relay.protocol import control
 from mlx_relay.protocol import relay_pb2 as pb
@@ -181,6 +182,42 @@ class Cluster:
             out.restores, out.restored_tokens = index.restores, index.restored_tokens
             out.failed_restores, out.stored_blocks = index.failed_restores, index.stored_blocks
         return out
+
+    def prompt_cache_tiers(self) -> tuple[list[pb.PromptCacheTier], int]:
+        """The prompt cache's tiers (RAM's parked slots; disk's blocks where kept), and
+        the prompt tokens of the requests whose prefill finished, that hit rates are of."""
+        counted = self._engine.stats.prompts()
+        total = counted.tokens
+
+        def rate(hits: int) -> float:
+            return hits / total if total else 0.0
+
+        parked, tokens, nbytes, budget = self._engine.scheduler.ram_tier()
+        tiers = [
+            pb.PromptCacheTier(
+                tier="ram",
+                entries=parked,
+                tokens=tokens,
+                bytes=nbytes,
+                budget_bytes=budget,
+                hit_tokens=counted.from_ram,
+                hit_rate=rate(counted.from_ram),
+            )
+        ]
+        store = self.prompt_store()
+        if store.dir:
+            tiers.append(
+                pb.PromptCacheTier(
+                    tier="disk",
+                    entries=store.blocks,
+                    tokens=store.blocks * BLOCK_TOKENS,
+                    bytes=store.bytes,
+                    budget_bytes=store.budget_bytes,
+                    hit_tokens=counted.from_disk,
+                    hit_rate=rate(counted.from_disk),
+                )
+            )
+        return tiers, total
 
     def layout(self) -> pb.LayoutStatus:
         """How the loaded model is spread over the ranks (empty with none loaded)."""
@@ -469,6 +506,8 @@ class Cluster:
         out.speculation.CopyFrom(self.speculation())
         out.layout.CopyFrom(self.layout())
         out.prompt_store.CopyFrom(self.prompt_store())
+        tiers, out.prompt_tokens = self.prompt_cache_tiers()
+        out.prompt_cache_tiers.extend(tiers)
         out.ranks.append(_rank0_status(loaded))
         now = time.monotonic()
         for rank, info in sorted(self.workers().items()):

@@ -73,7 +73,39 @@ class _ClusterGauges(Collector):
         )
         yield from _step_timings(cluster)
         yield from _speculation(cluster)
+        yield from _prompt_cache_tiers(cluster)
         yield from _prompt_store(cluster)
+
+
+def _prompt_cache_tiers(cluster: Cluster) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """The prompt cache by tier (ram: the parked slots; disk: --prompt-cache-dir): what
+    each holds, and the prompt tokens each served, of every request and door."""
+    tiers, prompt_tokens = cluster.prompt_cache_tiers()
+    gauges = {
+        "entries": "Parked sequences (ram) or stored blocks of 128 tokens (disk).",
+        "tokens": "Tokens the tier holds.",
+        "bytes": "Bytes the tier holds on the rank holding the most.",
+        "budget_bytes": "The tier's byte budget (0: none bounds it).",
+    }
+    for field, doc in gauges.items():
+        family = GaugeMetricFamily(PREFIX + f"prompt_cache_{field}", doc, labels=["tier"])
+        for tier in tiers:
+            family.add_metric([tier.tier], getattr(tier, field))
+        yield family
+    hits = CounterMetricFamily(
+        PREFIX + "prompt_cache_hit_tokens",
+        "Prompt tokens a cache tier served instead of a prefill (hit rate: over "
+        "prompt_cache_prompt_tokens).",
+        labels=["tier"],
+    )
+    for tier in tiers:
+        hits.add_metric([tier.tier], tier.hit_tokens)
+    yield hits
+    yield CounterMetricFamily(
+        PREFIX + "prompt_cache_prompt_tokens",
+        "Prompt tokens of the requests whose prefill finished, every door's.",
+        value=prompt_tokens,
+    )
 
 
 def _prompt_store(cluster: Cluster) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

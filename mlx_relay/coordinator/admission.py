@@ -68,6 +68,11 @@ class MemoryCheck:
         (memory.tokens_in; CacheUnknown where a rank's caches are not known)."""
         return memory.tokens_in(self.path, self.ranges, budget)
 
+    def bytes_per_token(self) -> float:
+        """The most cache bytes a token takes on any rank (memory.bytes_per_token;
+        CacheUnknown where a rank's caches are not known)."""
+        return memory.bytes_per_token(self.path, self.ranges)
+
     def figures(self) -> dict[int, dict[str, Any]]:
         """Each rank's latest memory figures: rank 0's now, the workers' last heartbeat's."""
         figures = {0: memory.stats()}

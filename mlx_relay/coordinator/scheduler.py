@@ -59,8 +59,10 @@ class Scheduler:
         self.slots = SlotTable(config.max_active)
         self._slot_steps = SlotSteps(self.slots, config.prompt_cache_tokens)
         self.policy = Policy(config.prefill_chunk)
-        self.speculator = Speculator(config.speculation, stats or EngineStats())
+        self.stats = stats or EngineStats()
+        self.speculator = Speculator(config.speculation, self.stats)
         self.model: ModelContext | None = None  # the loaded model's (load)
+        self.ram_bytes_per_token = 0.0  # the parked caches' bytes per token (status)
         self._cancels: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._lock = threading.Lock()  # against the other threads' add and reads
 
@@ -77,7 +79,24 @@ class Scheduler:
             self.policy.reset(model.hidden, fixed_alone=shard.kv is not None)
             self.slots.usable = shard.usable_prefix
             self._slot_steps.budget = self._ram_budget(model)
+            self.ram_bytes_per_token = self._bytes_per_token(model)
         self.speculator.load(model, self.config.memory.max_context)
+
+    def _bytes_per_token(self, model: ModelContext) -> float:
+        """The parked caches' bytes per token on the rank holding the most (0: unknown),
+        for the status's RAM tier."""
+        try:
+            return model.memory.bytes_per_token() if model.memory is not None else 0.0
+        except CacheUnknown:
+            return 0.0
+
+    def ram_tier(self) -> tuple[int, int, int, int]:
+        """The parked caches (the RAM tier): sequences, tokens, bytes and the budget in
+        bytes (0: none set), on the rank holding the most per token."""
+        parked, tokens = self.cached_prompts()
+        per_token, budget = self.ram_bytes_per_token, self._slot_steps.budget
+        limit = self.config.prompt_cache_bytes or int(budget * per_token)
+        return parked, tokens, int(tokens * per_token), limit
 
     def _ram_budget(self, model: ModelContext) -> int:
         """The parked caches' token budget: --prompt-cache-tokens, and within
@@ -309,9 +328,14 @@ class Scheduler:
             if seq not in self.running:
                 continue
             if seq.first_token_at is None:
-                seq.first_token_at = now
+                self._first_token(seq, now)
             seq.context.append(token)
             self._emit(seq, token, row, out)
+
+    def _first_token(self, seq: Sequence, now: float) -> None:
+        """Its prefill is done: what of its prompt a cache served is final now."""
+        seq.first_token_at = now
+        self.stats.prompt(len(seq.request.prompt_tokens), seq.cached_tokens, seq.restored)
 
     def _verified(self, result: StepResult, out: Outputs) -> None:
         """A verify step's tokens read back (one per position: its input's, then each
@@ -328,7 +352,7 @@ class Scheduler:
         # (its position moves back before any chunk: a park records it)
         self.speculator.settle(verify, len(proposed), kept)
         if seq.first_token_at is None:
-            seq.first_token_at = time.perf_counter()
+            self._first_token(seq, time.perf_counter())
         for token, row in zip(tokens[: kept + 1], result.logprobs[: kept + 1], strict=True):
             seq.context.append(token)
             self._emit(seq, token, row, out)

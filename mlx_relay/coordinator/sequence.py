@@ -132,6 +132,7 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens found in a parked cache; the first step reuses it
     taken: Taken | None = None  # how the slot was taken, until the first step launches
     restoring: bool = False  # its slot's stored blocks are being loaded: no step yet
+    restored: bool = False  # its cached tokens came from stored blocks (disk), not a slot
     reasoning_tokens: int = 0
     group: int | None = None
     first_token_at: float | None = None

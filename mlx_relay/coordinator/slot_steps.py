@@ -43,6 +43,7 @@ class SlotSteps:
         self.first_step(seq, out)  # unpins
         prompt = seq.request.prompt_tokens
         seq.pending, seq.position, seq.context, seq.cached_tokens = list(prompt), 0, [], 0
+        seq.restored = False
 
     def free(self, slot: int, out: Outputs) -> None:
         """The slot's caches go on every rank; it is empty from now on."""
@@ -79,7 +80,7 @@ class SlotSteps:
 
     def restored(self, seq: Sequence) -> None:
         """Its Restore came back from every rank: its first step may go."""
-        seq.restoring = False
+        seq.restoring, seq.restored = False, True
         if self.prefixes is not None:
             self.prefixes.restores += 1
             self.prefixes.restored_tokens += seq.cached_tokens

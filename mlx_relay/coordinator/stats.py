@@ -29,12 +29,23 @@ class RoundCount:
     accepted: int = 0
 
 
+@dataclass(frozen=True)
+class PromptCount:
+    """Prompt tokens of requests whose prefill finished, and those a cache served: from
+    the parked slots (RAM) or from stored blocks (disk, --prompt-cache-dir)."""
+
+    tokens: int = 0
+    from_ram: int = 0
+    from_disk: int = 0
+
+
 @dataclass
 class EngineStats:
     _counts: dict[str, int] = field(default_factory=dict)
     _seconds: dict[str, float] = field(default_factory=dict)
     _tokens: dict[str, int] = field(default_factory=dict)
     _rounds: RoundCount = field(default_factory=RoundCount)
+    _prompts: PromptCount = field(default_factory=PromptCount)
 
     def step(self, kind: str, seconds: float, tokens: int) -> None:
         """One forward step of `kind` came back after `seconds`, carrying `tokens`."""
@@ -46,6 +57,16 @@ class EngineStats:
         """A speculative round came back: `accepted` of its `proposed` tokens kept."""
         r = self._rounds
         self._rounds = RoundCount(r.rounds + 1, r.proposed + proposed, r.accepted + accepted)
+
+    def prompt(self, tokens: int, cached: int, from_disk: bool) -> None:
+        """A request's prefill finished: `tokens` prompt tokens, `cached` of them from a
+        cache, stored blocks when `from_disk`, else a parked slot."""
+        p = self._prompts
+        ram, disk = (0, cached) if from_disk else (cached, 0)
+        self._prompts = PromptCount(p.tokens + tokens, p.from_ram + ram, p.from_disk + disk)
+
+    def prompts(self) -> PromptCount:
+        return self._prompts
 
     def steps(self) -> dict[str, StepCount]:
         """Forward steps by kind (prefill, decode, verify)."""

@@ -254,13 +254,19 @@ def cache_nbytes(path: Path, start: int, end: int, tokens: int) -> int:
     return sum(full * held if w is None else per_position * min(held, w) for w in windows)
 
 
+def bytes_per_token(path: Path, ranges: list[tuple[int, int]]) -> float:
+    """The most cache bytes a token takes on any rank (each holding the layers of its
+    range in `ranges`), over a long sequence (a sliding window's cap then counts as it
+    would for one sequence). CacheUnknown if a rank's caches are not known."""
+    sample = 64 * CACHE_STEP
+    return max(cache_nbytes(path, s, e, sample) / sample for s, e in ranges)
+
+
 def tokens_in(path: Path, ranges: list[tuple[int, int]], budget: int) -> int:
     """The most cached tokens (summed over sequences) whose caches fit `budget` bytes on
-    every rank (each holding the layers of its range in `ranges`), at each rank's bytes
-    per token over a long sequence (a sliding window's cap then counts as it would for
-    one sequence: the bound errs low). CacheUnknown if a rank's caches are not known."""
-    sample = 64 * CACHE_STEP
-    per_token = max(cache_nbytes(path, s, e, sample) / sample for s, e in ranges)
+    every rank, at `bytes_per_token` (the bound errs low). CacheUnknown if a rank's
+    caches are not known."""
+    per_token = bytes_per_token(path, ranges)
     return int(budget // per_token) if per_token > 0 else 1 << 40
 
 

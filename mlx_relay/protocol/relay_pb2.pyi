@@ -315,7 +315,7 @@ class RankStaging(_message.Message):
     def __init__(self, state: _Optional[str] = ..., total_bytes: _Optional[int] = ..., ready_bytes: _Optional[int] = ..., fetched_bytes: _Optional[int] = ..., reused_bytes: _Optional[int] = ..., source: _Optional[str] = ..., cache: _Optional[str] = ..., error: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("model", "model_path", "world_size", "num_layers", "ranks", "state", "active_requests", "queued_requests", "backend", "error", "cached_prompts", "cached_prompt_tokens", "requests", "speculation", "layout", "prompt_store")
+    __slots__ = ("model", "model_path", "world_size", "num_layers", "ranks", "state", "active_requests", "queued_requests", "backend", "error", "cached_prompts", "cached_prompt_tokens", "requests", "speculation", "layout", "prompt_store", "prompt_cache_tiers", "prompt_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -332,6 +332,8 @@ class StatusResponse(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_STORE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CACHE_TIERS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_path: str
     world_size: int
@@ -348,7 +350,27 @@ class StatusResponse(_message.Message):
     speculation: SpeculationStatus
     layout: LayoutStatus
     prompt_store: PromptStoreStatus
-    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., world_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., state: _Optional[str] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., backend: _Optional[str] = ..., error: _Optional[str] = ..., cached_prompts: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., speculation: _Optional[_Union[SpeculationStatus, _Mapping]] = ..., layout: _Optional[_Union[LayoutStatus, _Mapping]] = ..., prompt_store: _Optional[_Union[PromptStoreStatus, _Mapping]] = ...) -> None: ...
+    prompt_cache_tiers: _containers.RepeatedCompositeFieldContainer[PromptCacheTier]
+    prompt_tokens: int
+    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., world_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., state: _Optional[str] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., backend: _Optional[str] = ..., error: _Optional[str] = ..., cached_prompts: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., speculation: _Optional[_Union[SpeculationStatus, _Mapping]] = ..., layout: _Optional[_Union[LayoutStatus, _Mapping]] = ..., prompt_store: _Optional[_Union[PromptStoreStatus, _Mapping]] = ..., prompt_cache_tiers: _Optional[_Iterable[_Union[PromptCacheTier, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class PromptCacheTier(_message.Message):
+    __slots__ = ("tier", "entries", "tokens", "bytes", "budget_bytes", "hit_tokens", "hit_rate")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    entries: int
+    tokens: int
+    bytes: int
+    budget_bytes: int
+    hit_tokens: int
+    hit_rate: float
+    def __init__(self, tier: _Optional[str] = ..., entries: _Optional[int] = ..., tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., hit_rate: _Optional[float] = ...) -> None: ...
 
 class PromptStoreStatus(_message.Message):
     __slots__ = ("dir", "off_reason", "blocks", "bytes", "budget_bytes", "restores", "restored_tokens", "failed_restores", "stored_blocks")
