@@ -43,6 +43,7 @@ from vlm_oracle import (  # noqa: E402
 
 from mlx_relay.launch.local import free_ports  # noqa: E402
 from mlx_relay.model import memory, sharding, split  # noqa: E402
+from mlx_relay.model.prefix_store import BLOCK_TOKENS  # noqa: E402
 from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
 from mlx_relay.protocol.localai import backend_pb2 as lpb  # noqa: E402
 from mlx_relay.protocol.localai import backend_pb2_grpc as lpb_grpc  # noqa: E402
@@ -195,6 +196,65 @@ def test_image_tokens_typed_as_text_lend_no_cache_to_an_image(vlm, vlm_cluster):
     reply = client.generate(_request([image]))
     assert list(reply.token_ids) == mlx_vlm_tokens(vlm, [image])
     assert reply.usage.cached_tokens == 0
+
+
+@pytest.mark.cluster
+def test_image_chats_reuse_the_caches_of_the_same_images_only(vlm, vlm_cluster):
+    """Image prompts' caches are kept under their images' contents (image_keys.py): the
+    same image chat again reuses all of its prompt but the last token; another question
+    about the same image reuses the system prompt and the image; the same words with
+    another image reuse only what comes before the image. Every answer is mlx-vlm's."""
+    client = vlm_cluster.client
+    system, question = "You answer in one word. " * 3, "What colour is it?"
+    image, other = png(11), png(12)
+    first = client.generate(_request([image], system=system))
+    assert list(first.token_ids) == mlx_vlm_tokens(vlm, [image], system=system)
+    again = client.generate(_request([image], system=system))
+    assert list(again.token_ids) == list(first.token_ids)
+    assert again.usage.cached_tokens == first.usage.prompt_tokens - 1
+
+    messages = _messages([image], question, system)
+    prompt = list(client.stub.Tokenize(pb.TokenizeRequest(messages=messages), timeout=60).token_ids)
+    image_token = int(load_config(vlm)["image_token_index"])
+    first_image = prompt.index(image_token)
+    after_image = len(prompt) - prompt[::-1].index(image_token)
+    asked = client.generate(_request([image], question, system))
+    assert list(asked.token_ids) == mlx_vlm_tokens(vlm, [image], question, system)
+    assert asked.usage.cached_tokens >= after_image > first_image > 16
+    swapped = client.generate(_request([other], question, system))
+    assert list(swapped.token_ids) == mlx_vlm_tokens(vlm, [other], question, system)
+    assert 16 <= swapped.usage.cached_tokens <= first_image
+
+
+@pytest.mark.cluster
+def test_image_chats_restore_stored_blocks_of_the_same_images_only(vlm, tmp_path):
+    """With --prompt-cache-dir an image prompt's blocks are stored under its image-keyed
+    tokens: pushed out of the one slot, the same image chat loads its whole blocks from
+    disk; the same words with another image load only the blocks before the image."""
+    store = tmp_path / "store"
+    running = start_cluster(
+        vlm, 2, tmp_path / "logs", "--prompt-cache-dir", str(store), "--max-active", "1"
+    )
+    try:
+        client = running.client
+        system = "You answer in one word, and only about the picture. " * 12
+        image, other = png(13), png(14)
+        first = client.generate(_request([image], system=system))
+        assert list(first.token_ids) == mlx_vlm_tokens(vlm, [image], system=system)
+        client.generate(_request([], "Hello!"))  # (the one slot: the image chat leaves RAM)
+        again = client.generate(_request([image], system=system))
+        assert list(again.token_ids) == list(first.token_ids)
+        whole = (first.usage.prompt_tokens - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+        assert again.usage.cached_tokens == whole > 0
+        client.generate(_request([], "Hello!"))
+        swapped = client.generate(_request([other], system=system))
+        assert list(swapped.token_ids) == mlx_vlm_tokens(vlm, [other], system=system)
+        messages = _messages([image], QUESTION, system)
+        prompt = client.stub.Tokenize(pb.TokenizeRequest(messages=messages), timeout=60).token_ids
+        first_image = list(prompt).index(int(load_config(vlm)["image_token_index"]))
+        assert swapped.usage.cached_tokens == first_image // BLOCK_TOKENS * BLOCK_TOKENS > 0
+    finally:
+        running.stop()
 
 
 @pytest.mark.cluster

@@ -184,3 +184,20 @@ def test_an_image_chat_reusing_a_text_prefix(models, cluster):
     reply = cluster.client.generate(_request([png(4)], system=system))
     assert list(reply.token_ids) == mlx_vlm_tokens(path, [png(4)], system=system)
     assert reply.usage.cached_tokens > 16, "the system prompt's caches served"
+
+
+@pytest.mark.cluster
+def test_the_same_image_chat_again_reuses_its_caches_and_keeps_its_delta(models, cluster):
+    """An image chat's caches are parked under its image's contents: asked again, all of
+    its prompt but the last token is reused, that token's step carries the whole prompt's
+    rope delta, and decoding goes on at it: mlx-vlm's tokens; another image reuses none
+    of the image's positions."""
+    path = models[CLUSTER_FAMILY]
+    first = cluster.client.generate(_request([png(5)]))
+    assert list(first.token_ids) == mlx_vlm_tokens(path, [png(5)])
+    again = cluster.client.generate(_request([png(5)]))
+    assert list(again.token_ids) == list(first.token_ids)
+    assert again.usage.cached_tokens == first.usage.prompt_tokens - 1
+    other = cluster.client.generate(_request([png(6, (20, 50))]))
+    assert list(other.token_ids) == mlx_vlm_tokens(path, [png(6, (20, 50))])
+    assert other.usage.cached_tokens < first.usage.prompt_tokens - 1

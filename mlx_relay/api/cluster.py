@@ -320,6 +320,7 @@ class Cluster:
             ),
             pixel_values=prompt.pixel_values,  # rank 0 encodes them as the prefill starts
             cache_salt=request.cache_salt,
+            image_keyed=prompt.cache_tokens,
         )
 
     def _constraint(

@@ -102,13 +102,10 @@ def new_sequence(
 
 
 def cached_before_images(request: Request, cached: int, config: dict[str, Any]) -> int:
-    """An image request reuses a parked cache only where it ends before the first
-    image token: past it, equal token ids need not mean equal images. None where the
-    prompt goes whole from position 0 (vision.prefills_whole: gemma4's image mask)."""
+    """What of a cached prefix an image request reuses: all of it (the cache matched its
+    image-keyed tokens, image_keys.py, so past its first image it holds the same images),
+    except where the prompt goes whole from position 0 (vision.prefills_whole: gemma4's
+    image mask)."""
     if request.pixel_values is None or not cached:
         return cached
-    if vision.prefills_whole(config):
-        return 0
-    prompt, image_token = request.prompt_tokens, vision.image_token_id(config)
-    first = prompt.index(image_token) if image_token in prompt else len(prompt)
-    return cached if cached <= first else 0
+    return 0 if vision.prefills_whole(config) else cached

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlx_relay.coordinator import image_keys
 from mlx_relay.coordinator.generation import GenerationRequest, Message
 from mlx_relay.errors import InvalidRequest, json_field
 from mlx_relay.model import vision
@@ -40,6 +41,7 @@ class Prompt:
     tool_fallback: bool = False
     images: list[bytes] = field(default_factory=list)  # image files, in the order shown
     pixel_values: Any = None  # the images preprocessed (encode_images), for rank 0
+    cache_tokens: list[int] | None = None  # token_ids keyed by the images (image_keys.py)
 
 
 def logit_bias(value: dict[Any, Any], name: str = "logit_bias") -> dict[int, float]:
@@ -279,3 +281,4 @@ def encode_images(prompt: Prompt, model_path: str | None, config: dict[str, Any]
         )
     prompt.token_ids = encoded.token_ids
     prompt.pixel_values = encoded.pixel_values
+    prompt.cache_tokens = image_keys.keyed(encoded.token_ids, image_id, prompt.images)

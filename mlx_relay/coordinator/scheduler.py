@@ -75,6 +75,7 @@ class Scheduler:
             self.model = model
             self.slots.reset()
             self._slot_steps.prefixes = model.prefixes
+            self._slot_steps.whole_images = model.whole_images
             # (quantized KV caches: a prompt alone goes in --prefill-chunk chunks)
             self.policy.reset(model.hidden, fixed_alone=shard.kv is not None)
             self.slots.usable = shard.usable_prefix
@@ -196,7 +197,7 @@ class Scheduler:
                 out.emit.append((request, EngineError("exhausted", f"not enough memory: {short}")))
                 continue
             taken = self._slot_steps.restorable(
-                request, self.slots.take(request.prompt_tokens, request.cache_salt), out
+                request, self.slots.take(request.cache_tokens(), request.cache_salt), out
             )
             try:
                 assert self.model is not None

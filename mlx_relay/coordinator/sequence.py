@@ -94,8 +94,15 @@ class Request:
     # Tenants whose prompts must not share cached prefixes give different salts (vLLM's
     # `cache_salt`): the prompt store's block keys start from it (prefix_index.py).
     cache_salt: str = ""
+    # An image prompt's tokens as the prompt cache compares them (image_keys.py).
+    image_keyed: list[int] | None = None
     # The scheduler's cancellation queue, once submitted: it reads them once a step.
     cancels: queue.SimpleQueue | None = field(default=None, repr=False, compare=False)
+
+    def cache_tokens(self) -> list[int]:
+        """The prompt as the prompt cache compares it: its ids, an image prompt's
+        placeholders keyed by its images (image_keys.py)."""
+        return self.image_keyed if self.image_keyed is not None else self.prompt_tokens
 
     def cancel(self) -> None:
         """From any thread; a no-op once finished (the scheduler no longer runs it)."""
@@ -148,6 +155,14 @@ class Sequence:
     def prefilling(self) -> bool:
         """Prompt tokens left to send: known in advance, so several chunks may be in flight."""
         return self.first_token_at is None and bool(self.pending)
+
+    def cache_context(self) -> list[int]:
+        """What its caches hold, as the prompt cache compares it (`Request.cache_tokens`
+        for the prompt's part): the tokens a park records."""
+        prompt = self.request.cache_tokens()
+        if self.position <= len(prompt):
+            return prompt[: self.position]
+        return prompt + self.context[len(prompt) : self.position]
 
     @property
     def has_images(self) -> bool:

@@ -20,6 +20,9 @@ class SlotSteps:
         self.table = table
         self.budget = budget  # --prompt-cache-tokens (0: as many as the slots hold)
         self.prefixes: PrefixIndex | None = None  # --prompt-cache-dir: the stored blocks
+        # The loaded model prefills an image prompt only whole, from position 0
+        # (vision.prefills_whole): an image request neither parks nor restores.
+        self.whole_images = False
 
     def end(self, seq: Sequence, normally: bool, reuse: bool, out: Outputs) -> None:
         """`seq` ended (`normally`: with a chunk, not an error): its slot is given back,
@@ -31,9 +34,9 @@ class SlotSteps:
         elif seq.taken is not None:  # its first step failed on rank 0: reset the slot
             self.first_step(seq, out)
             self.free(seq.slot, out)
-        elif reuse and normally and seq.position and not seq.has_images:
-            # (an image request's caches are not parked: its image tokens' ids say
-            # nothing of the image, so a later prompt could match them wrongly)
+        elif reuse and normally and seq.position and not (seq.has_images and self.whole_images):
+            # (an image request's caches are parked under its image-keyed tokens, except
+            # where an image prompt is only ever prefilled whole: nothing could reuse them)
             self.park(seq, out)
         else:
             self.free(seq.slot, out)
@@ -54,9 +57,10 @@ class SlotSteps:
         """It ended normally: its caches stay for a later prompt sharing a prefix (after
         its steps still in flight: the park step follows them everywhere)."""
         out.slots.append(Park(seq.slot))
-        self.table.park(seq.slot, seq.context[: seq.position], seq.request.cache_salt)
+        held = seq.cache_context()
+        self.table.park(seq.slot, held, seq.request.cache_salt)
         if self.prefixes is not None:  # (its whole blocks to disk too, those not there)
-            blocks = self.prefixes.missing(seq.context[: seq.position], seq.request.cache_salt)
+            blocks = self.prefixes.missing(held, seq.request.cache_salt)
             if blocks:
                 out.slots.append(Store(seq.slot, tuple(blocks)))
         self.keep_to_budget(out)
@@ -66,9 +70,9 @@ class SlotSteps:
         the parked caches give, the same slot filled with those blocks first (a Restore
         step; the sequence waits for it). A taken-over parked cache is given up for it,
         a copy source unpinned."""
-        if self.prefixes is None or request.pixel_values is not None:
+        if self.prefixes is None or (request.pixel_values is not None and self.whole_images):
             return taken
-        keys = self.prefixes.longest(request.prompt_tokens, request.cache_salt)
+        keys = self.prefixes.longest(request.cache_tokens(), request.cache_salt)
         if len(keys) * BLOCK_TOKENS <= taken.cached:
             return taken
         if taken.source is not None and taken.source != taken.slot:
