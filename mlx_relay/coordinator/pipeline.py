@@ -38,6 +38,7 @@ from mlx_relay.coordinator.ring_watch import ClusterFailure, RankFailure
 from mlx_relay.coordinator.runner import StageRunner
 from mlx_relay.model import layer_timing, memory, prefix_store, sharding, speed, tensor_split
 from mlx_relay.model.default_model import resolve_model
+from mlx_relay.model.device_dtype import device_dtype
 from mlx_relay.model.split_plan import host_speeds, plan_ranges, probes_speed
 from mlx_relay.model.step_inputs import PromptInputs
 from mlx_relay.protocol import control
@@ -256,10 +257,8 @@ class Pipeline:
         first layer on rank 0."""
         assert self.tensor is not None
         num_layers = sharding.count_layers(config)
-        on_gpu = mx.default_device() == mx.gpu
         shape = (1, 1, sharding.hidden_size(config))
-        dtype = mx.bfloat16 if on_gpu else mx.float32
-        all_sum_s = self.driver.time_all_sum(self.tensor, shape, dtype)
+        all_sum_s = self.driver.time_all_sum(self.tensor, shape, device_dtype())
         hosts = [control.host_name(), *(self.watch.host(r) for r in range(1, self.world_size))]
         return layout_choice.choose(
             layer_timing.decode_step_seconds(path),

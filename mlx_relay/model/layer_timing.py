@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlx_relay.model import sharding
+from mlx_relay.model.device_dtype import device_dtype
 
 CONTEXT = 32  # positions already in the layer's cache when the steps are timed
 STEPS = 8  # decode steps timed (after one warm-up); the median counts
@@ -27,7 +28,7 @@ def decode_step_seconds(path: Path) -> float:
     shard = sharding.load_shard(path, 0, 1, has_ends=False)
     caches = shard.make_caches()
     width = sharding.hidden_size(shard.config)
-    dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
+    dtype = device_dtype()
     mx.eval(sharding.run_layers(shard, mx.zeros((1, CONTEXT, width), dtype), caches))
     x = mx.zeros((1, 1, width), dtype)
     times = []

@@ -20,6 +20,8 @@ import time
 
 import mlx.core as mx
 
+from mlx_relay.model.device_dtype import device_dtype
+
 # The matrix read each pass: beyond caches (an M2 Ultra's system-level cache is 96 MB);
 # smaller on a CPU (test clusters), where a pass over 256 MB would take a second.
 GPU_PROBE_BYTES = 256 * 2**20
@@ -35,7 +37,7 @@ SAME_SPEED = 1.6
 def probe(runs: int = RUNS, run_s: float = RUN_S) -> float:
     """This rank's weight-reading speed in MB/s (the best of `runs` timed runs)."""
     on_gpu = mx.default_device() == mx.gpu
-    dtype = mx.bfloat16 if on_gpu else mx.float32
+    dtype = device_dtype()
     cols = 4096
     rows = (GPU_PROBE_BYTES if on_gpu else CPU_PROBE_BYTES) // (cols * dtype.size)
     weights = mx.full((rows, cols), 0.5, dtype=dtype)
