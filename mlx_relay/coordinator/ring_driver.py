@@ -132,15 +132,9 @@ class RingDriver:
         self.settle()
         mx.async_eval(tokens)  # (first, apart: see launch)
         self.announce()
-        self._step_id += 1
-        step.header.step_id = self._step_id
-        self.watch.launched(step)
         step.hidden = hidden
         self._in_flight.append(step)
-        try:
-            self.ring.send_header(step.header)
-        except RuntimeError as e:
-            raise self.watch.ring_broken(e, self.ring.next) from e
+        self._send_header_alone(step)
         mx.async_eval(step.hidden)
         timeline.mark("posted", step.header.step_id)
 
@@ -406,19 +400,26 @@ class RingDriver:
         header.payload_dtype = dtype_name(dtype)
         header.payload_shape = shape
         step = Step(header, want_logits=False)
-        self._step_id += 1
-        header.step_id = self._step_id
-        self.watch.launched(step)
-        try:
-            self.ring.send_header(header)
-        except RuntimeError as e:
-            raise self.watch.ring_broken(e, self.ring.next) from e
+        self._send_header_alone(step)
         try:
             seconds = tensor.time_all_sum(shape, dtype)
             self._receive(step)  # (the peers' acknowledgement)
         finally:
             self.done(step)
         return seconds
+
+    def _send_header_alone(self, step: Step) -> None:
+        """Number `step`, start its deadline and send its header round the ring with no
+        payload behind it: a tensor step's peers compute their parts from their own
+        copies of its input, and a timing command carries nothing."""
+        assert self.ring is not None
+        self._step_id += 1
+        step.header.step_id = self._step_id
+        self.watch.launched(step)
+        try:
+            self.ring.send_header(step.header)
+        except RuntimeError as e:
+            raise self.watch.ring_broken(e, self.ring.next) from e
 
     # --- the ring ----------------------------------------------------------------------
     def _receive(self, step: Step, host_bytes: bool = False) -> tuple[hdr.StepHeader, Any]:
