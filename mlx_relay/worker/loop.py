@@ -42,7 +42,6 @@ class Worker:
     def __init__(self, ring: Ring, link: ControlLink, tensor: TensorGroup | None = None) -> None:
         self.ring = ring
         self.link = link
-        self.tensor = tensor
         self.rank = ring.rank
         send = link.reporter("stage")  # (the staging thread's own socket)
         stager = Stager(
@@ -129,12 +128,13 @@ class Worker:
         this rank's slices of every layer on rank 0's hidden state, posted."""
         try:
             self.ring.send_header(header)
-            if self.tensor is None:
+            tensor = self.stage.tensor
+            if tensor is None:
                 raise StepError(hdr.ERR_BAD_HEADER, "a tensor step reached a rank with no group")
             if header.cmd == hdr.CMD_TIME_ALL_SUM:  # (--tensor-parallel auto, at load)
-                self.tensor.time_all_sum(header.payload_shape, mx_dtype(header.payload_dtype))
+                tensor.time_all_sum(header.payload_shape, mx_dtype(header.payload_dtype))
                 return
-            h, sides = self.tensor.receive(header)
+            h, sides = tensor.receive(header)
             out = self.stage.forward(header, h, sides)
         except Exception as e:  # noqa: BLE001 - the group cannot go on without this rank
             message = described(e)
