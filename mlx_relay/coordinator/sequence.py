@@ -92,7 +92,8 @@ class Request:
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     # Tenants whose prompts must not share cached prefixes give different salts (vLLM's
-    # `cache_salt`): the prompt store's block keys start from it (prefix_index.py).
+    # `cache_salt`): parked caches are matched only within one salt (slots.py), and the
+    # prompt store's block keys start from it (prefix_index.py).
     cache_salt: str = ""
     # An image prompt's tokens as the prompt cache compares them (image_keys.py).
     image_keyed: list[int] | None = None
