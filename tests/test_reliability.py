@@ -647,11 +647,10 @@ def test_a_rank_0_held_up_past_the_heartbeat_timeout_keeps_its_cluster(model, cl
         (left,) = _wait_exit([worker], patience + 30, t0=stopped)
     finally:
         os.kill(rank0.pid, signal.SIGCONT)
-    # (silent since rank 0's last heartbeat, up to an interval before it was stopped)
-    assert worker.returncode == EXIT_RANK0_SILENT and left >= patience - 1, (
-        worker.returncode,
-        left,
-    )
+    # Longer than rank 0 waits on a worker (counted from rank 0's last heartbeat, which
+    # a busy machine may have sent late, some time before the stop: a lower bound only).
+    assert worker.returncode == EXIT_RANK0_SILENT, describe_exit(worker.returncode)
+    assert left > HEARTBEAT_TIMEOUT + 2, left
     assert "rank 0 silent for" in (running.log_dir / "rank1.log").read_text()
     print(f"\nrank 0 stopped: its worker left after {left:.2f} s (patience {patience:.0f} s)")
 
