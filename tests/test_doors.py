@@ -383,54 +383,68 @@ def _hits(served: Served) -> float:
     return sum(s.value for s in families["mlx_relay:prefix_cache_hits"].samples)
 
 
-def _cached_by(served: Served, door: str, text: str, salt: str) -> int:
-    """Ask `door` for `text` with `salt`; the cached prompt tokens it reports (Ollama has
-    no such field: its share of the /metrics hits)."""
-    ask = {"max_tokens": 2, "temperature": 0, "cache_salt": salt}
-    if door == "grpc":
-        params = pb.SamplingParams(max_tokens=2)
-        reply = served.relay.Generate(
-            pb.GenerateRequest(prompt=text, params=params, cache_salt=salt), timeout=60
-        )
-        return reply.usage.cached_tokens
-    if door == "openai completions":
-        usage = served.http.post("/v1/completions", json={"prompt": text, **ask}).json()["usage"]
-        return usage["prompt_tokens_details"]["cached_tokens"]
-    if door == "openai chat":
-        body = {"messages": [{"role": "user", "content": text}], **ask}
-        usage = served.http.post("/v1/chat/completions", json=body).json()["usage"]
-        return usage["prompt_tokens_details"]["cached_tokens"]
-    if door == "responses":
-        body = {"input": text, "max_output_tokens": 2, "temperature": 0, "cache_salt": salt}
-        usage = served.http.post("/v1/responses", json={**body, "store": False}).json()["usage"]
-        return usage["input_tokens_details"]["cached_tokens"]
-    if door == "anthropic":
-        body = {"model": served.model, "messages": [{"role": "user", "content": text}], **ask}
-        return served.http.post("/v1/messages", json=body).json()["usage"][
-            "cache_read_input_tokens"
-        ]
-    assert door == "ollama", door
+def _salted_grpc(served: Served, text: str, salt: str) -> int:
+    params = pb.SamplingParams(max_tokens=2)
+    request = pb.GenerateRequest(prompt=text, params=params, cache_salt=salt)
+    return served.relay.Generate(request, timeout=60).usage.cached_tokens
+
+
+def _salted_completion(served: Served, text: str, salt: str) -> int:
+    body = {"prompt": text, "max_tokens": 2, "cache_salt": salt}
+    usage = served.http.post("/v1/completions", json=body).json()["usage"]
+    return usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def _salted_chat(served: Served, text: str, salt: str) -> int:
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": 2, "cache_salt": salt}
+    usage = served.http.post("/v1/chat/completions", json=body).json()["usage"]
+    return usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def _salted_responses(served: Served, text: str, salt: str) -> int:
+    body = {"input": text, "max_output_tokens": 2, "store": False, "cache_salt": salt}
+    usage = served.http.post("/v1/responses", json=body).json()["usage"]
+    return usage["input_tokens_details"]["cached_tokens"]
+
+
+def _salted_anthropic(served: Served, text: str, salt: str) -> int:
+    messages = [{"role": "user", "content": text}]
+    body = {"model": served.model, "messages": messages, "max_tokens": 2, "cache_salt": salt}
+    return served.http.post("/v1/messages", json=body).json()["usage"]["cache_read_input_tokens"]
+
+
+def _salted_ollama(served: Served, text: str, salt: str) -> int:
+    """(Ollama has no cached-tokens field: the request's share of /metrics' hits.)"""
     before = _hits(served)
     body = {"model": served.model, "prompt": text, "raw": True, "stream": False}
-    reply = served.http.post(
-        "/api/generate", json={**body, "options": {"num_predict": 2}, "cache_salt": salt}
-    )
+    body |= {"options": {"num_predict": 2}, "cache_salt": salt}
+    reply = served.http.post("/api/generate", json=body)
     assert reply.status_code == 200, reply.text
     return int(_hits(served) - before)
 
 
-@pytest.mark.parametrize(
-    "door", ["grpc", "openai completions", "openai chat", "responses", "anthropic", "ollama"]
-)
+# door -> ask it for a prompt with a salt: the prompt tokens it reports found in a cache
+SALTED = {
+    "grpc": _salted_grpc,
+    "openai completions": _salted_completion,
+    "openai chat": _salted_chat,
+    "responses": _salted_responses,
+    "anthropic": _salted_anthropic,
+    "ollama": _salted_ollama,
+}
+
+
+@pytest.mark.parametrize("door", list(SALTED))
 def test_every_door_takes_a_cache_salt_and_salts_share_no_cached_prefix(served, door):
     """vLLM's `cache_salt`: a prompt is served from a kept cache only of its own salt
     (tenants that must not share prefixes, RAM tier here; the disk tier keys its blocks
     by it too, test_prompt_store.py)."""
+    ask = SALTED[door]
     text = door.replace(" ", "") + "y" * 20  # (one prompt per door: no other test's cache)
-    assert _cached_by(served, door, text, "tenant-a") == 0
-    assert _cached_by(served, door, text, "tenant-a") > 0
-    assert _cached_by(served, door, text, "tenant-b") == 0
-    assert _cached_by(served, door, text, "tenant-b") > 0
+    assert ask(served, text, "tenant-a") == 0
+    assert ask(served, text, "tenant-a") > 0
+    assert ask(served, text, "tenant-b") == 0
+    assert ask(served, text, "tenant-b") > 0
 
 
 def test_status_and_metrics_show_the_ram_tier_its_bytes_and_what_it_served(served):
@@ -445,8 +459,8 @@ def test_status_and_metrics_show_the_ram_tier_its_bytes_and_what_it_served(serve
 
     before, seen = ram()
     text = "tiers" + "z" * 20
-    first = _cached_by(served, "grpc", text, "tiers")
-    again = _cached_by(served, "grpc", text, "tiers")
+    first = _salted_grpc(served, text, "tiers")
+    again = _salted_grpc(served, text, "tiers")
     after, now_seen = ram()
     prompt = served.relay.Tokenize(pb.TokenizeRequest(text=text), timeout=60).token_ids
     assert (first, again) == (0, len(prompt) - 1)
