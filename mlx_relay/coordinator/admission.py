@@ -63,11 +63,6 @@ class MemoryCheck:
         self._last = (now, request, short)
         return short
 
-    def tokens_in(self, budget: int) -> int:
-        """The most parked tokens whose caches fit `budget` bytes on every rank
-        (memory.tokens_in; CacheUnknown where a rank's caches are not known)."""
-        return memory.tokens_in(self.path, self.ranges, budget)
-
     def bytes_per_token(self) -> float:
         """The most cache bytes a token takes on any rank (memory.bytes_per_token;
         CacheUnknown where a rank's caches are not known)."""

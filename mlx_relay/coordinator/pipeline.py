@@ -36,9 +36,9 @@ from mlx_relay.coordinator.returns import Completion
 from mlx_relay.coordinator.ring_driver import WATCH_INTERVAL_S, RingDriver, Step
 from mlx_relay.coordinator.ring_watch import ClusterFailure, RankFailure
 from mlx_relay.coordinator.runner import StageRunner
+from mlx_relay.device import compute_dtype
 from mlx_relay.model import layer_timing, memory, prefix_store, sharding, speed, tensor_split
 from mlx_relay.model.default_model import resolve_model
-from mlx_relay.model.device_dtype import device_dtype
 from mlx_relay.model.split_plan import host_speeds, plan_ranges, probes_speed
 from mlx_relay.model.step_inputs import PromptInputs
 from mlx_relay.protocol import control
@@ -258,7 +258,7 @@ class Pipeline:
         assert self.tensor is not None
         num_layers = sharding.count_layers(config)
         shape = (1, 1, sharding.hidden_size(config))
-        all_sum_s = self.driver.time_all_sum(self.tensor, shape, device_dtype())
+        all_sum_s = self.driver.time_all_sum(self.tensor, shape, compute_dtype())
         hosts = [control.host_name(), *(self.watch.host(r) for r in range(1, self.world_size))]
         return layout_choice.choose(
             layer_timing.decode_step_seconds(path),

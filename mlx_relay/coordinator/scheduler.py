@@ -79,16 +79,20 @@ class Scheduler:
             # (quantized KV caches: a prompt alone goes in --prefill-chunk chunks)
             self.policy.reset(model.hidden, fixed_alone=shard.kv is not None)
             self.slots.usable = shard.usable_prefix
-            self._slot_steps.budget = self._ram_budget(model)
             self.ram_bytes_per_token = self._bytes_per_token(model)
+            self._slot_steps.budget = self._ram_budget(self.ram_bytes_per_token)
         self.speculator.load(model, self.config.memory.max_context)
 
     def _bytes_per_token(self, model: ModelContext) -> float:
         """The parked caches' bytes per token on the rank holding the most (0: unknown),
-        for the status's RAM tier."""
+        for --prompt-cache-bytes and the status's RAM tier."""
         try:
             return model.memory.bytes_per_token() if model.memory is not None else 0.0
-        except CacheUnknown:
+        except CacheUnknown as e:
+            if self.config.prompt_cache_bytes:
+                log.warning(
+                    "--prompt-cache-bytes not applied: this model's caches are unknown (%s)", e
+                )
             return 0.0
 
     def ram_tier(self) -> tuple[int, int, int, int]:
@@ -99,17 +103,13 @@ class Scheduler:
         limit = self.config.prompt_cache_bytes or int(budget * per_token)
         return parked, tokens, int(tokens * per_token), limit
 
-    def _ram_budget(self, model: ModelContext) -> int:
+    def _ram_budget(self, per_token: float) -> int:
         """The parked caches' token budget: --prompt-cache-tokens, and within
-        --prompt-cache-bytes on every rank at this model's bytes per token (0: none)."""
+        --prompt-cache-bytes on every rank at `per_token` bytes a token (0: none)."""
         tokens, nbytes = self.config.prompt_cache_tokens, self.config.prompt_cache_bytes
-        if not nbytes or model.memory is None:
+        if not nbytes or per_token <= 0:
             return tokens
-        try:
-            fit = max(1, model.memory.tokens_in(nbytes))
-        except CacheUnknown as e:
-            log.warning("--prompt-cache-bytes not applied: this model's caches are unknown (%s)", e)
-            return tokens
+        fit = max(1, int(nbytes // per_token))
         log.info("kept prompt caches: at most %d tokens (%s on each rank)", fit, size_text(nbytes))
         return min(tokens, fit) if tokens else fit
 

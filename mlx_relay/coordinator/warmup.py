@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlx_relay.coordinator.pipeline import Pipeline, Step
-from mlx_relay.device import on_cuda
+from mlx_relay.device import on_cuda, on_gpu
 from mlx_relay.protocol import header as hdr
 
 MODES = ("auto", "on", "off")
@@ -55,7 +55,7 @@ class WarmUp:
 def compiles_per_shape() -> bool:
     """Whether this device builds kernels for the shapes it meets (a GPU: Metal, CUDA),
     not the CPU, whose kernels are built in."""
-    return mx.default_device() == mx.gpu
+    return on_gpu()
 
 
 def wanted(mode: str) -> bool:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlx_relay.device import compute_dtype
 from mlx_relay.model import sharding
-from mlx_relay.model.device_dtype import device_dtype
 
 CONTEXT = 32  # positions already in the layer's cache when the steps are timed
 STEPS = 8  # decode steps timed (after one warm-up); the median counts
@@ -28,7 +28,7 @@ def decode_step_seconds(path: Path) -> float:
     shard = sharding.load_shard(path, 0, 1, has_ends=False)
     caches = shard.make_caches()
     width = sharding.hidden_size(shard.config)
-    dtype = device_dtype()
+    dtype = compute_dtype()
     mx.eval(sharding.run_layers(shard, mx.zeros((1, CONTEXT, width), dtype), caches))
     x = mx.zeros((1, 1, width), dtype)
     times = []

@@ -262,14 +262,6 @@ def bytes_per_token(path: Path, ranges: list[tuple[int, int]]) -> float:
     return max(cache_nbytes(path, s, e, sample) / sample for s, e in ranges)
 
 
-def tokens_in(path: Path, ranges: list[tuple[int, int]], budget: int) -> int:
-    """The most cached tokens (summed over sequences) whose caches fit `budget` bytes on
-    every rank, at `bytes_per_token` (the bound errs low). CacheUnknown if a rank's
-    caches are not known."""
-    per_token = bytes_per_token(path, ranges)
-    return int(budget // per_token) if per_token > 0 else 1 << 40
-
-
 # A shard's caches as measured (`measure_caches`): per cache, (bytes whatever the
 # length, bytes per position, the most positions it keeps or 0 for all of them).
 CacheLayout = list[tuple[int, int, int]]

@@ -20,7 +20,7 @@ import time
 
 import mlx.core as mx
 
-from mlx_relay.model.device_dtype import device_dtype
+from mlx_relay.device import compute_dtype, on_gpu
 
 # The matrix read each pass: beyond caches (an M2 Ultra's system-level cache is 96 MB);
 # smaller on a CPU (test clusters), where a pass over 256 MB would take a second.
@@ -36,10 +36,10 @@ SAME_SPEED = 1.6
 
 def probe(runs: int = RUNS, run_s: float = RUN_S) -> float:
     """This rank's weight-reading speed in MB/s (the best of `runs` timed runs)."""
-    on_gpu = mx.default_device() == mx.gpu
-    dtype = device_dtype()
+    gpu = on_gpu()
+    dtype = compute_dtype()
     cols = 4096
-    rows = (GPU_PROBE_BYTES if on_gpu else CPU_PROBE_BYTES) // (cols * dtype.size)
+    rows = (GPU_PROBE_BYTES if gpu else CPU_PROBE_BYTES) // (cols * dtype.size)
     weights = mx.full((rows, cols), 0.5, dtype=dtype)
     x = mx.ones((cols,), dtype=dtype)
     mx.eval(weights, x)
