@@ -14,6 +14,7 @@ import hmac
 import json
 import os
 import socket
+import time
 from typing import Any
 
 # Message kinds.
@@ -38,6 +39,24 @@ LINK_GRACE_S = 0.5
 # heard meanwhile may be waiting unread in zmq's own I/O thread, which was held up too. So
 # silence is counted again from the end of such a hold-up, never across it.
 HELD_UP_S = 1.0
+
+
+class HoldUps:
+    """A side-channel thread's hold-ups, told from its own turns (`turn` once a round of
+    its loop, which comes every `interval` or sooner): `until`, the end of the last one,
+    from which a peer's silence is counted again; `behind`, one going on now."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.turned_at = self.until = time.monotonic()
+
+    def turn(self, now: float) -> None:
+        if self.behind(now):
+            self.until = now
+        self.turned_at = now
+
+    def behind(self, now: float) -> bool:
+        return now - self.turned_at > self.interval + HELD_UP_S
 
 
 def host_name() -> str:

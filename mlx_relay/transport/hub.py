@@ -106,11 +106,10 @@ class ControlHub:
         self._wakeup_push = self._ctx.socket(zmq.PUSH)
         self._wakeup_push.connect(self._wakeup_addr)
         self._stop = threading.Event()
-        # The hub thread's last turn, and the end of its last hold-up (control.HELD_UP_S):
-        # a worker's silence is counted from neither before, so that a rank 0 starved on
-        # a busy machine, or stopped and resumed, blames no worker whose heartbeats it has
-        # not read yet.
-        self._turned_at = self._held_up_until = time.monotonic()
+        # The hub thread's own hold-ups: a worker's silence is not counted across one, so
+        # that a rank 0 starved on a busy machine, or stopped and resumed, blames no
+        # worker whose heartbeats it has not read yet.
+        self._hold_ups = control.HoldUps(heartbeat_interval)
         self._thread = threading.Thread(target=self._run, name="control-hub", daemon=True)
         self._thread.start()
 
@@ -186,9 +185,9 @@ class ControlHub:
     def _silence(self, info: RankInfo, now: float) -> float:
         """How long `info`'s rank has been silent as far as this hub can tell: not
         counting a hold-up of the hub's own, past or still going on (zero while it is)."""
-        if now - self._turned_at > self.heartbeat_interval + control.HELD_UP_S:
+        if self._hold_ups.behind(now):
             return 0.0  # the hub thread itself is behind: it cannot tell
-        return now - max(info.last_seen, self._held_up_until)
+        return now - max(info.last_seen, self._hold_ups.until)
 
     def wait_failure(self, heartbeat_timeout: float, timeout: float) -> LinkFailure | None:
         """`failure()`, waiting up to `timeout` for one to show (after the ring broke)."""
@@ -254,10 +253,7 @@ class ControlHub:
             if self._retry:
                 timeout_ms = min(timeout_ms, 10)
             events = dict(poller.poll(timeout_ms))
-            turned = time.monotonic()
-            if turned - self._turned_at > self.heartbeat_interval + control.HELD_UP_S:
-                self._held_up_until = turned
-            self._turned_at = turned
+            self._hold_ups.turn(time.monotonic())
             if self._wakeup_pull in events:
                 while self._wakeup_pull.poll(0):
                     self._wakeup_pull.recv()

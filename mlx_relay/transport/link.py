@@ -162,7 +162,8 @@ class ControlLink:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        last_rank0 = turned = time.monotonic()
+        last_rank0 = time.monotonic()
+        hold_ups = control.HoldUps(self._interval)
         answered = False
         closed_at: float | None = None
         try:
@@ -189,9 +190,8 @@ class ControlLink:
                         except control.BadMessage as e:
                             self.dropped.drop("rank 0's end", e)
                 now = time.monotonic()
-                if now - turned > self._interval + control.HELD_UP_S:
-                    last_rank0 = max(last_rank0, now)  # this thread was held up: start again
-                turned = now
+                hold_ups.turn(now)  # (this thread held up: rank 0's silence counts again)
+                last_rank0 = max(last_rank0, hold_ups.until)
                 if closed_at is not None and now - closed_at >= control.LINK_GRACE_S:
                     why = "rank 0's side-channel connection closed (its process exited or died)"
                 elif now - last_rank0 > (
