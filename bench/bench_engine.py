@@ -1,7 +1,7 @@
 """The engine alone against mlx-lm: one process, no gRPC, no client, no ring.
 
     .venv/bin/python bench/bench_engine.py [--shape tiny | --model PATH] [--tokens 256]
-        [--rounds 5] [--core 0]
+        [--rounds 5] [--core 0] [--profile 25]
 
 `bench_pipeline.py` measures what a user gets: a cluster behind its gRPC front door,
 read by a client. On a CPU where a token costs a few milliseconds and each rank has one
@@ -10,13 +10,19 @@ share the core with the computation. This runs rank 0's engine in process on a
 one-rank pipeline (the same Engine, Pipeline and sampling as a served cluster) and
 mlx-lm's `stream_generate` in the same process, taking turns, pinned to one core
 (`--core -1`: not pinned), so the ratio is the engine's own per-step cost and nothing else.
+
+`--profile N` runs one more round of each under cProfile (the engine's thread and the
+mlx-lm loop's) and prints each side's N functions with the most time of their own, in
+microseconds a token: where the engine's host time a token goes that mlx-lm's does not.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -37,6 +43,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--core", type=int, default=0, help="the core to pin to (-1: none)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="print N functions")
     args = ap.parse_args()
     if args.core >= 0:  # (before MLX starts its threads, so they inherit it)
         os.sched_setaffinity(0, {args.core})
@@ -88,6 +95,16 @@ def main() -> int:
         ratios.append(ours / base)
         print(f"{i + 1:>5}{base:>14.1f}{ours:>14.1f}{ours / base:>8.3f}", flush=True)
     print(f"median ratio {statistics.median(ratios):.3f}")
+    if args.profile:
+        for name, run, on_its_thread in (
+            ("mlx-lm", mlx_lm_run, lambda fn: fn()),
+            ("engine", engine_run, lambda fn: engine.call(fn).result()),
+        ):
+            profiler = cProfile.Profile()
+            on_its_thread(profiler.enable)  # (cProfile sees only the thread enabling it)
+            decode_rate(run)
+            on_its_thread(profiler.disable)
+            print_profile(name, profiler, args.tokens, args.profile)
     engine.free(shutdown=True).result()
     engine.join(10)
     # Arrays the engine left in reference cycles go now: freed at interpreter teardown,
@@ -95,6 +112,17 @@ def main() -> int:
     # active exception"; seen with MLX 0.32.4).
     gc.collect()
     return 0
+
+
+def print_profile(name: str, profiler: cProfile.Profile, tokens: int, top: int) -> None:
+    """The `top` functions by their own time, in microseconds a token."""
+    stats = pstats.Stats(profiler).stats  # {(file, line, fn): (cc, nc, tottime, cumtime, _)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])
+    total = sum(v[2] for v in stats.values())
+    print(f"\n{name}: {total / tokens * 1e6:.0f} us a token in profiled functions")
+    for (file, line, fn), (_, calls, own, _, _) in rows[:top]:
+        where = f"{Path(file).parent.name}/{Path(file).name}:{line}" if line else file
+        print(f"{own / tokens * 1e6:>8.1f}{calls / tokens:>7.1f}  {fn} ({where})")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -234,9 +235,9 @@ class Shard:
         with no batch form (quantized), or a family a batch changes (row_by_row)."""
         return self.kv is not None or self.adapter.row_by_row
 
-    @property
+    @cached_property
     def adapter(self) -> FamilyAdapter:
-        """The rules of the model's family (families/)."""
+        """The rules of the model's family (families/), looked up once: every step asks."""
         return adapter_of(self.config)
 
     def usable_prefix(self, held: int, shared: int) -> bool:
@@ -250,7 +251,7 @@ class Shard:
             return self.model.language_model.model
         return inner_model(self.model, self.parts)
 
-    @property
+    @cached_property
     def parts(self) -> Parts:
         return parts_of(self.config)
 
@@ -821,9 +822,21 @@ def run_layers(
         for layer, keeps in zip(shard.layers, shard.keeps_cache, strict=True):
             h = call(layer, h, mask_for, next(own)) if keeps else layer(h, None, None)
         return h
+    if call is _plain_call and _all_full(caches):  # (the common case: one mask for all)
+        mask = mask_for(caches[0])
+        for layer, cache in zip(shard.layers, caches, strict=True):
+            h = layer(h, mask, cache)
+        return h
     for layer, cache in zip(shard.layers, caches, strict=True):
         h = call(layer, h, mask_for, cache)
     return h
+
+
+def _all_full(caches: list[Any]) -> bool:
+    """Whether every cache is one whose kind is known to be FULL, so that every layer
+    gets the same mask (built once): on a GPU, where building the graph is what a token
+    waits for, asking each of 32 layers for its mask cost ~2% of a token."""
+    return bool(caches) and all(_KIND_OF.get(type(c)) == FULL for c in caches)
 
 
 def _mask_key(source: Any) -> tuple[str, int]:
