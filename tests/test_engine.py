@@ -300,7 +300,8 @@ def test_a_load_cancels_what_runs(model, start):
 
 def test_a_warm_up_at_load_runs_a_first_prompts_steps_then_exact_tokens(model, start):
     """`--warm-up on`: at load, full chunks of a prompt, a decode step, a verify step
-    of K + 1 positions (with speculation) and one more chunk, timed warm, on one slot,
+    of K + 1 positions (with speculation), an odd-length last chunk and a last token
+    alone, and one more chunk, timed warm, on one slot,
     which is then dropped; the pacer starts from that chunk's pace, so a first prompt
     goes in full chunks instead of a probe chunk; the tokens stay mlx-lm's."""
     from mlx_relay.coordinator.policy import PROBE_CHUNK
@@ -316,9 +317,12 @@ def test_a_warm_up_at_load_runs_a_first_prompts_steps_then_exact_tokens(model, s
         ([0], [chunk], [chunk]),
         ([0], [2 * chunk], [1]),
         ([0], [2 * chunk + 1], [4]),
+        ([0], [2 * chunk - chunk // 2 - 1], [chunk // 2 + 1]),  # (an odd last chunk,
+        ([0], [2 * chunk], [1]),  # then the last token alone, as a prompt ends)
         ([0], [0], [chunk]),
     ]
     assert steps[3][3] & verify == verify and pipeline.at_load[2].group == 0
+    assert steps[4][3] & hdr.FLAG_REUSE and steps[5][3] & hdr.FLAG_WANT_OUTPUT
     assert pipeline.frees_at_load == [([0], False)]
     assert engine.scheduler.policy.pacer.prefill_unit_s > 0
     req = request(prompt(model, "Once upon a time " * 20), 8, num_draft_tokens=0)

@@ -10,7 +10,8 @@ probe chunk while it compiled, took the model for slow and cut the next prompt c
 small: shapes no later prompt meets, compiled again. So `warm_up` runs, on one slot
 of every rank, a prompt in full `--prefill-chunk` chunks, its last chunk's logits, a
 decode step and (with fixed speculation; adaptive speculation's verify steps run in
-`time_widths`) a verify step, then one more full chunk timed warm, which gives the
+`time_widths`) a verify step, a prompt's odd-length last chunk and its last token, then
+one more full chunk timed warm, which gives the
 pacer its pace (no probe chunk after it), and drops the slot. On CUDA
 the prompt runs on to CUDA_CONTEXT tokens, so cuDNN has each chunk's graph at every
 offset a prompt of that length reaches (CUDA only: Metal's and the CPU's attention
@@ -26,11 +27,12 @@ log-probabilities) goes nowhere.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 from mlx_relay.coordinator.pipeline import Pipeline, Step
+from mlx_relay.coordinator.sampling import Sampler, SamplingParams, sample_batch
 from mlx_relay.device import on_cuda, on_gpu
 from mlx_relay.protocol import header as hdr
 
@@ -74,16 +76,30 @@ def warm_up(pipeline: Pipeline, chunk: int, context_length: int, verify_width: i
     length = CUDA_CONTEXT if on_cuda() else 2 * size
     length = max(2 * size, min(length, limit - 1) // size * size)
     steps = 0
+    token = None
     for offset in range(0, length, size):  # the prompt, its last chunk with logits
-        _run(pipeline, offset, size, want_logits=offset + size >= length)
+        _, token = _run(pipeline, offset, size, want_logits=offset + size >= length)
         steps += 1
-    _run(pipeline, length, 1, want_logits=True, group=0)  # a decode step
+    # A decode step fed the token sampled last, still on the device, as the engine
+    # feeds it (argmax's uint32, not the prompt's int32: on CUDA the embedding's gather
+    # for those indices is another kernel, compiled on first use: ~5 s on a fresh H200)
+    _run(pipeline, length, 1, want_logits=True, group=0, tokens=token)
     steps += 1
     if verify_width > 1 and length + 1 + verify_width <= limit:
         _run(pipeline, length + 1, verify_width, want_logits=True, all_positions=True)
         steps += 1
+    # A prompt's last chunk, of an odd length as it nearly always is, then its last
+    # token alone with logits (policy.py: the step that gives token 1). On CUDA the
+    # first chunk off the attention's tile sizes took ~0.4 s more than any later one
+    # (an H200, the Llama-3-8B shape: a first ~3,800-token prompt 1.6x the tenth's TTFT
+    # with whole chunks only in the warm-up, bench/RESULTS.md).
+    odd = size // 2 | 1
+    if odd < size:
+        _run(pipeline, length - odd, odd, want_logits=False, reuse=True)
+        _run(pipeline, length, 1, want_logits=True)
+        steps += 2
     t0 = time.monotonic()  # a chunk again, warm: the pace prompts start from
-    units = _run(pipeline, 0, size, want_logits=True)
+    units, _ = _run(pipeline, 0, size, want_logits=True)
     chunk_seconds = time.monotonic() - t0
     steps += 1
     _drop(pipeline)
@@ -127,13 +143,20 @@ def _run(
     group: int = hdr.NO_GROUP,
     all_positions: bool = False,
     reuse: bool = False,
-) -> float:
-    """One step of `length` tokens at `offset` on the warm-up's slot, waited for (its
-    logits computed where it wants them); returns its work in the pacer's units."""
+    tokens: mx.array | None = None,
+) -> tuple[float, mx.array | None]:
+    """One step of `length` tokens at `offset` on the warm-up's slot (`tokens`: a
+    sampled token as a decode step's input, else the prompt's), waited for, its logits
+    sampled as a request's are where it wants them (a greedy token, and log-probabilities);
+    returns its work in the pacer's units and the token (None without logits)."""
+    if tokens is not None:
+        inputs = mx.concatenate([tokens[0:1]])[:, None]  # (as engine._launch builds it)
+    else:
+        inputs = mx.full((1, length), TOKEN, dtype=mx.int32)
     step: Step = pipeline.launch_forward(
         [SLOT],
         [offset],
-        mx.full((1, length), TOKEN, dtype=mx.int32),
+        inputs,
         [length],
         group=group,
         want_logits=want_logits,
@@ -141,10 +164,22 @@ def _run(
         reuse_from=SLOT if reuse else None,
     )
     back = pipeline.complete(step)
-    if back.logits is not None:  # (as a greedy token and its log-probabilities are)
+    token = None
+    if back.logits is not None:
         back.settle()
         logits = back.logits[:, -1, :] if back.logits.ndim == 3 else back.logits
-        mx.eval(mx.argmax(logits, axis=-1), logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        token, wanted = sample_batch(logits[:1], [_WarmRow(Sampler(SamplingParams(logprobs=True)))])
+        mx.eval(token, wanted[0])
     pipeline.done(step)
     pipeline.announce()
-    return step.units
+    return step.units, token
+
+
+@dataclass
+class _WarmRow:
+    """A greedy request that wants log-probabilities, as sampling.sample_batch reads it."""
+
+    sampler: Sampler
+    context: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    constraint: None = None
