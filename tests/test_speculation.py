@@ -188,7 +188,7 @@ def test_prompt_lookup_gives_plain_greedy_tokens(tmp_path):
     chain = script_model(path, {start: ["the quick brown fox jumps over the lazy dog"]})[start]
     tokens = [*chain, start]  # (the text, then the token after which the model says it)
     with engines(path) as start_engine:
-        engine, pipeline = start_engine(speculation=SpecConfig("ngram", 4))
+        engine, pipeline = start_engine(speculation=SpecConfig("ngram", 4, adaptive=False))
         req = engine.submit(Request(prompt_tokens=tokens, params=SamplingParams(max_tokens=40)))
         ids, whole = read(req)
         assert ids == mlx_lm_tokens(path, tokens, 40) == chain
@@ -217,7 +217,9 @@ def test_streams_beyond_the_limit_decode_in_groups(model, start):
     """With more requests than --draft-max-streams, the later ones decode in batched
     groups and the speculating ones join them; every stream keeps its greedy tokens,
     and a speculating stream can be cancelled."""
-    engine, pipeline = start(SpecConfig("ngram", 4, max_streams=1), max_active=4)
+    # (fixed K: whether rounds pay, measured at load, is another test's; on a busy
+    # machine that measure may turn drafting off, and this test would check nothing)
+    engine, pipeline = start(SpecConfig("ngram", 4, adaptive=False, max_streams=1), max_active=4)
     texts = [TEXTS[0], "a b c a b c a b c", "Once upon a time", TEXTS[1]]
     reqs = [engine.submit(request(model, t, 30, ignore_eos=True)) for t in texts]
     for req in reqs:

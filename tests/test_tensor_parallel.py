@@ -133,9 +133,10 @@ def test_concurrent_requests_and_a_reused_prompt(tiny_model, cluster_pool, split
 
 
 def test_speculation_keeps_the_greedy_tokens(tiny_model, cluster_pool, split_answers):
-    """Verify steps (several positions a step) split across the ranks too."""
+    """Verify steps (several positions a step) split across the ranks too (fixed K:
+    whether rounds pay, timed at load, could turn drafting off on a busy machine)."""
     model = tiny_model("llama", 4)
-    running = cluster_pool.serving(model, RANKS, *TP, "--draft", "ngram")
+    running = cluster_pool.serving(model, RANKS, *TP, "--draft", "ngram", "--draft-fixed")
     reply = running.client.generate(_chat(REPEAT, max_tokens=40))
     assert list(reply.token_ids) == split_answers("llama")["repeat"]
     assert running.client.status().speculation.rounds > 0
