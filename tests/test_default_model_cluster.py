@@ -115,11 +115,14 @@ def test_three_uneven_ranks_answer_200_tokens_exactly_like_mlx_lm(default_path, 
     running = cluster_factory(default_path, 3, layers="8,12,10")
     status = running.client.status()
     assert [(r.layer_start, r.layer_end) for r in status.ranks] == [(0, 8), (8, 20), (20, 30)]
-    response = running.client.generate(
+    # (~3 tokens a second here: 200 tokens beside other test files may outlast the
+    # client's 120 s deadline; this one is only a bound against a hang)
+    response = running.client.stub.Generate(
         pb.GenerateRequest(
             messages=[pb.ChatMessage(**m) for m in LONG_MESSAGES],
             params=pb.SamplingParams(max_tokens=LONG_TOKENS),
-        )
+        ),
+        timeout=900,
     )
     got = list(response.token_ids)
     first = next((i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b), None)

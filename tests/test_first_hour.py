@@ -36,7 +36,10 @@ from mlx_relay.launch.supervise import LastWords, Supervisor, run_with_restarts
 from mlx_relay.protocol import exits
 from mlx_relay.protocol.exits import fatal_line
 
-QUICK_S = 10.0  # a refusal the launcher can make by itself takes about a second here
+# A refusal the launcher makes by itself takes about a second on an idle machine (and
+# 12 s was seen with four test files at once on 2 cores): the bound is there to catch
+# one that started ranks and waited on them, which a lone ring rank does for ~31 s.
+QUICK_S = 25.0
 
 
 def free_address() -> str:
