@@ -89,10 +89,9 @@ def warm_up(pipeline: Pipeline, chunk: int, context_length: int, verify_width: i
         _run(pipeline, length + 1, verify_width, want_logits=True, all_positions=True)
         steps += 1
     # A prompt's last chunk, of an odd length as it nearly always is, then its last
-    # token alone with logits (policy.py: the step that gives token 1). On CUDA the
-    # first chunk off the attention's tile sizes took ~0.4 s more than any later one
-    # (an H200, the Llama-3-8B shape: a first ~3,800-token prompt 1.6x the tenth's TTFT
-    # with whole chunks only in the warm-up, bench/RESULTS.md).
+    # token alone with logits (policy.py: the step that gives token 1). On a fresh
+    # H200 this odd chunk took 0.7-0.9 s of the load (kernels built for a length off
+    # the attention's tiles) against 0.05-0.1 s for any later one (bench/RESULTS.md).
     odd = size // 2 | 1
     if odd < size:
         _run(pipeline, length - odd, odd, want_logits=False, reuse=True)
