@@ -225,7 +225,7 @@ def test_streams_beyond_the_limit_decode_in_groups(model, start):
     for req in reqs:
         ids, _ = read(req)
         assert ids == mlx_lm_tokens(model, req.prompt_tokens, 30)
-    assert verify_steps(pipeline)
+    assert any(h.lengths[0] > 1 for h in verify_steps(pipeline))  # (proposals, not rounds of none)
     assert any(h.group != hdr.NO_GROUP and len(h.slots) > 1 for h in pipeline.launched)
     cancelled = engine.submit(request(model, TEXTS[0], 500, ignore_eos=True))
     chunks = cancelled.chunks()

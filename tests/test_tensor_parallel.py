@@ -133,13 +133,17 @@ def test_concurrent_requests_and_a_reused_prompt(tiny_model, cluster_pool, split
 
 
 def test_speculation_keeps_the_greedy_tokens(tiny_model, cluster_pool, split_answers):
-    """Verify steps (several positions a step) split across the ranks too (fixed K:
-    whether rounds pay, timed at load, could turn drafting off on a busy machine)."""
+    """Verify steps (several positions a step) split across the ranks too: the model
+    drafting for itself proposes every round (prompt lookup on a random model found
+    nothing to propose: its rounds carried no proposals, and split nothing wider), with
+    fixed K (whether rounds pay, timed at load, could turn drafting off on a busy
+    machine); the tokens are mlx-lm's split greedy ones."""
     model = tiny_model("llama", 4)
-    running = cluster_pool.serving(model, RANKS, *TP, "--draft", "ngram", "--draft-fixed")
+    running = cluster_pool.serving(model, RANKS, *TP, "--draft-model", str(model), "--draft-fixed")
     reply = running.client.generate(_chat(REPEAT, max_tokens=40))
     assert list(reply.token_ids) == split_answers("llama")["repeat"]
-    assert running.client.status().speculation.rounds > 0
+    speculation = running.client.status().speculation
+    assert speculation.draft_tokens >= 4 * 4 and speculation.accepted_draft_tokens > 0
 
 
 def test_a_family_mlx_lm_cannot_shard_runs_as_a_pipeline(tiny_model, cluster_pool):
