@@ -163,8 +163,13 @@ def test_a_rank_stopped_or_killed_mid_prefill_is_named(model, tmp_path, how):
         assert error.code() == grpc.StatusCode.UNAVAILABLE, error
         assert f"rank 2 ({HOST})" in error.details(), error.details()
         # What found the loss, from the error's words; the time only a generous deadline.
-        found = "side-channel connection closed" if how == "SIGKILL" else "no heartbeat"
-        assert found in error.details() and when - at < 60, (when - at, error.details())
+        # (A stopped rank is found by its silence or by the step it holds: whichever
+        # comes first, which a busy machine decides: seen both ways under a busy core.)
+        found = (
+            ("side-channel connection closed",) if how == "SIGKILL" else ("no heartbeat", "overdue")
+        )
+        assert any(f in error.details() for f in found), error.details()
+        assert when - at < 60, (when - at, error.details())
     finally:
         worker.send_signal(signal.SIGCONT)  # (none if it has exited)
         running.stop()
