@@ -344,7 +344,7 @@ _NOT_ON_COMMAND_LINES = ("--grpc-address", "--auth-token")
 
 def _size(text: str) -> int:
     """A size option's bytes ('8GB'), as argparse wants its type: an error it shows."""
-    from mlx_relay.model.memory import parse_size
+    from mlx_relay.sizes import parse_size
 
     try:
         return parse_size(text)

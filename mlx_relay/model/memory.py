@@ -31,11 +31,11 @@ import psutil
 from mlx.utils import tree_flatten
 
 from mlx_relay.model import checkpoint, families, sharding
+from mlx_relay.sizes import parse_size
 
 log = logging.getLogger("mlx_relay.memory")
 
 MEMORY_LIMIT_ENV = "MLX_RELAY_MEMORY_LIMIT"  # cap on the memory this rank may use, e.g. 8GB
-_UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30}
 
 
 HEADROOM = 0.10  # beyond weights + caches: activations, MLX's allocator, batch merges
@@ -344,16 +344,6 @@ def shard_nbytes(path: Path, start: int, end: int, *, ends: bool = False, tensor
         elif ends and layer is None:
             outside += nbytes
     return math.ceil(layers / tensor) + outside
-
-
-def parse_size(text: str) -> int:
-    """A size in bytes from '8GB', '512MiB', '1000000'; ValueError if it is none."""
-    raw = text.strip().upper().removesuffix("B")
-    number = raw.rstrip("KMGTI")
-    try:
-        return int(float(number) * _UNITS[raw[len(number) :]])
-    except (KeyError, ValueError):
-        raise ValueError(f"{text!r} is not a size (e.g. 8GB, 512MiB, 1000000)") from None
 
 
 def memory_limit() -> int | None:
