@@ -45,8 +45,23 @@ log = logging.getLogger("mlx_relay.zygote")
 ZYGOTE_ENV = "MLX_RELAY_ZYGOTE"
 
 # Imported once in the zygote: what mlx-lm's package imports that is neither mlx nor
-# mlx-lm (the attributes force transformers' lazy module to load what mlx-lm takes).
-_PRELOAD = ("transformers", "transformers.tokenization_utils_base", "huggingface_hub")
+# mlx-lm (the attributes force transformers' lazy module to load what mlx-lm takes), then
+# the other libraries every rank imports that start no thread when imported (a rank 0
+# with HTTP doors: FastAPI and uvicorn, 0.65 CPU-seconds of a start on the 2-core test
+# machine; the rest ~0.2 s a rank).
+_PRELOAD = (
+    "transformers",
+    "transformers.tokenization_utils_base",
+    "huggingface_hub",
+    "google.protobuf.json_format",
+    "jsonschema",
+    "llguidance",
+    "prometheus_client",
+    "psutil",
+    "zmq",
+    "fastapi",
+    "uvicorn",
+)
 _PRELOAD_ATTRS = (
     ("transformers", "AutoTokenizer"),
     ("transformers", "PreTrainedTokenizerFast"),
@@ -240,6 +255,11 @@ def _preload() -> None:
         getattr(sys.modules[name], attr)
     if "mlx" in sys.modules or "grpc" in sys.modules:  # a library changed what it imports
         raise ZygoteError("a preloaded library imported mlx or grpc: forking would be unsafe")
+    threads = len(os.listdir("/proc/self/task"))  # (Linux's; natives' threads included)
+    if threads != 1:
+        raise ZygoteError(
+            f"a preloaded library started {threads - 1} thread(s): forking would be unsafe"
+        )
 
 
 def _serve(sock: socket.socket) -> _Job:
