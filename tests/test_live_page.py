@@ -67,6 +67,14 @@ def _browser():
     return webdriver.Chrome(options=options, service=Service(executable_path=driver))
 
 
+# Each rank's box as values, read in one go (the page may redraw between two calls).
+RANK_BOXES = """return Array.from(document.querySelectorAll('.rank')).map(b => {
+    const l = b.querySelector('.layers');
+    return {rank: b.dataset.rank, status: b.dataset.status, text: b.innerText,
+            layers: l && l.dataset.layers, layers_text: l ? l.innerText : ''};
+})"""
+
+
 def _wait(what: str, check, timeout: float, browser=None):
     deadline = time.monotonic() + timeout
     while True:
@@ -151,19 +159,19 @@ def test_live_page_in_a_browser(scripted, tmp_path):
         token_box.send_keys(TOKEN + "\n")
         assert browser.execute_script("return sessionStorage.getItem('mlx-relay-token')") == TOKEN
 
-        # The ring: every rank with its layer range, as /v1/status says.
+        # The ring: every rank with its layer range, as /v1/status says. (The boxes are
+        # read in one script, as values: the page redraws them on every update, and a
+        # box kept from one call to the next may be gone: a stale element.)
         def drawn():
-            boxes = browser.find_elements("css selector", ".rank")
+            boxes = browser.execute_script(RANK_BOXES)
             return boxes if len(boxes) == 3 else None
 
         boxes = _wait("three ranks drawn", drawn, 15, browser)
         for box in boxes:
-            rank = int(box.get_attribute("data-rank"))
-            start, end = ranges[rank]
-            layers = box.find_element("css selector", ".layers")
-            assert layers.get_attribute("data-layers") == f"{start}-{end}"
-            assert f"layers {start}–{end}" in layers.text
-            assert box.get_attribute("data-status") == "ok", box.text
+            start, end = ranges[int(box["rank"])]
+            assert box["layers"] == f"{start}-{end}"
+            assert f"layers {start}–{end}" in box["layers_text"]
+            assert box["status"] == "ok", box["text"]
         # Asked once: a reload keeps the token (sessionStorage) and draws the ring again.
         browser.refresh()
         boxes = _wait("three ranks drawn after a reload", drawn, 15, browser)
@@ -214,14 +222,12 @@ def test_live_page_in_a_browser(scripted, tmp_path):
                 lambda: (
                     (box := browser.find_element("id", "rank-2")).get_attribute("data-status")
                     == "slow"
-                    and box
+                    and box.text
                 ),
                 3,
                 browser,
             )
-            assert "slow: step" in slow.text and "has not passed the step on" in slow.text, (
-                slow.text
-            )
+            assert "slow: step" in slow and "has not passed the step on" in slow, slow
             _shot(browser, tmp_path, "live-slow")
         finally:
             stopped.send_signal(signal.SIGCONT)  # (none if it has exited)
