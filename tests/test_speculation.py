@@ -26,6 +26,7 @@ from mlx_relay.coordinator.drafting import lookup  # noqa: E402
 from mlx_relay.coordinator.sampling import SamplingParams  # noqa: E402
 from mlx_relay.coordinator.sequence import Chunk, Request  # noqa: E402
 from mlx_relay.coordinator.speculation import (  # noqa: E402
+    EMPTY_LIMIT,
     MISS_LIMIT,
     RoundCost,
     SpecConfig,
@@ -68,6 +69,25 @@ def test_round_size_adapts_to_acceptance():
         fixed.record(4, 0)
     assert fixed.k == 4 and not fixed.leaving
     assert fixed.wanted(2) == 2  # (never more than may still be generated)
+
+
+def test_a_sequence_the_drafter_has_nothing_for_stops_after_a_few_rounds():
+    """Rounds with no proposal are plain decode steps that wait for their token on the
+    host (a group's launch on tokens not yet read): after EMPTY_LIMIT in a row the
+    sequence decodes in a group; a round with a proposal starts the count again."""
+    spec = SpecState(k=4, limit=4)
+    for _ in range(EMPTY_LIMIT - 1):
+        spec.record(0, 0)
+    spec.record(2, 0)  # (a proposal, refused: a miss, not an empty round)
+    for _ in range(EMPTY_LIMIT - 1):
+        spec.record(0, 0)
+    assert not spec.leaving and spec.wanted(10) > 0
+    spec.record(0, 0)
+    assert spec.leaving and spec.wanted(10) == 0
+    fixed = SpecState(k=4, limit=4, adaptive=False)  # (--draft-fixed: the user's K stays)
+    for _ in range(2 * EMPTY_LIMIT):
+        fixed.record(0, 0)
+    assert not fixed.leaving and fixed.wanted(10) == 4
 
 
 def test_round_size_follows_what_each_width_costs_here():
