@@ -29,9 +29,11 @@ from mlx_relay.model import sharding
 MISS_LIMIT = 16
 # Consecutive rounds in which the drafter had nothing to propose after which it stops
 # (sooner: such a round is a plain decode step that waits for its token on the host
-# before the next can launch, where a group's steps launch on tokens not yet read). On
-# one H200 a random model that prompt lookup never matched ran 16 such rounds of 128
-# tokens, about a twelfth of its steps, and decoded at 0.92-0.97 of drafting off.
+# before the next can launch, where a group's steps launch on tokens not yet read). A
+# 128-token answer that prompt lookup never matched ran 16 such rounds under MISS_LIMIT
+# alone, an eighth of its steps; on one H200, with nothing drafted, drafting on decoded
+# at 0.92-0.97 of drafting off then (bench/RESULTS.md). A sequence that stops does not
+# start again: an answer that begins to repeat text later is not drafted for.
 EMPTY_LIMIT = 4
 EMA = 0.3  # weight of the newest round in a sequence's acceptance estimate
 # Wider steps each timed once after the first round, to find where padding pays.
