@@ -19,6 +19,7 @@ and its ring backend has not (mlx 0.32.4: "[ring] Group split not supported").
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +29,9 @@ import mlx.core as mx
 from mlx_relay.protocol import header as hdr
 from mlx_relay.transport.collective import nccl_world, on_gpus_of_their_own
 from mlx_relay.transport.ring import PAIRED_MODES, mx_dtype
+
+# MLX's switch for its CUDA graphs, read once, at the process's first GPU kernel.
+CUDA_GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
 
 # `--tensor-parallel auto`: every rank one stage if the load's measurements say a split
 # pays (coordinator/layout_choice.py), else a pipeline.
@@ -114,6 +118,24 @@ class TensorGroup:
             if run:  # (the first: a warm-up)
                 best = min(best, (time.perf_counter() - start) / chain)
         return best
+
+
+def launch_directly() -> bool:
+    """Turn MLX's CUDA graphs off in this process, for a tensor group's sake; False where
+    the user set MLX_USE_CUDA_GRAPHS (theirs stands). Call it before the process's first
+    GPU kernel: MLX reads the setting once. Elsewhere than CUDA it changes nothing.
+
+    Why (bench/bench_all_sum.py, two H200s over NCCL, 2026-11-29): MLX records each
+    all-sum into its CUDA graph by capturing NCCL's launch, which costs the host ~49 us
+    an all-sum inside a step, against ~7 us launched directly; a split layer has two, so
+    an 80-layer model's token spent ~8 ms of host time on them where its GPU time is
+    ~20. A split step is bound by its host (every rank runs every layer's operations,
+    on slices), so that is the step's time; the rest of a step costs the host about the
+    same either way (a matmul chain 53 and 55 us a link)."""
+    if CUDA_GRAPHS_ENV in os.environ:
+        return False
+    os.environ[CUDA_GRAPHS_ENV] = "0"
+    return True
 
 
 def check_layout(tensor: int, ranks: int, hop_mode: str = "auto") -> None:
