@@ -135,3 +135,25 @@ def test_a_pinned_child_runs_on_its_core(forks, tmp_path):
     child = forks.spawn("cores", [], env={"PYTHONPATH": str(tmp_path)}, cpu=core)
     assert child.wait(30) == 0
     assert child.stdout.read().decode().strip() == f"[{core}]"
+
+
+def test_a_thread_beside_the_preloads_is_counted_by_name():
+    """The zygote refuses to fork once any thread but its own runs (a preload that
+    started one); the refusal names them, read from /proc, native ones included. In a
+    process of its own, where no other thread comes and goes."""
+    script = textwrap.dedent(
+        """
+        import json, threading
+        from mlx_relay.launch import zygote
+        alone = zygote._other_threads()
+        stop = threading.Event()
+        extra = threading.Thread(target=stop.wait)
+        extra.start()
+        print(json.dumps([alone, zygote._other_threads()]))
+        stop.set()
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    alone, beside = json.loads(out.stdout)
+    assert alone == []
+    assert len(beside) == 1 and beside[0]  # (its name: a Python thread has the process's)

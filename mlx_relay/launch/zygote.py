@@ -255,11 +255,26 @@ def _preload() -> None:
         getattr(sys.modules[name], attr)
     if "mlx" in sys.modules or "grpc" in sys.modules:  # a library changed what it imports
         raise ZygoteError("a preloaded library imported mlx or grpc: forking would be unsafe")
-    threads = len(os.listdir("/proc/self/task"))  # (Linux's; natives' threads included)
-    if threads != 1:
+    others = _other_threads()
+    if others:
         raise ZygoteError(
-            f"a preloaded library started {threads - 1} thread(s): forking would be unsafe"
+            f"a preloaded library started {len(others)} thread(s) ({', '.join(others)}): "
+            f"forking would be unsafe"
         )
+
+
+def _other_threads() -> list[str]:
+    """The names of this process's threads but the calling one (Linux's /proc: threads
+    that native libraries started are counted too), so a refusal says whose they are."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) != threading.get_native_id():
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    names.append(f.read().strip())
+            except FileNotFoundError:  # (a thread that ended since the listing)
+                continue
+    return names
 
 
 def _serve(sock: socket.socket) -> _Job:
