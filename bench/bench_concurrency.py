@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_concurrency.py [--model default | --shape NAME] [--tokens 48]
         [--streams 1,2,4,8] [--ranks 1,2,3] [--idle-seconds 30] [--gpus G]
-        [--hop-modes auto] [--steps-in-flight 0] [--mlx-lm-server]
+        [--hop-modes auto] [--steps-in-flight 0] [--layouts pipeline,tensor] [--mlx-lm-server]
 
 Each rank is pinned to its own core (rank i -> core i mod cores) and stands for one
 machine. Throughput is measured in the steady state: from the moment every stream has
@@ -15,7 +15,9 @@ bench_pipeline.py (a random-weight model of a real shape; rank r on GPU r mod G)
 `--steps-in-flight 0,3` once per value of the server's option (0: one step a rank). `--mlx-lm-server`
 adds mlx-lm's own distributed server (`mlx_lm.server --pipeline`, one process per rank on
 the same ring backend and GPUs, streams over its OpenAI HTTP API) at the largest rank
-count, for the same streams.
+count, for the same streams. `--layouts pipeline,tensor` runs each multi-rank size also
+with every layer split across its ranks (`--tensor-parallel N`, rows "N TPN") and prints
+each split row's aggregate against the pipeline's of the same ranks and streams.
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ def start(
     max_active: int,
     hop_mode: str = "auto",
     steps_in_flight: int = 0,
+    tensor: int = 1,
 ) -> tuple[LocalCluster, Client]:
     address = f"127.0.0.1:{free_ports(1)[0]}"
     logs = Path(tempfile.mkdtemp(prefix="bench-logs-"))
@@ -129,6 +132,7 @@ def start(
     serve = ["--model", model, "--max-active", str(max_active), "--no-prompt-cache"]
     serve += ["--hop-mode", hop_mode, "--steps-in-flight", str(steps_in_flight)]
     serve += ["--layers", layers] if layers else []
+    serve += ["--tensor-parallel", str(tensor)] if tensor > 1 else []
     cluster = LocalCluster(
         n,
         serve,
@@ -271,6 +275,12 @@ def main() -> int:
         "size runs once per value and hop mode",
     )
     ap.add_argument(
+        "--layouts",
+        default="pipeline",
+        help="comma-separated: pipeline (a layer range a rank), tensor (--tensor-parallel N: "
+        "every layer split across the N ranks); each multi-rank size runs once per layout",
+    )
+    ap.add_argument(
         "--mlx-lm-server",
         action="store_true",
         help="also run mlx_lm.server --pipeline at the largest rank count",
@@ -282,6 +292,7 @@ def main() -> int:
     ranks = [int(x) for x in args.ranks.split(",")]
     modes = args.hop_modes.split(",")
     depths = [int(x) for x in args.steps_in_flight.split(",")]
+    layouts = args.layouts.split(",")
     print(f"model {args.model}  tokens/stream {args.tokens}  cores {psutil.cpu_count()}")
 
     splits: dict[int, list[str]] = {}
@@ -291,19 +302,32 @@ def main() -> int:
     table: dict[tuple[str, int], float] = {}
     rows: dict[str, int] = {}  # row label -> its rank count
     configs = [
-        (size, mode, depth, split)
+        (size, mode, depth, split, layout)
         for size in ranks
+        for layout in (layouts if size > 1 else ["pipeline"])
         for mode in (modes if size > 1 else ["auto"])
         for depth in (depths if size > 1 else [0])
-        for split in splits.get(size, ["balanced"])
+        for split in (splits.get(size, ["balanced"]) if layout == "pipeline" else ["balanced"])
     ]
-    for n, mode, depth, split in configs:
+    split_of: dict[str, str] = {}  # a tensor row -> the pipeline row of its ranks and options
+    for n, mode, depth, split, layout in configs:
         row = f"{n}" + (f" {mode}" if n > 1 and len(modes) > 1 else "")
         row += f" {depth or n} in flight" if n > 1 and len(depths) > 1 else ""
         row += f" {split}" if len(splits.get(n, [])) > 1 else ""
+        if layout == "tensor":
+            split_of[f"{row} TP{n}"] = row
+            row += f" TP{n}"
         rows[row] = n
-        first = (mode, depth, split) == (modes[0], depths[0], splits.get(n, ["balanced"])[0])
-        cluster, client = start(args.model, n, split, args.gpus, args.max_active, mode, depth)
+        first = (mode, depth, split, layout) == (
+            modes[0],
+            depths[0],
+            splits.get(n, ["balanced"])[0],
+            layouts[0],
+        )
+        tensor = n if layout == "tensor" else 1
+        cluster, client = start(
+            args.model, n, split, args.gpus, args.max_active, mode, depth, tensor
+        )
         try:
             # One rank also serves C/N streams: the pipelining efficiency's reference.
             shares = {max(1, c // m) for c in streams for m in ranks}
@@ -359,6 +383,12 @@ def main() -> int:
             for c in streams
         ]
         print(f"{row:<{width}}" + "".join(f"{v:>10.2f}" for v in cells))
+    if split_of:
+        print("\ntensor parallel against the pipeline of the same ranks (same streams)")
+        for row, pipeline in split_of.items():
+            if pipeline in rows:
+                cells = [table[(row, c)] / table[(pipeline, c)] for c in streams]
+                print(f"{row:<{width}}" + "".join(f"{v:>10.2f}" for v in cells))
     server_rows = [r for r in rows if r.startswith("mlx_lm.server")]
     for ref in server_rows:
         print(f"\nratio to {ref} (same streams)")

@@ -3,7 +3,7 @@
 #     bash bench/gpu/measure.sh [warm] [load] [timeline] [single] [diagnose] [exact] [channels] [trace]
 #                               [nranks] [nprefill] [nexact] [nload] [n70b] [nserver] [nchunk]
 #                               [ptrace] [vloop] [spec] [specmodel] [specload]
-#                               [n8decode] [n8load] [n8prefill] [tensor] [tensor70]
+#                               [n8decode] [n8load] [n8prefill] [tensor] [tensor70] [tensorload]
 #     (none: load timeline single; the n* parts need GPUS=4 GPUs or more)
 # (`warm` first: a fresh machine's first cluster spends ~2 minutes compiling kernels.)
 # Installs the carried wheels, builds the random 4-bit Llama-3-8B shape, and runs issue
@@ -90,6 +90,14 @@ if wants tensor70; then
   t tensor70; timeout 560 python3 bench/bench_pipeline.py --shape llama3-70b --gpus "${GPUS:-2}" \
     --ranks "$tp_ranks" --layouts "${LAYOUTS:-pipeline,tensor}" --tokens 64 --rounds 3 2>&1 \
     | tee "$OUT/tensor70.log" | tail -12
+fi
+# Issue 51: 16 streams with every layer split across 2 GPUs against a pipeline of the same
+# 2, the 70B shape (the 8B's: SHAPE=llama3-8b).
+if wants tensorload; then
+  t tensorload; python3 bench/shapes.py "${SHAPE:-llama3-70b}" "/root/bench/${SHAPE:-llama3-70b}" > /dev/null
+  timeout 560 python3 bench/bench_concurrency.py --shape "${SHAPE:-llama3-70b}" --gpus 2 --ranks 2 \
+    --streams 1,16 --layouts pipeline,tensor --tokens 64 --idle-seconds 1 2>&1 \
+    | tee "$OUT/tensorload.log" | tail -14
 fi
 # 16 streams on 2 ranks, NCCL with the channels it picks and with one channel
 # (NCCL_MAX_NCHANNELS=1: fewer SMs spinning while a receive waits), interleaved, ROUNDS times.
