@@ -3,7 +3,7 @@
 #     bash bench/gpu/measure.sh [warm] [load] [timeline] [single] [diagnose] [exact] [channels] [trace]
 #                               [nranks] [nprefill] [nexact] [nload] [n70b] [nserver] [nchunk]
 #                               [ptrace] [vloop] [spec] [specmodel] [specload]
-#                               [n8decode] [n8load] [n8prefill] [tensor] [tensor70] [tensorload]
+#                               [n8decode] [n8load] [n8prefill] [tensor] [tensor70] [tensorload] [allsum]
 #     (none: load timeline single; the n* parts need GPUS=4 GPUs or more)
 # (`warm` first: a fresh machine's first cluster spends ~2 minutes compiling kernels.)
 # Installs the carried wheels, builds the random 4-bit Llama-3-8B shape, and runs issue
@@ -90,6 +90,12 @@ if wants tensor70; then
   t tensor70; timeout 560 python3 bench/bench_pipeline.py --shape llama3-70b --gpus "${GPUS:-2}" \
     --ranks "$tp_ranks" --layouts "${LAYOUTS:-pipeline,tensor}" --tokens 64 --rounds 3 2>&1 \
     | tee "$OUT/tensor70.log" | tail -12
+fi
+# Issue 51: what an all-sum costs a split step (the floor under a split token), with MLX's
+# CUDA graphs and launched directly.
+if wants allsum; then
+  t allsum; timeout 200 python3 bench/bench_all_sum.py --gpus 2 --hidden 8192 --layers 80 \
+    --settings default,MLX_USE_CUDA_GRAPHS=0 2>&1 | tee "$OUT/allsum.log"
 fi
 # Issue 51: 16 streams with every layer split across 2 GPUs against a pipeline of the same
 # 2, the 70B shape (the 8B's: SHAPE=llama3-8b).
