@@ -86,3 +86,22 @@ def test_auto_reaches_the_ranks_command_lines_as_auto():
     assert parser.parse_args(argv).tensor_parallel == AUTO
     with pytest.raises(SystemExit):
         parser.parse_args(["--tensor-parallel", "0"])
+
+
+def test_the_split_projections_drop_their_training_hook(tiny_model):
+    """Every AllToSharded projection gets the stand-in group of one, so its forward pass
+    calls no mx.custom_function (the gradient hook, ~14 us of host time a projection
+    here); the split's math is MLX's own (the cluster tests compare its tokens with
+    mlx-lm's split generation). A group of one here: shard() builds the same layers."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm import load
+
+    path = tiny_model("llama", 2)
+    model, _ = load(str(path))
+    tensor_split.split(model, json.loads((path / "config.json").read_text()), mx.distributed.init())
+    hooked = [m for _, m in model.named_modules() if isinstance(m, tensor_split._GRADIENT_HOOKED)]
+    assert hooked and all(m.group is tensor_split._NO_GRADIENT_SUM for m in hooked)
+    assert not any(isinstance(m, nn.Linear) for _, m in model.model.layers[0].named_modules())
+    out = model(mx.array([[1, 2, 3]]))
+    assert out.shape[:2] == (1, 3)
