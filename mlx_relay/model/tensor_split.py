@@ -58,8 +58,8 @@ class _GroupOfOne:
     is the all-sum), built as an mx.custom_function that Python calls on every
     projection; for a group of one size it is a plain `lambda x: x`. The forward math
     is MLX's own either way, so the tokens stay those of mlx-lm's split generation. On
-    the tiny llama on this CPU, building a decode step's graph took 3.2 ms split, 1.3
-    ms whole; each hooked projection cost ~15 us more than a plain one (cProfile)."""
+    the tiny llama split over 2 ranks on this CPU, building a decode step's graph took
+    3.2 ms with the hook and 2.6 without: 14 us a projection (bench/RESULTS.md)."""
 
     def size(self) -> int:
         return 1
