@@ -29,11 +29,11 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CHAINS = ("bare", "layer", "local")
 
@@ -80,23 +80,15 @@ def rank_main(hidden: int, layers: int, rounds: int, backend: str) -> None:
 
 def run_setting(setting: str, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """Start the ranks with `setting`'s environment, wait for them, return rank 0's line."""
-    from mlx_relay.launch.local import free_ports
+    from bench_pipeline import gpu_env, group_env
 
-    ports = free_ports(args.ranks + 1)
-    hostfile = Path(tempfile.mkdtemp()) / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports[: args.ranks]]))
-    env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_WORLD_SIZE": str(args.ranks)}
-    if args.gpus:
-        env |= {"NCCL_HOST_IP": "127.0.0.1", "NCCL_PORT": str(ports[-1])}
+    env = {**os.environ, **group_env(args.ranks, args.gpus)}
     if setting != "default":
         env |= dict(kv.split("=", 1) for kv in setting.split("+"))
-    backend = "nccl" if args.gpus else "ring"
     procs = []
     for r in range(args.ranks):
-        rank_env = {**env, "MLX_RANK": str(r)}
-        if args.gpus:
-            rank_env["CUDA_VISIBLE_DEVICES"] = str(r % args.gpus)
-        cmd = [sys.executable, __file__, "--rank-of", backend]
+        rank_env = {**env, "MLX_RANK": str(r), **gpu_env(r, args.gpus)}
+        cmd = [sys.executable, __file__, "--rank-of", env["BENCH_BACKEND"]]
         cmd += [
             "--hidden",
             str(args.hidden),

@@ -104,20 +104,29 @@ TENSOR_BASELINE = BASELINE.replace(
 )
 
 
+def group_env(n: int, gpus: int) -> dict[str, str]:
+    """The environment (rank 0's: each rank adds MLX_RANK and `gpu_env`) under which `n`
+    processes on this machine form one mx.distributed group: NCCL between GPUs, else
+    the ring backend; BENCH_BACKEND names the backend for `mx.distributed.init`."""
+    ports = free_ports(n + 1)
+    hostfile = Path(tempfile.mkdtemp()) / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports[:n]]))
+    env = {"MLX_HOSTFILE": str(hostfile), "MLX_WORLD_SIZE": str(n)}
+    if gpus:
+        return env | {
+            "BENCH_BACKEND": "nccl",
+            "NCCL_HOST_IP": "127.0.0.1",
+            "NCCL_PORT": str(ports[n]),
+        }
+    return env | {"BENCH_BACKEND": "ring"}
+
+
 class ShardedBaseline:
     """mlx-lm's own split generation on `n` processes (NCCL between GPUs, else the ring
     backend on this machine), kept loaded; rank 0's timings are the run's."""
 
     def __init__(self, path: Path, tokens: int, prompt: str, n: int, gpus: int) -> None:
-        ports = free_ports(n + 1)
-        self.hostfile = Path(tempfile.mkdtemp()) / "hosts.json"
-        self.hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports[:n]]))
-        common = {"MLX_HOSTFILE": str(self.hostfile), "MLX_WORLD_SIZE": str(n)}
-        if gpus:
-            common |= {"BENCH_BACKEND": "nccl", "NCCL_HOST_IP": "127.0.0.1"}
-            common["NCCL_PORT"] = str(ports[n])
-        else:
-            common["BENCH_BACKEND"] = "ring"
+        common = group_env(n, gpus)
         self.ranks = [
             Baseline(
                 path,
