@@ -18,6 +18,8 @@ the same ring backend and GPUs, streams over its OpenAI HTTP API) at the largest
 count, for the same streams. `--layouts pipeline,tensor` runs each multi-rank size also
 with every layer split across its ranks (`--tensor-parallel N`, rows "N TPN") and prints
 each split row's aggregate against the pipeline's of the same ranks and streams.
+MLX_RELAY_BENCH_SERVE_ARGS adds options to every cluster's `serve` (e.g.
+"--step-timeout 400" on a fresh GPU host, whose first batched steps compile kernels).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import argparse
 import http.client
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -133,6 +136,7 @@ def start(
     serve += ["--hop-mode", hop_mode, "--steps-in-flight", str(steps_in_flight)]
     serve += ["--layers", layers] if layers else []
     serve += ["--tensor-parallel", str(tensor)] if tensor > 1 else []
+    serve += shlex.split(os.environ.get("MLX_RELAY_BENCH_SERVE_ARGS", ""))
     cluster = LocalCluster(
         n,
         serve,
@@ -307,7 +311,8 @@ def main() -> int:
         for layout in (layouts if size > 1 else ["pipeline"])
         for mode in (modes if size > 1 else ["auto"])
         for depth in (depths if size > 1 else [0])
-        for split in (splits.get(size, ["balanced"]) if layout == "pipeline" else ["balanced"])
+        # (a split layout takes no --layers: the ranks hold every layer, a share of each)
+        for split in (splits.get(size, ["balanced"]) if layout == "pipeline" else [""])
     ]
     split_of: dict[str, str] = {}  # a tensor row -> the pipeline row of its ranks and options
     for n, mode, depth, split, layout in configs:

@@ -302,17 +302,20 @@ def test_a_warm_up_at_load_runs_a_first_prompts_steps_then_exact_tokens(model, s
     """`--warm-up on`: at load, full chunks of a prompt, a decode step, a verify step
     of K + 1 positions (with speculation), an odd-length last chunk and a last token
     alone, and one more chunk, timed warm, on one slot,
-    which is then dropped; the pacer starts from that chunk's pace, so a first prompt
-    goes in full chunks instead of a probe chunk; the tokens stay mlx-lm's."""
+    which is then dropped; then (warmup.warm_batches) prompts of 2, 3, ... tokens on
+    `--max-active` slots and decode groups of 2, 4 ... of them, each member at its own
+    offset, fed what the step before sampled; those slots dropped. The pacer starts
+    from the chunk's pace, so a first prompt goes in full chunks instead of a probe
+    chunk; the tokens stay mlx-lm's."""
     from mlx_relay.coordinator.policy import PROBE_CHUNK
     from mlx_relay.coordinator.speculation import SpecConfig
 
     chunk = 2 * PROBE_CHUNK
     spec = SpecConfig("ngram", num_draft_tokens=3, adaptive=False)  # (no widths timed)
-    engine, pipeline = start(prefill_chunk=chunk, warm_up="on", speculation=spec)
+    engine, pipeline = start(prefill_chunk=chunk, warm_up="on", speculation=spec, max_active=6)
     steps = [(h.slots, h.offsets, h.lengths, h.flags) for h in pipeline.at_load]
     verify = hdr.FLAG_WANT_OUTPUT | hdr.FLAG_ALL_POSITIONS
-    assert [s[:3] for s in steps] == [
+    assert [s[:3] for s in steps[:7]] == [
         ([0], [0], [chunk]),
         ([0], [chunk], [chunk]),
         ([0], [2 * chunk], [1]),
@@ -323,7 +326,14 @@ def test_a_warm_up_at_load_runs_a_first_prompts_steps_then_exact_tokens(model, s
     ]
     assert steps[3][3] & verify == verify and pipeline.at_load[2].group == 0
     assert steps[4][3] & hdr.FLAG_REUSE and steps[5][3] & hdr.FLAG_WANT_OUTPUT
-    assert pipeline.frees_at_load == [([0], False)]
+    assert [s[:3] for s in steps[7:]] == [
+        *(([slot], [0], [2 + slot]) for slot in range(6)),  # (prompts of 2 ... 7 tokens)
+        ([0, 1], [2, 3], [1, 1]),
+        ([0, 1, 2, 3], [3, 4, 4, 5], [1] * 4),
+        ([0, 1, 2, 3, 4, 5], [4, 5, 5, 6, 6, 7], [1] * 6),
+    ]
+    assert all(h.group == 0 and h.flags & hdr.FLAG_WANT_OUTPUT for h in pipeline.at_load[-3:])
+    assert pipeline.frees_at_load == [([0], False), ([0, 1, 2, 3, 4, 5], False)]
     assert engine.scheduler.policy.pacer.prefill_unit_s > 0
     req = request(prompt(model, "Once upon a time " * 20), 8, num_draft_tokens=0)
     assert read(engine.submit(req))[0] == oracle(model, req)
@@ -335,3 +345,14 @@ def test_no_warm_up_on_the_cpu_by_default(start):
     runs no step."""
     _, pipeline = start()
     assert pipeline.at_load == [] and pipeline.frees_at_load == []
+
+
+def test_the_decode_groups_warmed_at_load_reach_the_largest_a_group_holds():
+    """Powers of two below the largest group, then the largest (capped at the step
+    header's MAX_SEQS); nothing to warm for groups of one."""
+    from mlx_relay.coordinator.warmup import batch_sizes
+
+    assert batch_sizes(16) == [2, 4, 8, 16]
+    assert batch_sizes(6) == [2, 4, 6]
+    assert batch_sizes(2) == [2]
+    assert batch_sizes(1) == []

@@ -138,17 +138,25 @@ def test_launch_refuses_a_bad_hostfile_naming_the_entry(tmp_path):
     assert r.returncode == 2 and "MLX_HOSTFILE address list" in r.stderr
 
 
-def test_local_refuses_a_tensor_split_the_ranks_cannot_make(tiny_model):
-    """Said before any rank starts: 3 ranks cannot be stages of 2."""
+@pytest.mark.parametrize(
+    "ranks, extra, says",
+    [
+        ("3", [], "--tensor-parallel 2 does not divide a cluster of 3 ranks"),
+        ("2", ["--layers", "1,3"], "--layers 1,3 gives each rank a range of them"),
+    ],
+)
+def test_local_refuses_a_tensor_split_the_ranks_cannot_make(tiny_model, ranks, extra, says):
+    """Said before any rank starts: 3 ranks cannot be stages of 2; a split is not also a
+    layer range a rank."""
     model = tiny_model("llama", 4)
     r = subprocess.run(
-        [*MLX_RELAY, "local", "-n", "3", "--model", str(model), "--tensor-parallel", "2"],
+        [*MLX_RELAY, "local", "-n", ranks, "--model", str(model), "--tensor-parallel", "2", *extra],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert r.returncode == 2, r.stderr
-    assert "--tensor-parallel 2 does not divide a cluster of 3 ranks" in r.stderr, r.stderr
+    assert says in r.stderr, r.stderr
 
 
 # ---------------------------------------------------------------- clusters

@@ -61,6 +61,19 @@ def test_a_split_refuses_hops_that_pair_ranks_for_payloads():
     check_layout(1, 2, "collective")  # (a pipeline may)
 
 
+def test_a_split_refuses_a_layer_range_a_rank():
+    """`--layers` with `--tensor-parallel N` would load as a pipeline with the split's
+    settings (CUDA graphs off): refused before any rank starts. `auto` then runs the
+    pipeline it was given, and a pipeline takes any --layers."""
+    with pytest.raises(TensorLayoutError, match="--layers 3,5 gives each rank a range"):
+        check_layout(2, 2, "eager", "3,5")
+    with pytest.raises(TensorLayoutError, match="--layers balanced"):
+        check_layout(2, 2, "auto", "balanced")
+    check_layout(AUTO, 2, "auto", "3,5")
+    check_layout(1, 2, "auto", "3,5")
+    check_layout(2, 2, "auto", "")
+
+
 def test_one_stage_and_plain_pipelines_are_layouts():
     for tensor, ranks in ((1, 1), (1, 3), (2, 2), (4, 4), (AUTO, 1), (AUTO, 3)):
         check_layout(tensor, ranks)

@@ -22,6 +22,16 @@ functions are shapeless), so `auto` does not warm up there: loads stay as fast a
 were. The tokens are exact either way: the slot is dropped on every rank before the
 first request takes one, and what the warm-up computes from its logits (a greedy token,
 log-probabilities) goes nowhere.
+
+Many streams meet shapes one prompt never does: a decode group of several sequences, each
+at its own offset, runs as one batch (masked attention, and matmuls of B rows, whose
+kernels change with B). On a fresh 2x H200 host the first such step of the Llama-3-70B
+shape on 2 ranks (16 streams) ran past the 30 s `--step-timeout` three times in three
+fresh clusters: the watchdog took it for a hung rank and the cluster failed, and the
+kernels it was building were never kept, so the next cluster failed the same way; with
+the timeout at 400 s the same streams all ran (bench/RESULTS.md, session 37). So
+`warm_batches` gives slots short prompts of different lengths, then runs decode groups of
+2, 4, 8 ... up to the largest a group holds, and drops those slots.
 """
 
 from __future__ import annotations
@@ -105,6 +115,44 @@ def warm_up(pipeline: Pipeline, chunk: int, context_length: int, verify_width: i
     return WarmUp(steps, time.monotonic() - started, size, chunk_seconds, units)
 
 
+def batch_sizes(largest: int) -> list[int]:
+    """The decode groups `warm_batches` runs: 2, 4, 8 ... below `largest`, then `largest`
+    (kernels are picked by ranges of B whose edges are powers of two)."""
+    sizes = [b for b in (2**k for k in range(1, largest.bit_length())) if b < largest]
+    return sizes + [largest] if largest > 1 else []
+
+
+def warm_batches(pipeline: Pipeline, largest: int, context_length: int) -> int:
+    """Decode groups of several sequences on every rank before serving (`largest`: the
+    most a group holds, at most hdr.MAX_SEQS): slots 0.. get prompts of 2, 3, 4 ...
+    tokens (each group member at its own offset, as in a live group), then one decode
+    step a size of `batch_sizes`, each fed the tokens the step before sampled, still on
+    the device; the slots are dropped. Returns the steps run."""
+    sizes = batch_sizes(min(largest, hdr.MAX_SEQS))
+    if not sizes or (context_length and sizes[-1] + 2 + len(sizes) > context_length):
+        return 0
+    slots = list(range(sizes[-1]))
+    offsets = [2 + slot for slot in slots]
+    tokens = []
+    for slot, length in zip(slots, offsets, strict=True):
+        tokens.append(_run(pipeline, 0, length, want_logits=True, slot=slot)[1])
+    for size in sizes:
+        members = slots[:size]
+        step = pipeline.launch_forward(
+            members,
+            offsets[:size],
+            mx.concatenate(tokens[:size])[:, None],
+            [1] * size,
+            group=0,
+            want_logits=True,
+        )
+        for slot, token in zip(members, _sampled(pipeline, step, size), strict=True):
+            tokens[slot] = token
+            offsets[slot] += 1
+    _drop(pipeline, slots)
+    return len(slots) + len(sizes)
+
+
 def time_widths(pipeline: Pipeline, widths: list[int], compiles: bool) -> dict[int, float]:
     """Each width's step (every position's logits, as a speculative verify step) timed on
     the warm-up's slot after a short prompt, each from the same position (the slot cut
@@ -126,8 +174,8 @@ def time_widths(pipeline: Pipeline, widths: list[int], compiles: bool) -> dict[i
     return seconds
 
 
-def _drop(pipeline: Pipeline) -> None:
-    freed = pipeline.launch_free([SLOT])
+def _drop(pipeline: Pipeline, slots: list[int] | None = None) -> None:
+    freed = pipeline.launch_free(slots or [SLOT])
     if freed is not None:
         pipeline.complete(freed)
         pipeline.done(freed)
@@ -143,35 +191,47 @@ def _run(
     all_positions: bool = False,
     reuse: bool = False,
     tokens: mx.array | None = None,
+    slot: int = SLOT,
 ) -> tuple[float, mx.array | None]:
-    """One step of `length` tokens at `offset` on the warm-up's slot (`tokens`: a
-    sampled token as a decode step's input, else the prompt's), waited for, its logits
-    sampled as a request's are where it wants them (a greedy token, and log-probabilities);
-    returns its work in the pacer's units and the token (None without logits)."""
+    """One step of `length` tokens at `offset` on `slot` (`tokens`: a sampled token as a
+    decode step's input, else the prompt's), waited for, its logits sampled as a
+    request's are where it wants them (a greedy token, and log-probabilities); returns
+    its work in the pacer's units and the token (None without logits)."""
     if tokens is not None:
         inputs = mx.concatenate([tokens[0:1]])[:, None]  # (as engine._launch builds it)
     else:
         inputs = mx.full((1, length), TOKEN, dtype=mx.int32)
     step: Step = pipeline.launch_forward(
-        [SLOT],
+        [slot],
         [offset],
         inputs,
         [length],
         group=group,
         want_logits=want_logits,
         all_positions=all_positions,
-        reuse_from=SLOT if reuse else None,
+        reuse_from=slot if reuse else None,
     )
+    units = step.units
+    sampled = _sampled(pipeline, step, 1)
+    return units, sampled[0] if sampled else None
+
+
+def _sampled(pipeline: Pipeline, step: Step, rows: int) -> list[mx.array]:
+    """Wait for `step`, sample its first `rows` rows' logits as greedy requests that want
+    log-probabilities (one token each, shape (1,), left on the device as the engine
+    leaves them), and retire the step. Empty where it returned no logits."""
     back = pipeline.complete(step)
-    token = None
+    tokens: list[mx.array] = []
     if back.logits is not None:
         back.settle()
         logits = back.logits[:, -1, :] if back.logits.ndim == 3 else back.logits
-        token, wanted = sample_batch(logits[:1], [_WarmRow(Sampler(SamplingParams(logprobs=True)))])
-        mx.eval(token, wanted[0])
+        want = [_WarmRow(Sampler(SamplingParams(logprobs=True))) for _ in range(rows)]
+        token, wanted = sample_batch(logits[:rows], want)
+        mx.eval(token, *wanted)
+        tokens = [token[i : i + 1] for i in range(rows)]
     pipeline.done(step)
     pipeline.announce()
-    return step.units, token
+    return tokens
 
 
 @dataclass

@@ -410,7 +410,9 @@ def preflight_checks(args: argparse.Namespace) -> None:
         facts = preflight.check_model(args.model)
         preflight.check_split(facts, args.num_ranks, args.layers)
     preflight.check_hop_mode(args.hop_mode, args.num_ranks)
-    preflight.check_tensor_parallel(args.tensor_parallel, args.num_ranks, args.hop_mode)
+    preflight.check_tensor_parallel(
+        args.tensor_parallel, args.num_ranks, args.hop_mode, args.layers
+    )
     preflight.check_tls(args.tls_cert, args.tls_key)
     preflight.check_listen(args.grpc_address)
 

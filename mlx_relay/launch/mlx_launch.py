@@ -623,7 +623,9 @@ def preflight_checks(serve_opts: argparse.Namespace, n: int) -> None:
         facts = preflight.check_model(serve_opts.model)
         preflight.check_split(facts, n, serve_opts.layers)
     preflight.check_hop_mode(serve_opts.hop_mode, n)
-    preflight.check_tensor_parallel(serve_opts.tensor_parallel, n, serve_opts.hop_mode)
+    preflight.check_tensor_parallel(
+        serve_opts.tensor_parallel, n, serve_opts.hop_mode, serve_opts.layers
+    )
     preflight.check_tls(serve_opts.tls_cert, serve_opts.tls_key)
     preflight.check_listen(serve_opts.grpc_address)
 

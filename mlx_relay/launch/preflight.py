@@ -95,13 +95,14 @@ def check_hop_mode(mode: str, n: int) -> None:
             raise UserError(str(e)) from None
 
 
-def check_tensor_parallel(tensor: int, n: int, hop_mode: str) -> None:
+def check_tensor_parallel(tensor: int, n: int, hop_mode: str, layers: str | None) -> None:
     """`--tensor-parallel tensor` fits a cluster of `n` ranks with `--hop-mode hop_mode`
-    (transport/tensor.py's check_layout), said before any rank starts."""
+    and `--layers layers` (transport/tensor.py's check_layout), said before any rank
+    starts."""
     from mlx_relay.transport.tensor import TensorLayoutError, check_layout
 
     try:
-        check_layout(tensor, n, hop_mode)
+        check_layout(tensor, n, hop_mode, layers)
     except TensorLayoutError as e:
         raise UserError(str(e)) from None
 

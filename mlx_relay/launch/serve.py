@@ -503,7 +503,7 @@ def _serve(args: argparse.Namespace) -> int:
     ring = None
     tensor = None
     try:
-        check_layout(args.tensor_parallel, size, args.hop_mode)
+        check_layout(args.tensor_parallel, size, args.hop_mode, args.layers)
     except TensorLayoutError as e:
         return _fatal(rank, UserError(str(e)))
     if size > 1:

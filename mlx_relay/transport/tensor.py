@@ -138,16 +138,25 @@ def launch_directly() -> bool:
     return True
 
 
-def check_layout(tensor: int, ranks: int, hop_mode: str = "auto") -> None:
+def check_layout(
+    tensor: int, ranks: int, hop_mode: str = "auto", layers: str | None = None
+) -> None:
     """TensorLayoutError unless `tensor` ranks a stage fit a cluster of `ranks` as built:
     1 (a pipeline) or every rank one stage (auto: either, chosen at load), whose steps
     send only headers round the ring (so `hop_mode` must not be one that pairs ranks to
-    carry payloads)."""
+    carry payloads), and no `--layers` range a rank (`layers`): a load given one runs as
+    a pipeline, which the split's settings (CUDA graphs off) would then slow down (half
+    the 16-stream throughput of the Llama-3-70B shape on 2 H200s, bench/RESULTS.md)."""
     auto, tensor = tensor == AUTO, group_size(tensor, ranks)
     if tensor > 1 and hop_mode in PAIRED_MODES and not auto:  # (auto: then no split)
         raise TensorLayoutError(
             f"--tensor-parallel sends only headers round the ring: --hop-mode "
             f"{hop_mode} has no payloads to carry (use auto, eager or ready)"
+        )
+    if tensor > 1 and layers and not auto:  # (auto: a pipeline where --layers is given)
+        raise TensorLayoutError(
+            f"--tensor-parallel {tensor} splits every layer across the ranks, and --layers "
+            f"{layers} gives each rank a range of them: give one or the other"
         )
     if tensor < 1:
         raise TensorLayoutError(f"--tensor-parallel {tensor}: expected 1 or more")
