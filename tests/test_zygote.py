@@ -157,3 +157,35 @@ def test_a_thread_beside_the_preloads_is_counted_by_name():
     alone, beside = json.loads(out.stdout)
     assert alone == []
     assert len(beside) == 1 and beside[0]  # (its name: a Python thread has the process's)
+
+
+def test_where_torch_is_installed_the_tokenizer_classes_are_left_to_the_ranks(tmp_path):
+    """transformers' tokenizer classes import PyTorch where it is installed, and PyTorch
+    starts a thread (the zygote then cannot fork): with a `torch` package findable, the
+    preload leaves them (and imports no torch); without one it loads them."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('not to be imported')\n")
+    (tmp_path / "torch-2.9.0.dist-info").mkdir()  # (transformers reads its version here)
+    (tmp_path / "torch-2.9.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: torch\nVersion: 2.9.0\n"
+    )
+    script = textwrap.dedent(
+        """
+        import json, sys
+        from mlx_relay.launch import zygote
+        zygote._preload()
+        print(json.dumps(["transformers.models.auto.tokenization_auto" in sys.modules,
+                          "torch" in sys.modules]))
+        """
+    )
+    found = {}
+    for torch_installed in (False, True):
+        env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+        if torch_installed:
+            env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+        out = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        found[torch_installed] = json.loads(out.stdout)
+    assert found == {False: [True, False], True: [False, False]}

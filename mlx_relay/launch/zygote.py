@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -67,6 +68,11 @@ _PRELOAD_ATTRS = (
     ("transformers", "PreTrainedTokenizerFast"),
     ("huggingface_hub", "snapshot_download"),
 )
+# Where PyTorch is installed, transformers' tokenizer classes import it, and it starts a
+# thread: on the 2x H200 host (torch in its system Python) `transformers.AutoTokenizer`
+# started `jemalloc_bg_thd` and the zygote refused to fork. There those attributes are
+# left for each rank to load (the modules above stay preloaded), so the zygote still forks.
+_TORCH = "torch"
 _MAX_MESSAGE = 1 << 20
 _MAX_FDS = 16
 
@@ -251,7 +257,7 @@ def _preload() -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # (as mlx-lm sets it)
     for name in _PRELOAD:
         importlib.import_module(name)
-    for name, attr in _PRELOAD_ATTRS:
+    for name, attr in _attributes_to_preload():
         getattr(sys.modules[name], attr)
     if "mlx" in sys.modules or "grpc" in sys.modules:  # a library changed what it imports
         raise ZygoteError("a preloaded library imported mlx or grpc: forking would be unsafe")
@@ -261,6 +267,13 @@ def _preload() -> None:
             f"a preloaded library started {len(others)} thread(s) ({', '.join(others)}): "
             f"forking would be unsafe"
         )
+
+
+def _attributes_to_preload() -> tuple[tuple[str, str], ...]:
+    """_PRELOAD_ATTRS, less transformers' where PyTorch is installed (see _TORCH)."""
+    if importlib.util.find_spec(_TORCH) is None:
+        return _PRELOAD_ATTRS
+    return tuple(item for item in _PRELOAD_ATTRS if item[0] != "transformers")
 
 
 def _other_threads() -> list[str]:
