@@ -23,15 +23,19 @@ were. The tokens are exact either way: the slot is dropped on every rank before 
 first request takes one, and what the warm-up computes from its logits (a greedy token,
 log-probabilities) goes nowhere.
 
-Many streams meet shapes one prompt never does: a decode group of several sequences, each
-at its own offset, runs as one batch (masked attention, and matmuls of B rows, whose
-kernels change with B). On a fresh 2x H200 host the first such step of the Llama-3-70B
-shape on 2 ranks (16 streams) ran past the 30 s `--step-timeout` three times in three
-fresh clusters: the watchdog took it for a hung rank and the cluster failed, and the
-kernels it was building were never kept, so the next cluster failed the same way; with
-the timeout at 400 s the same streams all ran (bench/RESULTS.md, session 37). So
-`warm_batches` gives slots short prompts of different lengths, then runs decode groups of
-2, 4, 8 ... up to the largest a group holds, and drops those slots.
+Many streams meet what one prompt never does: slots other than SLOT, and decode groups of
+several sequences, each at its own offset, run as one batch (masked attention, matmuls of
+B rows, whose kernels change with B). On a fresh 2x H200 host, 16 streams of the
+Llama-3-70B shape on 2 ranks failed three fresh clusters in a row: a step ran past the
+30 s `--step-timeout` early in the 16-stream load (step 123, one sequence in slot 5 after
+a run of 1-stream requests on slot 0; then step 123 again; then step 58, a group of 7),
+and the watchdog took it for a hung rank. None was the first step of its shape by
+`pace.step_shape` (which is allowed 120 s), so what it waited on (a slot's first use, or
+kernels for a batch `step_shape` does not tell apart) was not pinned down; with the
+timeout at 400 s the same load ran, and so did every later cluster on that host
+(bench/RESULTS.md, session 37). So `warm_batches` gives every slot a short prompt, then
+runs decode groups of 2, 4, 8 ... up to the largest, and drops those slots: both happen
+at load.
 """
 
 from __future__ import annotations
@@ -122,22 +126,23 @@ def batch_sizes(largest: int) -> list[int]:
     return sizes + [largest] if largest > 1 else []
 
 
-def warm_batches(pipeline: Pipeline, largest: int, context_length: int) -> int:
-    """Decode groups of several sequences on every rank before serving (`largest`: the
-    most a group holds, at most hdr.MAX_SEQS): slots 0.. get prompts of 2, 3, 4 ...
-    tokens (each group member at its own offset, as in a live group), then one decode
-    step a size of `batch_sizes`, each fed the tokens the step before sampled, still on
-    the device; the slots are dropped. Returns the steps run."""
-    sizes = batch_sizes(min(largest, hdr.MAX_SEQS))
-    if not sizes or (context_length and sizes[-1] + 2 + len(sizes) > context_length):
+def warm_batches(pipeline: Pipeline, slots: int, context_length: int) -> int:
+    """Every slot and decode groups of several sequences, on every rank, before serving
+    (`slots`: --max-active): slot i gets a prompt of 2 + i % hdr.MAX_SEQS tokens (so a
+    group's members sit at offsets of their own, as in a live group), then the first
+    slots run one decode step a size of `batch_sizes` (a group holds at most
+    hdr.MAX_SEQS), each fed the tokens the step before sampled, still on the device;
+    the slots are dropped. Returns the steps run."""
+    sizes = batch_sizes(min(slots, hdr.MAX_SEQS))
+    if not sizes or (context_length and hdr.MAX_SEQS + 2 + len(sizes) > context_length):
         return 0
-    slots = list(range(sizes[-1]))
-    offsets = [2 + slot for slot in slots]
-    tokens = []
-    for slot, length in zip(slots, offsets, strict=True):
-        tokens.append(_run(pipeline, 0, length, want_logits=True, slot=slot)[1])
+    offsets = [2 + slot % hdr.MAX_SEQS for slot in range(slots)]
+    tokens = [
+        _run(pipeline, 0, length, want_logits=True, slot=slot)[1]
+        for slot, length in enumerate(offsets)
+    ]
     for size in sizes:
-        members = slots[:size]
+        members = list(range(size))
         step = pipeline.launch_forward(
             members,
             offsets[:size],
@@ -149,8 +154,8 @@ def warm_batches(pipeline: Pipeline, largest: int, context_length: int) -> int:
         for slot, token in zip(members, _sampled(pipeline, step, size), strict=True):
             tokens[slot] = token
             offsets[slot] += 1
-    _drop(pipeline, slots)
-    return len(slots) + len(sizes)
+    _drop(pipeline, list(range(slots)))
+    return slots + len(sizes)
 
 
 def time_widths(pipeline: Pipeline, widths: list[int], compiles: bool) -> dict[int, float]:
