@@ -19,7 +19,8 @@ count, for the same streams. `--layouts pipeline,tensor` runs each multi-rank si
 with every layer split across its ranks (`--tensor-parallel N`, rows "N TPN") and prints
 each split row's aggregate against the pipeline's of the same ranks and streams.
 MLX_RELAY_BENCH_SERVE_ARGS adds options to every cluster's `serve` (e.g.
-"--step-timeout 400" on a fresh GPU host, whose first batched steps compile kernels).
+"--step-timeout 400": on a fresh 2x H200 host, before the warm-up ran decode groups,
+16 streams of the 70B shape met a step past the default 30 s; bench/RESULTS.md).
 """
 
 from __future__ import annotations
