@@ -324,12 +324,8 @@ def main() -> int:
             split_of[f"{row} TP{n}"] = row
             row += f" TP{n}"
         rows[row] = n
-        first = (mode, depth, split, layout) == (
-            modes[0],
-            depths[0],
-            splits.get(n, ["balanced"])[0],
-            layouts[0],
-        )
+        # (the first configuration of this rank count also measures TTFT and idle CPU)
+        first = (n, mode, depth, split, layout) == next(c for c in configs if c[0] == n)
         tensor = n if layout == "tensor" else 1
         cluster, client = start(
             args.model, n, split, args.gpus, args.max_active, mode, depth, tensor
