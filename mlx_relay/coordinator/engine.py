@@ -423,7 +423,6 @@ class Engine:
             width = spec.num_draft_tokens + 1 if verify and spec is not None else 0
             done = warmup.warm_up(self.pipeline, config.prefill_chunk, bound, width)
             self.scheduler.warmed(done.chunk_seconds, done.chunk_tokens, done.chunk_units)
-            t0 = time.monotonic()
             batched = warmup.warm_batches(self.pipeline, config.max_active, bound)
             log.info(
                 "warmed up in %.2f s (%d steps; a %d-token chunk takes %.3f s warm), "
@@ -432,9 +431,9 @@ class Engine:
                 done.steps,
                 done.chunk_tokens,
                 done.chunk_seconds,
-                min(config.max_active, hdr.MAX_SEQS),
-                time.monotonic() - t0,
-                batched,
+                batched.largest,
+                batched.seconds,
+                batched.steps,
             )
         if widths:
             seconds = warmup.time_widths(self.pipeline, widths, compiles)

@@ -119,6 +119,15 @@ def warm_up(pipeline: Pipeline, chunk: int, context_length: int, verify_width: i
     return WarmUp(steps, time.monotonic() - started, size, chunk_seconds, units)
 
 
+@dataclass(frozen=True)
+class BatchWarmUp:
+    """What `warm_batches` ran."""
+
+    steps: int  # forward steps round the ring
+    seconds: float
+    largest: int  # the largest decode group run (0: none)
+
+
 def batch_sizes(largest: int) -> list[int]:
     """The decode groups `warm_batches` runs: 2, 4, 8 ... below `largest`, then `largest`
     (kernels are picked by ranges of B whose edges are powers of two)."""
@@ -126,16 +135,17 @@ def batch_sizes(largest: int) -> list[int]:
     return sizes + [largest] if largest > 1 else []
 
 
-def warm_batches(pipeline: Pipeline, slots: int, context_length: int) -> int:
+def warm_batches(pipeline: Pipeline, slots: int, context_length: int) -> BatchWarmUp:
     """Every slot and decode groups of several sequences, on every rank, before serving
     (`slots`: --max-active): slot i gets a prompt of 2 + i % hdr.MAX_SEQS tokens (so a
     group's members sit at offsets of their own, as in a live group), then the first
     slots run one decode step a size of `batch_sizes` (a group holds at most
     hdr.MAX_SEQS), each fed the tokens the step before sampled, still on the device;
-    the slots are dropped. Returns the steps run."""
+    the slots are dropped."""
+    started = time.monotonic()
     sizes = batch_sizes(min(slots, hdr.MAX_SEQS))
     if not sizes or (context_length and hdr.MAX_SEQS + 2 + len(sizes) > context_length):
-        return 0
+        return BatchWarmUp(0, 0.0, 0)
     offsets = [2 + slot % hdr.MAX_SEQS for slot in range(slots)]
     tokens = [
         _run(pipeline, 0, length, want_logits=True, slot=slot)[1]
@@ -155,7 +165,7 @@ def warm_batches(pipeline: Pipeline, slots: int, context_length: int) -> int:
             tokens[slot] = token
             offsets[slot] += 1
     _drop(pipeline, list(range(slots)))
-    return slots + len(sizes)
+    return BatchWarmUp(slots + len(sizes), time.monotonic() - started, sizes[-1])
 
 
 def time_widths(pipeline: Pipeline, widths: list[int], compiles: bool) -> dict[int, float]:
