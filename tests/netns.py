@@ -59,9 +59,12 @@ def unavailable_reason() -> str | None:
         r = _ip("netns", "add", probe, check=False)
         if r.returncode != 0:
             return f"'ip netns add' failed: {r.stderr.strip()}"
+        # (both ends named by this process: every pytest-xdist worker probes at once while
+        # collecting, and a shared peer name made all but one see "File exists" and skip)
         r = _ip(
-            "link", "add", f"mrp{os.getpid()}", "type", "veth", "peer", "name", "p0", check=False
-        )
+            "link", "add", f"mrp{os.getpid()}", "type", "veth",
+            "peer", "name", f"mrq{os.getpid()}", check=False,
+        )  # fmt: skip
         if r.returncode != 0:
             return f"cannot create a veth pair: {r.stderr.strip()}"
         _ip("link", "del", f"mrp{os.getpid()}", check=False)
