@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 
+import grpc
 import httpx
 import pytest
 from oracle import chat_request, chat_tokens, generate_concurrently, mlx_lm_tokens
@@ -84,6 +85,22 @@ def test_greedy_and_seeded_tokens_equal_mlx_lm_tensor_parallel(
         _chat(MESSAGES, max_tokens=24, temperature=0.8, top_p=0.95, top_k=40, seed=SEED)
     )
     assert list(seeded.token_ids) == split_answers(family)["seeded"]
+
+
+def test_a_load_giving_layers_is_refused_and_the_split_still_serves(
+    tiny_model, cluster_pool, split_answers
+):
+    """Layers per rank would load the model as a pipeline with the split's settings (CUDA
+    graphs off: half the throughput on GPUs), so a split cluster refuses them up front."""
+    model = tiny_model("llama", 4)
+    running = cluster_pool.serving(model, RANKS, *TP)
+    with pytest.raises(grpc.RpcError) as refused:
+        running.client.stub.LoadModel(pb.LoadModelRequest(model=str(model), layers="3,1"))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+    assert "load without layers" in refused.value.details(), refused.value.details()
+    assert running.client.status().layout.tensor_parallel == RANKS
+    reply = running.client.generate(_chat(MESSAGES, max_tokens=48))
+    assert list(reply.token_ids) == split_answers("llama")["greedy"]
 
 
 def test_a_peer_staged_from_rank_0s_copy_gives_the_same_tokens(

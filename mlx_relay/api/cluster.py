@@ -414,6 +414,13 @@ class Cluster:
         if self._engine.state in ("draining", "stopping", "failed"):
             raise EngineError("unavailable", f"the cluster is {self._engine.state}")
         pipeline = self._engine.pipeline
+        split = pipeline.tensor
+        if layers_spec and split is not None and not split.auto:
+            raise requests.InvalidRequest(
+                f"this cluster splits every layer across its {split.size} ranks "
+                f"(--tensor-parallel {split.size}); layers {layers_spec!r} would give each "
+                "rank a range of them instead: load without layers"
+            )
         try:
             counts = model_layers(layers_spec, spec, pipeline.world_size)
         except ModelError as e:
