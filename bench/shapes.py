@@ -105,6 +105,22 @@ SHAPES: dict[str, tuple[dict[str, Any], int | None]] = {
         },
         4,
     ),
+    # The 70B's depth and head ratio at a width a CPU computes in no time (float32, not
+    # quantized: MLX's CPU runs 4-bit bfloat16 matmuls at ~2 s a token even this thin): a
+    # decode step's cost here is the host's, building and dispatching 80 layers' graph,
+    # the part that bounds the 70B split on GPUs (bench/RESULTS.md, session 37).
+    "llama3-70b-thin": (
+        {
+            "hidden_size": 128,
+            "num_hidden_layers": 80,
+            "intermediate_size": 448,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "rope_theta": 500000.0,
+            "torch_dtype": "float32",
+        },
+        None,
+    ),
 }
 NAMES = ("tiny", "tiny-qwen2", *SHAPES)
 
@@ -143,14 +159,15 @@ def make_shape(name: str, out: Path, tokenizer_dir: Path | None = None) -> Path:
     arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(0)
     model = arch.Model(arch.ModelArgs.from_dict(config))  # lazy: nothing drawn yet
-    model.set_dtype(mx.bfloat16)
+    dtype = config.get("torch_dtype", "bfloat16")
+    model.set_dtype(getattr(mx, dtype))
     if bits:
         config["quantization"] = {"group_size": 64, "bits": bits}
         nn.quantize(model, group_size=64, bits=bits)
     for layer in model.model.layers:  # draw and quantize one layer at a time
         mx.eval(layer.parameters())
     mx.eval(model.parameters())
-    config["torch_dtype"] = "bfloat16"
+    config["torch_dtype"] = dtype
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     _write_index(out)
