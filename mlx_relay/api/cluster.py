@@ -46,6 +46,7 @@ from mlx_relay.text import constraints
 from mlx_relay.text.markup import ChatMarkup
 from mlx_relay.text.tool_constraint import tool_constraint
 from mlx_relay.transport.hub import LinkFailure, RankInfo
+from mlx_relay.transport.tensor import AUTO, TensorLayoutError, check_layout
 
 log = logging.getLogger("mlx_relay.cluster")
 
@@ -414,13 +415,13 @@ class Cluster:
         if self._engine.state in ("draining", "stopping", "failed"):
             raise EngineError("unavailable", f"the cluster is {self._engine.state}")
         pipeline = self._engine.pipeline
-        split = pipeline.tensor
-        if layers_spec and split is not None and not split.auto:
-            raise requests.InvalidRequest(
-                f"this cluster splits every layer across its {split.size} ranks "
-                f"(--tensor-parallel {split.size}); layers {layers_spec!r} would give each "
-                "rank a range of them instead: load without layers"
-            )
+        if (split := pipeline.tensor) is not None:  # (the start's rule for --layers)
+            try:
+                check_layout(
+                    AUTO if split.auto else split.size, pipeline.world_size, layers=layers_spec
+                )
+            except TensorLayoutError as e:
+                raise requests.InvalidRequest(str(e)) from e
         try:
             counts = model_layers(layers_spec, spec, pipeline.world_size)
         except ModelError as e:
