@@ -58,7 +58,7 @@ static void CUPTIAPI take_buffer(CUcontext ctx, uint32_t stream, uint8_t *buffer
     switch (record->kind) {
       case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
         const CUpti_ActivityKernel10 *k = (const CUpti_ActivityKernel10 *)record;
-        fprintf(out, "K\t%lu\t%lu\t%u\t%u\t%.120s\n", k->start, k->end, k->streamId, k->graphId,
+        fprintf(out, "K\t%lu\t%lu\t%u\t%u\t%.1000s\n", k->start, k->end, k->streamId, k->graphId,
                 k->name ? k->name : "?");
         break;
       }

@@ -94,13 +94,18 @@ def warm_up(pipeline: Pipeline, chunk: int, context_length: int, verify_width: i
     for offset in range(0, length, size):  # the prompt, its last chunk with logits
         _, token = _run(pipeline, offset, size, want_logits=offset + size >= length)
         steps += 1
-    # A decode step fed the token sampled last, still on the device, as the engine
-    # feeds it (argmax's uint32, not the prompt's int32: on CUDA the embedding's gather
-    # for those indices is another kernel, compiled on first use: ~5 s on a fresh H200)
-    _run(pipeline, length, 1, want_logits=True, group=0, tokens=token)
-    steps += 1
-    if verify_width > 1 and length + 1 + verify_width <= limit:
-        _run(pipeline, length + 1, verify_width, want_logits=True, all_positions=True)
+    # Decode steps fed the token sampled last, still on the device, as the engine feeds
+    # it (argmax's uint32, not the prompt's int32: on CUDA the embedding's gather for
+    # those indices is another kernel, compiled on first use: ~5 s on a fresh H200).
+    # Two, at an odd count of keys and at an even one: cuDNN's one-query attention
+    # kernel is built apart for each, and on a machine whose driver has not cached it
+    # yet each first build took ~0.5 s on an H200 (bench/RESULTS.md); a request meets
+    # both (so does a prompt's last token, below).
+    for offset in (length, length + 1):
+        _, token = _run(pipeline, offset, 1, want_logits=True, group=0, tokens=token)
+        steps += 1
+    if verify_width > 1 and length + 2 + verify_width <= limit:
+        _run(pipeline, length + 2, verify_width, want_logits=True, all_positions=True)
         steps += 1
     # A prompt's last chunk, of an odd length as it nearly always is, then its last
     # token alone with logits (policy.py: the step that gives token 1). On a fresh
@@ -110,7 +115,8 @@ def warm_up(pipeline: Pipeline, chunk: int, context_length: int, verify_width: i
     if odd < size:
         _run(pipeline, length - odd, odd, want_logits=False, reuse=True)
         _run(pipeline, length, 1, want_logits=True)
-        steps += 2
+        _run(pipeline, length - 1, 1, want_logits=True, reuse=True)  # (the even count)
+        steps += 3
     t0 = time.monotonic()  # a chunk again, warm: the pace prompts start from
     units, _ = _run(pipeline, 0, size, want_logits=True)
     chunk_seconds = time.monotonic() - t0
