@@ -290,26 +290,46 @@ def pytest_addoption(parser):
     )
 
 
-# The files that take longest (seconds on 2 cores with two workers, session 27), handed
-# out first where files run on two workers at once (`make test`: pytest-xdist, --dist
-# loadfile --no-loadscope-reorder): one of these started last would leave the other
-# worker idle at the end.
+# Every file of 10 test-seconds or more, longest first (`pytest --durations=0` of a
+# two-worker run on 2 cores, 2026-11-29), handed out in this order where files run on
+# two workers at once (`make test`: pytest-xdist, --dist loadfile
+# --no-loadscope-reorder): one of these started last would leave the other worker idle
+# at the end, and the files after them are short.
 LONGEST_FIRST = (
-    "test_default_model_cluster",  # ~200 s: 200 tokens of the default model on 3 ranks
-    "test_tensor_parallel",  # 60 s: eight clusters split across two ranks, and the oracle's
-    "test_reliability",  # 60 s
-    "test_door_schemas",  # 60
-    "test_families",  # 51
-    "test_census_families",  # 46
-    "test_long_prompts",  # 46
-    "test_launch",  # 41
-    "test_first_hour",  # 40
-    "test_netns",  # 38
-    "test_concurrency",  # 37
-    "test_speculation_cluster",  # 35
-    "test_generation",  # 32
-    "test_memory_guard",  # 27
-    "test_localai",  # 22
+    "test_reliability",  # 93
+    "test_default_model_cluster",  # 89
+    "test_census_families",  # 68
+    "test_families",  # 60
+    "test_tensor_parallel",  # 48
+    "test_first_hour",  # 44
+    "test_concurrency",  # 36
+    "test_launch",  # 35
+    "test_netns",  # 32
+    "test_memory_guard",  # 32
+    "test_cluster",  # 31
+    "test_speculation_cluster",  # 29
+    "test_clients_e2e",  # 28
+    "test_vision_gemma4",  # 27
+    "test_multiplier_families",  # 26
+    "test_generation",  # 26
+    "test_long_prompts",  # 23
+    "test_vision_qwen2_vl",  # 21
+    "test_hops",  # 21
+    "test_prompt_cache",  # 19
+    "test_structured",  # 18
+    "test_gemma4_small",  # 17
+    "test_stage_weights",  # 16
+    "test_vision",  # 15
+    "test_soak",  # 15
+    "test_http_api",  # 15
+    "test_tiny_models",  # 13
+    "test_lifecycle",  # 13
+    "test_localai",  # 12
+    "test_speed_split",  # 11
+    "test_live_page",  # 11
+    "test_default_model",  # 11
+    "test_zygote",  # 10
+    "test_prompt_store",  # 10
 )
 
 
