@@ -299,9 +299,10 @@ def test_a_load_cancels_what_runs(model, start):
 
 
 def test_a_warm_up_at_load_runs_a_first_prompts_steps_then_exact_tokens(model, start):
-    """`--warm-up on`: at load, full chunks of a prompt, a decode step, a verify step
-    of K + 1 positions (with speculation), an odd-length last chunk and a last token
-    alone, and one more chunk, timed warm, on one slot,
+    """`--warm-up on`: at load, full chunks of a prompt, two decode steps (an odd and
+    an even count of keys), a verify step of K + 1 positions (with speculation), an
+    odd-length last chunk and a last token alone at both counts of keys, and one more
+    chunk, timed warm, on one slot,
     which is then dropped; then (warmup.warm_batches) prompts of 2, 3, ... tokens on
     `--max-active` slots and decode groups of 2, 4 ... of them, each member at its own
     offset, fed what the step before sampled; those slots dropped. The pacer starts

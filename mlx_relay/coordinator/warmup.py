@@ -8,9 +8,10 @@ and 74 s on a machine whose kernels had never been compiled (bench/bench_first_p
 bench/RESULTS.md). Worse, the prefill pacer (policy.py) timed its first
 probe chunk while it compiled, took the model for slow and cut the next prompt chunks
 small: shapes no later prompt meets, compiled again. So `warm_up` runs, on one slot
-of every rank, a prompt in full `--prefill-chunk` chunks, its last chunk's logits, a
-decode step and (with fixed speculation; adaptive speculation's verify steps run in
-`time_widths`) a verify step, a prompt's odd-length last chunk and its last token, then
+of every rank, a prompt in full `--prefill-chunk` chunks, its last chunk's logits, two
+decode steps and (with fixed speculation; adaptive speculation's verify steps run in
+`time_widths`) a verify step, a prompt's odd-length last chunk and its last token (at an
+odd and at an even count of keys: cuDNN's one-query kernel differs), then
 one more full chunk timed warm, which gives the
 pacer its pace (no probe chunk after it), and drops the slot. On CUDA
 the prompt runs on to CUDA_CONTEXT tokens, so cuDNN has each chunk's graph at every
