@@ -13,8 +13,12 @@ Where the group's collectives run: on CUDA GPUs of their own, an NCCL communicat
 the ranks (collective.nccl_world; NVLink where the GPUs share it); elsewhere the ring
 group itself (MLX's ring backend on CPUs and Macs over Thunderbolt or Ethernet; JACCL's
 RDMA where launched with it). A group is the whole world here: a stage x tensor grid
-needs each stage's ranks as a sub-group (`Group.split`), which MLX's NCCL backend has
-and its ring backend has not (mlx 0.32.4: "[ring] Group split not supported").
+needs each stage's ranks as a sub-group (`Group.split`), which MLX's NCCL and MPI
+backends have and its ring backend has not (mlx 0.32.4: "[ring] Group split not
+supported"). Under MPI, 4 ranks split into two groups of 2 all-sum in each while a send
+crosses the world beside them (2 vCPUs, 2026-11-29); a sub-group still alive when the
+process ends makes MPI abort (MPI_Comm_free after MPI_Finalize), so one must be freed
+first.
 """
 
 from __future__ import annotations
