@@ -34,8 +34,9 @@ demo: install
 # Test files run on two processes at once (pytest-xdist, each file on one worker; each
 # worker's clusters pick ports from a range of their own): one file at a time keeps 1.1
 # of 2 cores busy. Three were faster on a fast 2-core machine (421 s against two's
-# 469-525 s, 2026-11-29) and no faster on a slower one (1,000 s against 998), but a
-# three-worker run with a core kept busy failed a check two never did (docs/performance.md).
+# 469-525 s, 2026-11-29), no faster on a slower one (1,000 s against 998) and slower on
+# another (531 s against 499, its cores 3.6% idle with three), and a three-worker run
+# with a core kept busy failed a check two never did (docs/performance.md).
 # TEST_WORKERS=0 runs one file at a time. --no-loadscope-reorder hands files out in the
 # order tests/conftest.py gives them (the longest first), not by their number of tests.
 TEST_WORKERS ?= 2
