@@ -256,6 +256,28 @@ def test_last_words_wait_for_the_output_of_a_rank_that_ended():
     assert words.cause(0) == "cannot load /m: no weights"  # the first cause any rank gave
 
 
+def test_a_stopped_cluster_has_its_ranks_output_read_to_the_end_before_the_verdict():
+    """The verdict is a launcher's last line: `Supervisor.stop` returns only once every
+    rank's output has been passed on (CI once saw a rank's `shutdown` line after it)."""
+    words = LastWords()
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    words.opened(0)
+    read_at: list[float] = []
+
+    def read() -> None:  # (a reader thread behind the process's end)
+        time.sleep(0.3)
+        read_at.append(time.monotonic())
+        words.closed(0)
+
+    threading.Thread(target=read, daemon=True).start()
+    assert Supervisor([proc], ["h"], words).stop(timeout=5) == [0]
+    assert read_at, "stop returned before the rank's output was read to its end"
+    assert words.drained(wait=0)
+    words.opened(1)  # a stream nobody closes: the wait has an end
+    assert not words.drained(wait=0.05)
+
+
 def test_a_failure_that_would_repeat_is_not_restarted():
     lines: list[str] = []
     starts: list[int] = []

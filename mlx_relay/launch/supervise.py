@@ -79,6 +79,13 @@ class LastWords:
             with self._cv:
                 self._causes.setdefault(rank, cause)
 
+    def drained(self, wait: float = 2.0) -> bool:
+        """Wait (up to `wait`) until every process's output has been read to its end, so
+        that what a launcher says last comes after what its ranks said; False if some
+        stream is still open then (a rank's child may hold it)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: all(n <= 0 for n in self._open.values()), wait)
+
     def cause(self, rank: int, proc: int | None = None, wait: float = 2.0) -> str:
         """Rank `rank`'s cause, else the first any rank gave, else ''.
 
@@ -250,6 +257,8 @@ class Supervisor:
         for p in self.procs:
             p.wait()
         self.poll()
+        if self.last_words is not None:  # (their last lines before the launcher's verdict)
+            self.last_words.drained()
         return [p.returncode for p in self.procs]
 
 
