@@ -78,7 +78,14 @@ def rank_pids(launcher: int) -> list[int]:
 class Launched:
     """`mlx-relay launch` as a subprocess, as a user runs it."""
 
-    def __init__(self, tmp_path: Path, hostfile: Path, serve: list[str], n_ports: int) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        hostfile: Path,
+        serve: list[str],
+        n_ports: int,
+        launch_args: tuple[str, ...] = (),
+    ) -> None:
         self.grpc = f"127.0.0.1:{free_port_range(1)}"
         self.out = tmp_path / "launch.out"
         self.err = tmp_path / "launch.err"
@@ -89,6 +96,7 @@ class Launched:
             str(hostfile),
             "-p",
             str(free_port_range(n_ports)),
+            *launch_args,
         ]
         cmd += ["--", *serve, "--grpc-address", self.grpc]
         with open(self.out, "wb") as out, open(self.err, "wb") as err:

@@ -9,10 +9,12 @@ import sys
 import pytest
 from conftest import assert_gone
 from launching import MESSAGES, Launched, chat_request, localhost_hostfile
-from oracle import chat_tokens, mlx_lm_tokens
+from oracle import chat_tokens, generate_concurrently, mlx_lm_tokens
+from tensor_oracle import Generation, tensor_generations
 
 from mlx_relay.client.client import Client
 from mlx_relay.launch.mlx_launch import _which, mpi_libname
+from mlx_relay.protocol import relay_pb2 as pb
 
 MPIRUN = _which("mpirun")
 pytestmark = pytest.mark.skipif(
@@ -70,6 +72,66 @@ def test_mpi_two_ranks_equal_mlx_lm(tiny_model, tmp_path):
         assert "[rank 0] " in out and "[rank 1] " in out, launched.logs()
         assert launched.stop() == 0, launched.logs()
         assert "rank 1: shutdown" in launched.err.read_text()  # through rank 0, cleanly
+    finally:
+        launched.stop()
+    assert_gone(launched.ranks)
+
+
+# ------------------------------------------------ a stage x tensor grid (Group.split)
+
+GRID_RANKS, GRID_TENSOR = 4, 2
+STORY = [{"role": "user", "content": "Tell me a story about a lighthouse and 3 cats."}]
+SEED, SAMPLER = 7, {"temp": 0.8, "top_p": 0.95, "top_k": 40}
+
+
+def _grid(tmp_path, model, *serve: str) -> Launched:
+    """4 MPI ranks on this machine as 2 stages of 2 (mpirun is told it may put 4 ranks
+    on fewer cores: --oversubscribe, which also makes MPI's waits yield the core)."""
+    hostfile = localhost_hostfile(tmp_path, GRID_RANKS, backend="mpi")
+    args = ["--model", str(model), "--tensor-parallel", str(GRID_TENSOR), *serve]
+    return Launched(tmp_path, hostfile, args, GRID_RANKS + 2, ("--mpi-arg=--oversubscribe",))
+
+
+def _story(**params) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        messages=[pb.ChatMessage(**m) for m in STORY], params=pb.SamplingParams(**params)
+    )
+
+
+@pytest.mark.cluster
+def test_a_stage_by_tensor_grid_gives_mlx_lm_split_generations_tokens(tiny_model, tmp_path):
+    """--tensor-parallel 2 on 4 MPI ranks: two stages of two, each stage's ranks a
+    sub-group of their own (Group.split). Each layer is split across 2 ranks as mlx-lm's
+    `shard` splits it over a group of 2, and a layer range a stage changes no sum (a
+    pipeline equals one process), so the oracle is mlx-lm's own split generation on 2
+    ranks (tests/tensor_oracle.py): greedy, seeded, and two requests at once (a decode
+    step of both rows crosses both stages), then a clean stop through rank 0."""
+    model = tiny_model("qwen3", 4)
+    prompt = chat_tokens(model, STORY)
+    greedy, seeded = tensor_generations(
+        model, [Generation(prompt, 48), Generation(prompt, 24, SEED, SAMPLER)], GRID_TENSOR
+    )
+    launched = _grid(tmp_path, model)
+    try:
+        launched.wait_serving()
+        with Client(launched.grpc, timeout=120) as client:
+            status = client.status()
+            layout = status.layout
+            assert (layout.stages, layout.tensor_parallel) == (2, 2), layout
+            assert layout.tensor_backend == "mpi, stages of 2", layout
+            assert [(r.layer_start, r.layer_end) for r in status.ranks] == [(0, 2)] * 2 + [
+                (2, 4)
+            ] * 2
+            assert list(client.generate(_story(max_tokens=48)).token_ids) == greedy
+            again = _story(max_tokens=24, temperature=0.8, top_p=0.95, top_k=40, seed=SEED)
+            assert list(client.generate(again).token_ids) == seeded
+            both = generate_concurrently(client, [_story(max_tokens=48)] * 2)
+            assert both == [greedy, greedy]
+        assert launched.stop() == 0, launched.logs()
+        out = launched.err.read_text()
+        assert "stage x tensor grid: a pipeline of 2 stages" in out, launched.logs()
+        for rank in range(1, GRID_RANKS):
+            assert f"rank {rank}: shutdown" in out, launched.logs()
     finally:
         launched.stop()
     assert_gone(launched.ranks)

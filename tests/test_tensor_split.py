@@ -12,6 +12,7 @@ from mlx_relay.model import memory, tensor_split
 from mlx_relay.transport.tensor import (
     AUTO,
     TensorLayoutError,
+    check_grid_backend,
     check_layout,
     group_size,
     parse_tensor_parallel,
@@ -46,7 +47,6 @@ def test_a_split_rank_counts_its_share_of_the_layers(tiny_model):
         (-1, 2, "expected 1 or more"),
         (3, 2, "does not divide a cluster of 2 ranks"),
         (3, 4, "does not divide a cluster of 4 ranks"),
-        (2, 4, "2 stages of 2: a stage x tensor grid needs"),
     ],
 )
 def test_layouts_not_built_are_refused_with_the_reason(tensor, ranks, says):
@@ -54,9 +54,22 @@ def test_layouts_not_built_are_refused_with_the_reason(tensor, ranks, says):
         check_layout(tensor, ranks)
 
 
+def test_a_grid_is_a_layout_where_the_backend_splits_groups():
+    """Stages of 2 on 4 or 6 ranks fit; where the ranks' backend cannot split groups (MLX's
+    ring and JACCL backends) the grid is refused, saying what can."""
+    check_layout(2, 4)
+    check_layout(3, 6)
+    check_grid_backend(2, 4, "mpi", splits=True)
+    check_grid_backend(4, 4, "ring", splits=False)  # (one stage: no split needed)
+    with pytest.raises(TensorLayoutError, match="2 stages of 2: a stage x tensor grid needs") as e:
+        check_grid_backend(2, 4, "ring", splits=False)
+    assert "MLX's ring backend does not have" in str(e.value)
+    assert '"backend": "mpi"' in str(e.value)
+
+
 def test_a_split_refuses_hops_that_pair_ranks_for_payloads():
     for mode in ("collective", "adaptive"):
-        with pytest.raises(TensorLayoutError, match=f"--hop-mode {mode} has no payloads"):
+        with pytest.raises(TensorLayoutError, match=f"--hop-mode {mode} pairs ranks"):
             check_layout(2, 2, mode)
     check_layout(1, 2, "collective")  # (a pipeline may)
 

@@ -322,6 +322,8 @@ def run_load(args: argparse.Namespace) -> int:
     split = (
         f", every layer split across {layout.tensor_parallel}" if layout.tensor_parallel > 1 else ""
     )
+    if layout.tensor_parallel > 1 and layout.stages > 1:
+        split = f", {layout.stages} stages, each layer split across its stage's {layout.tensor_parallel}"
     note = f" ({layout.note})" if layout.note else ""
     print(
         f"serving {status.model_path} on {status.world_size} rank(s), layers {ranges}{split}{note}"

@@ -78,6 +78,11 @@ class Layout:
         return self.why or (self.choice.describe() if self.choice is not None else "")
 
     def describe(self) -> str:
+        if self.tensor > 1 and self.stages > 1:
+            return (
+                f"stage x tensor grid: a pipeline of {self.stages} stages, every layer of a "
+                f"stage split across its {self.tensor} ranks"
+            )
         if self.tensor > 1:
             split = f"tensor parallel: every layer split across {self.tensor} ranks"
             return f"{split} ({self.note})" if self.note else split
@@ -118,8 +123,8 @@ class Pipeline:
         self.staged: dict[int, dict[str, Any]] = {}  # each worker's last staging report
         # --prompt-cache-dir: {"dir", "budget"} for every rank's blocks (prefix_store.py)
         self.prompt_store = prompt_store
-        if tensor is not None:  # (one stage: a step at a time, as on one machine)
-            steps_in_flight = 1
+        if tensor is not None:  # (a step a stage: one, as on one machine, or a grid's)
+            steps_in_flight = steps_in_flight or tensor.stages
         self.heartbeat_timeout = heartbeat_timeout
         self.step_timeout = step_timeout
         self.world_size = ring.size if ring else 1
@@ -187,8 +192,10 @@ class Pipeline:
         num_layers = sharding.count_layers(config)
         layout = self._layout(path, config, layers)
         tensor = self.tensor if layout.tensor > 1 else None
-        if tensor is not None:  # (every rank every layer, each its slice)
-            ranges = [(0, num_layers)] * self.world_size
+        if tensor is not None:  # (every rank of a stage its layers, each its slice;
+            # the stages by equal work)
+            stages = plan_ranges(path, layout.stages, None, stats=lambda: [], speeds=lambda: None)
+            ranges = [r for r in stages for _ in range(layout.tensor)]
         else:
             ranges = plan_ranges(
                 path, self.world_size, layers, stats=self._rank_stats, speeds=self.probe_speeds
@@ -245,7 +252,7 @@ class Pipeline:
             log.warning("tensor parallel refused, the model runs as a pipeline: %s", why)
             return Layout(stages=self.world_size, why=why)
         if not self.tensor.auto:
-            return Layout(stages=1, tensor=self.tensor.size)
+            return Layout(stages=self.tensor.stages, tensor=self.tensor.size)
         choice = self._choose(path, config)
         if choice.tensor > 1:
             return Layout(stages=1, tensor=choice.tensor, choice=choice)
@@ -351,12 +358,16 @@ class Pipeline:
         h, sides = self.runner.run(header, tokens, reuse_from=reuse_from, prompt=prompt)
         step = Step(header, want_logits, sides=sides)
         step.units = step_cost(lengths, offsets, self.runner.hidden_size)
-        if self.world_size == 1 or self.runner.tensor is not None:
+        split = self.runner.tensor
+        if self.world_size == 1 or (split is not None and not split.grid):
             hidden = h[:, -1:, :] if want_logits and not all_positions else h
-            if self.runner.tensor is None:
+            if split is None:
                 self.driver.post_here(step, hidden, tokens)
             else:  # (every layer was here: the ring carries the header to the peers)
                 self.driver.launch_tensor(step, hidden, tokens)
+            return step
+        if split is not None:  # (a grid: stage 0's last rank sends its output on)
+            self.driver.launch_grid(step, h, tokens)
             return step
         header.payload_kind = hdr.PAYLOAD_HIDDEN
         header.payload_dtype = dtype_name(h.dtype)

@@ -15,7 +15,9 @@ computes (its layers, a second lap, the LM head) is its runner's (runner.py).
 Where new transports plug in: a transport other than MLX's ring backend (JACCL RDMA)
 is a `Ring` with its own `Hops`; nothing here changes. A tensor-parallel step
 (`launch_tensor`) is computed here whole, as with one rank: only its header goes round,
-to start the peers, and comes back as their acknowledgement.
+to start the peers, and comes back as their acknowledgement. In a stage x tensor grid
+(`launch_grid`) rank 0 computes stage 0's part with its peers, and the step comes back
+from the last stage as a pipeline's does.
 """
 
 from __future__ import annotations
@@ -136,6 +138,25 @@ class RingDriver:
         self._in_flight.append(step)
         self._send_header_alone(step)
         mx.async_eval(step.hidden)
+        timeline.mark("posted", step.header.step_id)
+
+    def launch_grid(self, step: Step, hidden: mx.array, tokens: mx.array) -> None:
+        """A step of a stage x tensor grid (FLAG_TENSOR; transport/tensor.py): rank 0's
+        part of stage 0 (`hidden`, its all-sums shared with the stage's peers) is posted,
+        to be kept alive until it ran; its header goes round alone, to start the stage's
+        peers; stage 0's last rank sends the stage's output on, and the last stage's
+        returns here as a pipeline's step does."""
+        assert self.ring is not None
+        self.settle()
+        mx.async_eval(tokens)  # (first, apart: see launch)
+        self.announce()
+        self._in_flight.append(step)
+        self._send_header_alone(step)
+        mx.async_eval(hidden)
+        step.posted = hidden
+        if self.ring.posts_return_at_launch(step.header):
+            back = hdr.returned(step.header, self.runner.returned_width(step.header))
+            step.returned = self.ring.post_recv_payload(back)
         timeline.mark("posted", step.header.step_id)
 
     def launch(self, step: Step, payload: mx.array | None, tokens: mx.array | None = None) -> None:
@@ -286,7 +307,7 @@ class RingDriver:
             self._in_flight.popleft()
             self.announce()
             step.posted = None
-            if step.header.flags & hdr.FLAG_TENSOR:  # (its output is here: see launch_tensor)
+            if self._whole_here(step):  # (its output is here: see launch_tensor)
                 self._receive(step)  # (the peers' acknowledgement)
                 return self._logits_here(step)
             if early and self._returns_early(step):
@@ -297,6 +318,12 @@ class RingDriver:
             if self.runner.more_laps(step.header):
                 return self._next_lap(step)
         return self._logits_here(step)
+
+    def _whole_here(self, step: Step) -> bool:
+        """Whether rank 0 computed the step's output itself (a tensor step of one stage:
+        its header comes back alone, the peers' acknowledgement)."""
+        split = self.runner.tensor
+        return bool(step.header.flags & hdr.FLAG_TENSOR) and (split is None or not split.grid)
 
     def _logits_here(self, step: Step) -> mx.array | None:
         """The logits of a step whose output is here (`step.hidden`), as a graph; a step

@@ -12,9 +12,10 @@ wide the state it returns is. The ring driver (ring_driver.py) moves steps; it n
 names a family.
 
 With a tensor group (transport/tensor.py; pipeline.py chooses it at load), every rank
-holds a slice of every layer (model/tensor_split.py): the runner gives its input to the
-group's broadcast before its layers, and the same `forward_stage` runs here and on
-every peer; the runner's inputs and outputs stay the whole hidden state.
+of rank 0's stage holds a slice of each of its layers (model/tensor_split.py): the
+runner gives its input to the group's broadcast before its layers, and the same
+`forward_stage` runs here and on every peer; the runner's inputs and outputs stay the
+whole hidden state.
 """
 
 from __future__ import annotations
@@ -141,6 +142,8 @@ class StageRunner:
             header.flags |= hdr.FLAG_FIRST_LAP
         if self.tensor is not None:  # (every peer gets the very same input)
             header.flags |= hdr.FLAG_TENSOR
+            if self.tensor.grid:  # (a hidden state hops on from each stage's last rank)
+                header.payload_kind = hdr.PAYLOAD_HIDDEN
             header.payload_dtype = dtype_name(h.dtype)
             header.payload_shape = tuple(h.shape)
             h, sides = self.tensor.broadcast(h), self.tensor.send_all(sides)

@@ -612,7 +612,7 @@ def _serve_options(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(["serve", *argv])
 
 
-def preflight_checks(serve_opts: argparse.Namespace, n: int) -> None:
+def preflight_checks(serve_opts: argparse.Namespace, n: int, backend: str) -> None:
     """With rank 0 on this machine, what its launcher can check before any rank starts:
     the model (rank 0 holds it too), the number of ranks, the split, TLS files, the gRPC
     address.
@@ -624,7 +624,7 @@ def preflight_checks(serve_opts: argparse.Namespace, n: int) -> None:
         preflight.check_split(facts, n, serve_opts.layers)
     preflight.check_hop_mode(serve_opts.hop_mode, n)
     preflight.check_tensor_parallel(
-        serve_opts.tensor_parallel, n, serve_opts.hop_mode, serve_opts.layers
+        serve_opts.tensor_parallel, n, serve_opts.hop_mode, serve_opts.layers, backend
     )
     preflight.check_tls(serve_opts.tls_cert, serve_opts.tls_key)
     preflight.check_listen(serve_opts.grpc_address)
@@ -666,7 +666,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"mlx-relay launch: {args.hostfile}: {problem}", file=sys.stderr)
         return 2
     if hf.hosts[0].ssh == LOCAL_SSH:
-        preflight_checks(serve_opts, len(hf.hosts))
+        preflight_checks(serve_opts, len(hf.hosts), effective_backend(hf, args.backend))
 
     stop_event = threading.Event()
 

@@ -95,14 +95,25 @@ def check_hop_mode(mode: str, n: int) -> None:
             raise UserError(str(e)) from None
 
 
-def check_tensor_parallel(tensor: int, n: int, hop_mode: str, layers: str | None) -> None:
+def check_tensor_parallel(
+    tensor: int, n: int, hop_mode: str, layers: str | None, backend: str = "ring"
+) -> None:
     """`--tensor-parallel tensor` fits a cluster of `n` ranks with `--hop-mode hop_mode`
-    and `--layers layers` (transport/tensor.py's check_layout), said before any rank
-    starts."""
-    from mlx_relay.transport.tensor import TensorLayoutError, check_layout
+    and `--layers layers` (transport/tensor.py's check_layout), and a stage x tensor
+    grid the ranks' `backend` (MPI splits groups; on CUDA, NCCL does), said before any
+    rank starts."""
+    from mlx_relay.device import on_cuda
+    from mlx_relay.transport.tensor import (
+        AUTO,
+        TensorLayoutError,
+        check_grid_backend,
+        check_layout,
+    )
 
     try:
         check_layout(tensor, n, hop_mode, layers)
+        if tensor not in (AUTO, 1, n):
+            check_grid_backend(tensor, n, backend, splits=backend == "mpi" or on_cuda())
     except TensorLayoutError as e:
         raise UserError(str(e)) from None
 

@@ -533,7 +533,7 @@ def _serve(args: argparse.Namespace) -> int:
         try:
             payloads = payload_groups(group, hosts[0], tags) if mode in PAIRED_MODES else None
             ring = Ring(group, doorbell, mode, payloads=payloads, fences=fences_here(backend))
-            tensor = tensor_group(group, args.tensor_parallel, hosts[0], tags)
+            tensor = tensor_group(group, args.tensor_parallel, hosts[0], tags, backend)
         except ValueError as e:
             return _fatal(rank, UserError(str(e)))
         if tensor is not None and tensor.auto and mode in PAIRED_MODES:

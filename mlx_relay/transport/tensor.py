@@ -12,13 +12,17 @@ every rank holds rank 0's values exactly).
 Where the group's collectives run: on CUDA GPUs of their own, an NCCL communicator of
 the ranks (collective.nccl_world; NVLink where the GPUs share it); elsewhere the ring
 group itself (MLX's ring backend on CPUs and Macs over Thunderbolt or Ethernet; JACCL's
-RDMA where launched with it). A group is the whole world here: a stage x tensor grid
-needs each stage's ranks as a sub-group (`Group.split`), which MLX's NCCL and MPI
-backends have and its ring backend has not (mlx 0.32.4: "[ring] Group split not
-supported"). Under MPI, 4 ranks split into two groups of 2 all-sum in each while a send
-crosses the world beside them (2 vCPUs, 2026-11-29); a sub-group still alive when the
-process ends makes MPI abort (MPI_Comm_free after MPI_Finalize), so one must be freed
-first.
+RDMA where launched with it).
+
+A stage x tensor grid (`--tensor-parallel T` on N ranks, 1 < T < N): N/T pipeline
+stages of T consecutive ranks, each stage's ranks a sub-group of their own
+(`Group.split`, which MLX's NCCL and MPI backends have and its ring and JACCL backends
+have not: mlx 0.32.4, "[ring] Group split not supported"). A step's header goes round
+the whole ring; the hidden state hops from a stage's last rank to the next stage's
+first over the ring, as in a pipeline, and that rank gives it to its stage by the
+broadcast above (worker/loop.py). Under MPI a sub-group still alive when the process
+ends makes MPI abort (MPI_Comm_free after MPI_Finalize): a rank that exits cleanly
+finalizes MPI itself and leaves without destructors (launch/serve.py's _mpi_finalize).
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ class TensorGroup:
     backend: str
     auto: bool = False  # --tensor-parallel auto: each load decides whether to split
     why_not: str = ""  # why `auto` may not split on this cluster ('' where it may)
+    stages: int = 1  # pipeline stages of such groups (a stage x tensor grid: more than 1)
 
     @property
     def size(self) -> int:
@@ -82,6 +87,22 @@ class TensorGroup:
     @property
     def rank(self) -> int:
         return self.group.rank()
+
+    @property
+    def grid(self) -> bool:
+        """Whether the group is one stage of several (its hidden state comes from the
+        stage before over the ring, and goes on to the next)."""
+        return self.stages > 1
+
+    @property
+    def first(self) -> bool:
+        """Whether this rank gives its stage the step's input (the broadcast's root)."""
+        return self.rank == 0
+
+    @property
+    def last(self) -> bool:
+        """Whether this rank sends its stage's output on (in a grid; else nobody does)."""
+        return self.grid and self.rank == self.size - 1
 
     def broadcast(self, x: mx.array) -> mx.array:
         """Rank 0 of the group gives `x`; every rank gets it (an all-sum of it and zeros)."""
@@ -146,16 +167,18 @@ def check_layout(
     tensor: int, ranks: int, hop_mode: str = "auto", layers: str | None = None
 ) -> None:
     """TensorLayoutError unless `tensor` ranks a stage fit a cluster of `ranks` as built:
-    1 (a pipeline) or every rank one stage (auto: either, chosen at load), whose steps
-    send only headers round the ring (so `hop_mode` must not be one that pairs ranks to
-    carry payloads), and no `--layers` range a rank (`layers`): a load given one runs as
-    a pipeline, which the split's settings (CUDA graphs off) would then slow down (half
-    the 16-stream throughput of the Llama-3-70B shape on 2 H200s, bench/RESULTS.md)."""
+    1 (a pipeline), every rank one stage (auto: either, chosen at load), or stages of
+    `tensor` ranks (a grid, where the backend splits groups: check_grid_backend); whose
+    steps send headers alone round the ring inside a stage (so `hop_mode` must not be
+    one that pairs ranks to carry payloads), and no `--layers` range a rank (`layers`):
+    a load given one runs as a pipeline, which the split's settings (CUDA graphs off)
+    would then slow down (half the 16-stream throughput of the Llama-3-70B shape on 2
+    H200s, bench/RESULTS.md)."""
     auto, tensor = tensor == AUTO, group_size(tensor, ranks)
     if tensor > 1 and hop_mode in PAIRED_MODES and not auto:  # (auto: then no split)
         raise TensorLayoutError(
-            f"--tensor-parallel sends only headers round the ring: --hop-mode "
-            f"{hop_mode} has no payloads to carry (use auto, eager or ready)"
+            f"--tensor-parallel sends headers alone round the ring inside a stage: "
+            f"--hop-mode {hop_mode} pairs ranks to carry payloads (use auto, eager or ready)"
         )
     if tensor > 1 and layers and not auto:  # (auto: a pipeline where --layers is given)
         raise TensorLayoutError(
@@ -170,29 +193,58 @@ def check_layout(
         raise TensorLayoutError(
             f"--tensor-parallel {tensor} does not divide a cluster of {ranks} ranks into stages"
         )
-    raise TensorLayoutError(
+
+
+def check_grid_backend(tensor: int, ranks: int, backend: str, splits: bool) -> None:
+    """TensorLayoutError where `--tensor-parallel tensor` on `ranks` asks for a stage x
+    tensor grid and the ranks' groups cannot be split (`splits`: MLX's MPI backend, or
+    NCCL on CUDA GPUs of their own; not its ring or JACCL backends)."""
+    if tensor in (AUTO, 1, ranks) or splits:
+        return
+    raise TensorLayoutError(grid_refusal(tensor, ranks, backend))
+
+
+def grid_refusal(tensor: int, ranks: int, backend: str) -> str:
+    return (
         f"--tensor-parallel {tensor} on {ranks} ranks asks for {ranks // tensor} stages of "
         f"{tensor}: a stage x tensor grid needs each stage's ranks as an mx.distributed "
-        f"sub-group (Group.split), which MLX's ring backend does not have; use "
+        f"sub-group (Group.split), which MLX's {backend} backend does not have; launch with "
+        f'MPI (a hostfile with "backend": "mpi") or on CUDA GPUs of their own (NCCL), or use '
         f"--tensor-parallel {ranks} (one stage) or 1 (a pipeline)"
     )
 
 
 def tensor_group(
-    world: mx.distributed.Group, tensor: int, rank0_host: str, tags: list[int]
+    world: mx.distributed.Group,
+    tensor: int,
+    rank0_host: str,
+    tags: list[int],
+    backend: str = "ring",
 ) -> TensorGroup | None:
     """This rank's tensor group for `--tensor-parallel tensor` (check_layout first; None
     for 1), given every rank's gpu_tags: NCCL where every rank has a CUDA GPU of its
-    own, else the world group itself. A collective of every rank on CUDA."""
-    check_layout(tensor, world.size())
-    auto, tensor = tensor == AUTO, group_size(tensor, world.size())
+    own, else the world group itself (of `backend`); in a grid, the sub-group of this
+    rank's stage split from it (TensorLayoutError where the backend cannot split). A
+    collective of every rank on CUDA, and of every rank for a grid."""
+    size = world.size()
+    check_layout(tensor, size)
+    auto, tensor = tensor == AUTO, group_size(tensor, size)
     if tensor == 1:
         return None
     if on_gpus_of_their_own(tags):
-        return TensorGroup(nccl_world(world, rank0_host), "nccl", auto)
-    if any(tags):
+        group, backend = nccl_world(world, rank0_host), "nccl"
+    elif any(tags):
         raise TensorLayoutError(
             "tensor parallelism on CUDA needs every rank on a GPU of its own (give each "
             "rank its GPU with CUDA_VISIBLE_DEVICES)"
         )
-    return TensorGroup(world, "world", auto)
+    else:
+        group, backend = world, "world" if tensor == size else backend
+    if tensor == size:
+        return TensorGroup(group, backend, auto)
+    rank = world.rank()
+    try:  # (stage s: ranks s*T .. s*T + T-1, in rank order)
+        stage = group.split(rank // tensor, rank % tensor)
+    except RuntimeError as e:
+        raise TensorLayoutError(f"{grid_refusal(tensor, size, backend)} ({e})") from None
+    return TensorGroup(stage, f"{backend}, stages of {tensor}", auto, stages=size // tensor)

@@ -7,19 +7,24 @@ failure's words, a load's report). Whatever happens inside a step, the step's
 communication completes (zeros of the announced shape if it failed) and its header
 flags the failure, so the ring never falls out of step and rank 0 learns what broke.
 
-In a tensor group (transport/tensor.py) a worker holds a slice of every layer and takes
-each FLAG_TENSOR step with rank 0 and the group's other ranks: it passes the header on
-first (so every peer starts at once; the last one's copy is rank 0's acknowledgement),
-then receives the hidden state by the group's broadcast and runs its slices. A peer
-that cannot build such a step cannot keep its group's collectives in step (the others
-wait in the layers' all-sums for it): it reports why and exits, and rank 0 names it.
+In a tensor group (transport/tensor.py) a worker holds a slice of every layer of its
+stage and takes each FLAG_TENSOR step with the group's other ranks: it passes the
+header on first (so every peer starts at once; with one stage, the last one's copy is
+rank 0's acknowledgement), then receives the hidden state by the group's broadcast and
+runs its slices. In a stage x tensor grid a stage's first rank receives the state from
+the stage before over the ring and gives it to its stage by that broadcast, and the
+stage's last rank sends the stage's output on (to rank 0 from the last stage) with the
+header, as a pipeline rank does. A peer that cannot build such a step cannot keep its
+group's collectives in step (the others wait in the layers' all-sums for it): it
+reports why and exits, and rank 0 names it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import mlx.core as mx
 import zmq
@@ -109,38 +114,66 @@ class Worker:
             received = [payload, *sides]
             taken = self.stage.take(header, payload, sides)
             self._report(header, taken)
-            timeline.mark("built", header.step_id)
-            if taken.out is not None and header.cmd == hdr.CMD_FORWARD:
-                timeline.mark_when_computed("output", header.step_id, taken.out)
-            self._posted = self.ring.send(header, taken.out, taken.sides, reads=received)
-            # (The last step's sends are dropped here: on CUDA a ring send's event
-            # is freed, which waits for the whole GPU; the mark shows how long.)
-            timeline.mark("released", header.step_id)
-            if header.cmd == hdr.CMD_SHUTDOWN:
-                self.ring.flush()  # (rank 0 waits for the step to come back)
         except RuntimeError as e:  # mx.distributed: a neighbour's connection is gone
-            log.error("rank %d: the ring broke: %s; waiting for rank 0's word", self.rank, e)
-            self.link.ring_broken(str(e))
-            raise SystemExit(EXIT_RING_BROKEN) from None
+            self._ring_broke(e)
+        self._send_on(header, taken, received)
+        if header.cmd == hdr.CMD_SHUTDOWN:
+            self.ring.flush()  # (rank 0 waits for the step to come back)
+
+    def _send_on(
+        self, header: hdr.StepHeader, taken: Taken, received: list[mx.array | None]
+    ) -> None:
+        """Pass a step on to the next rank: its header, and what this rank sends of it
+        (`taken`), posted once `received` (what its graph reads) allow."""
+        timeline.mark("built", header.step_id)
+        if taken.out is not None and header.cmd == hdr.CMD_FORWARD:
+            timeline.mark_when_computed("output", header.step_id, taken.out)
+        try:
+            self._posted = self.ring.send(header, taken.out, taken.sides, reads=received)
+        except RuntimeError as e:
+            self._ring_broke(e)
+        # (The last step's sends are dropped here: on CUDA a ring send's event is
+        # freed, which waits for the whole GPU; the mark shows how long.)
+        timeline.mark("released", header.step_id)
+
+    def _ring_broke(self, e: RuntimeError) -> NoReturn:
+        log.error("rank %d: the ring broke: %s; waiting for rank 0's word", self.rank, e)
+        self.link.ring_broken(str(e))
+        raise SystemExit(EXIT_RING_BROKEN) from None
 
     def _tensor_step(self, header: hdr.StepHeader) -> None:
         """A FLAG_TENSOR forward step: the header on (see the module's docstring), then
-        this rank's slices of every layer on rank 0's hidden state, posted."""
+        this rank's slices of its stage's layers on the stage's input, posted; a grid
+        stage's last rank then sends the output on."""
+        tensor = self.stage.tensor
+        received: list[mx.array] = []
         try:
-            self.ring.send_header(header)
-            tensor = self.stage.tensor
             if tensor is None:
                 raise StepError(hdr.ERR_BAD_HEADER, "a tensor step reached a rank with no group")
+            if tensor.grid and tensor.first:  # (the stage before's output, over the ring)
+                payload = self.ring.post_recv_payload(header)
+                received = [payload, *self.ring.post_recv_sides(header)]
+            if not tensor.last:  # (the stage's peers start at once)
+                self.ring.send_header(alone(header))
             if header.cmd == hdr.CMD_TIME_ALL_SUM:  # (--tensor-parallel auto, at load)
                 tensor.time_all_sum(header.payload_shape, mx_dtype(header.payload_dtype))
                 return
-            h, sides = tensor.receive(header)
+            if received:
+                self.ring.settle(*received)  # (CUDA: before the kernels that read them)
+                h, sides = tensor.broadcast(received[0]), tensor.send_all(received[1:])
+            else:
+                h, sides = tensor.receive(header)
             out = self.stage.forward(header, h, sides)
+            if tensor.last:
+                taken = self.stage.passed_on(header, out, sides)
         except Exception as e:  # noqa: BLE001 - the group cannot go on without this rank
             message = described(e)
             log.error("rank %d: %s failed: %s", self.rank, header.describe(), message)
             self.link.send(control.ERROR, step_id=header.step_id, message=message)
             raise SystemExit(EXIT_TENSOR_STEP_FAILED) from None
+        if tensor.last:
+            self._send_on(header, taken, received)
+            return
         mx.async_eval(out)
         self._posted = out  # (alive until it ran: the next step's posting drops it)
 
@@ -155,3 +188,9 @@ class Worker:
             self.link.send(control.ERROR, step_id=header.step_id, message=taken.failure)
         if taken.loaded is not None:
             self.link.send(control.LOADED, **taken.loaded)
+
+
+def alone(header: hdr.StepHeader) -> hdr.StepHeader:
+    """`header` as it goes on with no payload behind it (a stage's first rank to its
+    peers: whatever came inline with it stays here)."""
+    return dataclasses.replace(header, flags=header.flags & ~hdr.FLAG_INLINE)

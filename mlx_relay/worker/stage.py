@@ -110,11 +110,21 @@ class WorkerStage:
             log.debug("%s", traceback.format_exc())
             header.mark_failed(self.rank, code)
             out = self._zeros_like_announced(header)
+        return dataclasses.replace(
+            self.passed_on(header, out, sides), failure=failure, loaded=loaded
+        )
+
+    def passed_on(
+        self, header: hdr.StepHeader, out: mx.array | None, sides: list[mx.array]
+    ) -> Taken:
+        """What this rank sends on of a step it took (`out`, its output; `sides`, the side
+        arrays it received), the header updated to match: the last rank's return, and
+        the side arrays later ranks still need (the last rank sends none)."""
         out = self._outgoing(header, out)
-        if header.sides:  # (what the next ranks need of them; the last rank sends none)
+        if header.sides:
             layers = len(self.shard.layers) if self.shard is not None else 0
             sides = pass_on(header, sides, layers)
-        return Taken(out, sides if header.sides else [], failure, loaded)
+        return Taken(out, sides if header.sides else [])
 
     def forward(
         self, header: hdr.StepHeader, payload: mx.array | None, sides: list[mx.array]
