@@ -6,10 +6,12 @@ import os
 import subprocess
 import sys
 
+import psutil
 import pytest
 from conftest import assert_gone
-from launching import MESSAGES, Launched, chat_request, localhost_hostfile
+from launching import MESSAGES, Launched, chat_request, localhost_hostfile, rank_processes
 from oracle import chat_tokens, generate_concurrently, mlx_lm_tokens
+from support import assert_names, error_of, stream_started
 from tensor_oracle import Generation, tensor_generations
 
 from mlx_relay.client.client import Client
@@ -92,6 +94,11 @@ def _grid(tmp_path, model, *serve: str) -> Launched:
     return Launched(tmp_path, hostfile, args, GRID_RANKS + 2, ("--mpi-arg=--oversubscribe",))
 
 
+def rank_pid(launched: Launched, rank: int) -> int:
+    """The pid of `rank` of a launched cluster (mpirun's child named mlx-relay-rN)."""
+    return rank_processes(launched.proc.pid)[rank].pid
+
+
 def _story(**params) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         messages=[pb.ChatMessage(**m) for m in STORY], params=pb.SamplingParams(**params)
@@ -132,6 +139,56 @@ def test_a_stage_by_tensor_grid_gives_mlx_lm_split_generations_tokens(tiny_model
         assert "stage x tensor grid: a pipeline of 2 stages" in out, launched.logs()
         for rank in range(1, GRID_RANKS):
             assert f"rank {rank}: shutdown" in out, launched.logs()
+    finally:
+        launched.stop()
+    assert_gone(launched.ranks)
+
+
+@pytest.mark.cluster
+def test_a_grid_with_chunked_prompts_and_verify_steps(tiny_model, tmp_path):
+    """A long prompt prefilled 16 tokens a step, and speculative verify steps (the model
+    drafting for itself, fixed K: every round proposes), each step crossing both split
+    stages; the tokens are mlx-lm's split generation's. (MPI's hops are ready ones:
+    eager hops need the ring or JACCL backend.)"""
+    model = tiny_model("llama", 4)
+    long = [{"role": "user", "content": "Tell me a story about three cats. " * 8}]
+    repeat = [{"role": "user", "content": "Repeat after me: one two three one two three."}]
+    prompts = [chat_tokens(model, long), chat_tokens(model, repeat)]
+    assert len(prompts[0]) > 5 * 16
+    expected = tensor_generations(model, [Generation(p, 24) for p in prompts], GRID_TENSOR)
+    draft = ["--draft-model", str(model), "--draft-fixed"]
+    launched = _grid(tmp_path, model, "--prefill-chunk", "16", *draft)
+    try:
+        launched.wait_serving()
+        with Client(launched.grpc, timeout=120) as client:
+            for messages, tokens in zip((long, repeat), expected, strict=True):
+                request = pb.GenerateRequest(
+                    messages=[pb.ChatMessage(**m) for m in messages],
+                    params=pb.SamplingParams(max_tokens=24),
+                )
+                assert list(client.generate(request).token_ids) == tokens
+            speculation = client.status().speculation
+            assert speculation.draft_tokens >= 4 * 4 and speculation.accepted_draft_tokens > 0
+        assert launched.stop() == 0, launched.logs()
+    finally:
+        launched.stop()
+    assert_gone(launched.ranks)
+
+
+@pytest.mark.cluster
+def test_a_killed_grid_peer_is_named(tiny_model, tmp_path):
+    """Rank 1, rank 0's peer in stage 0, killed mid-stream: rank 0 waits in a layer's
+    all-sum for it, and its heartbeat names it. (mpirun ends every rank when one dies
+    unless told to recover, `mlx-relay launch` tells Open MPI 5 so: mpi_recovery_args.)"""
+    launched = _grid(tmp_path, tiny_model("llama", 4))
+    try:
+        launched.wait_serving()
+        with Client(launched.grpc, timeout=120) as client:
+            stream = stream_started(client)
+            psutil.Process(rank_pid(launched, 1)).kill()
+            error, _ = error_of(stream)
+            assert_names(error, 1)
+        assert launched.proc.wait(60) != 0
     finally:
         launched.stop()
     assert_gone(launched.ranks)
