@@ -69,6 +69,7 @@ def test_examples_exist():
         "ethernet-3-macs.json",
         "jaccl-4-mesh.json",
         "mpi-2.json",
+        "mpi-2x2.json",
     ):
         assert name in names
     readme = (HOSTFILES / "README.md").read_text()
