@@ -299,10 +299,9 @@ def test_a_load_cancels_what_runs(model, start):
 
 
 def test_a_warm_up_at_load_runs_a_first_prompts_steps_then_exact_tokens(model, start):
-    """`--warm-up on`: at load, full chunks of a prompt, two decode steps (an odd and
-    an even count of keys), a verify step of K + 1 positions (with speculation), an
-    odd-length last chunk and a last token alone at both counts of keys, and one more
-    chunk, timed warm, on one slot,
+    """`--warm-up on`: at load, full chunks of a prompt, a decode step, a verify step
+    of K + 1 positions (with speculation), an odd-length last chunk and a last token
+    alone, and one more chunk, timed warm, on one slot,
     which is then dropped; then (warmup.warm_batches) prompts of 2, 3, ... tokens on
     `--max-active` slots and decode groups of 2, 4 ... of them, each member at its own
     offset, fed what the step before sampled; those slots dropped. The pacer starts
@@ -316,22 +315,18 @@ def test_a_warm_up_at_load_runs_a_first_prompts_steps_then_exact_tokens(model, s
     engine, pipeline = start(prefill_chunk=chunk, warm_up="on", speculation=spec, max_active=6)
     steps = [(h.slots, h.offsets, h.lengths, h.flags) for h in pipeline.at_load]
     verify = hdr.FLAG_WANT_OUTPUT | hdr.FLAG_ALL_POSITIONS
-    assert [s[:3] for s in steps[:9]] == [
+    assert [s[:3] for s in steps[:7]] == [
         ([0], [0], [chunk]),
         ([0], [chunk], [chunk]),
-        ([0], [2 * chunk], [1]),  # (decode steps at an odd and an even count of keys)
-        ([0], [2 * chunk + 1], [1]),
-        ([0], [2 * chunk + 2], [4]),
+        ([0], [2 * chunk], [1]),
+        ([0], [2 * chunk + 1], [4]),
         ([0], [2 * chunk - chunk // 2 - 1], [chunk // 2 + 1]),  # (an odd last chunk,
-        ([0], [2 * chunk], [1]),  # then the last token alone, as a prompt ends,
-        ([0], [2 * chunk - 1], [1]),  # and a last token at an even count of keys)
+        ([0], [2 * chunk], [1]),  # then the last token alone, as a prompt ends)
         ([0], [0], [chunk]),
     ]
-    assert steps[4][3] & verify == verify
-    assert pipeline.at_load[2].group == 0 and pipeline.at_load[3].group == 0
-    assert steps[5][3] & hdr.FLAG_REUSE and steps[6][3] & hdr.FLAG_WANT_OUTPUT
-    assert steps[7][3] & hdr.FLAG_REUSE and steps[7][3] & hdr.FLAG_WANT_OUTPUT
-    assert [s[:3] for s in steps[9:]] == [
+    assert steps[3][3] & verify == verify and pipeline.at_load[2].group == 0
+    assert steps[4][3] & hdr.FLAG_REUSE and steps[5][3] & hdr.FLAG_WANT_OUTPUT
+    assert [s[:3] for s in steps[7:]] == [
         *(([slot], [0], [2 + slot]) for slot in range(6)),  # (prompts of 2 ... 7 tokens)
         ([0, 1], [2, 3], [1, 1]),
         ([0, 1, 2, 3], [3, 4, 4, 5], [1] * 4),

@@ -1,7 +1,7 @@
 """Which attention shapes make CUDA build a kernel of their own: each shape's first call
 and a second one, in order, in one process.
 
-    CUDA_CACHE_PATH=$(mktemp -d) python3 bench/gpu/attention_builds.py
+    CUDA_CACHE_PATH=$(mktemp -d) python3 bench/gpu/attention_builds.py [capacity]
     CUDA_CACHE_DISABLE=1 python3 bench/gpu/attention_builds.py
 
 MLX's CUDA backend runs attention through cuDNN, which generates a kernel for a graph
@@ -15,6 +15,7 @@ keys and values a view of a cache buffer as mlx-lm's KV cache gives them.
 
 from __future__ import annotations
 
+import sys
 import time
 
 import mlx.core as mx
@@ -35,6 +36,20 @@ SHAPES = [  # (what it stands for, queries, keys, the cache buffer's positions, 
     ("sixteen queries", 16, 3823, 3840, "causal"),
     ("an odd chunk past the warm-up's", 257, 4353, 4608, "causal"),
 ]
+# `capacity`: one-query steps, telling the key count's parity apart from the cache
+# buffer's size (mlx-lm's KV cache grows 256 positions at a time; cuDNN is given the
+# whole buffer and the count, SEQ_LEN_KV, at run time).
+CAPACITY = [
+    ("odd count", 1, 4097, 4352, None),
+    ("even count, same buffer", 1, 4098, 4352, None),
+    ("odd count, a buffer of 3,840", 1, 3809, 3840, None),
+    ("even count, that buffer", 1, 3810, 3840, None),
+    ("another count, that buffer", 1, 3601, 3840, None),
+    ("a buffer of 4,096", 1, 4001, 4096, None),
+    ("a buffer of 1,024", 1, 1001, 1024, None),
+    ("a buffer of 8,192", 1, 8001, 8192, None),
+    ("a buffer of 3,584", 1, 3501, 3584, None),
+]
 
 
 def cached_view(positions: int, used: int) -> mx.array:
@@ -48,7 +63,7 @@ def timed(q: mx.array, k: mx.array, v: mx.array, mask: str | None) -> float:
 
 
 def main() -> None:
-    for label, queries, keys, positions, mask in SHAPES:
+    for label, queries, keys, positions, mask in CAPACITY if "capacity" in sys.argv else SHAPES:
         q = mx.random.normal((1, HEADS, queries, WIDTH)).astype(mx.bfloat16)
         k, v = cached_view(positions, keys), cached_view(positions, keys)
         mx.eval(q, k, v)

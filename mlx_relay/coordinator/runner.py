@@ -28,6 +28,7 @@ import mlx.core as mx
 
 from mlx_relay.coordinator.ring_watch import RankFailure
 from mlx_relay.model import memory, prefix_store, sharding
+from mlx_relay.model.cache_sizes import warm_logged as warm_cache_sizes
 from mlx_relay.model.kvcache import CacheError, SlotCaches
 from mlx_relay.model.stage import forward_stage
 from mlx_relay.model.step_inputs import PromptInputs, pass_on
@@ -87,6 +88,7 @@ class StageRunner:
             raise RankFailure(0, host, str(e), hdr.ERR_OUT_OF_MEMORY) from e
         self.caches = SlotCaches(self.shard)
         self._per_layer = sharding.computes_per_layer_inputs(self.shard)
+        warm_cache_sizes(self.shard, path, tensor.size if tensor is not None else 1)
 
     def loaded(self) -> None:
         """The load held on every rank: the model is the one served."""

@@ -8,15 +8,18 @@ and 74 s on a machine whose kernels had never been compiled (bench/bench_first_p
 bench/RESULTS.md). Worse, the prefill pacer (policy.py) timed its first
 probe chunk while it compiled, took the model for slow and cut the next prompt chunks
 small: shapes no later prompt meets, compiled again. So `warm_up` runs, on one slot
-of every rank, a prompt in full `--prefill-chunk` chunks, its last chunk's logits, two
-decode steps and (with fixed speculation; adaptive speculation's verify steps run in
-`time_widths`) a verify step, a prompt's odd-length last chunk and its last token (at an
-odd and at an even count of keys: cuDNN's one-query kernel differs), then
+of every rank, a prompt in full `--prefill-chunk` chunks, its last chunk's logits, a
+decode step and (with fixed speculation; adaptive speculation's verify steps run in
+`time_widths`) a verify step, a prompt's odd-length last chunk and its last token, then
 one more full chunk timed warm, which gives the
 pacer its pace (no probe chunk after it), and drops the slot. On CUDA
 the prompt runs on to CUDA_CONTEXT tokens, so cuDNN has each chunk's graph at every
 offset a prompt of that length reaches (CUDA only: Metal's and the CPU's attention
-kernels do not depend on lengths).
+kernels do not depend on lengths). A decode step's attention is built for the size of
+the KV cache's buffer its keys sit in, not for their count (its parity included, as
+session 39 had thought: measured apart, bench/RESULTS.md); a prompt of any other
+length decodes in another buffer, so every rank runs one-query attention over each
+buffer size at load, apart from these steps (model/cache_sizes.py).
 
 On the CPU nothing is compiled per shape (MLX's CPU kernels are built in; `mx.compile`d
 functions are shapeless), so `auto` does not warm up there: loads stay as fast as they
@@ -95,18 +98,13 @@ def warm_up(pipeline: Pipeline, chunk: int, context_length: int, verify_width: i
     for offset in range(0, length, size):  # the prompt, its last chunk with logits
         _, token = _run(pipeline, offset, size, want_logits=offset + size >= length)
         steps += 1
-    # Decode steps fed the token sampled last, still on the device, as the engine feeds
-    # it (argmax's uint32, not the prompt's int32: on CUDA the embedding's gather for
-    # those indices is another kernel, compiled on first use: ~5 s on a fresh H200).
-    # Two, at an odd count of keys and at an even one: cuDNN's one-query attention
-    # kernel is built apart for each, and on a machine whose driver has not cached it
-    # yet each first build took ~0.5 s on an H200 (bench/RESULTS.md); a request meets
-    # both (so does a prompt's last token, below).
-    for offset in (length, length + 1):
-        _, token = _run(pipeline, offset, 1, want_logits=True, group=0, tokens=token)
-        steps += 1
-    if verify_width > 1 and length + 2 + verify_width <= limit:
-        _run(pipeline, length + 2, verify_width, want_logits=True, all_positions=True)
+    # A decode step fed the token sampled last, still on the device, as the engine
+    # feeds it (argmax's uint32, not the prompt's int32: on CUDA the embedding's gather
+    # for those indices is another kernel, compiled on first use: ~5 s on a fresh H200)
+    _run(pipeline, length, 1, want_logits=True, group=0, tokens=token)
+    steps += 1
+    if verify_width > 1 and length + 1 + verify_width <= limit:
+        _run(pipeline, length + 1, verify_width, want_logits=True, all_positions=True)
         steps += 1
     # A prompt's last chunk, of an odd length as it nearly always is, then its last
     # token alone with logits (policy.py: the step that gives token 1). On a fresh
@@ -116,8 +114,7 @@ def warm_up(pipeline: Pipeline, chunk: int, context_length: int, verify_width: i
     if odd < size:
         _run(pipeline, length - odd, odd, want_logits=False, reuse=True)
         _run(pipeline, length, 1, want_logits=True)
-        _run(pipeline, length - 1, 1, want_logits=True, reuse=True)  # (the even count)
-        steps += 3
+        steps += 2
     t0 = time.monotonic()  # a chunk again, warm: the pace prompts start from
     units, _ = _run(pipeline, 0, size, want_logits=True)
     chunk_seconds = time.monotonic() - t0

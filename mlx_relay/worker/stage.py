@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from mlx_relay import proctitle
 from mlx_relay.model import memory, prefix_store, sharding, speed
+from mlx_relay.model.cache_sizes import warm_logged as warm_cache_sizes
 from mlx_relay.model.default_model import resolve_model
 from mlx_relay.model.kvcache import CacheError, SlotCaches
 from mlx_relay.model.stage import forward_stage
@@ -170,6 +171,7 @@ class WorkerStage:
             )
             layout = memory.check_measured(path, start, end, self.shard)
             self.caches = SlotCaches(self.shard)
+            warm_cache_sizes(self.shard, path, tensor)
             self.store = prefix_store.open_for(spec, self.rank, self.shard.not_storable)
         except memory.ShardTooBig as e:
             raise StepError(hdr.ERR_OUT_OF_MEMORY, str(e)) from e
