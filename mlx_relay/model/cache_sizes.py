@@ -84,7 +84,9 @@ def warm(shard: sharding.Shard, path: Path, tensor: int = 1) -> tuple[int, float
     context = memory.sequence_bound(memory.model_context(path), memory.plan().max_context)
     started = time.monotonic()
     sizes = buffer_sizes(context)
-    query = mx.zeros((1, heads, 1, width), dtype)
+    # (laid out as a model's queries are, (B, L, H, D) transposed: MLX keys the graph by
+    # the query's strides as well; a contiguous one did not match a real step's)
+    query = mx.zeros((1, 1, heads, width), dtype).transpose(0, 2, 1, 3)
     for size in sizes:
         keys = mx.zeros((1, kv_heads, size, width), dtype)[:, :, : size - 1]
         mx.eval(mx.fast.scaled_dot_product_attention(query, keys, keys, scale=width**-0.5))
