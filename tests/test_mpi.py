@@ -112,7 +112,10 @@ def test_a_stage_by_tensor_grid_gives_mlx_lm_split_generations_tokens(tiny_model
     `shard` splits it over a group of 2, and a layer range a stage changes no sum (a
     pipeline equals one process), so the oracle is mlx-lm's own split generation on 2
     ranks (tests/tensor_oracle.py): greedy, seeded, and two requests at once (a decode
-    step of both rows crosses both stages), then a clean stop through rank 0."""
+    step of both rows crosses both stages). Then rank 1, rank 0's peer in stage 0, is
+    killed mid-stream: rank 0 waits in a layer's all-sum for it, and its heartbeat names
+    it (mpirun ends every rank when one dies unless told to recover; `mlx-relay launch`
+    tells Open MPI 5 so: mpi_recovery_args)."""
     model = tiny_model("qwen3", 4)
     prompt = chat_tokens(model, STORY)
     greedy, seeded = tensor_generations(
@@ -134,11 +137,12 @@ def test_a_stage_by_tensor_grid_gives_mlx_lm_split_generations_tokens(tiny_model
             assert list(client.generate(again).token_ids) == seeded
             both = generate_concurrently(client, [_story(max_tokens=48)] * 2)
             assert both == [greedy, greedy]
-        assert launched.stop() == 0, launched.logs()
-        out = launched.err.read_text()
-        assert "stage x tensor grid: a pipeline of 2 stages" in out, launched.logs()
-        for rank in range(1, GRID_RANKS):
-            assert f"rank {rank}: shutdown" in out, launched.logs()
+            stream = stream_started(client)
+            psutil.Process(rank_pid(launched, 1)).kill()
+            error, _ = error_of(stream)
+            assert_names(error, 1)
+        assert launched.proc.wait(60) != 0
+        assert "stage x tensor grid: a pipeline of 2 stages" in launched.err.read_text()
     finally:
         launched.stop()
     assert_gone(launched.ranks)
@@ -149,7 +153,7 @@ def test_a_grid_with_chunked_prompts_and_verify_steps(tiny_model, tmp_path):
     """A long prompt prefilled 16 tokens a step, and speculative verify steps (the model
     drafting for itself, fixed K: every round proposes), each step crossing both split
     stages; the tokens are mlx-lm's split generation's. (MPI's hops are ready ones:
-    eager hops need the ring or JACCL backend.)"""
+    eager hops need the ring or JACCL backend.) Then a clean stop through rank 0."""
     model = tiny_model("llama", 4)
     long = [{"role": "user", "content": "Tell me a story about three cats. " * 8}]
     repeat = [{"role": "user", "content": "Repeat after me: one two three one two three."}]
@@ -170,25 +174,9 @@ def test_a_grid_with_chunked_prompts_and_verify_steps(tiny_model, tmp_path):
             speculation = client.status().speculation
             assert speculation.draft_tokens >= 4 * 4 and speculation.accepted_draft_tokens > 0
         assert launched.stop() == 0, launched.logs()
-    finally:
-        launched.stop()
-    assert_gone(launched.ranks)
-
-
-@pytest.mark.cluster
-def test_a_killed_grid_peer_is_named(tiny_model, tmp_path):
-    """Rank 1, rank 0's peer in stage 0, killed mid-stream: rank 0 waits in a layer's
-    all-sum for it, and its heartbeat names it. (mpirun ends every rank when one dies
-    unless told to recover, `mlx-relay launch` tells Open MPI 5 so: mpi_recovery_args.)"""
-    launched = _grid(tmp_path, tiny_model("llama", 4))
-    try:
-        launched.wait_serving()
-        with Client(launched.grpc, timeout=120) as client:
-            stream = stream_started(client)
-            psutil.Process(rank_pid(launched, 1)).kill()
-            error, _ = error_of(stream)
-            assert_names(error, 1)
-        assert launched.proc.wait(60) != 0
+        out = launched.err.read_text()
+        for rank in range(1, GRID_RANKS):
+            assert f"rank {rank}: shutdown" in out, launched.logs()
     finally:
         launched.stop()
     assert_gone(launched.ranks)
