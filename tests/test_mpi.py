@@ -152,7 +152,8 @@ def test_a_stage_by_tensor_grid_gives_mlx_lm_split_generations_tokens(tiny_model
 def test_a_grid_with_chunked_prompts_and_verify_steps(tiny_model, tmp_path):
     """A long prompt prefilled 16 tokens a step, and speculative verify steps (the model
     drafting for itself, fixed K: every round proposes), each step crossing both split
-    stages; the tokens are mlx-lm's split generation's. (MPI's hops are ready ones:
+    stages, on ranks that rank 0 shipped their stage's layers (--stage-weights); the
+    tokens are mlx-lm's split generation's. (MPI's hops are ready ones:
     eager hops need the ring or JACCL backend.) Then a clean stop through rank 0."""
     model = tiny_model("llama", 4)
     long = [{"role": "user", "content": "Tell me a story about three cats. " * 8}]
@@ -161,7 +162,7 @@ def test_a_grid_with_chunked_prompts_and_verify_steps(tiny_model, tmp_path):
     assert len(prompts[0]) > 5 * 16
     expected = tensor_generations(model, [Generation(p, 24) for p in prompts], GRID_TENSOR)
     draft = ["--draft-model", str(model), "--draft-fixed"]
-    launched = _grid(tmp_path, model, "--prefill-chunk", "16", *draft)
+    launched = _grid(tmp_path, model, "--prefill-chunk", "16", "--stage-weights", *draft)
     try:
         launched.wait_serving()
         with Client(launched.grpc, timeout=120) as client:
@@ -171,8 +172,11 @@ def test_a_grid_with_chunked_prompts_and_verify_steps(tiny_model, tmp_path):
                     params=pb.SamplingParams(max_tokens=24),
                 )
                 assert list(client.generate(request).token_ids) == tokens
-            speculation = client.status().speculation
+            status = client.status()
+            speculation = status.speculation
             assert speculation.draft_tokens >= 4 * 4 and speculation.accepted_draft_tokens > 0
+            # (--stage-weights: each peer got its stage's layers from rank 0)
+            assert [r.staging.state for r in status.ranks[1:]] == ["staged"] * 3, status
         assert launched.stop() == 0, launched.logs()
         out = launched.err.read_text()
         for rank in range(1, GRID_RANKS):

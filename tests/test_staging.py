@@ -308,3 +308,25 @@ def test_a_new_staging_stops_one_under_way(tmp_path, monkeypatch):
         assert time.monotonic() - t0 < 2, "the old fetch was not stopped"
     finally:
         silent.close(0)
+
+
+def test_two_ranks_of_one_machine_fetching_one_file_take_turns(server, tmp_path):
+    """A stage's peers in a grid need the same file: two processes fetching it at once
+    into one store both end with it whole, the bytes moved once (before, they wrote one
+    part file together and the second's rename failed: seen on a 4-rank MPI grid)."""
+    import hashlib
+    import subprocess
+    import sys
+
+    data = os.urandom(24 << 20)
+    digest = hashlib.sha256(data).hexdigest()
+    server.offer(digest, len(data), lambda offset, n: data[offset : offset + n])
+    endpoint = f"tcp://127.0.0.1:{server.port}"
+    into = tmp_path / "shared.safetensors"
+    cmd = [sys.executable, "-c", KILLED_FETCH + "print('moved')"]
+    args = [endpoint, SECRET.decode(), digest, str(len(data)), str(into)]
+    both = [subprocess.Popen([*cmd, *args], stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    errors = [p.communicate(timeout=120)[1] for p in both]
+    assert [p.returncode for p in both] == [0, 0], errors
+    assert into.read_bytes() == data
+    assert not (tmp_path / "shared.safetensors.part").exists()

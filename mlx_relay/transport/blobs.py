@@ -14,13 +14,15 @@ replies are not: a worker checks every file against its SHA-256 before it uses i
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +106,34 @@ def fetch(
     partial file `into`.part where an earlier fetch stopped; the whole file is checked
     against `digest` before it takes its name. Returns the bytes transferred;
     `progress(n)` is told of every chunk written; `stop` set ends it (FetchError), the
-    bytes so far kept for the next one."""
+    bytes so far kept for the next one. Ranks of one machine that need the same file (a
+    stage's peers in a stage x tensor grid) fetch it one at a time: the second finds it
+    there and moves nothing (they shared one part file, and the second's rename failed)."""
+    with _alone(into):
+        if into.exists() and into.stat().st_size == size:  # (another rank fetched it)
+            progress(size)
+            return 0
+        return _fetch(endpoint, secret, digest, size, into, progress, stop)
+
+
+@contextlib.contextmanager
+def _alone(into: Path) -> Iterator[None]:
+    """Hold this machine's lock on fetching `into` (a lock file beside it, released
+    when closed, by a process that ended too)."""
+    with open(into.with_name(into.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _fetch(
+    endpoint: str,
+    secret: bytes,
+    digest: str,
+    size: int,
+    into: Path,
+    progress: Callable[[int], None],
+    stop: threading.Event | None,
+) -> int:
     part = into.with_name(into.name + ".part")
     fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o600)
     try:
