@@ -120,9 +120,13 @@ def fetch(
 def _alone(into: Path) -> Iterator[None]:
     """Hold this machine's lock on fetching `into` (a lock file beside it, released
     when closed, by a process that ended too)."""
-    with open(into.with_name(into.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    fd = os.open(into.with_name(into.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # (as the part file: the serving user's alone)
+        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
+    finally:
+        os.close(fd)
 
 
 def _fetch(
