@@ -302,6 +302,7 @@ LONGEST_FIRST = (
     "test_families",  # 60
     "test_tensor_parallel",  # 48
     "test_first_hour",  # 44
+    "test_mpi",  # 40 (session 40: its 4-rank grids)
     "test_concurrency",  # 36
     "test_launch",  # 35
     "test_netns",  # 32
