@@ -143,12 +143,13 @@ def test_launch_refuses_a_bad_hostfile_naming_the_entry(tmp_path):
     [
         ("3", [], "--tensor-parallel 2 does not divide a cluster of 3 ranks"),
         ("2", ["--layers", "1,3"], "--layers 1,3 gives each rank a range of them"),
-        ("4", [], "MLX's ring backend does not have; launch with MPI"),
+        ("6", ["--tensor-parallel", "3"], "MLX's ring backend does not have; launch with MPI"),
     ],
 )
 def test_local_refuses_a_tensor_split_the_ranks_cannot_make(tiny_model, ranks, extra, says):
     """Said before any rank starts: 3 ranks cannot be stages of 2; a split is not also a
-    layer range a rank; `local`'s ring backend cannot make 4 ranks 2 stages of 2."""
+    layer range a rank; `local`'s ring backend cannot make 6 ranks 2 stages of 3 (stages
+    of 2 are pairs: test_tensor_parallel.py)."""
     model = tiny_model("llama", 4)
     r = subprocess.run(
         [*MLX_RELAY, "local", "-n", ranks, "--model", str(model), "--tensor-parallel", "2", *extra],

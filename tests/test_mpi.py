@@ -149,33 +149,20 @@ def test_a_stage_by_tensor_grid_gives_mlx_lm_split_generations_tokens(tiny_model
 
 
 @pytest.mark.cluster
-def test_a_grid_with_chunked_prompts_and_verify_steps(tiny_model, tmp_path):
-    """A long prompt prefilled 16 tokens a step, and speculative verify steps (the model
-    drafting for itself, fixed K: every round proposes), each step crossing both split
-    stages, on ranks that rank 0 shipped their stage's layers (--stage-weights); the
-    tokens are mlx-lm's split generation's. (MPI's hops are ready ones:
-    eager hops need the ring or JACCL backend.) Then a clean stop through rank 0."""
+def test_a_grid_staged_from_rank_0_stops_cleanly(tiny_model, tmp_path):
+    """Every peer of a 2 x 2 MPI grid given its stage's layers by rank 0
+    (--stage-weights; a stage's two peers on one machine fetch each file once), then a
+    clean stop through rank 0: every rank says shutdown and the launcher exits 0 (a
+    sub-group alive at MPI's finalize would abort it: launch/serve.py's _mpi_finalize).
+    Chunked prompts and verify steps in a grid: test_tensor_parallel.py's grid of pairs."""
     model = tiny_model("llama", 4)
-    long = [{"role": "user", "content": "Tell me a story about three cats. " * 8}]
-    repeat = [{"role": "user", "content": "Repeat after me: one two three one two three."}]
-    prompts = [chat_tokens(model, long), chat_tokens(model, repeat)]
-    assert len(prompts[0]) > 5 * 16
-    expected = tensor_generations(model, [Generation(p, 24) for p in prompts], GRID_TENSOR)
-    draft = ["--draft-model", str(model), "--draft-fixed"]
-    launched = _grid(tmp_path, model, "--prefill-chunk", "16", "--stage-weights", *draft)
+    (expected,) = tensor_generations(model, [Generation(chat_tokens(model, STORY), 24)], 2)
+    launched = _grid(tmp_path, model, "--stage-weights")
     try:
         launched.wait_serving()
         with Client(launched.grpc, timeout=120) as client:
-            for messages, tokens in zip((long, repeat), expected, strict=True):
-                request = pb.GenerateRequest(
-                    messages=[pb.ChatMessage(**m) for m in messages],
-                    params=pb.SamplingParams(max_tokens=24),
-                )
-                assert list(client.generate(request).token_ids) == tokens
+            assert list(client.generate(_story(max_tokens=24)).token_ids) == expected
             status = client.status()
-            speculation = status.speculation
-            assert speculation.draft_tokens >= 4 * 4 and speculation.accepted_draft_tokens > 0
-            # (--stage-weights: each peer got its stage's layers from rank 0)
             assert [r.staging.state for r in status.ranks[1:]] == ["staged"] * 3, status
         assert launched.stop() == 0, launched.logs()
         out = launched.err.read_text()

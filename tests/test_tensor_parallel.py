@@ -236,3 +236,45 @@ def test_auto_measures_the_group_and_chooses(machines, tiny_model, cluster_facto
         ln for ln in metrics.splitlines() if ln.startswith("mlx_relay:tensor_all_sum_seconds ")
     ]
     assert [float(ln.split()[1]) for ln in gauge] == [pytest.approx(layout.all_sum_seconds)]
+
+
+def test_a_grid_of_pairs_over_the_ring(tiny_model, cluster_factory, split_answers):
+    """`--tensor-parallel 2` on 4 ring ranks: two stages of two, where the ring backend
+    has no Group.split: each pair's all-sums are exchanges over their link
+    (transport/pairs.py). With eager hops between the stages, a long prompt prefilled 16
+    tokens a step and speculative verify steps (the model drafting for itself, fixed K),
+    the tokens are mlx-lm's split generation's on 2 ranks; then rank 2, the second
+    stage's first rank, stopped mid-stream (SIGSTOP) is named."""
+    model = tiny_model("llama", 4)
+    running = cluster_factory(
+        model,
+        4,
+        *TP,
+        "--hop-mode",
+        "eager",
+        "--prefill-chunk",
+        "16",
+        "--draft-model",
+        str(model),
+        "--draft-fixed",
+    )
+    status = running.client.status()
+    layout = status.layout
+    assert (layout.stages, layout.tensor_parallel) == (2, RANKS), layout
+    assert layout.tensor_backend == "ring, stages of 2 (pairs)", layout
+    assert [(r.layer_start, r.layer_end) for r in status.ranks] == [(0, 2)] * 2 + [(2, 4)] * 2
+    assert len(chat_tokens(model, LONG)) > 5 * 16
+    reply = running.client.generate(_chat(LONG, max_tokens=24))
+    assert list(reply.token_ids) == split_answers("llama")["chunked"]
+    reply = running.client.generate(_chat(REPEAT, max_tokens=40))
+    assert list(reply.token_ids) == split_answers("llama")["repeat"]
+    speculation = running.client.status().speculation
+    assert speculation.draft_tokens >= 4 * 4 and speculation.accepted_draft_tokens > 0
+    stream = stream_started(running.client)
+    peer = running.cluster.procs[2]
+    os.kill(peer.pid, signal.SIGSTOP)
+    try:
+        error, _ = error_of(stream)
+        assert_names(error, 2)
+    finally:
+        peer.send_signal(signal.SIGCONT)

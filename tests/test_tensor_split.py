@@ -54,15 +54,17 @@ def test_layouts_not_built_are_refused_with_the_reason(tensor, ranks, says):
         check_layout(tensor, ranks)
 
 
-def test_a_grid_is_a_layout_where_the_backend_splits_groups():
-    """Stages of 2 on 4 or 6 ranks fit; where the ranks' backend cannot split groups (MLX's
-    ring and JACCL backends) the grid is refused, saying what can."""
+def test_a_grid_is_a_layout_where_the_backend_splits_groups_or_stages_are_pairs():
+    """Stages of 2 on 4 ranks, or of 3 on 6, fit; stages of two run on any backend (a
+    pair's all-sums are exchanges: transport/pairs.py), larger ones only where the
+    ranks' backend splits groups (MPI, NCCL), else refused saying what can."""
     check_layout(2, 4)
     check_layout(3, 6)
-    check_grid_backend(2, 4, "mpi", splits=True)
+    check_grid_backend(2, 4, "ring", splits=False)
+    check_grid_backend(3, 6, "mpi", splits=True)
     check_grid_backend(4, 4, "ring", splits=False)  # (one stage: no split needed)
-    with pytest.raises(TensorLayoutError, match="2 stages of 2: a stage x tensor grid needs") as e:
-        check_grid_backend(2, 4, "ring", splits=False)
+    with pytest.raises(TensorLayoutError, match="2 stages of 3: a stage of more than two") as e:
+        check_grid_backend(3, 6, "ring", splits=False)
     assert "MLX's ring backend does not have" in str(e.value)
     assert '"backend": "mpi"' in str(e.value)
 

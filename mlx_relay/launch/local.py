@@ -404,15 +404,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def preflight_checks(args: argparse.Namespace) -> None:
     """What can be wrong before any rank starts: the model, the number of ranks, the
     split, TLS files, the gRPC address. Raises UserError naming the problem."""
+    from mlx_relay.transport.tensor import stage_count
+
     if args.num_ranks < 1:
         raise UserError("-n must be at least 1")
-    if args.model:
-        facts = preflight.check_model(args.model)
-        preflight.check_split(facts, args.num_ranks, args.layers)
-    preflight.check_hop_mode(args.hop_mode, args.num_ranks)
     preflight.check_tensor_parallel(
         args.tensor_parallel, args.num_ranks, args.hop_mode, args.layers
     )
+    if args.model:
+        facts = preflight.check_model(args.model)
+        stages = stage_count(args.tensor_parallel, args.num_ranks)  # (a grid's need layers)
+        preflight.check_split(facts, stages, args.layers)
+    preflight.check_hop_mode(args.hop_mode, args.num_ranks)
     preflight.check_tls(args.tls_cert, args.tls_key)
     preflight.check_listen(args.grpc_address)
 

@@ -636,13 +636,16 @@ def preflight_checks(serve_opts: argparse.Namespace, n: int, backend: str) -> No
 
     Ranks on other machines check their own model when they start (`serve`).
     """
-    if serve_opts.model:
-        facts = preflight.check_model(serve_opts.model)
-        preflight.check_split(facts, n, serve_opts.layers)
-    preflight.check_hop_mode(serve_opts.hop_mode, n)
+    from mlx_relay.transport.tensor import stage_count
+
     preflight.check_tensor_parallel(
         serve_opts.tensor_parallel, n, serve_opts.hop_mode, serve_opts.layers, backend
     )
+    if serve_opts.model:
+        facts = preflight.check_model(serve_opts.model)
+        stages = stage_count(serve_opts.tensor_parallel, n)  # (a grid's need layers)
+        preflight.check_split(facts, stages, serve_opts.layers)
+    preflight.check_hop_mode(serve_opts.hop_mode, n)
     preflight.check_tls(serve_opts.tls_cert, serve_opts.tls_key)
     preflight.check_listen(serve_opts.grpc_address)
 

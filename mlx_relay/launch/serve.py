@@ -481,7 +481,11 @@ def _serve(args: argparse.Namespace) -> int:
     layer_counts = None
     if facts is not None:
         try:
-            layer_counts = preflight.check_split(facts, size, args.layers)
+            from mlx_relay.transport.tensor import stage_count
+
+            # (a grid's stages need a layer each; --layers with a split: refused below)
+            stages = size if args.layers else stage_count(args.tensor_parallel, size)
+            layer_counts = preflight.check_split(facts, stages, args.layers)
         except UserError as e:
             return _fatal(rank, e)
 

@@ -17,7 +17,8 @@ RDMA where launched with it).
 A stage x tensor grid (`--tensor-parallel T` on N ranks, 1 < T < N): N/T pipeline
 stages of T consecutive ranks, each stage's ranks a sub-group of their own
 (`Group.split`, which MLX's NCCL and MPI backends have and its ring and JACCL backends
-have not: mlx 0.32.4, "[ring] Group split not supported"). A step's header goes round
+have not: mlx 0.32.4, "[ring] Group split not supported"; there a stage of two is a
+pair whose all-sums are exchanges over their link, pairs.py). A step's header goes round
 the whole ring; the hidden state hops from a stage's last rank to the next stage's
 first over the ring, as in a pipeline, and that rank gives it to its stage by the
 broadcast above (worker/loop.py). Under MPI a sub-group still alive when the process
@@ -35,7 +36,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlx_relay.protocol import header as hdr
+from mlx_relay.transport import pairs
 from mlx_relay.transport.collective import nccl_world, on_gpus_of_their_own
+from mlx_relay.transport.pairs import PairGroup
 from mlx_relay.transport.ring import PAIRED_MODES, mx_dtype
 
 # MLX's switch for its CUDA graphs, read once, at the process's first GPU kernel.
@@ -68,13 +71,21 @@ def group_size(tensor: int, ranks: int) -> int:
     return ranks if tensor == AUTO else tensor
 
 
+def stage_count(tensor: int, ranks: int) -> int:
+    """The pipeline stages `--tensor-parallel tensor` makes of `ranks`: what needs a layer
+    range each (auto, or a `tensor` that does not divide them: as many as the ranks)."""
+    if tensor in (AUTO, 1) or tensor < 1 or ranks % tensor:
+        return ranks
+    return ranks // tensor
+
+
 @dataclass
 class TensorGroup:
     """This rank's tensor group: `group` (every rank of the stage), `backend` (what its
     collectives run over, for status and logs), `auto`: used only where a load's
     measurements say a split pays (coordinator/layout_choice.py)."""
 
-    group: mx.distributed.Group
+    group: mx.distributed.Group | PairGroup
     backend: str
     auto: bool = False  # --tensor-parallel auto: each load decides whether to split
     why_not: str = ""  # why `auto` may not split on this cluster ('' where it may)
@@ -197,9 +208,10 @@ def check_layout(
 
 def check_grid_backend(tensor: int, ranks: int, backend: str, splits: bool) -> None:
     """TensorLayoutError where `--tensor-parallel tensor` on `ranks` asks for a stage x
-    tensor grid and the ranks' groups cannot be split (`splits`: MLX's MPI backend, or
-    NCCL on CUDA GPUs of their own; not its ring or JACCL backends)."""
-    if tensor in (AUTO, 1, ranks) or splits:
+    tensor grid of stages of more than two and the ranks' groups cannot be split
+    (`splits`: MLX's MPI backend, or NCCL on CUDA GPUs of their own; not its ring or
+    JACCL backends, where a stage of two is a pair: pairs.py)."""
+    if tensor in (AUTO, 1, 2, ranks) or splits:
         return
     raise TensorLayoutError(grid_refusal(tensor, ranks, backend))
 
@@ -207,10 +219,10 @@ def check_grid_backend(tensor: int, ranks: int, backend: str, splits: bool) -> N
 def grid_refusal(tensor: int, ranks: int, backend: str) -> str:
     return (
         f"--tensor-parallel {tensor} on {ranks} ranks asks for {ranks // tensor} stages of "
-        f"{tensor}: a stage x tensor grid needs each stage's ranks as an mx.distributed "
+        f"{tensor}: a stage of more than two ranks needs them as an mx.distributed "
         f"sub-group (Group.split), which MLX's {backend} backend does not have; launch with "
         f'MPI (a hostfile with "backend": "mpi") or on CUDA GPUs of their own (NCCL), or use '
-        f"--tensor-parallel {ranks} (one stage) or 1 (a pipeline)"
+        f"stages of 2, --tensor-parallel {ranks} (one stage) or 1 (a pipeline)"
     )
 
 
@@ -244,7 +256,11 @@ def tensor_group(
         return TensorGroup(group, backend, auto)
     rank = world.rank()
     try:  # (stage s: ranks s*T .. s*T + T-1, in rank order)
-        stage = group.split(rank // tensor, rank % tensor)
+        stage: mx.distributed.Group | PairGroup = group.split(rank // tensor, rank % tensor)
+        how = f"{backend}, stages of {tensor}"
     except RuntimeError as e:
-        raise TensorLayoutError(f"{grid_refusal(tensor, size, backend)} ({e})") from None
-    return TensorGroup(stage, f"{backend}, stages of {tensor}", auto, stages=size // tensor)
+        if tensor != 2:
+            raise TensorLayoutError(f"{grid_refusal(tensor, size, backend)} ({e})") from None
+        pairs.install()  # (no split here: a pair's all-sums are exchanges, pairs.py)
+        stage, how = PairGroup(group, rank - rank % 2), f"{backend}, stages of 2 (pairs)"
+    return TensorGroup(stage, how, auto, stages=size // tensor)
