@@ -186,15 +186,21 @@ def test_a_stopped_tensor_peer_is_named(tiny_model, cluster_factory):
     """A peer alive but silent (SIGSTOP) holds rank 0 in a layer's all-sum: the missing
     heartbeat names it, and rank 0 ends the stream instead of waiting forever."""
     running = cluster_factory(tiny_model("llama", 4), RANKS, *TP)
+    _stopped_mid_stream_is_named(running, 1)
+    running.cluster.procs[0].wait(60)  # rank 0 gives up and exits (else TimeoutExpired)
+
+
+def _stopped_mid_stream_is_named(running, rank: int) -> None:
+    """SIGSTOP `rank` of `running` while a stream runs: the stream ends UNAVAILABLE
+    naming it (the rank is let go again afterwards, if it is still there)."""
     stream = stream_started(running.client)
-    worker = running.cluster.procs[1]
-    os.kill(worker.pid, signal.SIGSTOP)
+    peer = running.cluster.procs[rank]
+    os.kill(peer.pid, signal.SIGSTOP)
     try:
         error, _ = error_of(stream)
-        assert_names(error, 1)
+        assert_names(error, rank)
     finally:
-        worker.send_signal(signal.SIGCONT)  # (none if it has exited)
-    running.cluster.procs[0].wait(60)  # rank 0 gives up and exits (else TimeoutExpired)
+        peer.send_signal(signal.SIGCONT)  # (none if it has exited)
 
 
 @pytest.mark.parametrize("machines", [1, 2], ids=["one-machine", "posing-as-two"])
@@ -270,11 +276,4 @@ def test_a_grid_of_pairs_over_the_ring(tiny_model, cluster_factory, split_answer
     assert list(reply.token_ids) == split_answers("llama")["repeat"]
     speculation = running.client.status().speculation
     assert speculation.draft_tokens >= 4 * 4 and speculation.accepted_draft_tokens > 0
-    stream = stream_started(running.client)
-    peer = running.cluster.procs[2]
-    os.kill(peer.pid, signal.SIGSTOP)
-    try:
-        error, _ = error_of(stream)
-        assert_names(error, 2)
-    finally:
-        peer.send_signal(signal.SIGCONT)
+    _stopped_mid_stream_is_named(running, 2)
