@@ -94,7 +94,7 @@ def _grid(tmp_path, model, *serve: str) -> Launched:
     return Launched(tmp_path, hostfile, args, GRID_RANKS + 2, ("--mpi-arg=--oversubscribe",))
 
 
-def rank_pid(launched: Launched, rank: int) -> int:
+def _rank_pid(launched: Launched, rank: int) -> int:
     """The pid of `rank` of a launched cluster (mpirun's child named mlx-relay-rN)."""
     return rank_processes(launched.proc.pid)[rank].pid
 
@@ -138,7 +138,7 @@ def test_a_stage_by_tensor_grid_gives_mlx_lm_split_generations_tokens(tiny_model
             both = generate_concurrently(client, [_story(max_tokens=48)] * 2)
             assert both == [greedy, greedy]
             stream = stream_started(client)
-            psutil.Process(rank_pid(launched, 1)).kill()
+            psutil.Process(_rank_pid(launched, 1)).kill()
             error, _ = error_of(stream)
             assert_names(error, 1)
         assert launched.proc.wait(60) != 0
@@ -156,7 +156,9 @@ def test_a_grid_staged_from_rank_0_stops_cleanly(tiny_model, tmp_path):
     sub-group alive at MPI's finalize would abort it: launch/serve.py's _mpi_finalize).
     Chunked prompts and verify steps in a grid: test_tensor_parallel.py's grid of pairs."""
     model = tiny_model("llama", 4)
-    (expected,) = tensor_generations(model, [Generation(chat_tokens(model, STORY), 24)], 2)
+    (expected,) = tensor_generations(
+        model, [Generation(chat_tokens(model, STORY), 24)], GRID_TENSOR
+    )
     launched = _grid(tmp_path, model, "--stage-weights")
     try:
         launched.wait_serving()
