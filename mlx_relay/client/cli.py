@@ -319,11 +319,13 @@ def run_load(args: argparse.Namespace) -> int:
         status = client.stub.LoadModel(request, timeout=args.timeout).status
     ranges = ", ".join(f"[{r.layer_start}, {r.layer_end})" for r in status.ranks)
     layout = status.layout
-    split = (
-        f", every layer split across {layout.tensor_parallel}" if layout.tensor_parallel > 1 else ""
-    )
-    if layout.tensor_parallel > 1 and layout.stages > 1:
-        split = f", {layout.stages} stages, each layer split across its stage's {layout.tensor_parallel}"
+    split = ""
+    if layout.tensor_parallel > 1:
+        across = (
+            f"its stage's {layout.tensor_parallel}" if layout.stages > 1 else layout.tensor_parallel
+        )
+        stages = f", {layout.stages} stages," if layout.stages > 1 else ","
+        split = f"{stages} every layer split across {across}"
     note = f" ({layout.note})" if layout.note else ""
     print(
         f"serving {status.model_path} on {status.world_size} rank(s), layers {ranges}{split}{note}"

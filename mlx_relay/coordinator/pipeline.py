@@ -367,7 +367,7 @@ class Pipeline:
                 self.driver.launch_tensor(step, hidden, tokens)
             return step
         if split is not None:  # (a grid: stage 0's last rank sends its output on)
-            self.driver.launch_grid(step, h, tokens)
+            self.driver.launch_tensor(step, h, tokens)
             return step
         header.payload_kind = hdr.PAYLOAD_HIDDEN
         header.payload_dtype = dtype_name(h.dtype)

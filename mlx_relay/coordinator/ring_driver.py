@@ -16,8 +16,8 @@ Where new transports plug in: a transport other than MLX's ring backend (JACCL R
 is a `Ring` with its own `Hops`; nothing here changes. A tensor-parallel step
 (`launch_tensor`) is computed here whole, as with one rank: only its header goes round,
 to start the peers, and comes back as their acknowledgement. In a stage x tensor grid
-(`launch_grid`) rank 0 computes stage 0's part with its peers, and the step comes back
-from the last stage as a pipeline's does.
+rank 0 computes stage 0's part with its peers, and the step comes back from the last
+stage as a pipeline's does.
 """
 
 from __future__ import annotations
@@ -126,26 +126,13 @@ class RingDriver:
         timeline.mark("posted", step.header.step_id)
 
     def launch_tensor(self, step: Step, hidden: mx.array, tokens: mx.array) -> None:
-        """A tensor-parallel step (FLAG_TENSOR): rank 0 computed it whole (its output is
-        `hidden`, here); its header goes round the ring at once, after every step
-        launched before it (a free must reach the peers before a step that reuses its
-        slot), so each peer posts its part of the step while rank 0 posts its own."""
-        assert self.ring is not None
-        self.settle()
-        mx.async_eval(tokens)  # (first, apart: see launch)
-        self.announce()
-        step.hidden = hidden
-        self._in_flight.append(step)
-        self._send_header_alone(step)
-        mx.async_eval(step.hidden)
-        timeline.mark("posted", step.header.step_id)
-
-    def launch_grid(self, step: Step, hidden: mx.array, tokens: mx.array) -> None:
-        """A step of a stage x tensor grid (FLAG_TENSOR; transport/tensor.py): rank 0's
-        part of stage 0 (`hidden`, its all-sums shared with the stage's peers) is posted,
-        to be kept alive until it ran; its header goes round alone, to start the stage's
-        peers; stage 0's last rank sends the stage's output on, and the last stage's
-        returns here as a pipeline's step does."""
+        """A tensor-parallel step (FLAG_TENSOR): rank 0 computed its part (`hidden`); its
+        header goes round the ring at once, after every step launched before it (a free
+        must reach the peers before a step that reuses its slot), so each peer posts its
+        part of the step while rank 0 posts its own. With one stage the output is here
+        whole; in a stage x tensor grid `hidden` is only stage 0's part, posted to run
+        its all-sums with its peers, and the step comes back from the last stage as a
+        pipeline's does."""
         assert self.ring is not None
         self.settle()
         mx.async_eval(tokens)  # (first, apart: see launch)
@@ -153,10 +140,13 @@ class RingDriver:
         self._in_flight.append(step)
         self._send_header_alone(step)
         mx.async_eval(hidden)
-        step.posted = hidden
-        if self.ring.posts_return_at_launch(step.header):
-            back = hdr.returned(step.header, self.runner.returned_width(step.header))
-            step.returned = self.ring.post_recv_payload(back)
+        if self._whole_here(step):
+            step.hidden = hidden
+        else:
+            step.posted = hidden  # (alive until it ran)
+            if self.ring.posts_return_at_launch(step.header):
+                back = hdr.returned(step.header, self.runner.returned_width(step.header))
+                step.returned = self.ring.post_recv_payload(back)
         timeline.mark("posted", step.header.step_id)
 
     def launch(self, step: Step, payload: mx.array | None, tokens: mx.array | None = None) -> None:

@@ -103,17 +103,11 @@ def check_tensor_parallel(
     grid the ranks' `backend` (MPI splits groups; on CUDA, NCCL does), said before any
     rank starts."""
     from mlx_relay.device import on_cuda
-    from mlx_relay.transport.tensor import (
-        AUTO,
-        TensorLayoutError,
-        check_grid_backend,
-        check_layout,
-    )
+    from mlx_relay.transport.tensor import TensorLayoutError, check_grid_backend, check_layout
 
     try:
         check_layout(tensor, n, hop_mode, layers)
-        if tensor not in (AUTO, 1, n):
-            check_grid_backend(tensor, n, backend, splits=backend == "mpi" or on_cuda())
+        check_grid_backend(tensor, n, backend, splits=backend == "mpi" or on_cuda())
     except TensorLayoutError as e:
         raise UserError(str(e)) from None
 
