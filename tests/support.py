@@ -5,12 +5,16 @@
 must give back for the same request (the server's default sampling is greedy).
 `stream_started`, `error_of`, `assert_names`: a long stream under way, the error that
 ends it, and that error naming the rank at fault (the failure tests').
+`meanwhile`: a cluster's part of a test on a thread while the oracle computes.
 """
 
 from __future__ import annotations
 
 import socket
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import anthropic
@@ -35,6 +39,25 @@ class Served:
         self.openai = openai.OpenAI(base_url=self.base + "/v1", api_key="none", max_retries=0)
         self.anthropic = anthropic.Anthropic(base_url=self.base, api_key="none", max_retries=0)
         self.http = httpx.Client(base_url=self.base, timeout=60)
+
+
+def meanwhile(work: Callable[[], Any]) -> Future:
+    """`work()` on a thread of its own (`.result()` is what it returned, or raises what
+    it raised), for a test to compute mlx-lm's answer on its own thread meanwhile: a
+    cluster starting and answering one stream keeps about one of the machine's two cores
+    busy, and the default model's mlx-lm answer takes ~25 s of the other for 200 tokens.
+    The thread must not run MLX: MLX state made on a thread that is not the main one
+    aborts the process at exit ("terminate called without an active exception")."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work())
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's .result()
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="meanwhile", daemon=True).start()
+    return future
 
 
 def chat_messages(messages: list[dict[str, Any]]) -> list[pb.ChatMessage]:

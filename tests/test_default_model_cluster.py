@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 from oracle import PARIS_QUESTION, PARIS_TOKENS, chat_tokens, mlx_lm_tokens, tokenizer_for
+from support import meanwhile
 
 from mlx_relay.model.default_model import resolve_model
 from mlx_relay.protocol import relay_pb2 as pb
@@ -110,20 +111,26 @@ def test_three_uneven_ranks_answer_200_tokens_exactly_like_mlx_lm(default_path, 
     """The real model, split unevenly over 3 ranks (8, 12 and 10 of its 30 layers): 200
     greedy token ids equal single-process mlx-lm's, every one (no early EOS hides a
     divergence late in the answer: the answer runs to the limit)."""
+
+    def ask_the_cluster():
+        running = cluster_factory(default_path, 3, layers="8,12,10")
+        status = running.client.status()
+        # (~3 tokens a second here: 200 tokens beside other test files may outlast the
+        # client's 120 s deadline; this one is only a bound against a hang)
+        response = running.client.stub.Generate(
+            pb.GenerateRequest(
+                messages=[pb.ChatMessage(**m) for m in LONG_MESSAGES],
+                params=pb.SamplingParams(max_tokens=LONG_TOKENS),
+            ),
+            timeout=900,
+        )
+        return status, response
+
+    asked = meanwhile(ask_the_cluster)
     expected = mlx_lm_tokens(default_path, chat_tokens(default_path, LONG_MESSAGES), LONG_TOKENS)
     assert len(expected) == LONG_TOKENS, "mlx-lm ended early: pick a prompt with a longer answer"
-    running = cluster_factory(default_path, 3, layers="8,12,10")
-    status = running.client.status()
+    status, response = asked.result(timeout=900)
     assert [(r.layer_start, r.layer_end) for r in status.ranks] == [(0, 8), (8, 20), (20, 30)]
-    # (~3 tokens a second here: 200 tokens beside other test files may outlast the
-    # client's 120 s deadline; this one is only a bound against a hang)
-    response = running.client.stub.Generate(
-        pb.GenerateRequest(
-            messages=[pb.ChatMessage(**m) for m in LONG_MESSAGES],
-            params=pb.SamplingParams(max_tokens=LONG_TOKENS),
-        ),
-        timeout=900,
-    )
     got = list(response.token_ids)
     first = next((i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b), None)
     assert got == expected, f"first difference at token {first}"

@@ -20,6 +20,7 @@ import openai
 import pytest
 from conftest import free_ports
 from oracle import chat_tokens, mlx_lm_tokens
+from support import meanwhile
 from tiny_models import make_tiny_model
 
 from mlx_relay.model.default_model import resolve_model
@@ -81,14 +82,20 @@ def test_draft_model_equals_mlx_lms_speculative_generator(
 @pytest.mark.default_model
 def test_prompt_lookup_on_the_default_model_through_the_openai_door(cluster_factory):
     port = free_ports(1)[0]
-    running = cluster_factory(
-        "default", 2, "--draft", "ngram", "--draft-fixed", "--http-address", f"127.0.0.1:{port}"
-    )
     text = "Repeat exactly: The quick brown fox jumps over the lazy dog, twice over."
-    response = running.client.generate(_chat(text, None, 40))
+
+    def ask_the_cluster():
+        served = cluster_factory(
+            "default", 2, "--draft", "ngram", "--draft-fixed", "--http-address", f"127.0.0.1:{port}"
+        )
+        return served, served.client.generate(_chat(text, None, 40))
+
+    asked = meanwhile(ask_the_cluster)
     path = resolve_model("default", progress=False)
     prompt = chat_tokens(path, [{"role": "user", "content": text}])
-    assert list(response.token_ids) == mlx_lm_tokens(path, prompt, 40), running.logs()
+    expected = mlx_lm_tokens(path, prompt, 40)
+    running, response = asked.result(timeout=600)
+    assert list(response.token_ids) == expected, running.logs()
     assert response.usage.accepted_draft_tokens > len(response.token_ids) / 3
 
     base = f"http://127.0.0.1:{port}"
