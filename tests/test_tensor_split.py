@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from mlx_relay.coordinator.load_checks import check_loadable
+from mlx_relay.coordinator.requests import InvalidRequest
 from mlx_relay.launch.serve import add_serve_options, serve_argv
 from mlx_relay.model import memory, tensor_split
 from mlx_relay.transport.tensor import (
@@ -31,6 +33,20 @@ def test_families_mlx_lm_shards_split_and_others_say_why(tiny_model):
     # (4 attention heads, 2 KV heads: 4 ranks cannot each take a whole KV head)
     why = tensor_split.refusal(_config(tiny_model("llama", 2)), 4)
     assert why == "llama's num_key_value_heads (2) does not divide by 4"
+
+
+def test_a_load_on_a_grid_needs_a_layer_a_stage_not_a_rank(tiny_model):
+    """LoadModel's check at run time is the start's (stage_count): a grid of 2 stages x 2
+    ranks loads a 3-layer model; a pipeline of 4 ranks cannot, nor a grid of a family
+    whose layers cannot split (it runs as a pipeline)."""
+    llama = tiny_model("llama", 3)
+    assert check_loadable(str(llama), None, 4, stages=2).num_layers == 3
+    with pytest.raises(InvalidRequest, match="has 3 layers, fewer than the 4 ranks"):
+        check_loadable(str(llama), None, 4)
+    with pytest.raises(InvalidRequest, match="has 1 layers, fewer than the 2 pipeline stages"):
+        check_loadable(str(tiny_model("llama", 1)), None, 4, stages=2)
+    with pytest.raises(InvalidRequest, match="fewer than the 4 ranks"):
+        check_loadable(str(tiny_model("gemma3_text", 3)), None, 4, stages=2)
 
 
 def test_a_split_rank_counts_its_share_of_the_layers(tiny_model):

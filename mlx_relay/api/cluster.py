@@ -431,7 +431,9 @@ class Cluster:
         previous = pipeline.loaded
         serving = (previous.path, *previous.ranges[0]) if previous else None
         try:
-            load_checks.check_loadable(spec, counts, pipeline.world_size, serving)
+            load_checks.check_loadable(
+                spec, counts, pipeline.world_size, serving, stages=_stages(pipeline, counts)
+            )
         except load_checks.DoesNotFit as e:
             log.warning("load of %r refused, %s still serves: %s", spec, _named(previous), e)
             raise EngineError("precondition", str(e)) from e
@@ -548,6 +550,15 @@ class Ring:
     heartbeat_interval: float
     max_active: int
     max_queue: int
+
+
+def _stages(pipeline: Any, counts: list[int] | None) -> int:
+    """The pipeline stages a load needs a layer range for, by the start's rule: one a
+    rank, but a stage x tensor grid's stages hold their ranks' layers together."""
+    split = pipeline.tensor
+    if split is None or split.auto or counts is not None:  # (auto may choose a pipeline)
+        return pipeline.world_size
+    return split.stages
 
 
 def _named(loaded: Any) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 
 from mlx_relay.coordinator.requests import InvalidRequest
-from mlx_relay.model import checkpoint, memory, sharding, vision
+from mlx_relay.model import checkpoint, memory, sharding, tensor_split, vision
 from mlx_relay.model.default_model import ModelError, resolve_model
 from mlx_relay.model.split import AUTO, Layers, default_split
 
@@ -42,12 +42,20 @@ class LoadPlan:
 
 
 def check_loadable(
-    spec: str, layers: Layers, world_size: int, serving: tuple[str, int, int] | None = None
+    spec: str,
+    layers: Layers,
+    world_size: int,
+    serving: tuple[str, int, int] | None = None,
+    *,
+    stages: int | None = None,
 ) -> LoadPlan:
     """Raise InvalidRequest (the model is not one we can load) or DoesNotFit (rank 0's
     share is too big) for `spec` split as `layers` over `world_size` ranks; return what
     was found. `serving`: the loaded model's (path, start, end) on rank 0, whose memory
-    the load frees before it loads anything."""
+    the load frees before it loads anything. `stages`: the pipeline stages that each need
+    a layer range (a stage x tensor grid's, fewer than its ranks; the start's rule,
+    transport/tensor.py's stage_count), else one a rank."""
+    stages = stages or world_size
     try:
         path = resolve_model(spec, progress=False)
     except ModelError as e:
@@ -62,9 +70,12 @@ def check_loadable(
         num_layers = sharding.count_layers(config)
     except (TypeError, ValueError) as e:
         raise InvalidRequest(f"model {spec!r}: {e}") from e
-    if num_layers < world_size:
+    if stages < world_size and tensor_split.refusal(config, world_size // stages) is not None:
+        stages = world_size  # (a family whose layers cannot split runs as a pipeline)
+    if num_layers < stages:
+        holders = f"{world_size} ranks" if stages == world_size else f"{stages} pipeline stages"
         raise InvalidRequest(
-            f"model {spec!r} has {num_layers} layers, fewer than the {world_size} ranks "
+            f"model {spec!r} has {num_layers} layers, fewer than the {holders} "
             "that must each hold at least one"
         )
     _check_architecture(spec, config)
@@ -86,7 +97,7 @@ def check_loadable(
             f"{spec!r} over {world_size} ranks"
         )
     if layers != AUTO:  # (an auto split is made from what every rank reports)
-        first = (counts or default_split(path, num_layers, world_size))[0]
+        first = (counts or default_split(path, num_layers, stages))[0]
         _check_rank0_fits(path, first, serving)
     return LoadPlan(path, num_layers)
 
