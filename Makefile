@@ -31,15 +31,14 @@ browser:
 demo: install
 	$(VENV)/bin/mlx-relay demo
 
-# Test files run on two processes at once (pytest-xdist, each file on one worker; each
-# worker's clusters pick ports from a range of their own): one file at a time keeps 1.1
-# of 2 cores busy. Three were faster on a fast 2-core machine (421 s against two's
-# 469-525 s, 2026-11-29), no faster on a slower one (1,000 s against 998) and slower on
-# another (531 s against 499, its cores 3.6% idle with three), and a three-worker run
-# with a core kept busy failed a check two never did (docs/performance.md).
+# Test files run on three processes at once (pytest-xdist, each file on one worker; each
+# worker's clusters pick ports from a range of their own). Two left the 2-core machine's
+# cores idle 16% of a run (tests waiting on a rank: a heartbeat timeout, a stopped
+# process, a cluster's start); three keep them 95% busy: 426.5 s against two's 483.9 s
+# in one session's back-to-back runs (2026-11-30; docs/performance.md has the history).
 # TEST_WORKERS=0 runs one file at a time. --no-loadscope-reorder hands files out in the
 # order tests/conftest.py gives them (the longest first), not by their number of tests.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 
 test: install browser
 	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
