@@ -28,7 +28,11 @@ from oracle import mlx_lm_tokens, tokenizer_for
 from support import HOST, LONG, assert_names, error_of, stream_started
 from tiny_models import make_tiny_model
 
+from mlx_relay.api.server import watchdog
 from mlx_relay.client.client import Client, wait_serving
+from mlx_relay.coordinator.config import EngineConfig
+from mlx_relay.coordinator.engine import Engine
+from mlx_relay.coordinator.pipeline import Pipeline
 from mlx_relay.coordinator.requests import encode_text
 from mlx_relay.launch.local import free_ports
 from mlx_relay.launch.supervise import Supervisor, describe_exit, run_with_restarts
@@ -217,6 +221,35 @@ def test_side_channel_drops_and_logs_a_message_with_a_wrong_secret(caplog):
             assert hub.wait_for_hello(5) == []
         assert any("signature does not match" in r.getMessage() for r in caplog.records)
         assert hub.snapshot()[1].host == "evil" and hub.rejected == 1
+    finally:
+        sock.close(0)
+        hub.close()
+
+
+def test_the_watchdog_watches_from_before_the_engine_starts():
+    """Rank 0's watchdog fails the cluster, naming the rank, when a worker falls silent,
+    whatever the engine thread does; started before that thread (rank 0's main thread
+    starts the watchdog first), it used to leave at once where it looked before the
+    engine ran, so a rank killed later went unnamed while the engine waited inside MLX
+    (CI, three test workers beside a busy core: a stream ended DEADLINE_EXCEEDED, with no
+    watchdog line in rank 0's log). Here the engine never starts at all: a worker says
+    hello, then nothing."""
+    port = free_ports(1)[0]
+    hub = ControlHub(f"tcp://127.0.0.1:{port}", world_size=2, secret=b"k")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"rank1-cmd")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    engine = Engine(Pipeline(None, None), EngineConfig())
+    try:
+        sock.send_multipart(control.encode(control.HELLO, {"rank": 1, "host": "mac-b"}, b"k"))
+        assert hub.wait_for_hello(5) == []
+        watching = threading.Thread(target=watchdog, args=(engine, hub, 0.5), daemon=True)
+        watching.start()
+        watching.join(timeout=30)
+        assert not watching.is_alive()
+        assert engine.state == "failed", engine.state
+        assert "rank 1 (mac-b)" in engine.error and "no heartbeat" in engine.error, engine.error
     finally:
         sock.close(0)
         hub.close()

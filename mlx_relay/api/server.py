@@ -96,7 +96,7 @@ def run(
             on_state("failed")
             return _close(servers, hub, EXIT_CLUSTER_FAILED)
         threading.Thread(
-            target=_watchdog,
+            target=watchdog,
             args=(engine, hub, config.heartbeat_timeout),
             name="watchdog",
             daemon=True,
@@ -268,12 +268,20 @@ def _listen(server: grpc.Server, address: str, cert: str, key: str) -> int:
     return port
 
 
-def _watchdog(engine: Engine, hub: ControlHub, heartbeat_timeout: float) -> None:
+def watchdog(engine: Engine, hub: ControlHub, heartbeat_timeout: float) -> None:
     """Fail the cluster as soon as a worker is gone or silent, or the step the engine
-    waits for inside MLX is overdue (--step-timeout), whatever the engine does."""
+    waits for inside MLX is overdue (--step-timeout), whatever the engine does: its
+    thread may be held inside MLX (an eager hop's send to a rank that died, queued
+    behind a receive from one that is silent), where only this thread can answer the
+    clients. It watches from before the engine's thread starts until that thread ends:
+    it used to leave at once where it looked before the start (a loaded machine's main
+    thread slow to start the engine), and a rank killed later went unnamed."""
+    started = False
     while True:
         time.sleep(WATCHDOG_INTERVAL_S)
-        if engine.state == "failed" or not engine.running:
+        running = engine.running
+        started = started or running
+        if engine.state == "failed" or (started and not running):
             return
         if engine.state == "stopping":
             continue
