@@ -16,7 +16,7 @@ import grpc
 import httpx
 import pytest
 from oracle import chat_request, chat_tokens, generate_concurrently, mlx_lm_tokens
-from support import assert_names, error_of, stream_started
+from support import assert_names, error_of, meanwhile, stream_started
 from tensor_oracle import Generation, tensor_generations
 
 from mlx_relay.launch.local import free_ports
@@ -242,6 +242,36 @@ def test_auto_measures_the_group_and_chooses(machines, tiny_model, cluster_facto
         ln for ln in metrics.splitlines() if ln.startswith("mlx_relay:tensor_all_sum_seconds ")
     ]
     assert [float(ln.split()[1]) for ln in gauge] == [pytest.approx(layout.all_sum_seconds)]
+
+
+def test_auto_on_four_machines_weighs_a_grid_of_pairs(tiny_model, cluster_factory):
+    """`--tensor-parallel auto` on 4 ranks posing as 4 machines also weighs a grid of
+    pairs: each pair's all-sum timed over its own link, one pair after another (the
+    pairs' second ranks write their figures into the timing header), and the pairs'
+    estimate beside the pipeline's in the note. Its model has 2 KV heads (no 4-way
+    split) and layers large enough (hidden 1,024: a layer's decode step ~5 ms here
+    against a pair's all-sum of ~0.1 ms) that the grid is chosen; whichever layout the
+    figures chose serves exactly its own oracle's tokens."""
+    model = tiny_model("llama", 4, hidden_size=1024)
+    prompt = chat_tokens(model, MESSAGES)
+    grid_answer = meanwhile(lambda: tensor_generations(model, [Generation(prompt, 24)], 2)[0])
+    env = {r: {HOST_NAME_ENV: f"mac-{r}"} for r in (1, 2, 3)}
+    running = cluster_factory(model, 4, "--tensor-parallel", "auto", rank_env=env)
+    status = running.client.status()
+    layout = status.layout
+    print(f"\nauto on 4 machines: {layout.note}")
+    assert layout.chosen_at_load and "a pair's all-sum" in layout.note, layout
+    assert "does not divide by 4" in layout.note or layout.stages == 2, layout
+    reply = running.client.generate(_chat(MESSAGES, max_tokens=24))
+    if layout.stages == 2:
+        assert layout.tensor_parallel == 2 and layout.note.endswith(": grid of pairs"), layout
+        assert layout.tensor_backend == "ring, stages of 2 (pairs)", layout
+        ranges = [(r.layer_start, r.layer_end) for r in status.ranks]
+        assert ranges == [(0, 2)] * 2 + [(2, 4)] * 2
+        assert list(reply.token_ids) == grid_answer.result(timeout=300)
+    else:
+        assert (layout.stages, layout.tensor_parallel) == (4, 1), layout
+        assert list(reply.token_ids) == mlx_lm_tokens(model, prompt, 24)
 
 
 def test_a_grid_of_pairs_over_the_ring(tiny_model, cluster_factory, split_answers):

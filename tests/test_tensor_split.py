@@ -5,14 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 
+import mlx.core as mx
 import pytest
 
 from mlx_relay.coordinator.load_checks import check_loadable
+from mlx_relay.coordinator.pipeline import in_flight
 from mlx_relay.coordinator.requests import InvalidRequest
 from mlx_relay.launch.serve import add_serve_options, serve_argv
 from mlx_relay.model import memory, tensor_split
 from mlx_relay.transport.tensor import (
     AUTO,
+    TensorGroup,
     TensorLayoutError,
     check_grid_backend,
     check_layout,
@@ -47,6 +50,17 @@ def test_a_load_on_a_grid_needs_a_layer_a_stage_not_a_rank(tiny_model):
         check_loadable(str(tiny_model("llama", 1)), None, 4, stages=2)
     with pytest.raises(InvalidRequest, match="fewer than the 4 ranks"):
         check_loadable(str(tiny_model("gemma3_text", 3)), None, 4, stages=2)
+
+
+def test_steps_in_flight_one_a_stage_for_a_split_and_one_a_rank_for_auto():
+    """A split runs a step a stage unless told otherwise; `auto` keeps a pipeline's one a
+    rank (0), which it needs where it chooses one: it ran one step at a time before."""
+    world = mx.distributed.init()
+    assert in_flight(0, None) == 0 and in_flight(3, None) == 3
+    assert in_flight(0, TensorGroup(world, "ring")) == 1
+    assert in_flight(0, TensorGroup(world, "mpi, stages of 2", stages=2)) == 2
+    assert in_flight(4, TensorGroup(world, "mpi, stages of 2", stages=2)) == 4
+    assert in_flight(0, TensorGroup(world, "world", auto=True)) == 0
 
 
 def test_a_split_rank_counts_its_share_of_the_layers(tiny_model):

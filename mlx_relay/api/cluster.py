@@ -241,7 +241,7 @@ class Cluster:
         return pb.LayoutStatus(
             stages=layout.stages,
             tensor_parallel=layout.tensor,
-            tensor_backend=pipeline.tensor.backend if layout.tensor > 1 else "",
+            tensor_backend=split.backend if (split := pipeline.runner.tensor) else "",
             note=layout.note,
             **measured,
         )

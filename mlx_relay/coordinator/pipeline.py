@@ -100,6 +100,17 @@ class LoadedModel:
     layout: Layout
 
 
+def in_flight(steps_in_flight: int, tensor: TensorGroup | None) -> int:
+    """The steps the ring may carry at once (0: one a rank, RingDriver's default): the
+    user's, else with a split one a stage (one, as on one machine, or a grid's stages).
+    `--tensor-parallel auto` keeps one a rank: most loads it makes a pipeline (always on
+    ranks sharing a machine), and a split step goes round in order behind the one before
+    (two in flight measured as one on the 70B split's 16 streams, bench/RESULTS.md)."""
+    if tensor is None or tensor.auto:
+        return steps_in_flight
+    return steps_in_flight or tensor.stages
+
+
 class Pipeline:
     def __init__(
         self,
@@ -123,8 +134,7 @@ class Pipeline:
         self.staged: dict[int, dict[str, Any]] = {}  # each worker's last staging report
         # --prompt-cache-dir: {"dir", "budget"} for every rank's blocks (prefix_store.py)
         self.prompt_store = prompt_store
-        if tensor is not None:  # (a step a stage: one, as on one machine, or a grid's)
-            steps_in_flight = steps_in_flight or tensor.stages
+        steps_in_flight = in_flight(steps_in_flight, tensor)
         self.heartbeat_timeout = heartbeat_timeout
         self.step_timeout = step_timeout
         self.world_size = ring.size if ring else 1
@@ -191,7 +201,7 @@ class Pipeline:
         config = sharding.read_config(path)
         num_layers = sharding.count_layers(config)
         layout = self._layout(path, config, layers)
-        tensor = self.tensor if layout.tensor > 1 else None
+        tensor = self._group_of(layout)
         if tensor is not None:  # (every rank of a stage its layers, each its slice;
             # the stages by equal work)
             stages = plan_ranges(path, layout.stages, None, stats=lambda: [], speeds=lambda: None)
@@ -248,32 +258,60 @@ class Pipeline:
         why = self.tensor.why_not or tensor_split.refusal(config, self.tensor.size)
         if why is None and layers is not None:
             why = "--layers gives each rank a layer range"
-        if why is not None:
+        # (auto's grid of pairs, where it has one, is refused or not on its own count)
+        weigh_pairs = self.tensor.auto and self.tensor.pairs is not None and layers is None
+        pairs_why = (self.tensor.why_not or tensor_split.refusal(config, 2)) if weigh_pairs else why
+        if why is not None and pairs_why is not None:
             log.warning("tensor parallel refused, the model runs as a pipeline: %s", why)
             return Layout(stages=self.world_size, why=why)
         if not self.tensor.auto:
             return Layout(stages=self.tensor.stages, tensor=self.tensor.size)
-        choice = self._choose(path, config)
+        choice = self._choose(path, config, why or "", (pairs_why or "") if weigh_pairs else None)
         if choice.tensor > 1:
-            return Layout(stages=1, tensor=choice.tensor, choice=choice)
+            return Layout(stages=choice.stages, tensor=choice.tensor, choice=choice)
         return Layout(stages=self.world_size, choice=choice)
 
-    def _choose(self, path: Path, config: dict[str, Any]) -> Choice:
+    def _choose(
+        self, path: Path, config: dict[str, Any], split_refused: str, pairs_refused: str | None
+    ) -> Choice:
         """`auto`'s measurements for this model, and its choice: one all-sum of a token's
-        hidden state over the group (every rank at once), one decode step of the model's
-        first layer on rank 0."""
+        hidden state over the group (every rank at once) and, with a grid of pairs to
+        weigh (`pairs_refused` not None), over each pair in turn; one decode step of the
+        model's first layer on rank 0."""
         assert self.tensor is not None
         num_layers = sharding.count_layers(config)
         shape = (1, 1, sharding.hidden_size(config))
         all_sum_s = self.driver.time_all_sum(self.tensor, shape, compute_dtype())
         hosts = [control.host_name(), *(self.watch.host(r) for r in range(1, self.world_size))]
+        own_gpus = self.tensor.backend == "nccl"  # (a split reads faster on each GPU)
+        pairs: dict[str, Any] = {}
+        if self.tensor.pairs is not None and pairs_refused is not None:
+            pair_sums = self.driver.time_pair_sums(self.tensor.pairs, shape, compute_dtype())
+            pairs = dict(
+                pair_sum_s=max(pair_sums),
+                pairs_apart=own_gpus
+                or all(a != b for a, b in zip(hosts[::2], hosts[1::2], strict=True)),
+                pairs_refused=pairs_refused,
+            )
         return layout_choice.choose(
             layer_timing.decode_step_seconds(path),
             num_layers,
             self.tensor.size,
             all_sum_s,
-            shared_machine=len(set(hosts)) < len(hosts) and self.tensor.backend != "nccl",
+            shared_machine=len(set(hosts)) < len(hosts) and not own_gpus,
+            split_refused=split_refused,
+            **pairs,
         )
+
+    def _group_of(self, layout: Layout) -> TensorGroup | None:
+        """The group a load laid out as `layout` splits its layers across: the start's, or
+        auto's grid of pairs (None: a pipeline)."""
+        if layout.tensor <= 1 or self.tensor is None:
+            return None
+        if layout.tensor == self.tensor.size:
+            return self.tensor
+        assert self.tensor.pairs is not None and layout.tensor == self.tensor.pairs.size
+        return self.tensor.pairs
 
     def _rank_stats(self) -> list[dict[str, Any] | None]:
         """Every rank's memory figures: rank 0's own, each worker's latest report."""

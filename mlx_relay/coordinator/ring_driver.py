@@ -425,6 +425,31 @@ class RingDriver:
             self.done(step)
         return seconds
 
+    def time_pair_sums(
+        self, pairs: TensorGroup, shape: tuple[int, ...], dtype: mx.Dtype
+    ) -> list[float]:
+        """Seconds one all-sum of `shape` takes over each pair of a grid of pairs (rank 0's
+        first), each pair timed over its own link as the header reaches it, one pair
+        after another: a pair's second rank writes its figure into the header before
+        sending it on (FLAG_PAIRS), so the header that comes back holds them all."""
+        assert self.ring is not None
+        self.complete_all()
+        ranks = list(range(self.world_size))
+        header = hdr.StepHeader(
+            cmd=hdr.CMD_TIME_ALL_SUM, flags=hdr.FLAG_TENSOR | hdr.FLAG_PAIRS, slots=ranks
+        )
+        header.offsets, header.lengths = [0] * len(ranks), [0] * len(ranks)
+        header.payload_dtype = dtype_name(dtype)
+        header.payload_shape = shape
+        step = Step(header, want_logits=False)
+        self._send_header_alone(step)
+        try:
+            pairs.time_all_sum(shape, dtype)  # (rank 0's pair: rank 1 writes its figure)
+            back, _ = self._receive(step)
+        finally:
+            self.done(step)
+        return [back.lengths[r] / 1e6 for r in range(1, self.world_size, 2)]
+
     def _send_header_alone(self, step: Step) -> None:
         """Number `step`, start its deadline and send its header round the ring with no
         payload behind it: a tensor step's peers compute their parts from their own

@@ -226,8 +226,9 @@ SERVE_OPTIONS: list[tuple[str, dict[str, Any]]] = [
             "layer range; T = the number of ranks (one stage). Pays where the ranks share a "
             "fast link (NVLink, Thunderbolt 5 RDMA) and the model's layers are large; a "
             "family mlx-lm cannot shard runs as a pipeline, and status says why. auto: "
-            "each load times the group's all-sum and a decode step of the model's first "
-            "layer, and splits only where that pays (status shows the figures)",
+            "each load times the group's all-sum (on 4 or more ranks also each pair's, for "
+            "a grid of pairs) and a decode step of the model's first layer, and splits "
+            "only where that pays (status shows the figures)",
         ),
     ),
     (

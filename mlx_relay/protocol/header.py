@@ -130,6 +130,11 @@ FLAG_ALL_POSITIONS = 1 << 9
 # layers by an all-sum of the tensor group, whose shape and dtype the payload fields
 # give (payload_kind stays PAYLOAD_NONE: nothing travels on the ring).
 FLAG_TENSOR = 1 << 10
+# With FLAG_TENSOR, CMD_TIME_ALL_SUM times each rank's pair (auto's grid of pairs,
+# transport/tensor.py) instead of the whole group, one pair after another: a pair's
+# second rank writes its figure (microseconds) into `lengths` at its rank, then sends the
+# header on (the header announces a slot a rank, as CMD_PROBE's does).
+FLAG_PAIRS = 1 << 11
 
 # Payload kinds.
 PAYLOAD_NONE = 0

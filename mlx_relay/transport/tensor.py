@@ -44,8 +44,9 @@ from mlx_relay.transport.ring import PAIRED_MODES, mx_dtype
 # MLX's switch for its CUDA graphs, read once, at the process's first GPU kernel.
 CUDA_GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
 
-# `--tensor-parallel auto`: every rank one stage if the load's measurements say a split
-# pays (coordinator/layout_choice.py), else a pipeline.
+# `--tensor-parallel auto`: every rank one stage, or (on 4 or more ranks, an even number)
+# a grid of pairs, where the load's measurements say a split pays
+# (coordinator/layout_choice.py), else a pipeline.
 AUTO = 0
 
 
@@ -90,6 +91,9 @@ class TensorGroup:
     auto: bool = False  # --tensor-parallel auto: each load decides whether to split
     why_not: str = ""  # why `auto` may not split on this cluster ('' where it may)
     stages: int = 1  # pipeline stages of such groups (a stage x tensor grid: more than 1)
+    # auto on 4 or more ranks, an even number: this rank's pair in a grid of pairs, the
+    # other split `auto` weighs (each pair's all-sums over its own link)
+    pairs: TensorGroup | None = None
 
     @property
     def size(self) -> int:
@@ -236,8 +240,10 @@ def tensor_group(
     """This rank's tensor group for `--tensor-parallel tensor` (check_layout first; None
     for 1), given every rank's gpu_tags: NCCL where every rank has a CUDA GPU of its
     own, else the world group itself (of `backend`); in a grid, the sub-group of this
-    rank's stage split from it (TensorLayoutError where the backend cannot split). A
-    collective of every rank on CUDA, and of every rank for a grid."""
+    rank's stage split from it (TensorLayoutError where the backend cannot split); for
+    auto on 4 or more ranks, an even number, the whole group with this rank's pair as
+    `pairs` (the grid auto weighs). A collective of every rank on CUDA, and of every
+    rank for a grid or auto's pairs."""
     size = world.size()
     check_layout(tensor, size)
     auto, tensor = tensor == AUTO, group_size(tensor, size)
@@ -251,11 +257,22 @@ def tensor_group(
             "rank its GPU with CUDA_VISIBLE_DEVICES)"
         )
     else:
-        group, backend = world, "world" if tensor == size else backend
-    if tensor == size:
-        return TensorGroup(group, backend, auto)
-    rank = world.rank()
-    try:  # (stage s: ranks s*T .. s*T + T-1, in rank order)
+        group = world
+    if tensor < size:
+        return stage_group(group, tensor, backend)
+    whole = TensorGroup(group, backend if backend == "nccl" else "world", auto)
+    if auto and size >= 4 and size % 2 == 0:  # (auto's other split: a grid of pairs)
+        whole.pairs = stage_group(group, 2, backend)
+    return whole
+
+
+def stage_group(group: mx.distributed.Group, tensor: int, backend: str) -> TensorGroup:
+    """This rank's stage of `tensor` consecutive ranks of `group` (stage s: ranks s*T ..
+    s*T + T-1): a sub-group split from it, or where the backend cannot split, a pair
+    (pairs.py; TensorLayoutError for stages of more than two there). A collective of
+    every rank of `group` where the backend splits."""
+    size, rank = group.size(), group.rank()
+    try:
         stage: mx.distributed.Group | PairGroup = group.split(rank // tensor, rank % tensor)
         how = f"{backend}, stages of {tensor}"
     except RuntimeError as e:
@@ -263,4 +280,4 @@ def tensor_group(
             raise TensorLayoutError(f"{grid_refusal(tensor, size, backend)} ({e})") from None
         pairs.install()  # (no split here: a pair's all-sums are exchanges, pairs.py)
         stage, how = PairGroup(group, rank - rank % 2), f"{backend}, stages of 2 (pairs)"
-    return TensorGroup(stage, how, auto, stages=size // tensor)
+    return TensorGroup(stage, how, stages=size // tensor)

@@ -145,18 +145,22 @@ class Worker:
         """A FLAG_TENSOR forward step: the header on (see the module's docstring), then
         this rank's slices of its stage's layers on the stage's input, posted; a grid
         stage's last rank then sends the output on."""
-        tensor = self.stage.tensor
+        timing = header.cmd == hdr.CMD_TIME_ALL_SUM  # (--tensor-parallel auto, at load)
+        tensor = self.stage.timed_group(header) if timing else self.stage.split
         received: list[mx.array] = []
         try:
             if tensor is None:
                 raise StepError(hdr.ERR_BAD_HEADER, "a tensor step reached a rank with no group")
-            if tensor.grid and tensor.first:  # (the stage before's output, over the ring)
+            if tensor.grid and tensor.first and not timing:  # (the stage before's output)
                 payload = self.ring.post_recv_payload(header)
                 received = [payload, *self.ring.post_recv_sides(header)]
             if not tensor.last:  # (the stage's peers start at once)
                 self.ring.send_header(alone(header))
-            if header.cmd == hdr.CMD_TIME_ALL_SUM:  # (--tensor-parallel auto, at load)
-                tensor.time_all_sum(header.payload_shape, mx_dtype(header.payload_dtype))
+            if timing:
+                seconds = tensor.time_all_sum(header.payload_shape, mx_dtype(header.payload_dtype))
+                if tensor.last:  # (a pair's second rank: its figure on, with the header)
+                    header.lengths[self.rank] = round(seconds * 1e6)
+                    self.ring.send_header(alone(header))
                 return
             if received:
                 self.ring.settle(*received)  # (CUDA: before the kernels that read them)

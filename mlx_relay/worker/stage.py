@@ -81,10 +81,29 @@ class WorkerStage:
         self.rank = rank
         self.is_last = rank == size - 1
         self.tensor = tensor
+        # the group the loaded model's layers are split across: `tensor`, or with auto
+        # its grid of pairs (tensor.pairs), as rank 0's load chose; None for a pipeline
+        self.split: TensorGroup | None = None
         self.stager = stager
         self.store: prefix_store.BlockStore | None = None  # --prompt-cache-dir
         self.shard: sharding.Shard | None = None
         self.caches: SlotCaches | None = None
+
+    def _group_of(self, tensor: int) -> TensorGroup | None:
+        """This rank's group of `tensor` ranks, for a load rank 0 laid out so: the start's
+        group, or auto's grid of pairs (None for 1: a pipeline)."""
+        if tensor <= 1:
+            return None
+        for group in (self.tensor, self.tensor.pairs if self.tensor is not None else None):
+            if group is not None and group.size == tensor:
+                return group
+        raise ValueError(f"rank 0 asked for a tensor group of {tensor}: not this rank's")
+
+    def timed_group(self, header: hdr.StepHeader) -> TensorGroup | None:
+        """The group a CMD_TIME_ALL_SUM times: the whole group, or each pair (FLAG_PAIRS)."""
+        if self.tensor is None or not header.flags & hdr.FLAG_PAIRS:
+            return self.tensor
+        return self.tensor.pairs
 
     def take(
         self, header: hdr.StepHeader, payload: mx.array | None, sides: list[mx.array]
@@ -161,11 +180,10 @@ class WorkerStage:
                         f"model at {path} differs from rank 0's (config or weight files differ)"
                     )
             tensor = spec.get("tensor", 1)  # (rank 0 chose the layout: pipeline.py)
-            if tensor > 1 and (self.tensor is None or self.tensor.size != tensor):
-                raise ValueError(f"rank 0 asked for a tensor group of {tensor}: not this rank's")
+            self.split = self._group_of(tensor)
             memory.check_fits(path, start, end, tensor=tensor)
             kv = spec.get("kv")  # rank 0's KV quantization, not this rank's flags
-            group = self.tensor.group if tensor > 1 and self.tensor is not None else None
+            group = self.split.group if self.split is not None else None
             self.shard = sharding.load_shard(
                 path, start, end, has_ends=False, kv=kv, tensor=group, partial=staged
             )
@@ -210,6 +228,7 @@ class WorkerStage:
         proctitle.show_layers(None)
         self.shard = None
         self.caches = None
+        self.split = None
         gc.collect()
         mx.clear_cache()
 
