@@ -24,9 +24,10 @@ p: the slowest pair's all-sum, each pair timed over its own link. Where the rank
 cabled in pairs by a fast link (Thunderbolt 5) and joined by a slow one (Ethernet),
 p is far below c and the grid wins; where every link is alike, splitting over all the
 ranks does. A split is chosen where its estimate is below MARGIN of the pipeline's
-(what the estimate leaves out counts against it), the smaller of the two where both are. On two H200s (bench/RESULTS.md) the estimate's terms match what
-was measured: the Llama-3-70B shape's token 41 ms unsplit, 31 ms split (~20.5 + 161 x
-0.07 ms); the 8B shape's 5.5 ms unsplit, 9 ms split.
+(what the estimate leaves out counts against it), the smaller of the two where both
+are. On two H200s (bench/RESULTS.md) the estimate's terms match what was measured: the
+Llama-3-70B shape's token 41 ms unsplit, 31 ms split (~20.5 + 161 x 0.07 ms); the 8B
+shape's 5.5 ms unsplit, 9 ms split.
 
 Ranks of one machine without GPUs of their own share its memory and cores: a split
 cannot read the weights any faster there, and is never chosen (the figures are still
