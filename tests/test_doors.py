@@ -268,6 +268,8 @@ def test_health_status_and_metrics_read_the_cluster(served):
         "layer_seconds": 0.0,
         "pipeline_token_seconds": 0.0,
         "tensor_token_seconds": 0.0,
+        "pair_all_sum_seconds": 0.0,
+        "grid_token_seconds": 0.0,
     }
     families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
     assert families["mlx_relay:engine_serving"].samples[0].value == 1

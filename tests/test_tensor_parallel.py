@@ -256,11 +256,18 @@ def test_auto_on_four_machines_weighs_a_grid_of_pairs(tiny_model, cluster_factor
     prompt = chat_tokens(model, MESSAGES)
     grid_answer = meanwhile(lambda: tensor_generations(model, [Generation(prompt, 24)], 2)[0])
     env = {r: {HOST_NAME_ENV: f"mac-{r}"} for r in (1, 2, 3)}
-    running = cluster_factory(model, 4, "--tensor-parallel", "auto", rank_env=env)
+    port = free_ports(1)[0]
+    running = cluster_factory(
+        model, 4, "--tensor-parallel", "auto", "--http-address", f"127.0.0.1:{port}", rank_env=env
+    )
     status = running.client.status()
     layout = status.layout
     print(f"\nauto on 4 machines: {layout.note}")
     assert layout.chosen_at_load and "a pair's all-sum" in layout.note, layout
+    assert layout.pair_all_sum_seconds > 0 and layout.grid_token_seconds > 0, layout
+    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    gauge = [ln for ln in metrics.splitlines() if ln.startswith("mlx_relay:tensor_pair_all_sum")]
+    assert [float(ln.split()[1]) for ln in gauge] == [pytest.approx(layout.pair_all_sum_seconds)]
     assert "does not divide by 4" in layout.note or layout.stages == 2, layout
     reply = running.client.generate(_chat(MESSAGES, max_tokens=24))
     if layout.stages == 2:

@@ -234,6 +234,8 @@ class Cluster:
                 layer_seconds=choice.layer_s,
                 pipeline_token_seconds=choice.pipeline_s,
                 tensor_token_seconds=choice.tensor_s,
+                pair_all_sum_seconds=choice.pair_sum_s,
+                grid_token_seconds=choice.grid_s,
             )
             if choice is not None
             else {}

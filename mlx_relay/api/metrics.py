@@ -71,6 +71,12 @@ class _ClusterGauges(Collector):
             "--tensor-parallel auto measured it at load (0: not measured).",
             value=layout.all_sum_seconds,
         )
+        yield GaugeMetricFamily(
+            PREFIX + "tensor_pair_all_sum_seconds",
+            "The slowest pair's all-sum of a token's hidden state, as --tensor-parallel auto "
+            "measured it at load on 4 or more ranks for a grid of pairs (0: not measured).",
+            value=layout.pair_all_sum_seconds,
+        )
         yield from _step_timings(cluster)
         yield from _speculation(cluster)
         yield from _prompt_cache_tiers(cluster)

@@ -395,7 +395,7 @@ class PromptStoreStatus(_message.Message):
     def __init__(self, dir: _Optional[str] = ..., off_reason: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., restores: _Optional[int] = ..., restored_tokens: _Optional[int] = ..., failed_restores: _Optional[int] = ..., stored_blocks: _Optional[int] = ...) -> None: ...
 
 class LayoutStatus(_message.Message):
-    __slots__ = ("stages", "tensor_parallel", "tensor_backend", "note", "chosen_at_load", "all_sum_seconds", "layer_seconds", "pipeline_token_seconds", "tensor_token_seconds")
+    __slots__ = ("stages", "tensor_parallel", "tensor_backend", "note", "chosen_at_load", "all_sum_seconds", "layer_seconds", "pipeline_token_seconds", "tensor_token_seconds", "pair_all_sum_seconds", "grid_token_seconds")
     STAGES_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     TENSOR_BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -405,6 +405,8 @@ class LayoutStatus(_message.Message):
     LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PAIR_ALL_SUM_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GRID_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     stages: int
     tensor_parallel: int
     tensor_backend: str
@@ -414,7 +416,9 @@ class LayoutStatus(_message.Message):
     layer_seconds: float
     pipeline_token_seconds: float
     tensor_token_seconds: float
-    def __init__(self, stages: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., tensor_backend: _Optional[str] = ..., note: _Optional[str] = ..., chosen_at_load: _Optional[bool] = ..., all_sum_seconds: _Optional[float] = ..., layer_seconds: _Optional[float] = ..., pipeline_token_seconds: _Optional[float] = ..., tensor_token_seconds: _Optional[float] = ...) -> None: ...
+    pair_all_sum_seconds: float
+    grid_token_seconds: float
+    def __init__(self, stages: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., tensor_backend: _Optional[str] = ..., note: _Optional[str] = ..., chosen_at_load: _Optional[bool] = ..., all_sum_seconds: _Optional[float] = ..., layer_seconds: _Optional[float] = ..., pipeline_token_seconds: _Optional[float] = ..., tensor_token_seconds: _Optional[float] = ..., pair_all_sum_seconds: _Optional[float] = ..., grid_token_seconds: _Optional[float] = ...) -> None: ...
 
 class SpeculationStatus(_message.Message):
     __slots__ = ("source", "num_draft_tokens", "adaptive", "off_reason", "rounds", "draft_tokens", "accepted_draft_tokens", "acceptance_rate", "tokens_per_round")
