@@ -4,13 +4,10 @@ the pipeline elsewhere and wherever the ranks share one machine's memory."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from mlx_relay.coordinator.layout_choice import MARGIN, choose
 from mlx_relay.model.layer_timing import decode_step_seconds
-from mlx_relay.transport.tensor import CUDA_GRAPHS_ENV, launch_directly
 
 
 def test_the_70b_shape_on_two_h200s_splits_and_the_8b_shape_does_not():
@@ -80,15 +77,3 @@ def test_a_layers_decode_step_is_timed_on_the_model_itself(tiny_model):
     """The model's first layer, loaded alone, timed on a decode step (a figure, no more:
     what it decides is the rule's, above)."""
     assert 0 < decode_step_seconds(tiny_model("llama", 2)) < 1
-
-
-def test_a_split_rank_launches_kernels_directly_unless_the_user_chose(monkeypatch):
-    """A rank of `--tensor-parallel N` turns MLX's CUDA graphs off (an all-sum captured
-    into one cost the host ~49 us against ~7 launched directly, on two H200s); a
-    MLX_USE_CUDA_GRAPHS the user set stands."""
-    monkeypatch.delenv(CUDA_GRAPHS_ENV, raising=False)
-    assert launch_directly()
-    assert os.environ[CUDA_GRAPHS_ENV] == "0"
-    monkeypatch.setenv(CUDA_GRAPHS_ENV, "1")
-    assert not launch_directly()
-    assert os.environ[CUDA_GRAPHS_ENV] == "1"

@@ -490,7 +490,6 @@ def _serve(args: argparse.Namespace) -> int:
         except UserError as e:
             return _fatal(rank, e)
 
-    from mlx_relay.device import on_cuda
     from mlx_relay.transport.collective import gpu_tags, on_gpus_of_their_own, payload_groups
     from mlx_relay.transport.doorbell import Doorbell, DoorbellError, doorbell_endpoints
     from mlx_relay.transport.ring import AUTO, PAIRED_MODES, Ring, choose_hop_mode, fences_here
@@ -499,7 +498,6 @@ def _serve(args: argparse.Namespace) -> int:
         TensorLayoutError,
         check_layout,
         group_size,
-        launch_directly,
         tensor_group,
     )
 
@@ -519,8 +517,6 @@ def _serve(args: argparse.Namespace) -> int:
         # (--tensor-parallel auto: the hops a pipeline would have; a split is then chosen
         # only where they carry headers alone, see below)
         split = grouped and args.tensor_parallel != TENSOR_AUTO
-        if split and launch_directly() and on_cuda():  # (before the first GPU kernel)
-            log.info("rank %d: MLX's CUDA graphs off (a split layer's all-sums)", rank)
         paired = args.hop_mode in (AUTO, *PAIRED_MODES) and not split
         tags = gpu_tags(group) if paired or grouped else []
         backend = _backend_in_use(args.backend)

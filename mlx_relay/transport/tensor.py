@@ -28,7 +28,6 @@ finalizes MPI itself and leaves without destructors (launch/serve.py's _mpi_fina
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,9 +39,6 @@ from mlx_relay.transport import pairs
 from mlx_relay.transport.collective import nccl_world, on_gpus_of_their_own
 from mlx_relay.transport.pairs import PairGroup
 from mlx_relay.transport.ring import PAIRED_MODES, mx_dtype
-
-# MLX's switch for its CUDA graphs, read once, at the process's first GPU kernel.
-CUDA_GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
 
 # `--tensor-parallel auto`: every rank one stage, or (on 4 or more ranks, an even number)
 # a grid of pairs, where the load's measurements say a split pays
@@ -160,24 +156,6 @@ class TensorGroup:
         return best
 
 
-def launch_directly() -> bool:
-    """Turn MLX's CUDA graphs off in this process, for a tensor group's sake; False where
-    the user set MLX_USE_CUDA_GRAPHS (theirs stands). Call it before the process's first
-    GPU kernel: MLX reads the setting once. Elsewhere than CUDA it changes nothing.
-
-    Why (bench/bench_all_sum.py, two H200s over NCCL, 2026-11-29): MLX records each
-    all-sum into its CUDA graph by capturing NCCL's launch, which costs the host ~49 us
-    an all-sum inside a step, against ~7 us launched directly; a split layer has two, so
-    an 80-layer model's token spent ~8 ms of host time on them where its GPU time is
-    ~20. A split step is bound by its host (every rank runs every layer's operations,
-    on slices), so that is the step's time; the rest of a step costs the host about the
-    same either way (a matmul chain 53 and 55 us a link)."""
-    if CUDA_GRAPHS_ENV in os.environ:
-        return False
-    os.environ[CUDA_GRAPHS_ENV] = "0"
-    return True
-
-
 def check_layout(
     tensor: int, ranks: int, hop_mode: str = "auto", layers: str | None = None
 ) -> None:
@@ -186,9 +164,7 @@ def check_layout(
     `tensor` ranks (a grid, where the backend splits groups: check_grid_backend); whose
     steps send headers alone round the ring inside a stage (so `hop_mode` must not be
     one that pairs ranks to carry payloads), and no `--layers` range a rank (`layers`):
-    a load given one runs as a pipeline, which the split's settings (CUDA graphs off)
-    would then slow down (half the 16-stream throughput of the Llama-3-70B shape on 2
-    H200s, bench/RESULTS.md)."""
+    the two ask for different layouts (auto alone takes `--layers` as a pipeline's)."""
     auto, tensor = tensor == AUTO, group_size(tensor, ranks)
     if tensor > 1 and hop_mode in PAIRED_MODES and not auto:  # (auto: then no split)
         raise TensorLayoutError(
