@@ -308,10 +308,9 @@ class Pipeline:
         auto's grid of pairs (None: a pipeline)."""
         if layout.tensor <= 1 or self.tensor is None:
             return None
-        if layout.tensor == self.tensor.size:
-            return self.tensor
-        assert self.tensor.pairs is not None and layout.tensor == self.tensor.pairs.size
-        return self.tensor.pairs
+        group = self.tensor.of_size(layout.tensor)
+        assert group is not None, layout
+        return group
 
     def _rank_stats(self) -> list[dict[str, Any] | None]:
         """Every rank's memory figures: rank 0's own, each worker's latest report."""

@@ -95,6 +95,14 @@ class TensorGroup:
     def size(self) -> int:
         return self.group.size()
 
+    def of_size(self, ranks: int) -> TensorGroup | None:
+        """This rank's group of `ranks` ranks: this one, or auto's grid of pairs (None:
+        neither), as a load laid out to split over `ranks` uses it."""
+        for group in (self, self.pairs):
+            if group is not None and group.size == ranks:
+                return group
+        return None
+
     @property
     def rank(self) -> int:
         return self.group.rank()

@@ -94,10 +94,9 @@ class WorkerStage:
         group, or auto's grid of pairs (None for 1: a pipeline)."""
         if tensor <= 1:
             return None
-        for group in (self.tensor, self.tensor.pairs if self.tensor is not None else None):
-            if group is not None and group.size == tensor:
-                return group
-        raise ValueError(f"rank 0 asked for a tensor group of {tensor}: not this rank's")
+        if self.tensor is None or (group := self.tensor.of_size(tensor)) is None:
+            raise ValueError(f"rank 0 asked for a tensor group of {tensor}: not this rank's")
+        return group
 
     def timed_group(self, header: hdr.StepHeader) -> TensorGroup | None:
         """The group a CMD_TIME_ALL_SUM times: the whole group, or each pair (FLAG_PAIRS)."""
