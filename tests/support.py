@@ -13,8 +13,9 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, wait
+from contextlib import contextmanager
 from typing import Any
 
 import anthropic
@@ -41,13 +42,17 @@ class Served:
         self.http = httpx.Client(base_url=self.base, timeout=60)
 
 
-def meanwhile(work: Callable[[], Any]) -> Future:
-    """`work()` on a thread of its own (`.result()` is what it returned, or raises what
-    it raised), for a test to compute mlx-lm's answer on its own thread meanwhile: a
-    cluster starting and answering one stream keeps about one of the machine's two cores
-    busy, and the default model's mlx-lm answer takes ~25 s of the other for 200 tokens.
-    The thread must not run MLX: MLX state made on a thread that is not the main one
-    aborts the process at exit ("terminate called without an active exception")."""
+@contextmanager
+def meanwhile(work: Callable[[], Any], deadline: float = 900) -> Iterator[Future]:
+    """`work()` on a thread of its own while the `with` block runs (`.result()` is what
+    it returned, or raises what it raised), for a test to compute mlx-lm's answer on its
+    own thread meanwhile: a cluster starting and answering one stream keeps about one of
+    the machine's two cores busy, and the default model's mlx-lm answer takes ~25 s of
+    the other for 200 tokens. The block's end waits for `work` (up to `deadline`
+    seconds), even when the block failed, so a cluster it started is in its fixture's
+    list before the fixture's teardown stops them. The thread must not run MLX: MLX
+    state made on a thread that is not the main one aborts the process at exit
+    ("terminate called without an active exception")."""
     future: Future = Future()
 
     def run() -> None:
@@ -57,7 +62,10 @@ def meanwhile(work: Callable[[], Any]) -> Future:
             future.set_exception(e)
 
     threading.Thread(target=run, name="meanwhile", daemon=True).start()
-    return future
+    try:
+        yield future
+    finally:
+        wait([future], timeout=deadline)
 
 
 def chat_messages(messages: list[dict[str, Any]]) -> list[pb.ChatMessage]:

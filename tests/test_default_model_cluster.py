@@ -126,8 +126,10 @@ def test_three_uneven_ranks_answer_200_tokens_exactly_like_mlx_lm(default_path, 
         )
         return status, response
 
-    asked = meanwhile(ask_the_cluster)
-    expected = mlx_lm_tokens(default_path, chat_tokens(default_path, LONG_MESSAGES), LONG_TOKENS)
+    with meanwhile(ask_the_cluster) as asked:
+        expected = mlx_lm_tokens(
+            default_path, chat_tokens(default_path, LONG_MESSAGES), LONG_TOKENS
+        )
     assert len(expected) == LONG_TOKENS, "mlx-lm ended early: pick a prompt with a longer answer"
     status, response = asked.result(timeout=900)
     assert [(r.layer_start, r.layer_end) for r in status.ranks] == [(0, 8), (8, 20), (20, 30)]

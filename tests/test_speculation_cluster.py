@@ -90,10 +90,10 @@ def test_prompt_lookup_on_the_default_model_through_the_openai_door(cluster_fact
         )
         return served, served.client.generate(_chat(text, None, 40))
 
-    asked = meanwhile(ask_the_cluster)
-    path = resolve_model("default", progress=False)
-    prompt = chat_tokens(path, [{"role": "user", "content": text}])
-    expected = mlx_lm_tokens(path, prompt, 40)
+    with meanwhile(ask_the_cluster, deadline=600) as asked:
+        path = resolve_model("default", progress=False)
+        prompt = chat_tokens(path, [{"role": "user", "content": text}])
+        expected = mlx_lm_tokens(path, prompt, 40)
     running, response = asked.result(timeout=600)
     assert list(response.token_ids) == expected, running.logs()
     assert response.usage.accepted_draft_tokens > len(response.token_ids) / 3

@@ -254,12 +254,17 @@ def test_auto_on_four_machines_weighs_a_grid_of_pairs(tiny_model, cluster_factor
     figures chose serves exactly its own oracle's tokens."""
     model = tiny_model("llama", 4, hidden_size=1024)
     prompt = chat_tokens(model, MESSAGES)
-    grid_answer = meanwhile(lambda: tensor_generations(model, [Generation(prompt, 24)], 2)[0])
     env = {r: {HOST_NAME_ENV: f"mac-{r}"} for r in (1, 2, 3)}
     port = free_ports(1)[0]
-    running = cluster_factory(
-        model, 4, "--tensor-parallel", "auto", "--http-address", f"127.0.0.1:{port}", rank_env=env
-    )
+
+    def split_on_two() -> list[int]:  # (mlx-lm's processes, while the cluster's start)
+        return tensor_generations(model, [Generation(prompt, 24)], 2)[0]
+
+    with meanwhile(split_on_two, deadline=300) as grid_answer:
+        running = cluster_factory(
+            model, 4, "--tensor-parallel", "auto", "--http-address", f"127.0.0.1:{port}",
+            rank_env=env,
+        )  # fmt: skip
     status = running.client.status()
     layout = status.layout
     print(f"\nauto on 4 machines: {layout.note}")
