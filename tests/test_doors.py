@@ -46,7 +46,10 @@ OVER = 1000  # a max_tokens far beyond it
 USER = [{"role": "user", "content": "Hi"}]
 
 
-class Served:
+class DoorsInProcess:
+    """One in-process engine (a tiny llama on rank 0 alone) behind every door: its HTTP
+    app, the gRPC door and LocalAI's backend on one channel."""
+
     def __init__(self, cluster: Cluster, path: Path, http: TestClient, channel) -> None:
         self.cluster = cluster
         self.model = str(path)
@@ -56,7 +59,8 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def doors(tmp_path_factory):
+    """DoorsInProcess, shared by the module (the doors' answers to the same requests)."""
     path = make_tiny_model(
         tmp_path_factory.mktemp("doors"),
         "llama",
@@ -74,7 +78,7 @@ def served(tmp_path_factory):
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     with TestClient(create_app(cluster)) as http:
-        yield Served(cluster, path, http, channel)
+        yield DoorsInProcess(cluster, path, http, channel)
     channel.close()
     server.stop(None).wait()
     # The engine thread's last lazy random state, evaluated where it was made: MLX
@@ -92,57 +96,57 @@ def _xs(n: int) -> str:
 # --- one max_tokens policy, every door ---------------------------------------------------
 
 
-def _grpc(served: Served, max_tokens: int) -> tuple[int, int, str]:
+def _grpc(doors: DoorsInProcess, max_tokens: int) -> tuple[int, int, str]:
     params = pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    reply = served.relay.Generate(pb.GenerateRequest(prompt=_xs(10), params=params), timeout=60)
+    reply = doors.relay.Generate(pb.GenerateRequest(prompt=_xs(10), params=params), timeout=60)
     return reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.finish_reason
 
 
-def _openai_chat(served: Served, max_tokens: int) -> tuple[int, int, str]:
+def _openai_chat(doors: DoorsInProcess, max_tokens: int) -> tuple[int, int, str]:
     body = {"messages": USER, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    reply = served.http.post("/v1/chat/completions", json=body).json()
+    reply = doors.http.post("/v1/chat/completions", json=body).json()
     usage = reply["usage"]
     return usage["prompt_tokens"], usage["completion_tokens"], reply["choices"][0]["finish_reason"]
 
 
-def _openai_completion(served: Served, max_tokens: int) -> tuple[int, int, str]:
+def _openai_completion(doors: DoorsInProcess, max_tokens: int) -> tuple[int, int, str]:
     body = {"prompt": _xs(10), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    reply = served.http.post("/v1/completions", json=body).json()
+    reply = doors.http.post("/v1/completions", json=body).json()
     usage = reply["usage"]
     return usage["prompt_tokens"], usage["completion_tokens"], reply["choices"][0]["finish_reason"]
 
 
-def _responses(served: Served, max_tokens: int) -> tuple[int, int, str]:
+def _responses(doors: DoorsInProcess, max_tokens: int) -> tuple[int, int, str]:
     body = {"input": "Hi", "max_output_tokens": max_tokens, "temperature": 0, "store": False}
-    reply = served.http.post("/v1/responses", json=body).json()
+    reply = doors.http.post("/v1/responses", json=body).json()
     usage = reply["usage"]
     reason = (reply["incomplete_details"] or {}).get("reason", reply["status"])
     return usage["input_tokens"], usage["output_tokens"], reason
 
 
-def _anthropic(served: Served, max_tokens: int) -> tuple[int, int, str]:
-    body = {"model": served.model, "messages": USER, "max_tokens": max_tokens, "temperature": 0}
-    reply = served.http.post("/v1/messages", json=body).json()
+def _anthropic(doors: DoorsInProcess, max_tokens: int) -> tuple[int, int, str]:
+    body = {"model": doors.model, "messages": USER, "max_tokens": max_tokens, "temperature": 0}
+    reply = doors.http.post("/v1/messages", json=body).json()
     usage = reply["usage"]
     prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
     return prompt, usage["output_tokens"], reply["stop_reason"]
 
 
-def _ollama(served: Served, max_tokens: int) -> tuple[int, int, str]:
+def _ollama(doors: DoorsInProcess, max_tokens: int) -> tuple[int, int, str]:
     body = {
-        "model": served.model,
+        "model": doors.model,
         "prompt": _xs(10),
         "raw": True,
         "stream": False,
         "options": {"num_predict": max_tokens, "temperature": 0},
     }
-    reply = served.http.post("/api/generate", json=body).json()
+    reply = doors.http.post("/api/generate", json=body).json()
     return reply["prompt_eval_count"], reply["eval_count"], reply["done_reason"]
 
 
-def _localai(served: Served, max_tokens: int) -> tuple[int, int, str]:
+def _localai(doors: DoorsInProcess, max_tokens: int) -> tuple[int, int, str]:
     options = lpb.PredictOptions(Prompt=_xs(10), Tokens=max_tokens, IgnoreEOS=True)
-    reply = served.localai.Predict(options, timeout=60)
+    reply = doors.localai.Predict(options, timeout=60)
     return reply.prompt_tokens, reply.tokens, ""
 
 
@@ -159,37 +163,37 @@ DOORS = {
 
 
 @pytest.mark.parametrize("door", list(DOORS))
-def test_max_tokens_over_the_context_ends_at_the_context(served, door):
+def test_max_tokens_over_the_context_ends_at_the_context(doors, door):
     ask, cut = DOORS[door]
-    prompt, generated, reason = ask(served, OVER)
+    prompt, generated, reason = ask(doors, OVER)
     assert prompt + generated == CONTEXT and reason == cut, (prompt, generated, reason)
-    prompt, generated, reason = ask(served, 3)  # under it: max_tokens as asked
+    prompt, generated, reason = ask(doors, 3)  # under it: max_tokens as asked
     assert generated == 3 and reason == cut, (prompt, generated, reason)
 
 
 @pytest.mark.parametrize("door", list(DOORS))
-def test_max_tokens_over_max_context_ends_at_max_context(served, door, monkeypatch):
+def test_max_tokens_over_max_context_ends_at_max_context(doors, door, monkeypatch):
     bound = CONTEXT - 16
-    engine = served.cluster._engine
+    engine = doors.cluster._engine
     # --max-context (caches unchecked: max_active 0)
     config = dataclasses.replace(engine.config, memory=memory.Plan(0, bound))
     monkeypatch.setattr(engine, "config", config)
-    prompt, generated, _ = DOORS[door][0](served, OVER)
+    prompt, generated, _ = DOORS[door][0](doors, OVER)
     assert prompt + generated == bound, (prompt, generated)
 
 
-def test_localai_context_size_caps_like_the_cluster_limits(served):
-    prompt = len(served.cluster.render(GenerationRequest(prompt=_xs(10))).token_ids)
+def test_localai_context_size_caps_like_the_cluster_limits(doors):
+    prompt = len(doors.cluster.render(GenerationRequest(prompt=_xs(10))).token_ids)
     try:
-        served.localai.LoadModel(lpb.ModelOptions(Model=served.model, ContextSize=prompt + 3))
-        assert _localai(served, OVER)[1] == 3
+        doors.localai.LoadModel(lpb.ModelOptions(Model=doors.model, ContextSize=prompt + 3))
+        assert _localai(doors, OVER)[1] == 3
         with pytest.raises(grpc.RpcError) as info:
-            served.localai.Predict(lpb.PredictOptions(Prompt=_xs(prompt + 3), Tokens=1))
+            doors.localai.Predict(lpb.PredictOptions(Prompt=_xs(prompt + 3), Tokens=1))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "LoadModel's ContextSize is" in info.value.details()
     finally:
-        served.localai.LoadModel(lpb.ModelOptions(Model=served.model))
-    assert _localai(served, OVER)[0:2] == (10, CONTEXT - 10)
+        doors.localai.LoadModel(lpb.ModelOptions(Model=doors.model))
+    assert _localai(doors, OVER)[0:2] == (10, CONTEXT - 10)
 
 
 REFUSED = {  # a prompt that leaves no room, on each door: (status, where the words are)
@@ -209,9 +213,9 @@ REFUSED = {  # a prompt that leaves no room, on each door: (status, where the wo
 
 
 @pytest.mark.parametrize("door", list(REFUSED))
-def test_a_prompt_that_leaves_no_room_is_refused(served, door):
+def test_a_prompt_that_leaves_no_room_is_refused(doors, door):
     path, body, where = REFUSED[door]
-    reply = served.http.post(path, json=body)
+    reply = doors.http.post(path, json=body)
     assert reply.status_code == 400, reply.text
     words = reply.json()
     for key in where:
@@ -219,10 +223,10 @@ def test_a_prompt_that_leaves_no_room_is_refused(served, door):
     assert f"the model's context is {CONTEXT}" in words, words
 
 
-def test_a_prompt_that_leaves_no_room_is_refused_over_grpc(served):
+def test_a_prompt_that_leaves_no_room_is_refused_over_grpc(doors):
     for call in (
-        lambda: served.relay.Generate(pb.GenerateRequest(prompt=_xs(CONTEXT)), timeout=60),
-        lambda: served.localai.Predict(lpb.PredictOptions(Prompt=_xs(CONTEXT)), timeout=60),
+        lambda: doors.relay.Generate(pb.GenerateRequest(prompt=_xs(CONTEXT)), timeout=60),
+        lambda: doors.localai.Predict(lpb.PredictOptions(Prompt=_xs(CONTEXT)), timeout=60),
     ):
         with pytest.raises(grpc.RpcError) as info:
             call()
@@ -243,15 +247,15 @@ def test_the_policy_takes_the_tightest_limit():
 # --- the facade: what the doors read ------------------------------------------------------
 
 
-def test_health_status_and_metrics_read_the_cluster(served):
-    http = served.http
-    _grpc(served, 2)  # (some steps to count)
+def test_health_status_and_metrics_read_the_cluster(doors):
+    http = doors.http
+    _grpc(doors, 2)  # (some steps to count)
     health = http.get("/health")
     assert health.status_code == 200
-    assert health.json() == {"status": "ok", "state": "serving", "model": served.model, "ranks": 1}
+    assert health.json() == {"status": "ok", "state": "serving", "model": doors.model, "ranks": 1}
     status = http.get("/v1/status").json()
     assert status["world_size"] == 1 and status["state"] == "serving"
-    assert status["model"] == served.model and status["num_layers"] == 2
+    assert status["model"] == doors.model and status["num_layers"] == 2
     assert [r["rank"] for r in status["ranks"]] == [0] and status["ranks"][0]["layer_end"] == 2
     assert status["hop_mode"] == "none (one rank)" and status["failure"] == ""
     assert status["max_active"] == 8 and status["heartbeat_timeout_s"] == 3.0
@@ -280,18 +284,18 @@ def test_health_status_and_metrics_read_the_cluster(served):
     assert {"prefill", "decode"} <= kinds
 
 
-def test_model_listings_read_the_loaded_model(served):
-    http = served.http
-    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [served.model]
+def test_model_listings_read_the_loaded_model(doors):
+    http = doors.http
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [doors.model]
     assert http.post("/tokenize", json={"prompt": _xs(4)}).json()["max_model_len"] == CONTEXT
     (tag,) = http.get("/api/tags").json()["models"]
-    assert tag["name"] == served.model and tag["size"] > 0 and tag["details"]["family"] == "llama"
+    assert tag["name"] == doors.model and tag["size"] > 0 and tag["details"]["family"] == "llama"
     (ps,) = http.get("/api/ps").json()["models"]
     assert ps["context_length"] == CONTEXT and ps["digest"] == tag["digest"]
-    show = http.post("/api/show", json={"model": served.model}).json()
+    show = http.post("/api/show", json={"model": doors.model}).json()
     assert show["model_info"]["llama.context_length"] == CONTEXT
-    assert served.localai.Health(lpb.HealthMessage()).message == b"OK"
-    state = served.localai.Status(lpb.HealthMessage()).state
+    assert doors.localai.Health(lpb.HealthMessage()).message == b"OK"
+    state = doors.localai.Status(lpb.HealthMessage()).state
     assert state == lpb.StatusResponse.READY
 
 
@@ -309,17 +313,15 @@ def test_json_fields_are_parsed_by_one_helper():
         json_field("[]", "response_format", dict, "a JSON object with a 'type'")
 
 
-def test_logit_bias_is_parsed_by_one_helper(served):
+def test_logit_bias_is_parsed_by_one_helper(doors):
     assert logit_bias({"5": -100, 7: 1.5}) == {5: -100.0, 7: 1.5}
     with pytest.raises(InvalidRequest, match="LogitBias must map token ids to numbers"):
         logit_bias({"x": 1}, "LogitBias")
-    reply = served.http.post(
-        "/v1/chat/completions", json={"messages": USER, "logit_bias": {"x": 1}}
-    )
+    reply = doors.http.post("/v1/chat/completions", json={"messages": USER, "logit_bias": {"x": 1}})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "logit_bias"
     assert "logit_bias must map token ids to numbers" in reply.json()["error"]["message"]
     with pytest.raises(grpc.RpcError) as info:
-        served.localai.Predict(lpb.PredictOptions(Prompt="hi", LogitBias='{"x": 1}'), timeout=60)
+        doors.localai.Predict(lpb.PredictOptions(Prompt="hi", LogitBias='{"x": 1}'), timeout=60)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "LogitBias must map token ids to numbers" in info.value.details()
 
@@ -335,10 +337,10 @@ def _events(text: str) -> list[tuple[str, dict]]:
     return out
 
 
-def test_anthropic_stream_and_answer_agree(served):
-    body = {"model": served.model, "messages": USER, "max_tokens": 6, "temperature": 0}
-    whole = served.http.post("/v1/messages", json=body).json()
-    streamed = _events(served.http.post("/v1/messages", json={**body, "stream": True}).text)
+def test_anthropic_stream_and_answer_agree(doors):
+    body = {"model": doors.model, "messages": USER, "max_tokens": 6, "temperature": 0}
+    whole = doors.http.post("/v1/messages", json=body).json()
+    streamed = _events(doors.http.post("/v1/messages", json={**body, "stream": True}).text)
     names = [name for name, _ in streamed]
     assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
     text = "".join(d["delta"].get("text", "") for n, d in streamed if n == "content_block_delta")
@@ -346,10 +348,10 @@ def test_anthropic_stream_and_answer_agree(served):
     assert streamed[-2][1]["usage"]["output_tokens"] == whole["usage"]["output_tokens"] == 6
 
 
-def test_responses_stream_and_answer_agree(served):
+def test_responses_stream_and_answer_agree(doors):
     body = {"input": "Hi", "max_output_tokens": 6, "temperature": 0, "store": False}
-    whole = served.http.post("/v1/responses", json=body).json()
-    streamed = _events(served.http.post("/v1/responses", json={**body, "stream": True}).text)
+    whole = doors.http.post("/v1/responses", json=body).json()
+    streamed = _events(doors.http.post("/v1/responses", json={**body, "stream": True}).text)
     names = [name for name, _ in streamed]
     assert names[:2] == ["response.created", "response.in_progress"]
     assert names[-1] == "response.incomplete"
@@ -362,14 +364,14 @@ def test_responses_stream_and_answer_agree(served):
     assert content(streamed[-1][1]["response"]["output"]) == content(whole["output"])
 
 
-def test_a_folded_stream_is_the_grpc_answer(served):
+def test_a_folded_stream_is_the_grpc_answer(doors):
     request = pb.GenerateRequest(prompt=_xs(5), params=pb.SamplingParams(max_tokens=6))
     whole = Chunk()
-    for chunk in served.relay.GenerateStream(request, timeout=60):
+    for chunk in doors.relay.GenerateStream(request, timeout=60):
         whole.add(Chunk(text=chunk.text, token_ids=list(chunk.token_ids)))
-    reply = served.relay.Generate(request, timeout=60)
+    reply = doors.relay.Generate(request, timeout=60)
     assert (whole.text, whole.token_ids) == (reply.text, list(reply.token_ids))
-    chat = served.http.post(
+    chat = doors.http.post(
         "/v1/completions", json={"prompt": _xs(5), "max_tokens": 6, "temperature": 0}
     ).json()
     assert chat["choices"][0]["text"] == reply.text
@@ -378,51 +380,51 @@ def test_a_folded_stream_is_the_grpc_answer(served):
 # --- cache_salt, every door --------------------------------------------------------------
 
 
-def _hits(served: Served) -> float:
+def _hits(doors: DoorsInProcess) -> float:
     """Prompt tokens the HTTP doors found in a cache so far (/metrics)."""
-    text = served.http.get("/metrics").text
+    text = doors.http.get("/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     return sum(s.value for s in families["mlx_relay:prefix_cache_hits"].samples)
 
 
-def _salted_grpc(served: Served, text: str, salt: str) -> int:
+def _salted_grpc(doors: DoorsInProcess, text: str, salt: str) -> int:
     params = pb.SamplingParams(max_tokens=2)
     request = pb.GenerateRequest(prompt=text, params=params, cache_salt=salt)
-    return served.relay.Generate(request, timeout=60).usage.cached_tokens
+    return doors.relay.Generate(request, timeout=60).usage.cached_tokens
 
 
-def _salted_completion(served: Served, text: str, salt: str) -> int:
+def _salted_completion(doors: DoorsInProcess, text: str, salt: str) -> int:
     body = {"prompt": text, "max_tokens": 2, "cache_salt": salt}
-    usage = served.http.post("/v1/completions", json=body).json()["usage"]
+    usage = doors.http.post("/v1/completions", json=body).json()["usage"]
     return usage["prompt_tokens_details"]["cached_tokens"]
 
 
-def _salted_chat(served: Served, text: str, salt: str) -> int:
+def _salted_chat(doors: DoorsInProcess, text: str, salt: str) -> int:
     body = {"messages": [{"role": "user", "content": text}], "max_tokens": 2, "cache_salt": salt}
-    usage = served.http.post("/v1/chat/completions", json=body).json()["usage"]
+    usage = doors.http.post("/v1/chat/completions", json=body).json()["usage"]
     return usage["prompt_tokens_details"]["cached_tokens"]
 
 
-def _salted_responses(served: Served, text: str, salt: str) -> int:
+def _salted_responses(doors: DoorsInProcess, text: str, salt: str) -> int:
     body = {"input": text, "max_output_tokens": 2, "store": False, "cache_salt": salt}
-    usage = served.http.post("/v1/responses", json=body).json()["usage"]
+    usage = doors.http.post("/v1/responses", json=body).json()["usage"]
     return usage["input_tokens_details"]["cached_tokens"]
 
 
-def _salted_anthropic(served: Served, text: str, salt: str) -> int:
+def _salted_anthropic(doors: DoorsInProcess, text: str, salt: str) -> int:
     messages = [{"role": "user", "content": text}]
-    body = {"model": served.model, "messages": messages, "max_tokens": 2, "cache_salt": salt}
-    return served.http.post("/v1/messages", json=body).json()["usage"]["cache_read_input_tokens"]
+    body = {"model": doors.model, "messages": messages, "max_tokens": 2, "cache_salt": salt}
+    return doors.http.post("/v1/messages", json=body).json()["usage"]["cache_read_input_tokens"]
 
 
-def _salted_ollama(served: Served, text: str, salt: str) -> int:
+def _salted_ollama(doors: DoorsInProcess, text: str, salt: str) -> int:
     """(Ollama has no cached-tokens field: the request's share of /metrics' hits.)"""
-    before = _hits(served)
-    body = {"model": served.model, "prompt": text, "raw": True, "stream": False}
+    before = _hits(doors)
+    body = {"model": doors.model, "prompt": text, "raw": True, "stream": False}
     body |= {"options": {"num_predict": 2}, "cache_salt": salt}
-    reply = served.http.post("/api/generate", json=body)
+    reply = doors.http.post("/api/generate", json=body)
     assert reply.status_code == 200, reply.text
-    return int(_hits(served) - before)
+    return int(_hits(doors) - before)
 
 
 # door -> ask it for a prompt with a salt: the prompt tokens it reports found in a cache
@@ -437,42 +439,42 @@ SALTED = {
 
 
 @pytest.mark.parametrize("door", list(SALTED))
-def test_every_door_takes_a_cache_salt_and_salts_share_no_cached_prefix(served, door):
+def test_every_door_takes_a_cache_salt_and_salts_share_no_cached_prefix(doors, door):
     """vLLM's `cache_salt`: a prompt is served from a kept cache only of its own salt
     (tenants that must not share prefixes, RAM tier here; the disk tier keys its blocks
     by it too, test_prompt_store.py)."""
     ask = SALTED[door]
     text = door.replace(" ", "") + "y" * 20  # (one prompt per door: no other test's cache)
-    assert ask(served, text, "tenant-a") == 0
-    assert ask(served, text, "tenant-a") > 0
-    assert ask(served, text, "tenant-b") == 0
-    assert ask(served, text, "tenant-b") > 0
+    assert ask(doors, text, "tenant-a") == 0
+    assert ask(doors, text, "tenant-a") > 0
+    assert ask(doors, text, "tenant-b") == 0
+    assert ask(doors, text, "tenant-b") > 0
 
 
-def test_status_and_metrics_show_the_ram_tier_its_bytes_and_what_it_served(served):
+def test_status_and_metrics_show_the_ram_tier_its_bytes_and_what_it_served(doors):
     """The prompt cache's tiers in /v1/status and /metrics: entries, tokens, bytes (at
     the model's cache bytes per token) and the prompt tokens each served, of every door."""
 
     def ram() -> tuple[dict, int]:
-        status = served.http.get("/v1/status").json()
+        status = doors.http.get("/v1/status").json()
         tiers = {t["tier"]: t for t in status["prompt_cache_tiers"]}
         assert set(tiers) == {"ram"}  # (no --prompt-cache-dir here)
         return tiers["ram"], status["prompt_tokens"]
 
     before, seen = ram()
     text = "tiers" + "z" * 20
-    first = _salted_grpc(served, text, "tiers")
-    again = _salted_grpc(served, text, "tiers")
+    first = _salted_grpc(doors, text, "tiers")
+    again = _salted_grpc(doors, text, "tiers")
     after, now_seen = ram()
-    prompt = served.relay.Tokenize(pb.TokenizeRequest(text=text), timeout=60).token_ids
+    prompt = doors.relay.Tokenize(pb.TokenizeRequest(text=text), timeout=60).token_ids
     assert (first, again) == (0, len(prompt) - 1)
     assert now_seen - seen == 2 * len(prompt)
     assert after["hit_tokens"] - before["hit_tokens"] == again
     assert after["hit_rate"] == pytest.approx(after["hit_tokens"] / now_seen)
-    per_token = memory.bytes_per_token(Path(served.model), [(0, 2)])
+    per_token = memory.bytes_per_token(Path(doors.model), [(0, 2)])
     assert after["entries"] >= 1 and after["tokens"] > 0
     assert after["bytes"] == int(after["tokens"] * per_token) > 0
-    families = {f.name: f for f in text_string_to_metric_families(served.http.get("/metrics").text)}
+    families = {f.name: f for f in text_string_to_metric_families(doors.http.get("/metrics").text)}
     by_tier = {s.labels["tier"]: s.value for s in families["mlx_relay:prompt_cache_bytes"].samples}
     hits = families["mlx_relay:prompt_cache_hit_tokens"].samples
     assert by_tier == {"ram": after["bytes"]}
