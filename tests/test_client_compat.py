@@ -20,11 +20,12 @@ import shutil
 
 import httpx
 import jsonschema
+import psutil
 import pytest
 from anthropic.types import Message
 from conftest import start_cluster, stop_cluster
 from openai.types.chat import ChatCompletion
-from support import Served, greedy
+from support import Served, chat_messages, greedy
 from tiny_models import make_tiny_model
 
 from mlx_relay.launch.local import free_ports
@@ -184,9 +185,11 @@ def test_a_tool_round_trip_renders(templated):
 
 
 def test_openai_required_and_named_calls_are_well_formed(templated):
-    for choice, allowed in [
-        ("required", {"get_weather", "get_time"}),
-        ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+    """Sampled (temperature 1, seeded), so the grammar, not the model's preference, makes
+    the call well formed; the call is the gRPC door's to the same seeded request."""
+    for choice, allowed, grpc_choice in [
+        ("required", {"get_weather", "get_time"}, "required"),
+        ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}, "get_time"),
     ]:
         reply = templated.openai.chat.completions.create(
             model=templated.model,
@@ -203,6 +206,15 @@ def test_openai_required_and_named_calls_are_well_formed(templated):
         [call] = out.message.tool_calls
         assert call.function.name in allowed
         _valid_call(call.function.name, call.function.arguments)
+        expected = templated.running.client.generate(
+            pb.GenerateRequest(
+                messages=chat_messages(ASK),
+                params=pb.SamplingParams(max_tokens=80, temperature=1.0, seed=3),
+                tools_json=json.dumps(TOOLS),
+                tool_choice=grpc_choice,
+            )
+        )
+        _same_as_grpc(out, expected)
 
 
 def test_openai_forced_call_streams(templated):
@@ -225,15 +237,25 @@ def test_openai_forced_call_streams(templated):
     assert finish == "tool_calls"
     assert [c["name"] for c in calls.values()] == ["get_weather"]
     _valid_call("get_weather", calls[0]["arguments"])
+    expected = greedy(templated, ASK, 120, tools_json=json.dumps(TOOLS), tool_choice="get_weather")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in expected.tool_calls
+    ]
 
 
 def test_anthropic_any_and_named_tool_are_well_formed(templated):
     tools = [
         {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS
     ]
-    for choice, allowed in [
-        ({"type": "any"}, {"get_weather", "get_time"}),
-        ({"type": "tool", "name": "get_weather"}, {"get_weather"}),
+    # (the tools as the door offers them: OpenAI's shape, no description given)
+    as_openai = [
+        {"type": "function", "function": {"name": t["name"], "description": "",
+                                          "parameters": t["input_schema"]}}
+        for t in tools
+    ]  # fmt: skip
+    for choice, allowed, grpc_choice in [
+        ({"type": "any"}, {"get_weather", "get_time"}, "required"),
+        ({"type": "tool", "name": "get_weather"}, {"get_weather"}, "get_weather"),
     ]:
         message = templated.anthropic.messages.create(
             model=templated.model, max_tokens=120, messages=ASK, tools=tools, tool_choice=choice
@@ -242,6 +264,13 @@ def test_anthropic_any_and_named_tool_are_well_formed(templated):
         [use] = [b for b in message.content if b.type == "tool_use"]
         assert use.name in allowed
         _valid_call(use.name, use.input)
+        expected = greedy(
+            templated, ASK, 120, tools_json=json.dumps(as_openai), tool_choice=grpc_choice
+        )
+        assert [(b.name, b.input) for b in message.content if b.type == "tool_use"] == [
+            (c.function.name, json.loads(c.function.arguments)) for c in expected.tool_calls
+        ]
+        assert "".join(b.text for b in message.content if b.type == "text") == expected.text
 
 
 def test_ollama_tools_answer(templated):
@@ -313,8 +342,15 @@ def test_ollama_load_ping_ps_and_tags(default_served):
 
 
 def test_status_byte_counts_are_numbers(templated):
+    """Each rank's rss_bytes is a JSON number, and that rank process's resident memory as
+    the OS reports it (read here a moment later: within a factor of 2)."""
     status = templated.http.get("/v1/status").json()
-    assert all(isinstance(r["rss_bytes"], int) and r["rss_bytes"] > 0 for r in status["ranks"])
+    rss = {r["pid"]: r["rss_bytes"] for r in status["ranks"]}
+    assert sorted(rss) == sorted(templated.running.pids)
+    for pid, reported in rss.items():
+        assert isinstance(reported, int)
+        now = psutil.Process(pid).memory_info().rss
+        assert now / 2 < reported < now * 2, (pid, reported, now)
 
 
 # --- 4: shapes, against the SDKs' own types -------------------------------------------------

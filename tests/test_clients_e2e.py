@@ -11,7 +11,9 @@ test_client_compat drives it on the default model through the openai, anthropic 
 ollama clients in every `make test`. Tool calls are forced (`tool_choice`, or the framework's
 structured output, which forces one) and structured outputs are held to their schema
 while sampling, so even a random model answers validly: the tests check the answers'
-shape and validity, never their wisdom. One cluster per model for the whole module.
+shape and validity, never their wisdom, and that each is the gRPC door's greedy answer
+to the same request (as the framework sent it, where it adds its own schema or tools).
+One cluster per model for the whole module.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import json
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
+import anthropic
 import httpx
+import httpx2
 import instructor
 import jsonschema
 import ollama
@@ -129,6 +133,95 @@ def _greedy_call(
     return call
 
 
+# Chat completions fields a client here may send: what _grpc_as_sent carries to the gRPC
+# door, and those that leave a greedy answer as it is (no client here sets a sampling field).
+SENT = {"model", "messages", "max_tokens", "max_completion_tokens", "tools", "tool_choice",
+        "response_format", "stream", "stream_options", "parallel_tool_calls"}  # fmt: skip
+
+
+def _recording(sent: list[dict], asynchronous: bool = False, http=httpx):
+    """An http client for an SDK that keeps the JSON body of every request the SDK sends
+    (the request as the framework shaped it: its own schema, tools, prompts) in `sent`;
+    `http`: the SDK's httpx (Anthropic's and pydantic-ai's: its fork, httpx2)."""
+
+    def keep(request) -> None:
+        if request.content:
+            sent.append(json.loads(request.content))
+
+    async def keep_async(request) -> None:
+        keep(request)
+
+    if asynchronous:
+        return http.AsyncClient(event_hooks={"request": [keep_async]}, timeout=300)
+    return http.Client(event_hooks={"request": [keep]}, timeout=300)
+
+
+def _openai_recording(sdk_cluster) -> tuple[openai.OpenAI, list[dict]]:
+    sent: list[dict] = []
+    client = openai.OpenAI(
+        base_url=sdk_cluster.base + "/v1",
+        api_key="none",
+        max_retries=0,
+        http_client=_recording(sent),
+    )
+    return client, sent
+
+
+def _grpc_as_sent(sdk_cluster, body: dict) -> pb.GenerateResponse:
+    """The gRPC door's greedy answer to a chat completions request as a client sent it:
+    the same messages, tools, tool choice, response format and max tokens."""
+    assert set(body) <= SENT, set(body) - SENT
+    request = {}
+    if body.get("tools"):
+        request["tools_json"] = json.dumps(body["tools"])
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        assert choice["type"] == "function", choice
+        choice = choice["function"]["name"]
+    if choice:
+        request["tool_choice"] = choice
+    if body.get("response_format"):
+        request["response_format_json"] = json.dumps(body["response_format"])
+    for m in body["messages"]:
+        assert isinstance(m.get("content") or "", str), m  # (parts: not this helper's)
+    max_tokens = body.get("max_completion_tokens") or body["max_tokens"]
+    return _grpc(sdk_cluster, body["messages"], max_tokens, **request)
+
+
+def _grpc_responses_as_sent(sdk_cluster, body: dict) -> pb.GenerateResponse:
+    """The same for a Responses API request of plain input items and a text format: as a
+    chat (the instructions its system message), the format as OpenAI chat's
+    response_format."""
+    items = body["input"]
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    assert all(isinstance(i["content"], str) and i.get("type", "message") == "message"
+               for i in items), items  # fmt: skip
+    system = (
+        [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
+    )
+    messages = [*system, *({"role": i["role"], "content": i["content"]} for i in items)]
+    fmt = {k: v for k, v in body["text"]["format"].items() if k != "type"}
+    assert body["text"]["format"]["type"] == "json_schema" and not body.get("tools"), body
+    sampled = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
+    assert all(body.get(k) is None for k in sampled), body  # (greedy, as gRPC's)
+    response_format = json.dumps({"type": "json_schema", "json_schema": fmt})
+    return _grpc(
+        sdk_cluster, messages, body["max_output_tokens"], response_format_json=response_format
+    )
+
+
+def _parsed(reply: pb.GenerateResponse, model: type[BaseModel] = Weather) -> BaseModel:
+    """The object the gRPC door's greedy answer holds: its one tool call's arguments (a
+    forced call) or else its text."""
+    if reply.tool_calls:
+        assert reply.finish_reason == "tool_calls", reply
+        [call] = reply.tool_calls
+        return model.model_validate_json(call.function.arguments)
+    assert reply.finish_reason == "stop", reply
+    return model.model_validate_json(reply.text)
+
+
 @pytest.fixture(
     scope="module",
     params=[
@@ -186,13 +279,17 @@ def test_openai_chat(sdk_cluster):
     assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == greedy.text
     assert chunks[-1].usage.completion_tokens == len(greedy.token_ids) and not chunks[-1].choices
 
-    parsed = client.chat.completions.parse(
+    recording, sent = _openai_recording(sdk_cluster)
+    parsed = recording.chat.completions.parse(
         model=sdk_cluster.model,
         messages=[{"role": "user", "content": ASK}],
         response_format=Weather,
         max_tokens=FORCED,
     )
-    assert isinstance(parsed.choices[0].message.parsed, Weather)
+    [body] = sent  # (the schema as the SDK made it strict)
+    expected = _grpc_as_sent(sdk_cluster, body)
+    assert parsed.choices[0].message.content == expected.text
+    assert parsed.choices[0].message.parsed == _parsed(expected)
 
     called = client.chat.completions.create(
         model=sdk_cluster.model,
@@ -244,10 +341,14 @@ def test_openai_responses(sdk_cluster):
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     assert events[-1].response.output_text == "".join(deltas) == greedy.text
 
-    parsed = client.responses.parse(
+    recording, sent = _openai_recording(sdk_cluster)
+    parsed = recording.responses.parse(
         model=sdk_cluster.model, input=ASK, text_format=Weather, max_output_tokens=FORCED
     )
-    assert isinstance(parsed.output_parsed, Weather)
+    [body] = sent
+    expected = _grpc_responses_as_sent(sdk_cluster, body)
+    assert parsed.output_text == expected.text
+    assert parsed.output_parsed == _parsed(expected)
 
     called = client.responses.create(
         model=sdk_cluster.model,
@@ -303,10 +404,22 @@ def test_anthropic(sdk_cluster):
         text = "".join(stream.text_stream)
     assert stream.get_final_message().content[-1].text == text == greedy.text
 
-    parsed = client.messages.parse(
+    sent: list[dict] = []
+    recording = anthropic.Anthropic(
+        base_url=sdk_cluster.base,
+        api_key="none",
+        max_retries=0,
+        http_client=_recording(sent, http=httpx2),
+    )
+    parsed = recording.messages.parse(
         model=sdk_cluster.model, max_tokens=FORCED, messages=asked, output_format=Forecast
     )
-    assert isinstance(parsed.parsed_output, Forecast)
+    [body] = sent  # (the schema as the SDK sent it: in output_config or output_format)
+    fmt = (body.get("output_config") or {}).get("format") or body["output_format"]
+    schema = {"type": "json_schema", "json_schema": {"name": "Forecast", "schema": fmt["schema"]}}
+    expected = _grpc(sdk_cluster, asked, FORCED, response_format_json=json.dumps(schema))
+    assert parsed.content[-1].text == expected.text
+    assert parsed.parsed_output == _parsed(expected, Forecast)
 
     tools = [{"name": "get_weather", "description": "Current weather", "input_schema": WEATHER}]
     called = client.messages.create(
@@ -384,7 +497,10 @@ def test_ollama(sdk_cluster):
         format=WEATHER,
         options={"num_predict": FORCED},
     )
-    Weather.model_validate_json(structured.message.content)
+    schema = {"type": "json_schema", "json_schema": {"name": "Weather", "schema": WEATHER}}
+    expected = _grpc(sdk_cluster, asked, FORCED, response_format_json=json.dumps(schema))
+    assert structured.message.content == expected.text
+    assert Weather.model_validate_json(structured.message.content) == _parsed(expected)
 
     # Ollama has no tool_choice: whatever the model does with the tool is checked, and the
     # round trip is a call and its result in the history.
@@ -427,13 +543,15 @@ def test_ollama(sdk_cluster):
 # --- langchain-openai ----------------------------------------------------------------------
 
 
-def _langchain(sdk_cluster, max_tokens: int = MAX) -> ChatOpenAI:
+def _langchain(sdk_cluster, max_tokens: int = MAX, sent: list[dict] | None = None) -> ChatOpenAI:
+    """LangChain's chat model on the cluster; `sent`: where the requests it sends are kept."""
     return ChatOpenAI(
         model=sdk_cluster.model,
         base_url=sdk_cluster.base + "/v1",
         api_key="none",
         max_tokens=max_tokens,
         max_retries=0,
+        http_client=None if sent is None else _recording(sent),
     )
 
 
@@ -446,10 +564,13 @@ def test_langchain(sdk_cluster):
     chunks = list(chat.stream(ASK))
     assert "".join(c.content for c in chunks) == greedy.text
 
-    forced = _langchain(sdk_cluster, FORCED)
+    sent: list[dict] = []
+    forced = _langchain(sdk_cluster, FORCED, sent)
     for method in ("json_schema", "function_calling"):
+        del sent[:]
         answer = forced.with_structured_output(Weather, method=method, strict=True).invoke(ASK)
-        assert isinstance(answer, Weather), method
+        [body] = sent  # (a response_format, or a tool LangChain names and forces)
+        assert answer == _parsed(_grpc_as_sent(sdk_cluster, body)), method
 
     weather = StructuredTool.from_function(get_weather, args_schema=Weather)
     asked = [HumanMessage(ASK)]
@@ -484,22 +605,28 @@ def test_langchain(sdk_cluster):
 
 
 def test_instructor(sdk_cluster):
-    tools = instructor.from_openai(sdk_cluster.openai, mode=instructor.Mode.TOOLS)
+    recording, sent = _openai_recording(sdk_cluster)
+    tools = instructor.from_openai(recording, mode=instructor.Mode.TOOLS)
     asked = [{"role": "user", "content": ASK}]
     plain = tools.chat.completions.create(
         model=sdk_cluster.model, messages=asked, response_model=None, max_tokens=MAX
     )
     assert plain.choices[0].message.content == _grpc(sdk_cluster, asked, MAX).text
 
+    del sent[:]
     partials = list(
         tools.chat.completions.create_partial(
             model=sdk_cluster.model, messages=asked, response_model=Weather, max_tokens=FORCED
         )
     )
-    Weather.model_validate(partials[-1].model_dump())
+    [body] = sent
+    assert Weather.model_validate(partials[-1].model_dump()) == _parsed(
+        _grpc_as_sent(sdk_cluster, body)
+    )
 
     for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
-        client = instructor.from_openai(sdk_cluster.openai, mode=mode)
+        client = instructor.from_openai(recording, mode=mode)
+        del sent[:]
         answer = client.chat.completions.create(
             model=sdk_cluster.model,
             messages=asked,
@@ -507,13 +634,19 @@ def test_instructor(sdk_cluster):
             max_tokens=FORCED,
             max_retries=0,
         )
-        assert isinstance(answer, Weather), mode
+        [body] = sent  # (a tool instructor names and forces, or a response_format)
+        # (instructor's answer is its own subclass of Weather: the fields compared)
+        assert answer.model_dump() == _parsed(_grpc_as_sent(sdk_cluster, body)).model_dump(), mode
 
     # TOOLS mode is a forced call of a tool named for the model; its result goes back.
+    del sent[:]
     answer, completion = tools.chat.completions.create_with_completion(
         model=sdk_cluster.model, messages=asked, response_model=Weather, max_tokens=FORCED
     )
     [call] = completion.choices[0].message.tool_calls
+    [body] = sent
+    assert answer.model_dump() == _parsed(expected := _grpc_as_sent(sdk_cluster, body)).model_dump()
+    assert call.function.arguments == expected.tool_calls[0].function.arguments
     history = [
         *asked,
         {"role": "assistant", "content": "", "tool_calls": [call.model_dump()]},
@@ -541,8 +674,10 @@ class CallFirst(AbstractCapability):
         return lambda ctx: {"tool_choice": [self.tool] if ctx.run_step <= 1 else "none"}
 
 
-def _pydantic_model(sdk_cluster) -> OpenAIChatModel:
-    provider = OpenAIProvider(base_url=sdk_cluster.base + "/v1", api_key="none")
+def _pydantic_model(sdk_cluster, sent: list[dict] | None = None) -> OpenAIChatModel:
+    """pydantic-ai's model of the cluster; `sent`: where the requests it sends are kept."""
+    http = None if sent is None else _recording(sent, asynchronous=True, http=httpx2)
+    provider = OpenAIProvider(base_url=sdk_cluster.base + "/v1", api_key="none", http_client=http)
     return OpenAIChatModel(sdk_cluster.model, provider=provider)
 
 
@@ -555,12 +690,16 @@ def test_pydantic_ai(sdk_cluster):
     text = "".join(streamed.stream_text(delta=True))
     assert streamed.get_output() == text == greedy.text
 
-    structured = Agent(model, output_type=Weather, model_settings={"max_tokens": FORCED})
-    assert isinstance(structured.run_sync(ASK).output, Weather)
+    sent: list[dict] = []
+    recorded = _pydantic_model(sdk_cluster, sent)
+    structured = Agent(recorded, output_type=Weather, model_settings={"max_tokens": FORCED})
+    output = structured.run_sync(ASK).output
+    [body] = sent  # (its output tool, forced)
+    assert output == _parsed(_grpc_as_sent(sdk_cluster, body))
 
     calls: list[Weather] = []
     tooled = Agent(
-        model, model_settings={"max_tokens": FORCED}, capabilities=[CallFirst("weather")]
+        recorded, model_settings={"max_tokens": FORCED}, capabilities=[CallFirst("weather")]
     )
 
     @tooled.tool
@@ -569,8 +708,12 @@ def test_pydantic_ai(sdk_cluster):
         calls.append(Weather(city=city, unit=unit))
         return get_weather(city, unit)
 
+    del sent[:]
     run = tooled.run_sync(ASK)
-    assert len(calls) == 1 and isinstance(run.output, str)
+    [calling, answering] = sent  # (the forced call, then the answer to its result)
+    assert calls == [_parsed(_grpc_as_sent(sdk_cluster, calling))]
+    expected = _grpc_as_sent(sdk_cluster, answering)
+    assert not expected.tool_calls and run.output == expected.text
     kinds = [part.part_kind for message in run.all_messages() for part in message.parts]
     assert kinds.count("tool-call") == 1 and kinds.count("tool-return") == 1
 
@@ -628,7 +771,8 @@ async def _agents(sdk_cluster) -> None:
 
     forced = ModelSettings(max_tokens=FORCED)
     typed = OpenAIAgent(name="typed", model=model, model_settings=forced, output_type=Weather)
-    assert isinstance((await Runner.run(typed, ASK)).final_output, Weather)
+    output = (await Runner.run(typed, ASK)).final_output
+    assert output == _parsed(_grpc_responses_as_sent(sdk_cluster, asks[-1]))
 
     calls: list[Weather] = []
 

@@ -14,6 +14,7 @@ import grpc
 import httpx
 import openai
 import pytest
+from mlx_lm.utils import load_tokenizer
 from prometheus_client.parser import text_string_to_metric_families
 from scripted import MESSAGES, RAW_PROMPT, RAW_SCRIPT, TOOLS
 
@@ -101,6 +102,19 @@ def test_completions_logprobs_streamed_and_not(scripted_http):
     assert choice.text == RAW_SCRIPT[0] and choice.finish_reason == "stop"
     lp = choice.logprobs
     assert "".join(lp.tokens) == RAW_SCRIPT[0]
+    # Token by token: the gRPC door's greedy tokens for the same prompt, each decoded alone.
+    expected = scripted_http.running.client.generate(
+        pb.GenerateRequest(
+            prompt=RAW_PROMPT,
+            params=pb.SamplingParams(max_tokens=40, logprobs=True, top_logprobs=3),
+        )
+    )
+    tokenizer = load_tokenizer(scripted_http.path)
+    assert lp.tokens == [tokenizer.decode([i]) for i in expected.token_ids]
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs])
+    assert [sorted(top) for top in lp.top_logprobs] == [
+        sorted(t.token for t in e.top_logprobs) for e in expected.logprobs
+    ]
     assert len(lp.token_logprobs) == whole.usage.completion_tokens == len(lp.top_logprobs)
     assert all(len(top) == 3 for top in lp.top_logprobs)
     # Greedy: each chosen token is the most likely one.
@@ -676,7 +690,9 @@ def test_disconnect_mid_stream_cancels_and_the_cluster_keeps_serving(scripted_ht
     reply = scripted_http.openai.chat.completions.create(
         model=scripted_http.model, messages=MESSAGES, max_tokens=40
     )
-    assert reply.choices[0].message.content
+    expected = _grpc(scripted_http)
+    assert reply.choices[0].message.content == expected.text == "OK"
+    assert reply.choices[0].finish_reason == expected.finish_reason
 
 
 def test_disconnect_before_a_whole_answer_cancels_it(scripted_http):
