@@ -199,7 +199,10 @@ def test_a_dropped_link_is_detected_within_the_heartbeat_timeout_naming_the_rank
             error = info.value
             assert error.code() == grpc.StatusCode.UNAVAILABLE, error
             assert "rank 1" in error.details(), error.details()
-            assert took < HEARTBEAT_TIMEOUT + 2, (took, error.details())
+            # Found by the missed heartbeats (not the 30 s step timeout, nor a hang): read
+            # from the error's words; the deadline only bounds a hang on a loaded machine.
+            assert "no heartbeat" in error.details(), error.details()
+            assert took < 60, (took, error.details())
             # The launcher stops every rank (rank 1 finds rank 0 silent and leaves too).
             code = launched.proc.wait(HEARTBEAT_TIMEOUT + 30)
             assert code != 0

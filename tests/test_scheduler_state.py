@@ -67,13 +67,15 @@ def sampled(forward, tokens: list[int]) -> StepResult:
 
 
 def run_prompt(s: Scheduler):
-    """Plan a prompt's chunks to its last token; return that last chunk."""
-    while True:
+    """Plan a prompt's chunks to its last token; return that last chunk (within 10,000
+    chunks: the prompts here are a few hundred tokens at most, one a chunk at least)."""
+    for _ in range(10_000):
         forward = s.schedule().forward
         assert isinstance(forward, PrefillChunk)
         if forward.want_logits:
             return forward
         assert s.update_from_output(StepResult(forward)) == Outputs()
+    raise AssertionError("the prompt's last chunk was never planned in 10,000 chunks")
 
 
 def park_one(s: Scheduler, n: int):
