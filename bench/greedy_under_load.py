@@ -22,13 +22,14 @@ import sys
 import threading
 from pathlib import Path
 
-import mlx.core as mx
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))
 
 import shapes  # noqa: E402
 from bench_concurrency import start  # noqa: E402
+from teacher_forcing import misses  # noqa: E402 - the check itself (tests/teacher_forcing.py)
 
 from mlx_relay.coordinator.requests import encode_text  # noqa: E402
 from mlx_relay.protocol import relay_pb2 as pb  # noqa: E402
@@ -55,20 +56,6 @@ def generate_all(client, streams: int, tokens: int) -> list[list[int]]:
     for t in threads:
         t.join()
     return out
-
-
-def misses(model, prompt: list[int], output: list[int]) -> tuple[list[tuple[int, float]], float]:
-    """(position, gap) of each emitted token that is not the teacher-forced argmax, and
-    the median margin of the argmax over the runner-up (the scale a gap is read on)."""
-    logits = model(mx.array([prompt + output[:-1]]))[0, len(prompt) - 1 :].astype(mx.float32)
-    best = mx.argmax(logits, axis=-1)
-    emitted = mx.array(output)
-    top2 = mx.sort(logits, axis=-1)[:, -2:]
-    margin = float(mx.median(top2[:, 1] - top2[:, 0]).item())
-    gap = mx.max(logits, axis=-1) - mx.take_along_axis(logits, emitted[:, None], -1)[:, 0]
-    wrong = (best != emitted).tolist()
-    gaps = gap.tolist()
-    return [(p, gaps[p]) for p, w in enumerate(wrong) if w], margin
 
 
 def main() -> int:

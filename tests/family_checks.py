@@ -7,9 +7,16 @@ from __future__ import annotations
 import functools
 
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
-from oracle import _load, chat_request, chat_tokens, mlx_lm_continue, mlx_lm_tokens, tokenizer_for
+from oracle import (
+    _load,
+    chat_request,
+    chat_tokens,
+    mlx_lm_continue,
+    mlx_lm_tokens,
+    raw_prompt_tokens,
+    tokenizer_for,
+)
 
-from mlx_relay.coordinator.requests import encode_text
 from mlx_relay.model import sharding
 from mlx_relay.protocol import relay_pb2 as pb
 
@@ -63,9 +70,9 @@ def continuable_prompt(path) -> str:
     tokenizer = tokenizer_for(path)
     for i in range(40):
         raw = f"Item {i}: pipelines split a model's layers across machines.\n"
-        prompt = encode_text(tokenizer, raw)
+        prompt = raw_prompt_tokens(tokenizer, raw)
         out = mlx_lm_tokens(path, prompt, RAW_TOKENS)
-        again = encode_text(tokenizer, raw + streamed_text(tokenizer, out) + "\nAnd then?")
+        again = raw_prompt_tokens(tokenizer, raw + streamed_text(tokenizer, out) + "\nAnd then?")
         if again[: len(prompt) + len(out)] == prompt + out:
             return raw
     raise AssertionError("no prompt among 40 whose output re-encodes as itself")
@@ -81,7 +88,7 @@ def second_equals_mlx_lm(running, path, first: list[int], second: list[dict] | s
     and the tokens against mlx-lm; return how many prompt tokens were reused."""
     if isinstance(second, str):
         response = running.client.generate(raw_request(second))
-        tokens = encode_text(tokenizer_for(path), second)
+        tokens = raw_prompt_tokens(path, second)
     else:
         messages = [pb.ChatMessage(**m) for m in second]
         params = pb.SamplingParams(max_tokens=MAX_TOKENS)

@@ -86,6 +86,21 @@ def chat_tokens(path: Path, messages: list[dict], **template_kwargs) -> list[int
     return list(tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos)))
 
 
+def raw_prompt_tokens(path_or_tokenizer, text: str) -> list[int]:
+    """A raw (untemplated) prompt's tokens as mlx-lm's `stream_generate` encodes a string
+    prompt: the tokenizer's own `encode`, special tokens (BOS) added unless the text
+    already starts with BOS, the rule the server keeps for a raw prompt. Written here from
+    the tokenizer's own calls, never the product's `encode_text`, so a change of the
+    product's encoding is caught. `path_or_tokenizer`: a model directory or its tokenizer."""
+    tokenizer = (
+        tokenizer_for(path_or_tokenizer)
+        if isinstance(path_or_tokenizer, (str, Path))
+        else path_or_tokenizer
+    )
+    bos = tokenizer.bos_token
+    return list(tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos)))
+
+
 def _processors(settings: dict, n_prompt: int, max_tokens: int) -> list:
     """mlx-lm's processors, with presence and frequency penalties counting generated
     tokens only (OpenAI's definition) by hiding the prompt from them."""

@@ -1,5 +1,6 @@
-"""Families the census (bench/family_census.py) found exact, kept so: stages at 1, 2 and
-3 uneven splits bit-identical to the whole mlx-lm model, on its tiny random configs.
+"""Families the census (tests/census.py; bench/family_census.py runs it over every family)
+found exact, kept so: stages at 1, 2 and 3 uneven splits bit-identical to the whole mlx-lm
+model, on its tiny random configs.
 
 qwen3_5 and qwen3_5_moe keep their LM head in the `language_model` they wrap
 (`sharding.head_owner`): the census found their logits wrong when the head was looked
@@ -8,22 +9,23 @@ for on the wrapper only."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
+import census
 import mlx.core as mx
 import pytest
 from family_checks import RAW_TOKENS, continuable_prompt, raw_request, second_equals_mlx_lm
-from oracle import chat_request, chat_tokens, generate_concurrently, mlx_lm_tokens, tokenizer_for
+from oracle import (
+    chat_request,
+    chat_tokens,
+    generate_concurrently,
+    mlx_lm_tokens,
+    raw_prompt_tokens,
+)
 from tiny_models import write_tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-import family_census  # noqa: E402
-
-from mlx_relay.coordinator.requests import encode_text  # noqa: E402
-from mlx_relay.model import memory, sharding, split  # noqa: E402
-from mlx_relay.model.kvcache import CacheError, SlotCaches  # noqa: E402
+from mlx_relay.model import memory, sharding, split
+from mlx_relay.model.kvcache import CacheError, SlotCaches
 
 FAMILIES = (
     "qwen3_5",
@@ -130,13 +132,13 @@ FAMILIES = (
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_stages_equal_the_whole_model(family, tmp_path):
-    assert family_census.check(family, tmp_path) == ("EXACT", "")
+    assert census.check(family, tmp_path) == ("EXACT", "")
 
 
 def test_the_memory_check_counts_a_chunk_for_chunked_layers(tmp_path):
     """Llama 4's chunked layers (3 in 4) hold at most a chunk of positions, so --layers
     auto and the check at load count that for them, not the whole context."""
-    path = family_census.write_model("llama4", tmp_path / "llama4")
+    path = census.write_model("llama4", tmp_path / "llama4")
     config = json.loads((path / "config.json").read_text())  # as Llama 4's: all in text_config
     mla = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
     text = {k: v for k, v in config["text_config"].items() if k not in mla}  # (the census's)
@@ -151,7 +153,7 @@ def test_afm7s_second_layer_list_is_its_last_layers(tmp_path):
     """afm7's kv_reuse_layers are the model's last layers to the split and the memory
     check (their tensors are named `kv_reuse_layers.N`), and a split that parts them
     from the layer whose cache they read is refused with what to do."""
-    path = family_census.write_model("afm7", tmp_path / "afm7")
+    path = census.write_model("afm7", tmp_path / "afm7")
     config = sharding.read_config(path)
     costs = split.layer_costs(path, 6, config)
     assert costs is not None and all(costs.held) and costs.held[4] == costs.held[5]
@@ -168,9 +170,9 @@ def test_cross_layer_attention_splits_anywhere(cla, tmp_path, monkeypatch):
     of the layer before it, computed in the same step; where a split parts a pair (after
     layer 1 or 3 here) they travel with h. Without it (Hunyuan-A13B) nothing does."""
     monkeypatch.setitem(
-        family_census.OVERRIDES, "hunyuan", {**family_census.OVERRIDES["hunyuan"], "use_cla": cla}
+        census.OVERRIDES, "hunyuan", {**census.OVERRIDES["hunyuan"], "use_cla": cla}
     )
-    assert family_census.check("hunyuan", tmp_path) == ("EXACT", "")
+    assert census.check("hunyuan", tmp_path) == ("EXACT", "")
 
 
 @pytest.mark.cluster
@@ -216,7 +218,7 @@ def test_in_a_cluster_equals_mlx_lm(family, layers, hops, tmp_path, cluster_pool
     positions decode row by row, padded to the wider). longcat_flash_ngram: each row's
     n-gram embedding reads its own earlier ids, which rank 0 keeps. iquestloopcoder:
     every step goes round the ring twice."""
-    path = write_tokenizer(family_census.write_model(family, tmp_path / family))
+    path = write_tokenizer(census.write_model(family, tmp_path / family))
     running = cluster_pool.serving(path, len(layers.split(",")), "--hop-mode", hops, layers=layers)
     texts = [("Tell me about the sea and the lighthouse.", None), ("Why is the sky blue?", 7)]
     got = generate_concurrently(running.client, [chat_request(t, s, 12) for t, s in texts])
@@ -243,7 +245,7 @@ def test_a_prompt_goes_on_from_a_parked_request(family, tmp_path, cluster_pool):
     kept for it, deepseek_v41 from its LayerCaches (windows and compressed groups, reused
     whole only). The tokens are mlx-lm's going on from the same state. (longcat and
     iquestloopcoder: in test_in_a_cluster_equals_mlx_lm, on its cluster.)"""
-    path = write_tokenizer(family_census.write_model(family, tmp_path / "m"))
+    path = write_tokenizer(census.write_model(family, tmp_path / "m"))
     running = cluster_pool.serving(path, 2, "--hop-mode", PARKED_SPLIT[1], layers=PARKED_SPLIT[0])
     _goes_on_from_a_parked_request(running, path)
 
@@ -251,7 +253,7 @@ def test_a_prompt_goes_on_from_a_parked_request(family, tmp_path, cluster_pool):
 def _goes_on_from_a_parked_request(running, path: Path) -> None:
     raw = continuable_prompt(path)
     reply = running.client.generate(raw_request(raw, RAW_TOKENS)).text
-    first = encode_text(tokenizer_for(path), raw)
+    first = raw_prompt_tokens(path, raw)
     cached = second_equals_mlx_lm(running, path, first, raw + reply + "\nAnd then?")
     assert cached > len(first)
 
@@ -259,7 +261,7 @@ def _goes_on_from_a_parked_request(running, path: Path) -> None:
 def test_the_ids_rank_0_keeps_follow_the_caches(tmp_path):
     """What the n-gram embedding reads before a step: the slot's own ids, or a parked
     slot's up to the shared prefix; a freed slot's are gone."""
-    path = family_census.write_model("longcat_flash_ngram", tmp_path / "m")
+    path = census.write_model("longcat_flash_ngram", tmp_path / "m")
     caches = SlotCaches(sharding.load_shard(path, 0, 6, has_ends=True))
     assert caches.ids_before(0, 0).shape == (1, 0)
     caches.record_ids(0, caches.ids_before(0, 0), mx.array([[5, 6, 7, 8]]))

@@ -38,8 +38,9 @@ from mlx_lm.models.cache import (
 from oracle import (
     chat_tokens,
     generate_concurrently,
-    tokenizer_for,
+    raw_prompt_tokens,
 )
+from staged import Staged, greedy_forward
 from tiny_models import (
     ADAPTED_FAMILIES,
     CACHELIST_FAMILIES,
@@ -51,7 +52,6 @@ from tiny_models import (
     _config,
 )
 
-from mlx_relay.coordinator.requests import encode_text
 from mlx_relay.model import memory, sharding
 from mlx_relay.model.kvcache import CacheError, SlotCaches
 from mlx_relay.model.split import balanced_split, cost_split, default_split, layer_costs
@@ -72,7 +72,8 @@ NUM_LAYERS = 6
 )
 def test_stages_equal_the_whole_model(tiny_model, family):
     """Logits bit-identical to mlx-lm for a 40-token prefill and 10 decode steps (one
-    sequence; ROW_BY_ROW_FAMILIES decode groups row by row)."""
+    sequence; ROW_BY_ROW_FAMILIES decode groups row by row), the stages chained by the
+    ranks' own code (tests/staged.py)."""
     # gemma2 at a width whose sqrt is not a bfloat16 (gemma3 rounds it, gemma2 does not).
     path = tiny_model(family, NUM_LAYERS, **({"hidden_size": 96} if family == "gemma2" else {}))
     model = whole_model(path)
@@ -81,15 +82,7 @@ def test_stages_equal_the_whole_model(tiny_model, family):
     cache = make_prompt_cache(model)
     expected = [model(prompt, cache=cache)[:, -1]] + [model(t, cache=cache)[:, -1] for t in steps]
     for split in SPLITS:
-        shards = [sharding.load_shard(path, a, b, has_ends=a == 0) for a, b in split]
-        caches = [s.make_caches() for s in shards]
-
-        def forward(tokens, shards=shards, caches=caches):
-            h = sharding.embed(shards[0], tokens)
-            for shard, c in zip(shards, caches, strict=True):
-                h = sharding.run_layers(shard, h, c)
-            return sharding.head(shards[0], h)[:, -1]
-
+        forward = greedy_forward(Staged(path, list(split), housekeeping=False))
         got = [forward(prompt)] + [forward(t) for t in steps]
         for i, (a, b) in enumerate(zip(got, expected, strict=True)):
             assert mx.array_equal(a, b).item(), f"{family} split {split}: step {i} differs"
@@ -151,7 +144,7 @@ def test_cluster_equals_mlx_lm(tiny_model, cluster_pool, family, ranks, layers):
     second_equals_mlx_lm(running, path, chat_tokens(path, first), turn)
     raw = continuable_prompt(path)
     raw_reply = running.client.generate(raw_request(raw, RAW_TOKENS)).text
-    first = encode_text(tokenizer_for(path), raw)
+    first = raw_prompt_tokens(path, raw)
     cached = second_equals_mlx_lm(running, path, first, raw + raw_reply + "\nAnd then?")
     assert cached > len(first), "continuing a prompt and its output reuses its caches"
     status = running.client.status()
@@ -245,8 +238,7 @@ def test_decode_groups_of_every_cache_kind(tiny_model, family):
     logits equal its own single-sequence run in mlx-lm, and the parked one goes on alone."""
     path = tiny_model(family, NUM_LAYERS)
     model = whole_model(path)
-    shards = [sharding.load_shard(path, a, b, has_ends=a == 0) for a, b in [(0, 2), (2, 6)]]
-    slot_caches = [SlotCaches(s) for s in shards]
+    staged = Staged(path, [(0, 2), (2, 6)], housekeeping=False)  # (the ranks' own loop)
     prompts = {s: [(13 * s + 5 * i) % 500 + 7 for i in range(9 + 7 * s)] for s in range(3)}
     steps = 12
     feed = {s: [(s * 31 + 17 * i) % 500 + 7 for i in range(steps)] for s in range(3)}
@@ -258,37 +250,23 @@ def test_decode_groups_of_every_cache_kind(tiny_model, family):
         out += [model(mx.array([[t]]), cache=cache)[:, -1] for t in feed[s]]
         expected[s] = out
 
-    def run(tokens, get):
-        h = sharding.embed(shards[0], tokens)
-        for shard, sc in zip(shards, slot_caches, strict=True):
-            h = sharding.run_layers(shard, h, get(sc))
-        return sharding.head(shards[0], h)[:, -1]
-
     got = {s: [] for s in prompts}
     pos = {}
     for s in (0, 1):  # slot 2 joins later
-        got[s].append(
-            run(
-                mx.array([prompts[s]]), lambda sc, s=s: sc.for_sequence(s, 0, None, len(prompts[s]))
-            )
-        )
+        got[s].append(staged.step([s], [0], mx.array([prompts[s]])))
         pos[s] = len(prompts[s])
     members = [0, 1]
     for i in range(steps):
         if i == 4:  # slot 2 is prefilled and joins
-            s = 2
-            got[s].append(
-                run(mx.array([prompts[s]]), lambda sc: sc.for_sequence(2, 0, None, len(prompts[2])))
-            )
-            pos[s] = len(prompts[s])
+            got[2].append(staged.step([2], [0], mx.array([prompts[2]])))
+            pos[2] = len(prompts[2])
             members.append(2)
         if i == 8:  # slot 0 finishes: parked, leaves the group
-            for sc in slot_caches:
-                sc.park([0])
+            staged.park([0])
             members.remove(0)
         tokens = mx.array([[feed[s][len(got[s]) - 1]] for s in members])
         offsets = [pos[s] for s in members]
-        logits = run(tokens, lambda sc, o=offsets: sc.for_group(1, list(members), o))
+        logits = staged.step(list(members), offsets, tokens, group=1)
         for row, s in enumerate(members):
             got[s].append(logits[row : row + 1])
             pos[s] += 1
@@ -296,12 +274,11 @@ def test_decode_groups_of_every_cache_kind(tiny_model, family):
     # too, and the parked slots' own rows, extracted from the batch, go on alone to the
     # end of their feeds: every slot is compared at every step.
     assert len(got[1]) == len(expected[1])
-    for sc in slot_caches:
-        sc.park([2])
+    staged.park([2])
     for s in (0, 2):
         while len(got[s]) < len(expected[s]):
             token = mx.array([[feed[s][len(got[s]) - 1]]])
-            got[s].append(run(token, lambda sc, s=s: sc.for_sequence(s, pos[s], None, 1)))
+            got[s].append(staged.step([s], [pos[s]], token))
             pos[s] += 1
     for s in prompts:
         for i, (a, b) in enumerate(zip(got[s], expected[s], strict=True)):

@@ -26,11 +26,10 @@ from family_checks import (
 )
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
-from oracle import generate_concurrently, tokenizer_for
+from oracle import generate_concurrently, raw_prompt_tokens
 from staged import Staged, greedy_forward
 from tiny_models import GEMMA3N_KV_SHARED, GEMMA3N_PER_LAYER_VOCAB
 
-from mlx_relay.coordinator.requests import encode_text
 from mlx_relay.model import checkpoint, sharding
 from mlx_relay.model.split import default_split, keep_kv_shared_together, model_layers
 from mlx_relay.model.step_inputs import LayerInputs
@@ -150,6 +149,6 @@ def test_cluster_equals_mlx_lm(model, cluster_pool):
         assert results[i] == family_oracle(model, text, seed), f"request {i} ({seed=})"
     raw = continuable_prompt(model)
     raw_reply = running.client.generate(raw_request(raw, RAW_TOKENS)).text
-    first = encode_text(tokenizer_for(model), raw)
+    first = raw_prompt_tokens(model, raw)
     cached = second_equals_mlx_lm(running, model, first, raw + raw_reply + "\nAnd then?")
     assert cached > len(first), "continuing a prompt and its output reuses its caches"

@@ -11,10 +11,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from oracle import _load, chat_request, chat_tokens, mlx_lm_tokens
+from oracle import _load, chat_request, chat_tokens, mlx_lm_tokens, raw_prompt_tokens
+from teacher_forcing import misses
 
 from mlx_relay.coordinator.mailboxes import Mailboxes
-from mlx_relay.coordinator.requests import encode_text
 from mlx_relay.errors import UserError
 from mlx_relay.launch import preflight
 from mlx_relay.launch.local import free_ports
@@ -45,7 +45,6 @@ from mlx_relay.transport.ring import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import greedy_under_load  # noqa: E402
 import timeline_report  # noqa: E402
 
 
@@ -437,16 +436,17 @@ def test_an_outbox_sends_in_posting_order_and_hands_on_a_failure():
 
 
 def test_the_check_under_load_catches_a_token_the_model_would_not_choose(tiny_model):
-    """bench/greedy_under_load.py's teacher forcing, the oracle of the CUDA check: mlx-lm's
-    own greedy output passes, and one token swapped for another is caught where it is."""
+    """tests/teacher_forcing.py's check, the oracle of bench/greedy_under_load.py's CUDA
+    check: mlx-lm's own greedy output passes, and one token swapped for another is caught
+    where it is."""
     path = tiny_model("llama", 5)
     model, tokenizer = _load(str(path))  # (the model mlx_lm_tokens runs, loaded once)
-    prompt = encode_text(tokenizer, "The harbour at dawn, and")
+    prompt = raw_prompt_tokens(tokenizer, "The harbour at dawn, and")
     output = mlx_lm_tokens(path, prompt, 24)
-    assert greedy_under_load.misses(model, prompt, output)[0] == []
+    assert misses(model, prompt, output)[0] == []
     swapped = list(output)
     swapped[10] ^= 1
-    found, margin = greedy_under_load.misses(model, prompt, swapped)
+    found, margin = misses(model, prompt, swapped)
     assert found and found[0][0] == 10 and found[0][1] > 0 and margin > 0
 
 

@@ -19,9 +19,9 @@ from mlx_lm.generate import maybe_quantize_kv_cache, stream_generate
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 from oracle import _load, chat_request, chat_tokens, generate_concurrently
+from staged import Staged
 
 from mlx_relay.model import memory, sharding
-from mlx_relay.model.kvcache import SlotCaches
 from mlx_relay.protocol import relay_pb2 as pb
 
 BITS, GROUP = 4, 32
@@ -66,20 +66,13 @@ def test_stages_equal_mlx_lm_with_quantized_caches(tiny_model, family):
     each row's logits are bit-identical to mlx-lm's quantized single-sequence run."""
     path = tiny_model(family, NUM_LAYERS, hidden_size=HIDDEN)
     model = _load(str(path))[0]
-    shards = [sharding.load_shard(path, a, b, has_ends=a == 0, kv=KV) for a, b in [(0, 2), (2, 6)]]
-    assert not shards[0].reusable_caches  # a quantized prefix is not reused
-    slot_caches = [SlotCaches(s) for s in shards]
+    staged = Staged(path, [(0, 2), (2, 6)], kv=KV)  # (rank 0's runner, the worker's take)
+    assert not staged.shards[0].reusable_caches  # a quantized prefix is not reused
     prompts = {
         0: [(7 * i + 11) % 500 + 7 for i in range(12)],
         1: [(5 * i) % 500 + 9 for i in range(20)],
     }
     feed = [9, 99, 199, 299, 13]
-
-    def run(tokens, get):
-        h = sharding.embed(shards[0], mx.array(tokens))
-        for shard, sc in zip(shards, slot_caches, strict=True):
-            h = sharding.run_layers(shard, h, get(sc))
-        return sharding.head(shards[0], h)[:, -1]
 
     expected, got = {}, {s: [] for s in prompts}
     for s, prompt in prompts.items():
@@ -91,17 +84,17 @@ def test_stages_equal_mlx_lm_with_quantized_caches(tiny_model, family):
             out.append(model(mx.array([[t]]), cache=cache)[:, -1])
         expected[s] = out
         n = len(prompt)
-        run([prompt[:-1]], lambda sc, s=s, n=n: sc.for_sequence(s, 0, None, n - 1))
-        got[s].append(run([prompt[-1:]], lambda sc, s=s, n=n: sc.for_sequence(s, n - 1, None, 1)))
+        staged.step([s], [0], mx.array([prompt[:-1]]))
+        got[s].append(staged.step([s], [n - 1], mx.array([prompt[-1:]])))
     for i, _ in enumerate(feed):
         offsets = [len(prompts[s]) + i for s in prompts]
-        logits = run([[feed[i]]] * 2, lambda sc, o=offsets: sc.for_group(1, [0, 1], o))
+        logits = staged.step([0, 1], offsets, mx.array([[feed[i]]] * 2), group=1)
         for row, s in enumerate(prompts):
             got[s].append(logits[row : row + 1])
     for s in prompts:
         for i, (a, b) in enumerate(zip(got[s], expected[s], strict=True)):
             assert mx.array_equal(a, b).item(), f"{family}: slot {s} step {i} differs"
-    quantized = [c for c in slot_caches[1].single[0] if isinstance(c, QuantizedKVCache)]
+    quantized = [c for c in staged.workers[0].caches.single[0] if isinstance(c, QuantizedKVCache)]
     assert quantized and all(c.bits == BITS and c.group_size == GROUP for c in quantized)
 
 

@@ -13,10 +13,9 @@ import psutil
 import pytest
 from conftest import assert_gone
 from launching import rank_processes
-from oracle import mlx_lm_tokens, tokenizer_for
+from oracle import mlx_lm_tokens, raw_prompt_tokens
 
 from mlx_relay.client.client import Client, wait_serving
-from mlx_relay.coordinator.requests import encode_text as encode_prompt
 from mlx_relay.launch.local import free_ports
 from mlx_relay.model.sharding import head_cost_in_layers, read_config
 from mlx_relay.model.split import balanced_split, layer_ranges
@@ -51,7 +50,7 @@ def test_free_then_load_again_then_shutdown(tiny_model, cluster_factory):
     )
     assert [(r.layer_start, r.layer_end) for r in loaded.status.ranks] == [(0, 2), (2, 4), (4, 5)]
     assert client.serving()
-    prompt = encode_prompt(tokenizer_for(model), "Once upon a time")
+    prompt = raw_prompt_tokens(model, "Once upon a time")
     response = client.generate(
         pb.GenerateRequest(prompt="Once upon a time", params=pb.SamplingParams(max_tokens=12))
     )

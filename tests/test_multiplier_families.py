@@ -21,6 +21,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from mlx_lm.utils import load_model
 from oracle import generate_concurrently
+from staged import Staged, greedy_forward
 from tiny_models import (
     ADAPTED_FAMILIES,
     MULTIPLIER_FAMILIES,
@@ -28,8 +29,6 @@ from tiny_models import (
     _init_weights,
     make_tiny_model,
 )
-
-from mlx_relay.model import sharding
 
 NUM_LAYERS = 6
 LAYERS = {1: None, 2: "2,4", 3: "1,3,2"}  # uneven
@@ -77,15 +76,7 @@ def test_gear_conv_mixer_layers_stage_exact(tmp_path):
     cache = make_prompt_cache(model)
     expected = [model(prompt, cache=cache)[:, -1]] + [model(t, cache=cache)[:, -1] for t in steps]
     for split in ([(0, 2), (2, 6)], [(0, 1), (1, 4), (4, 6)]):
-        shards = [sharding.load_shard(path, a, b, has_ends=a == 0) for a, b in split]
-        caches = [s.make_caches() for s in shards]
-
-        def forward(tokens, shards=shards, caches=caches):
-            h = sharding.embed(shards[0], tokens)
-            for shard, c in zip(shards, caches, strict=True):
-                h = sharding.run_layers(shard, h, c)
-            return sharding.head(shards[0], h)[:, -1]
-
+        forward = greedy_forward(Staged(path, split, housekeeping=False))  # (the ranks' loop)
         got = [forward(prompt)] + [forward(t) for t in steps]
         for i, (a, b) in enumerate(zip(got, expected, strict=True)):
             assert mx.array_equal(a, b).item(), f"gear split {split}: step {i} differs"

@@ -24,7 +24,7 @@ import pytest
 import zmq
 from conftest import RunningCluster, start_cluster, stop_cluster
 from launching import rank_processes
-from oracle import mlx_lm_tokens, tokenizer_for
+from oracle import mlx_lm_tokens, raw_prompt_tokens
 from support import HOST, LONG, assert_names, error_of, stream_started
 from tiny_models import make_tiny_model
 
@@ -33,7 +33,6 @@ from mlx_relay.client.client import Client, wait_serving
 from mlx_relay.coordinator.config import EngineConfig
 from mlx_relay.coordinator.engine import Engine
 from mlx_relay.coordinator.pipeline import Pipeline
-from mlx_relay.coordinator.requests import encode_text
 from mlx_relay.launch.local import free_ports
 from mlx_relay.launch.supervise import Supervisor, describe_exit, run_with_restarts
 from mlx_relay.model.memory import shard_nbytes
@@ -285,9 +284,9 @@ def test_doorbells_take_their_neighbour_drop_strangers_then_stop_listening(caplo
         for t in threads:
             t.join(30)
         bells[0].ring(b"step 1")
-        assert bells[1].wait(5) == b"step 1"
+        assert bells[1].wait(30) == b"step 1"  # (bounds against a hang)
         bells[1].ring(b"back")
-        assert bells[0].wait(5) == b"back"
+        assert bells[0].wait(30) == b"back"
         with pytest.raises(DoorbellTimeout):
             bells[0].wait(0.05)
         with pytest.raises(ConnectionRefusedError):
@@ -299,7 +298,7 @@ def test_doorbells_take_their_neighbour_drop_strangers_then_stop_listening(caplo
         s.close()
     bells[0].close()
     with pytest.raises(NeighbourGone, match="connection"):
-        bells[1].wait(5)
+        bells[1].wait(30)
     bells[1].close()
 
 
@@ -533,16 +532,18 @@ def test_requests_in_flight_end_unavailable_and_health_is_not_serving_during_a_r
         killed = time.monotonic()
         watcher = threading.Thread(target=watch_health)
         watcher.start()
-        while not seen:
+        while not seen:  # (health's first answer, before the kill)
+            assert time.monotonic() - killed < 60 and watcher.is_alive(), "health never answered"
             time.sleep(0.01)
         ranks[1].kill()
         for stream in streams:
             error, at = error_of(stream)
-            assert error.code() == grpc.StatusCode.UNAVAILABLE, error
-            assert at - killed < HEARTBEAT_TIMEOUT + 2
-        assert [f.result(timeout=HEARTBEAT_TIMEOUT + 5) for f in queued] == [
-            grpc.StatusCode.UNAVAILABLE
-        ] * 3
+            assert_names(error, 1)
+            # Found by the closed connection, not a missed heartbeat; the deadline is
+            # one a loaded machine keeps, only a bound against a hang.
+            assert "side-channel connection closed" in error.details(), error.details()
+            assert at - killed < 60
+        assert [f.result(timeout=60) for f in queued] == [grpc.StatusCode.UNAVAILABLE] * 3
         pool.shutdown()
         watcher.join(130)
         assert seen[0] == "SERVING" and seen[-1] == "SERVING" and "NOT_SERVING" in seen, seen
@@ -595,7 +596,7 @@ def test_kill_9_of_the_middle_rank_of_three(model, clusters, hops):
     # deadline a loaded machine keeps.
     assert "side-channel connection closed" in error.details(), error.details()
     assert at - killed < 60
-    exits = _wait_exit(procs, HEARTBEAT_TIMEOUT + 2, t0=killed)
+    exits = _wait_exit(procs, 60, t0=killed)
     assert procs[0].returncode == EXIT_CLUSTER_FAILED, running.logs()
     print(
         f"\n3 ranks, kill -9 rank 1: UNAVAILABLE {at - killed:.2f} s, all exited {max(exits):.2f} s"
@@ -614,12 +615,12 @@ def test_sigstop_of_a_worker_mid_stream(model, clusters, hops):
         assert_names(error, 1)
         assert "no heartbeat" in error.details()
         assert at - stopped < 60
-        assert rank0.wait(5) == EXIT_CLUSTER_FAILED
+        assert rank0.wait(60) == EXIT_CLUSTER_FAILED
     finally:
         worker.send_signal(signal.SIGCONT)  # (none if it has exited)
     # Woken up, the worker finds rank 0 gone and leaves by itself.
     woke = time.monotonic()
-    worker.wait(HEARTBEAT_TIMEOUT + 2)
+    worker.wait(60)
     print(
         f"\nSIGSTOP -> UNAVAILABLE {at - stopped:.2f} s; woken worker exited "
         f"{time.monotonic() - woke:.2f} s later ({describe_exit(worker.returncode)})"
@@ -631,7 +632,7 @@ def test_a_worker_lost_while_idle_fails_the_cluster_too(model, clusters):
     rank0, worker = running.cluster.procs
     killed = time.monotonic()
     worker.kill()
-    assert rank0.wait(HEARTBEAT_TIMEOUT + 2) == EXIT_CLUSTER_FAILED
+    assert rank0.wait(60) == EXIT_CLUSTER_FAILED
     elapsed = time.monotonic() - killed
     log = (running.log_dir / "rank0.log").read_text()
     assert re.search(r"watchdog: rank 1 \(.*\): its side-channel connection closed", log), log
@@ -647,9 +648,14 @@ def test_rank0_killed_every_worker_exits(model, clusters):
     with pytest.raises(grpc.RpcError):
         for _ in stream:
             pass
-    exits = _wait_exit(procs[1:], HEARTBEAT_TIMEOUT + 2, t0=killed)
+    exits = _wait_exit(procs[1:], 60, t0=killed)
     codes = [describe_exit(p.returncode) for p in procs[1:]]
     assert all(p.returncode != 0 for p in procs[1:]), codes
+    # Each found rank 0 gone by its closed connection, not by its silence (the last
+    # resort, after `link.rank0_patience`): read from the worker's words, not the clock.
+    for rank in (1, 2):
+        log = (running.log_dir / f"rank{rank}.log").read_text()
+        assert "rank 0 silent for" not in log, log
     print(f"\nrank 0 killed: workers exited after {[f'{t:.2f}' for t in exits]} s ({codes})")
 
 
@@ -665,7 +671,7 @@ def test_a_rank_0_held_up_past_the_heartbeat_timeout_keeps_its_cluster(model, cl
     os.kill(rank0.pid, signal.SIGSTOP)
     time.sleep(HEARTBEAT_TIMEOUT + 2)  # (the hold-up itself: the condition is time passing)
     os.kill(rank0.pid, signal.SIGCONT)
-    prompt = encode_text(tokenizer_for(model), "Once upon a time")
+    prompt = raw_prompt_tokens(model, "Once upon a time")
     response = running.client.generate(
         pb.GenerateRequest(prompt="Once upon a time", params=pb.SamplingParams(max_tokens=10))
     )
@@ -702,7 +708,7 @@ def test_an_overdue_step_fails_the_cluster_naming_the_rank(model, clusters, hops
         assert_names(error, 1)
         assert "overdue" in error.details() and "--step-timeout" in error.details()
         assert at - stopped < 30  # (not the 60 s heartbeat's: the step's timeout found it)
-        assert rank0.wait(5) == EXIT_CLUSTER_FAILED
+        assert rank0.wait(60) == EXIT_CLUSTER_FAILED
     finally:
         worker.kill()
     print(f"\nstep timeout 1 s -> UNAVAILABLE {at - stopped:.2f} s")
@@ -785,7 +791,7 @@ def test_load_checks_name_the_rank_and_the_cluster_can_load_again(model, cluster
 
     loaded = client.stub.LoadModel(pb.LoadModelRequest(model="~/same"), timeout=60)
     assert loaded.status.state == "serving" and client.serving()
-    prompt = encode_text(tokenizer_for(model), "Once upon a time")
+    prompt = raw_prompt_tokens(model, "Once upon a time")
     response = client.generate(
         pb.GenerateRequest(prompt="Once upon a time", params=pb.SamplingParams(max_tokens=10))
     )
